@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""Check and time kernel artefacts on a GPU machine that has torch + cupy but no TVM.
+
+Usage (from the repo root):
+    python experiments/run_artefacts_gpu.py ARTEFACT_DIR [ARTEFACT_DIR ...] --out results.json
+
+For each artefact: seeded random inputs, a float32 torch reference, one launch checked against it,
+and, only if it matches, timings of the kernel and of torch baselines measured in the same process.
+
+The runtime is loaded from its file path as a private package (``_spacefusion_runtime``), so the
+top-level ``spacefusion`` package, and whatever heavy dependencies it imports, is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUNTIME_DIR = REPO_ROOT / "spacefusion" / "runtime"
+RUNTIME_PKG = "_spacefusion_runtime"
+
+#: Absolute tolerance per output dtype, for outputs of order 1 (scaled up for larger outputs).
+ATOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
+
+
+def load_runtime() -> ModuleType:
+    """Import spacefusion/runtime by file path under RUNTIME_PKG; never imports ``spacefusion``."""
+    if RUNTIME_PKG in sys.modules:
+        return sys.modules[RUNTIME_PKG]
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    spec = importlib.util.spec_from_file_location(
+        RUNTIME_PKG, RUNTIME_DIR / "__init__.py", submodule_search_locations=[str(RUNTIME_DIR)]
+    )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the runtime from {RUNTIME_DIR}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[RUNTIME_PKG] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def runtime_module(name: str) -> ModuleType:
+    """A submodule of the runtime ('artefact', 'gpu', 'timing'), loaded by file path."""
+    load_runtime()
+    return importlib.import_module(f"{RUNTIME_PKG}.{name}")
+
+
+@dataclass
+class Case:
+    """What a workload needs checked: inputs, the fp32 reference of output ``output``, baselines."""
+
+    inputs: dict[str, Any]
+    output: str
+    reference: Any
+    baselines: dict[str, Callable[[], Any]] = field(default_factory=dict)
+
+
+def _require(art: Any, inputs: tuple[str, ...], output: str) -> None:
+    roles = {p.name: p.role for p in art.params}
+    for name in inputs:
+        if roles.get(name) != "input":
+            raise ValueError(
+                f"workload {art.workload.get('name')!r} needs an input param {name!r}; got {roles}"
+            )
+    if roles.get(output) != "output":
+        raise ValueError(
+            f"workload {art.workload.get('name')!r} needs an output param {output!r}; got {roles}"
+        )
+
+
+def _random_inputs(art: Any, names: tuple[str, ...], seed: int) -> dict[str, Any]:
+    import torch
+
+    gpu = runtime_module("gpu")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name in names:
+        p = art.param(name)
+        dtype = gpu.torch_dtype(p.dtype)
+        if not dtype.is_floating_point:
+            raise ValueError(f"param {name!r}: random inputs only for float dtypes, got {p.dtype}")
+        out[name] = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    return out
+
+
+def build_mha(art: Any, seed: int, use_compile: bool) -> Case:
+    """O = softmax(Q @ K^T * scale) @ V, scale from the workload or 1/sqrt(d)."""
+    import torch
+    import torch.nn.functional as F
+
+    _require(art, ("Q", "K", "V"), "O")
+    x = _random_inputs(art, ("Q", "K", "V"), seed)
+    q, k, v = x["Q"], x["K"], x["V"]
+    scale = float(art.workload.get("scale", 1.0 / math.sqrt(q.shape[-1])))
+    qf, kf, vf = q.float(), k.float(), v.float()
+    ref = torch.softmax(qf @ kf.transpose(-2, -1) * scale, dim=-1) @ vf
+
+    def eager() -> Any:
+        return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
+
+    baselines: dict[str, Callable[[], Any]] = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale),
+        "eager": eager,
+    }
+    if use_compile:
+        baselines["torch.compile"] = torch.compile(eager)
+    return Case(inputs=x, output="O", reference=ref, baselines=baselines)
+
+
+def build_softmax_gemm(art: Any, seed: int, use_compile: bool) -> Case:
+    """O = softmax(S, dim=-1) @ V."""
+    import torch
+
+    _require(art, ("S", "V"), "O")
+    x = _random_inputs(art, ("S", "V"), seed)
+    s, v = x["S"], x["V"]
+    ref = torch.softmax(s.float(), dim=-1) @ v.float()
+
+    def eager() -> Any:
+        return torch.softmax(s, -1) @ v
+
+    baselines: dict[str, Callable[[], Any]] = {"eager": eager}
+    if use_compile:
+        baselines["torch.compile"] = torch.compile(eager)
+    return Case(inputs=x, output="O", reference=ref, baselines=baselines)
+
+
+WORKLOADS: dict[str, Callable[[Any, int, bool], Case]] = {
+    "mha": build_mha,
+    "softmax_gemm": build_softmax_gemm,
+}
+
+
+def max_abs_err(out: Any, ref: Any) -> float:
+    """Max |out - ref| in float32; NaN if any element is non-finite (e.g. never written)."""
+    import torch
+
+    diff = (out.float() - ref).abs()
+    if not bool(torch.isfinite(diff).all()):
+        return math.nan
+    return float(diff.max())
+
+
+def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bool) -> dict[str, Any]:
+    """Check one artefact and, if it matches the reference, time it and its baselines."""
+    import torch
+
+    artefact_mod, gpu, timing = runtime_module("artefact"), runtime_module("gpu"), runtime_module("timing")
+    art = artefact_mod.KernelArtefact.load(folder)
+    name = art.workload.get("name")
+    out_dtype = art.param("O").dtype if any(p.name == "O" for p in art.params) else art.outputs[0].dtype
+    row: dict[str, Any] = {
+        "path": str(folder),
+        "kernel_name": art.kernel_name,
+        "workload": name,
+        "workload_shape": art.workload.get("shape"),
+        "workload_meta": dict(art.workload),
+        "shapes": {p.name: list(p.shape) for p in art.params},
+        "dtypes": {p.name: p.dtype for p in art.params},
+        "dtype": out_dtype,
+        "grid": list(art.grid),
+        "block": list(art.block),
+        "dynamic_smem_bytes": art.dynamic_smem_bytes,
+        "ok": False,
+        "kernel": None,
+        "baselines": {},
+    }
+    if name not in WORKLOADS:
+        raise ValueError(f"unsupported workload {name!r}; known: {sorted(WORKLOADS)}")
+    case = WORKLOADS[name](art, seed, use_compile)
+    out_spec = art.param(case.output)
+    if tuple(case.reference.shape) != out_spec.shape:
+        raise ValueError(
+            f"reference shape {list(case.reference.shape)} != param O shape {list(out_spec.shape)}"
+        )
+
+    kernel = gpu.CudaKernel(art)
+    row["backend"] = kernel.compile()
+    if kernel.compile_errors:
+        row["compile_errors"] = kernel.compile_errors
+    # NaN-filled outputs: any element the kernel fails to write shows up as a non-finite error.
+    outputs = {
+        p.name: torch.full(p.shape, math.nan, dtype=gpu.torch_dtype(p.dtype), device="cuda")
+        for p in art.outputs
+    }
+    kernel.launch(case.inputs, outputs)
+    torch.cuda.synchronize()
+    err = max_abs_err(outputs[case.output], case.reference)
+    atol = ATOL.get(out_spec.dtype, 2e-2)
+    tol = atol * max(1.0, float(case.reference.abs().max()))
+    row.update(max_abs_err=None if math.isnan(err) else err, tol=tol, ok=(not math.isnan(err)) and err <= tol)
+    if not row["ok"]:
+        return row
+
+    kern_t = timing.time_cuda(lambda: kernel.launch(case.inputs, outputs), warmup=warmup, iters=iters)
+    row["kernel"] = kern_t.as_dict()
+    for bname, fn in case.baselines.items():
+        entry: dict[str, Any] = {}
+        try:
+            got = fn()  # also triggers torch.compile outside the timed region
+            torch.cuda.synchronize()
+            berr = max_abs_err(got, case.reference)
+            entry["max_abs_err"] = None if math.isnan(berr) else berr
+            t = timing.time_cuda(fn, warmup=warmup, iters=iters)
+            entry.update(t.as_dict(), ratio=t.median_us / kern_t.median_us)
+        except Exception as exc:  # a failing baseline must not hide the kernel's result
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        row["baselines"][bname] = entry
+    return row
+
+
+def _fmt_us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _fmt_err(row: dict[str, Any]) -> str:
+    if "max_abs_err" not in row:
+        return "-"
+    err = row["max_abs_err"]
+    return "nan" if err is None else f"{err:.2e}"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per artefact; baselines as name=median_us (baseline/kernel ratio)."""
+    cols = ("artefact", "workload", "dtype", "max_err", "ok", "backend", "kern_us")
+    header = "{:<28} {:<13} {:<8} {:>9} {:<4} {:<7} {:>9}".format(*cols)
+    print(header + "  baselines (us, baseline/kernel)")
+    print("-" * (len(header) + 34))
+    for r in rows:
+        kern = (r.get("kernel") or {}).get("median_us")
+        bases = []
+        for b, e in r.get("baselines", {}).items():
+            if "error" in e:
+                bases.append(f"{b}=ERR")
+            else:
+                bases.append(f"{b}={e['median_us']:.1f} (x{e['ratio']:.2f})")
+        print(
+            f"{Path(r['path']).name[:28]:<28} {str(r.get('workload'))[:13]:<13} {str(r.get('dtype')):<8} "
+            f"{_fmt_err(r):>9} {'yes' if r.get('ok') else 'NO':<4} "
+            f"{str(r.get('backend', '-')):<7} {_fmt_us(kern):>9}  {', '.join(bases)}"
+        )
+        if "error" in r:
+            print(f"    error: {r['error'].splitlines()[0]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("artefacts", nargs="+", type=Path, help="artefact folders (kernel.cu + kernel.json)")
+    parser.add_argument("--out", type=Path, default=Path("results.json"), help="JSON results file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument(
+        "--no-compile", action="store_true", help="skip torch.compile baselines (slow to build)"
+    )
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    # Full-precision fp32 matmuls, so fp32 references and baselines are what they claim to be.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    rows: list[dict[str, Any]] = []
+    for folder in args.artefacts:
+        try:
+            row = run_one(
+                folder, seed=args.seed, warmup=args.warmup, iters=args.iters, use_compile=not args.no_compile
+            )
+        except Exception as exc:  # record and go on: one bad artefact must not lose the others' numbers
+            row = {"path": str(folder), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            row["traceback"] = traceback.format_exc()
+        rows.append(row)
+
+    try:
+        import cupy
+
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = None
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cupy": cupy_version,
+        "timing": {
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "flush_l2": True,
+            "stat": "median of CUDA events",
+        },
+        "seed": args.seed,
+        "artefacts": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"device: {result['device']}  torch {result['torch']}  cupy {cupy_version}")
+    print_table(rows)
+    print(f"wrote {args.out}")
+    return 0 if rows and all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Slicers, schedules and their analyses (imports only smg)."""

@@ -1,0 +1,189 @@
+"""The Schedule: an immutable, JSON-serialisable record of all slicing decisions.
+
+Lowering is a pure function of (Schedule, target), so a Schedule read back from
+JSON or a tuning database replays the same kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from schedulers.errors import ScheduleError
+from schedulers.spatial import DimDecision, analyse_spatial
+from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
+from smg.hashing import content_key
+from smg.ir import SMG
+from smg.serialize import smg_from_dict, smg_to_dict
+
+FORMAT = "spacefusion-schedule/1"
+LEVELS = ("global", "shared", "register", "inlined")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Block dims and sizes, serial dim and step, update functions, memory levels.
+
+    ``block`` lists each spatially cut dim with its tile; dims not listed are
+    whole inside a block.  ``thread_dim`` is the block dim spread over threads.
+    """
+
+    smg: SMG
+    block: tuple[tuple[str, int], ...]
+    thread_dim: str
+    serial: str
+    step: int
+    plan: TemporalPlan
+    memory: tuple[tuple[str, str], ...]
+    spatial: tuple[DimDecision, ...]
+
+    @cached_property
+    def key(self) -> str:
+        return content_key(self.to_dict())
+
+    @property
+    def tiles(self) -> dict[str, int]:
+        return dict(self.block)
+
+    @property
+    def threads(self) -> int:
+        return self.tiles[self.thread_dim]
+
+    def grid(self) -> dict[str, int]:
+        """Number of blocks along each cut dim."""
+        sizes = self.smg.dim_sizes
+        return {d: math.ceil(sizes[d] / t) for d, t in self.block}
+
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(self.grid().values())
+
+    @property
+    def num_steps(self) -> int:
+        return math.ceil(self.smg.dim_sizes[self.serial] / self.step)
+
+    def level(self, space: str) -> str:
+        return dict(self.memory)[space]
+
+    # -- serialisation ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "format": FORMAT,
+            "smg": smg_to_dict(self.smg),
+            "block": [list(b) for b in self.block],
+            "thread_dim": self.thread_dim,
+            "serial": self.serial,
+            "step": self.step,
+            "plan": {
+                "streamed": list(p.streamed),
+                "inlined": list(p.inlined),
+                "states": [vars(u) for u in p.states],
+                "finalize": [list(f) for f in p.finalize],
+            },
+            "memory": [list(m) for m in self.memory],
+            "spatial": [vars(d) for d in self.spatial],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ScheduleError(f"schedule JSON is not valid JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ScheduleError(f"not a spacefusion schedule (format tag {d.get('format')!r})")
+        p = d["plan"]
+        plan = TemporalPlan(
+            serial=d["serial"],
+            streamed=tuple(p["streamed"]),
+            states=tuple(UpdateFunction(**u) for u in p["states"]),
+            finalize=tuple(tuple(f) for f in p["finalize"]),
+            inlined=tuple(p["inlined"]),
+        )
+        return cls(
+            smg=smg_from_dict(d["smg"]),
+            block=tuple((b[0], int(b[1])) for b in d["block"]),
+            thread_dim=d["thread_dim"],
+            serial=d["serial"],
+            step=int(d["step"]),
+            plan=plan,
+            memory=tuple(tuple(m) for m in d["memory"]),
+            spatial=tuple(DimDecision(**x) for x in d["spatial"]),
+        )
+
+    def __str__(self) -> str:
+        from schedulers.printing import schedule_summary
+
+        return schedule_summary(self)
+
+
+def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
+    """The reduced dim whose slicing removes the largest on-chip footprint."""
+    cut = {d.dim for d in spatial if d.cut}
+    sizes = smg.dim_sizes
+    cands = [d.dim for d in spatial if not d.cut and any(d.dim in op.reduce for op in smg.ops)]
+    if not cands:
+        raise ScheduleError(f"{smg.name!r} has no reduced dim to slice temporally")
+
+    def weight(dim: str) -> int:
+        return sum(math.prod(sizes[x] for x in s.dims if x not in cut)
+                   for s in smg.spaces if dim in s.dims)
+
+    return max(cands, key=lambda c: (weight(c), sizes[c]))
+
+
+def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
+                  step: int = 32, thread_dim: str | None = None) -> Schedule:
+    """Run the spatial then the temporal slicer and record every decision.
+
+    ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
+    innermost cut output dim, which is spread over threads).
+    """
+    spatial = analyse_spatial(smg)
+    cut = [d.dim for d in spatial if d.cut]
+    sizes = smg.dim_sizes
+    tiles = dict(tiles or {})
+    for d in tiles:
+        if d not in sizes:
+            raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}")
+        if d not in cut:
+            reason = next(x.reason for x in spatial if x.dim == d)
+            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {reason}")
+    if not cut:
+        raise ScheduleError(f"no dim of {smg.name!r} can be cut spatially")
+    out_dims = smg.space(smg.outputs[0]).dims
+    thread_dim = thread_dim or [d for d in out_dims if d in cut][-1]
+    if thread_dim not in cut:
+        raise ScheduleError(f"thread dim {thread_dim!r} is not a spatially cut dim {cut}")
+    block = []
+    for d in cut:
+        t = int(tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1))
+        if t <= 0 or t > sizes[d]:
+            raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
+        block.append((d, t))
+    serial = serial or pick_serial(smg, spatial)
+    if serial not in sizes:
+        raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
+    if step <= 0 or step > sizes[serial]:
+        raise ScheduleError(f"step {step} for serial dim {serial!r} is larger than the dim ({sizes[serial]})")
+    plan = plan_temporal(smg, serial)
+    memory = []
+    states = {u.state for u in plan.states}
+    for s in smg.spaces:
+        if s.name in smg.inputs:
+            lvl = "shared" if serial in s.dims and thread_dim not in s.dims else "global"
+        elif s.name in states or s.name in plan.streamed:
+            lvl = "register"
+        elif s.name in smg.outputs:
+            lvl = "global"
+        else:
+            lvl = "inlined"
+        memory.append((s.name, lvl))
+    return Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial)

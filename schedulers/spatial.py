@@ -1,0 +1,52 @@
+"""Spatial slicer: which dims can be cut into independent parallel blocks, and why.
+
+A dim can be cut only if the cut creates no dependency between blocks (paper,
+Sec. 4.2): no op reduces over it (All-to-One), and no intermediate space is
+broadcast along it (One-to-All from a computed space), which would make every
+block recompute that intermediate.  Inputs broadcast along the dim are fine:
+each block re-reads them from device memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smg.ir import SMG, Kind
+
+
+@dataclass(frozen=True)
+class DimDecision:
+    dim: str
+    cut: bool
+    reason: str
+
+
+def analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
+    """Decide for every dim of ``smg`` whether the spatial slicer may cut it."""
+    produced = {op.out for op in smg.ops}
+    out_dims = {d for o in smg.outputs for d in smg.space(o).dims}
+    decisions = []
+    for dim in (d.name for d in smg.dims):
+        reducers = [op.out for op in smg.ops if dim in op.reduce]
+        recompute = sorted({
+            e.src for e in smg.edges
+            if e.src in produced and e.kind(dim) is Kind.ONE_TO_ALL
+        })
+        if reducers:
+            why = f"All-to-One along {dim} in {', '.join(reducers)}: blocks would need each other's partial results"
+            decisions.append(DimDecision(dim, False, why))
+        elif dim not in out_dims:
+            decisions.append(DimDecision(dim, False, f"{dim} is not a dimension of any output"))
+        elif recompute:
+            why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}: every block "
+                   f"would recompute it")
+            decisions.append(DimDecision(dim, False, why))
+        else:
+            bcast = sorted({e.src for e in smg.edges if e.kind(dim) is Kind.ONE_TO_ALL})
+            extra = f"; inputs {', '.join(bcast)} are re-read per block" if bcast else ""
+            decisions.append(DimDecision(dim, True, f"no All-to-One along {dim}{extra}"))
+    return tuple(decisions)
+
+
+def cuttable(smg: SMG) -> tuple[str, ...]:
+    return tuple(d.dim for d in analyse_spatial(smg) if d.cut)

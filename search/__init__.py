@@ -1,0 +1,1 @@
+"""Search: cost models, tuner and database (issue 4; not built yet)."""

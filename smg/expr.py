@@ -1,0 +1,25 @@
+"""Scalar bodies of ops as sympy expressions (the one place that parses them)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import sympy as sp
+
+from smg.ir import Op
+
+
+@lru_cache(maxsize=4096)
+def _parse(body: str, names: tuple[str, ...]) -> sp.Expr:
+    local = {n: sp.Symbol(n, real=True) for n in names}
+    return sp.sympify(body, locals=local)
+
+
+def symbol(name: str) -> sp.Symbol:
+    """The symbol that stands for one element of space ``name``."""
+    return sp.Symbol(name, real=True)
+
+
+def body_expr(op: Op) -> sp.Expr:
+    """Parse ``op.body`` with each accessed space name bound to a real symbol."""
+    return _parse(op.body, tuple(a.space for a in op.inputs))

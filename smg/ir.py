@@ -1,0 +1,261 @@
+"""The Space-Mapping Graph IR: data spaces, iteration spaces and typed mappings.
+
+An operator is written once as a tensor index expression (``Op``): an output
+element is ``combiner_{reduce dims}(body(inputs at their indices))``.  Everything
+else -- iteration spaces, edges and the per-dimension dependency kind of each
+edge -- is derived from those expressions, so it cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from smg.errors import ShapeError, UnknownAxisError
+from smg.hashing import content_key
+
+COMBINERS = ("none", "sum", "max")
+
+
+class Kind(enum.StrEnum):
+    """Dependency kind of a mapping along one dimension (paper, Sec. 2)."""
+
+    ONE_TO_ONE = "One-to-One"
+    ONE_TO_ALL = "One-to-All"
+    ALL_TO_ONE = "All-to-One"
+
+    @property
+    def short(self) -> str:
+        return {"One-to-One": "1:1", "One-to-All": "1:A", "All-to-One": "A:1"}[self.value]
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A named dimension; equal names across operators are the same dimension."""
+
+    name: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"dimension name {self.name!r} is not an identifier")
+        if int(self.size) <= 0:
+            raise ShapeError(f"dimension {self.name!r} has non-positive size {self.size}")
+
+
+@dataclass(frozen=True)
+class DataSpace:
+    """A tensor: its dims (in storage order) and element type."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Access:
+    """One read of ``space`` inside an op: element index = the named dims."""
+
+    space: str
+    index: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Op:
+    """A tensor index expression: ``out[out_index] = combiner_{reduce}(body)``.
+
+    ``body`` is a sympy-parsable scalar expression whose free symbols are the
+    names of the accessed spaces.  ``kind`` is the user-facing operator name.
+    """
+
+    kind: str
+    out: str
+    out_index: tuple[str, ...]
+    inputs: tuple[Access, ...]
+    body: str
+    reduce: tuple[str, ...] = ()
+    combiner: str = "none"
+
+    @property
+    def iter_dims(self) -> tuple[str, ...]:
+        """Dimensions of this op's iteration space (output dims, then reduced)."""
+        return self.out_index + self.reduce
+
+    @property
+    def iteration_space(self) -> str:
+        return f"{self.out}.it"
+
+    def access(self, space: str) -> Access:
+        for a in self.inputs:
+            if a.space == space:
+                return a
+        raise UnknownAxisError(f"op {self.out!r} does not read space {space!r}")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A mapping between two spaces with one dependency kind per dimension."""
+
+    src: str
+    dst: str
+    kinds: tuple[tuple[str, Kind], ...]
+
+    def kind(self, dim: str) -> Kind | None:
+        return dict(self.kinds).get(dim)
+
+    def count(self, kind: Kind) -> int:
+        return sum(1 for _, k in self.kinds if k is kind)
+
+
+def _edges_of(op: Op) -> tuple[Edge, ...]:
+    """Derive the SMG edges of one operator from its index expression."""
+    it = op.iteration_space
+    edges = []
+    for acc in op.inputs:
+        kinds = tuple(
+            (d, Kind.ONE_TO_ONE if d in acc.index else Kind.ONE_TO_ALL) for d in op.iter_dims
+        )
+        edges.append(Edge(acc.space, it, kinds))
+    kinds = tuple((d, Kind.ALL_TO_ONE if d in op.reduce else Kind.ONE_TO_ONE) for d in op.iter_dims)
+    edges.append(Edge(it, op.out, kinds))
+    return tuple(edges)
+
+
+@dataclass(frozen=True)
+class SMG:
+    """A (possibly fused) Space-Mapping Graph.
+
+    ``ops`` are in topological order.  Inputs are spaces no op writes; outputs
+    are the spaces the user asked for.  Immutable; ``key`` is a content hash.
+    """
+
+    name: str
+    dims: tuple[Dim, ...]
+    spaces: tuple[DataSpace, ...]
+    ops: tuple[Op, ...]
+    outputs: tuple[str, ...]
+    attrs: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.dims]
+        if len(set(names)) != len(names):
+            raise ShapeError(f"SMG {self.name!r} declares a dimension twice: {names}")
+        known = set(names)
+        space_names = {s.name for s in self.spaces}
+        for s in self.spaces:
+            for d in s.dims:
+                if d not in known:
+                    raise UnknownAxisError(f"space {s.name!r} uses unknown dimension {d!r}")
+        written: set[str] = set()
+        for op in self.ops:
+            if op.out in written:
+                raise ValueError(f"two ops of {self.name!r} write space {op.out!r}")
+            for a in op.inputs:
+                if a.space not in space_names:
+                    raise UnknownAxisError(f"op {op.out!r} reads unknown space {a.space!r}")
+                if a.space not in written and a.space in {o.out for o in self.ops}:
+                    raise ValueError(f"op {op.out!r} reads {a.space!r} before it is computed")
+            written.add(op.out)
+        for o in self.outputs:
+            if o not in space_names:
+                raise UnknownAxisError(f"SMG output {o!r} is not a space")
+
+    # -- lookup -----------------------------------------------------------------
+    @cached_property
+    def key(self) -> str:
+        return content_key(self)
+
+    @cached_property
+    def dim_sizes(self) -> dict[str, int]:
+        return {d.name: d.size for d in self.dims}
+
+    def space(self, name: str) -> DataSpace:
+        for s in self.spaces:
+            if s.name == name:
+                return s
+        raise UnknownAxisError(f"SMG {self.name!r} has no space {name!r}")
+
+    def producer(self, space: str) -> Op | None:
+        for op in self.ops:
+            if op.out == space:
+                return op
+        return None
+
+    def consumers(self, space: str) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if any(a.space == space for a in op.inputs))
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        produced = {op.out for op in self.ops}
+        return tuple(s.name for s in self.spaces if s.name not in produced)
+
+    @property
+    def intermediates(self) -> tuple[str, ...]:
+        return tuple(op.out for op in self.ops if op.out not in self.outputs)
+
+    def shape(self, space: str) -> tuple[int, ...]:
+        return tuple(self.dim_sizes[d] for d in self.space(space).dims)
+
+    @cached_property
+    def edges(self) -> tuple[Edge, ...]:
+        return tuple(e for op in self.ops for e in _edges_of(op))
+
+    def count_kinds(self) -> dict[Kind, int]:
+        """How many (edge, dimension) pairs carry each dependency kind."""
+        out = {k: 0 for k in Kind}
+        for e in self.edges:
+            for _, k in e.kinds:
+                out[k] += 1
+        return out
+
+    # -- fusion -----------------------------------------------------------------
+    def join(self, other: SMG, name: str | None = None) -> SMG:
+        """Fuse two SMGs by aligning the spaces and dimensions they share."""
+        return join_smgs([self, other], name or f"{self.name}+{other.name}")
+
+    def __str__(self) -> str:
+        from smg.printing import summary
+
+        return summary(self)
+
+
+def join_smgs(graphs: list[SMG], name: str, outputs: tuple[str, ...] | None = None) -> SMG:
+    """Join SMGs on shared dimension names and shared space names.
+
+    A shared dimension must have one size everywhere; a shared space must have
+    the same dims.  Ops are concatenated in order and deduplicated by content.
+    """
+    dims: dict[str, int] = {}
+    spaces: dict[str, DataSpace] = {}
+    ops: list[Op] = []
+    outs: list[str] = []
+    for g in graphs:
+        for d in g.dims:
+            if d.name in dims and dims[d.name] != d.size:
+                raise ShapeError(
+                    f"cannot join {g.name!r}: dimension {d.name!r} is {dims[d.name]} in one "
+                    f"graph and {d.size} in the other"
+                )
+            dims[d.name] = d.size
+        for s in g.spaces:
+            if s.name in spaces and spaces[s.name].dims != s.dims:
+                raise ShapeError(
+                    f"cannot join {g.name!r}: space {s.name!r} has dims "
+                    f"{spaces[s.name].dims} and {s.dims}"
+                )
+            spaces.setdefault(s.name, s)
+        for op in g.ops:
+            if op not in ops:
+                ops.append(op)
+        outs.extend(o for o in g.outputs if o not in outs)
+    produced_then_read = {a.space for op in ops for a in op.inputs}
+    if outputs is None:
+        outputs = tuple(o for o in outs if o not in produced_then_read) or tuple(outs)
+    return SMG(
+        name=name,
+        dims=tuple(Dim(n, s) for n, s in dims.items()),
+        spaces=tuple(spaces.values()),
+        ops=tuple(ops),
+        outputs=tuple(outputs),
+    )

@@ -1,0 +1,208 @@
+"""Operator definitions as tensor index expressions, and the graph builder.
+
+Every operator is written once here as an ``Op`` (index expression).  Fusing
+is a join of the per-operator SMGs on shared names, done by ``Builder.build``.
+"""
+
+from __future__ import annotations
+
+import keyword
+from dataclasses import dataclass, field
+
+from smg.errors import ShapeError, UnknownAxisError, UnknownOperatorError
+from smg.ir import SMG, Access, DataSpace, Dim, Op, join_smgs
+
+#: Element-wise unary functions: sympy body templates over ``{x}``.
+UNARY: dict[str, str] = {
+    "exp": "exp({x})",
+    "log": "log({x})",
+    "neg": "-({x})",
+    "abs": "Abs({x})",
+    "sqrt": "sqrt({x})",
+    "rsqrt": "1/sqrt({x})",
+    "recip": "1/({x})",
+    "tanh": "tanh({x})",
+    "sigmoid": "1/(1 + exp(-({x})))",
+    "relu": "Max({x}, 0)",
+    "silu": "({x})/(1 + exp(-({x})))",
+    "gelu": "({x})*(1 + erf(({x})/sqrt(2)))/2",
+}
+
+#: Element-wise binary functions (with broadcast) over ``{a}`` and ``{b}``.
+BINARY: dict[str, str] = {
+    "add": "({a}) + ({b})",
+    "sub": "({a}) - ({b})",
+    "mul": "({a})*({b})",
+    "div": "({a})/({b})",
+    "max": "Max({a}, {b})",
+    "min": "Min({a}, {b})",
+}
+
+REDUCE = ("sum", "max")
+
+#: Function names used in bodies; a space may not be called like one.
+RESERVED = frozenset({"exp", "log", "sqrt", "tanh", "erf", "Abs", "Min", "sin", "cos"})
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A handle on a data space of a graph under construction."""
+
+    name: str
+    dims: tuple[str, ...]
+    builder: Builder = field(compare=False, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.builder.dims[d] for d in self.dims)
+
+
+class Builder:
+    """Collects per-operator SMGs; ``build`` joins them into one fused SMG."""
+
+    def __init__(self, name: str, dtype: str = "float32") -> None:
+        self.name = name
+        self.dtype = dtype
+        self.dims: dict[str, int] = {}
+        self.spaces: dict[str, DataSpace] = {}
+        self.graphs: list[SMG] = []
+        self._count: dict[str, int] = {}
+
+    # -- helpers ----------------------------------------------------------------
+    def _fresh(self, base: str, name: str | None) -> str:
+        if name is None:  # auto names carry a number so they never shadow a function (exp, log)
+            n = self._count.get(base, 0)
+            self._count[base] = n + 1
+            name = f"{base}{n}"
+            while name in self.spaces:
+                n += 1
+                name = f"{base}{n}"
+        if not name.isidentifier() or keyword.iskeyword(name) or "__" in name or name in RESERVED:
+            raise ValueError(f"space name {name!r} must be an identifier without '__' and not one of "
+                             f"the function names {sorted(RESERVED)}")
+        if name in self.spaces:
+            raise ValueError(f"space name {name!r} is already used in graph {self.name!r}")
+        return name
+
+    def _dim(self, name: str, size: int) -> None:
+        if name in self.dims and self.dims[name] != size:
+            raise ShapeError(
+                f"dimension {name!r} has size {self.dims[name]} elsewhere in graph "
+                f"{self.name!r} but {size} here"
+            )
+        Dim(name, size)
+        self.dims[name] = int(size)
+
+    def _emit(self, op: Op, dtype: str | None = None) -> Tensor:
+        out = DataSpace(op.out, op.out_index, dtype or self.dtype)
+        self.spaces[op.out] = out
+        used = set(op.iter_dims)
+        ins = tuple(self.spaces[a.space] for a in op.inputs)
+        self.graphs.append(
+            SMG(
+                name=op.out,
+                dims=tuple(Dim(d, self.dims[d]) for d in self.dims if d in used),
+                spaces=(*ins, out),
+                ops=(op,),
+                outputs=(op.out,),
+            )
+        )
+        return Tensor(op.out, op.out_index, self)
+
+    def _own(self, *ts: Tensor) -> None:
+        for t in ts:
+            if t.builder is not self:
+                raise ValueError(f"tensor {t.name!r} belongs to another graph")
+
+    # -- inputs -----------------------------------------------------------------
+    def input(self, name: str, dims: dict[str, int], dtype: str | None = None) -> Tensor:
+        """Declare an input tensor with named dims, e.g. ``{"m": 128, "k": 64}``."""
+        name = self._fresh(name, name)
+        for d, s in dims.items():
+            self._dim(d, s)
+        self.spaces[name] = DataSpace(name, tuple(dims), dtype or self.dtype)
+        return Tensor(name, tuple(dims), self)
+
+    # -- operators --------------------------------------------------------------
+    def unary(self, fn: str, x: Tensor, name: str | None = None) -> Tensor:
+        if fn not in UNARY:
+            raise UnknownOperatorError(f"unknown unary operator {fn!r}; known: {sorted(UNARY)}")
+        self._own(x)
+        body = UNARY[fn].format(x=x.name)
+        return self._emit(Op(fn, self._fresh(fn, name), x.dims, (Access(x.name, x.dims),), body))
+
+    def binary(self, fn: str, a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+        """Element-wise op; dims missing from one side are broadcast (One-to-All)."""
+        if fn not in BINARY:
+            raise UnknownOperatorError(f"unknown binary operator {fn!r}; known: {sorted(BINARY)}")
+        self._own(a, b)
+        if a.name == b.name:
+            body = BINARY[fn].format(a=a.name, b=a.name)
+            return self._emit(Op(fn, self._fresh(fn, name), a.dims, (Access(a.name, a.dims),), body))
+        out_dims = a.dims + tuple(d for d in b.dims if d not in a.dims)
+        body = BINARY[fn].format(a=a.name, b=b.name)
+        accs = (Access(a.name, a.dims), Access(b.name, b.dims))
+        return self._emit(Op(fn, self._fresh(fn, name), out_dims, accs, body))
+
+    def map(self, body: str, *xs: Tensor, name: str | None = None, kind: str = "map") -> Tensor:
+        """A user-written element-wise index expression over ``xs`` (broadcasting)."""
+        self._own(*xs)
+        out_dims: tuple[str, ...] = ()
+        for x in xs:
+            out_dims += tuple(d for d in x.dims if d not in out_dims)
+        accs = tuple(Access(x.name, x.dims) for x in dict.fromkeys(xs))
+        return self._emit(Op(kind, self._fresh(kind, name), out_dims, accs, body))
+
+    def scale(self, x: Tensor, factor: float, name: str | None = None) -> Tensor:
+        self._own(x)
+        body = f"{float(factor)!r}*{x.name}"
+        return self._emit(Op("scale", self._fresh("scale", name), x.dims, (Access(x.name, x.dims),), body))
+
+    def reduce(self, x: Tensor, dim: str, combiner: str, name: str | None = None) -> Tensor:
+        """Reduce ``x`` over ``dim`` (All-to-One) with ``sum`` or ``max``."""
+        if combiner not in REDUCE:
+            raise UnknownOperatorError(f"unknown reduction {combiner!r}; known: {list(REDUCE)}")
+        self._own(x)
+        if dim not in x.dims:
+            raise UnknownAxisError(f"cannot reduce {x.name!r} over {dim!r}: its dims are {x.dims}")
+        out_dims = tuple(d for d in x.dims if d != dim)
+        op = Op(f"reduce_{combiner}", self._fresh(f"{x.name}_{combiner}", name), out_dims,
+                (Access(x.name, x.dims),), x.name, (dim,), combiner)
+        return self._emit(op)
+
+    def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None) -> Tensor:
+        """Generalised (batched) matmul: contract ``reduce``; shared dims are batch dims."""
+        self._own(a, b)
+        for t in (a, b):
+            if reduce not in t.dims:
+                raise UnknownAxisError(
+                    f"matmul contracts {reduce!r} but {t.name!r} has dims {t.dims}"
+                )
+        out_dims = tuple(d for d in a.dims if d != reduce) + tuple(
+            d for d in b.dims if d != reduce and d not in a.dims
+        )
+        accs = (Access(a.name, a.dims), Access(b.name, b.dims))
+        if a.name == b.name:
+            if a.dims != b.dims:
+                raise ShapeError(f"matmul of {a.name!r} with itself needs one index")
+            accs = (Access(a.name, a.dims),)
+        op = Op("matmul", self._fresh("matmul", name), out_dims, accs, f"{a.name}*{b.name}",
+                (reduce,), "sum")
+        return self._emit(op)
+
+    def softmax(self, x: Tensor, dim: str, name: str | None = None) -> Tensor:
+        """Softmax as its max -> sub -> exp -> sum -> div composition."""
+        base = name or f"{x.name}_softmax"
+        mx = self.reduce(x, dim, "max", name=f"{base}_max")
+        sh = self.binary("sub", x, mx, name=f"{base}_sub")
+        ex = self.unary("exp", sh, name=f"{base}_exp")
+        sm = self.reduce(ex, dim, "sum", name=f"{base}_sum")
+        return self.binary("div", ex, sm, name=name or base)
+
+    def build(self, *outputs: Tensor, name: str | None = None) -> SMG:
+        """Join the operator SMGs into one fused SMG computing ``outputs``."""
+        if not self.graphs:
+            raise ValueError(f"graph {self.name!r} has no operators")
+        self._own(*outputs)
+        outs = tuple(t.name for t in outputs) or None
+        return join_smgs(self.graphs, name or self.name, outputs=outs)

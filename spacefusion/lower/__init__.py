@@ -1,0 +1,1 @@
+"""Everything TVM-specific lives in this package (nothing else imports tvm)."""

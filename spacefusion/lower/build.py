@@ -1,0 +1,161 @@
+"""Build a Schedule with TVM: run it on the CPU (llvm) or emit CUDA + launch metadata."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from schedulers.errors import ScheduleError
+from schedulers.schedule import Schedule
+from smg.errors import ShapeError, SpaceFusionError
+from spacefusion.lower.tir import build_primfunc, signature
+
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this fails at launch
+
+
+class UnknownTargetError(SpaceFusionError, ValueError):
+    """The target is neither llvm nor a known CUDA architecture."""
+
+
+def parse_target(target: str) -> tuple[str, str | None]:
+    """``"llvm"`` | ``"cuda"`` | ``"cuda:sm_80"`` | ``"sm_90a"`` -> (kind, arch)."""
+    t = target.strip().lower()
+    if t in ("llvm", "cpu"):
+        return "llvm", None
+    if t == "cuda":
+        return "cuda", "sm_90a"
+    arch = t.split(":", 1)[1] if t.startswith("cuda:") else t
+    if arch in CUDA_ARCHS:
+        return "cuda", arch
+    raise UnknownTargetError(
+        f"unknown target {target!r}; use 'llvm', 'cuda', or 'cuda:<arch>' with arch in {CUDA_ARCHS}"
+    )
+
+
+def _tvm():
+    os.environ.setdefault("CUDA_PATH", "/usr/local/cuda-13.0") if Path("/usr/local/cuda-13.0").exists() else None
+    import tvm
+
+    return tvm
+
+
+def shared_bytes(s: Schedule) -> int:
+    """Static shared memory of the generated kernel (the staged input tiles)."""
+    total = 0
+    for name, lvl in s.memory:
+        if lvl == "shared":
+            dims = [d for d in s.smg.space(name).dims if d not in s.tiles]
+            n = math.prod(s.step if d == s.serial else s.smg.dim_sizes[d] for d in dims)
+            total += n * np.dtype(s.smg.space(name).dtype).itemsize
+    return total
+
+
+@dataclass
+class CpuKernel:
+    """A schedule compiled for the CPU by TVM's llvm backend."""
+
+    schedule: Schedule
+    module: object
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tvm = _tvm()
+        args, outs = [], {}
+        for name, shape, dtype, role in signature(self.schedule).params:
+            if role == "input":
+                if name not in inputs:
+                    raise KeyError(f"missing input {name!r}")
+                arr = np.ascontiguousarray(inputs[name], dtype=dtype)
+                if arr.shape != shape:
+                    raise ShapeError(f"input {name!r} has shape {arr.shape}, the kernel expects {shape}")
+            else:
+                arr = np.zeros(shape, dtype)
+            args.append(tvm.runtime.tensor(arr))
+            if role == "output":
+                outs[name] = args[-1]
+        self.module["main"](*args)
+        return {k: v.numpy() for k, v in outs.items()}
+
+
+def build_llvm(s: Schedule) -> CpuKernel:
+    tvm = _tvm()
+    f = build_primfunc(s, "llvm")
+    ex = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "llvm"}))
+    return CpuKernel(s, ex)
+
+
+@dataclass(frozen=True)
+class CudaArtefact:
+    """CUDA source plus everything a TVM-free runner needs to launch it."""
+
+    source: str
+    meta: dict
+
+    def save(self, folder: str | Path, compile_cubin: bool = True) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kernel.cu").write_text(self.source)
+        meta = dict(self.meta)
+        if compile_cubin and shutil.which("nvcc"):
+            nvcc_cubin(folder / "kernel.cu", folder / "kernel.cubin", meta["arch"])
+            meta["cubin"] = "kernel.cubin"
+        (folder / "kernel.json").write_text(json.dumps(meta, indent=1))
+        return folder
+
+
+def nvcc_cubin(src: Path, out: Path, arch: str) -> None:
+    """Compile CUDA source to a cubin; raise with nvcc's message on failure."""
+    cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-diag-suppress=177,1046", "-o", str(out), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {src}:\n{res.stderr[-3000:]}")
+
+
+_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
+
+
+def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
+    """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
+    smem = shared_bytes(s)
+    if smem > STATIC_SMEM_LIMIT:
+        raise ScheduleError(
+            f"step {s.step} on {s.serial!r} needs {smem} B of shared memory per block, over the "
+            f"{STATIC_SMEM_LIMIT} B static limit; use a smaller step"
+        )
+    tvm = _tvm()
+    f = build_primfunc(s, "cuda")
+    ex = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "cuda", "arch": arch}))
+    src = ex.mod.imports[0].inspect_source()
+    m = _SIG.search(src)
+    if m is None:
+        raise RuntimeError("no __global__ kernel found in TVM's CUDA output")
+    bounds, kname, plist = m.groups()
+    order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
+    sig = signature(s)
+    if sorted(order) != sorted(p[0] for p in sig.params):
+        raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
+    if bounds is not None and int(bounds) != s.threads:
+        raise RuntimeError(f"kernel launch bounds {bounds} != schedule threads {s.threads}")
+    meta = {
+        "format": "spacefusion-kernel/1",
+        "kernel_name": kname,
+        "arch": arch,
+        "grid": [s.num_blocks, 1, 1],
+        "block": [s.threads, 1, 1],
+        "dynamic_smem_bytes": 0,
+        "static_smem_bytes": smem,
+        "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
+        "param_order": order,
+        "schedule_key": s.key,
+        "workload": dict(s.smg.attrs) | {"name": s.smg.name, "shape": s.smg.dim_sizes,
+                                        "dtype": s.smg.space(s.smg.outputs[0]).dtype},
+    }
+    return CudaArtefact(src, meta)

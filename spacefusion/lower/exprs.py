@@ -1,0 +1,67 @@
+"""sympy -> TVM PrimExpr, for op bodies and derived update functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sympy as sp
+from tvm import tirx
+
+F32 = "float32"
+
+
+def _const(v: float) -> tirx.PrimExpr:
+    return tirx.FloatImm(F32, float(v))
+
+
+def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
+    """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol."""
+
+    def go(e: sp.Expr) -> tirx.PrimExpr:
+        if e.is_Symbol:
+            return load(e.name)
+        if e.is_Number:
+            return _const(float(e))
+        if e.is_Add:
+            out = go(e.args[0])
+            for a in e.args[1:]:
+                out = out + go(a)
+            return out
+        if e.is_Mul:
+            num = [a for a in e.args if not (a.is_Pow and a.exp.is_negative)]
+            den = [a.base ** -a.exp for a in e.args if a.is_Pow and a.exp.is_negative]
+            out = go(num[0]) if num else _const(1.0)
+            for a in num[1:]:
+                out = out * go(a)
+            for a in den:
+                out = out / go(a)
+            return out
+        if e.is_Pow:
+            base, ex = e.args
+            if ex == -1:
+                return _const(1.0) / go(base)
+            if ex == sp.Rational(1, 2):
+                return tirx.sqrt(go(base))
+            if ex == sp.Rational(-1, 2):
+                return tirx.rsqrt(go(base))
+            if ex.is_Integer and 0 < int(ex) <= 4:
+                b = go(base)
+                out = b
+                for _ in range(int(ex) - 1):
+                    out = out * b
+                return out
+            return tirx.power(go(base), go(ex))
+        fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
+               sp.Abs: tirx.abs}
+        for f, g in fns.items():
+            if isinstance(e, f):
+                return g(go(e.args[0]))
+        if isinstance(e, (sp.Max, sp.Min)):
+            fn = tirx.max if isinstance(e, sp.Max) else tirx.min
+            out = go(e.args[0])
+            for a in e.args[1:]:
+                out = fn(out, go(a))
+            return out
+        raise NotImplementedError(f"cannot lower expression {e} ({type(e).__name__}) to TIR")
+
+    return go(expr)

@@ -1,0 +1,270 @@
+"""Schedule -> TensorIR PrimFunc, built programmatically with TVM's IRBuilder.
+
+The kernel shape follows the Schedule and nothing else: one thread block per
+spatial block (fused over all cut dims), one thread per element of the thread
+dim, a serial loop over the temporal steps in which the streamed ops are
+materialised in registers, inputs of level ``shared`` are staged cooperatively,
+and each state is advanced by its derived update function; after the loop the
+finalize expressions (postponed broadcasts) are stored.  Tails are predicated:
+cut dims are clamped on load and masked on store; serial-dim elements past the
+end are skipped by every reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import ir_builder as IB
+from tvm.script.ir_builder import tirx as T
+
+from schedulers.errors import ScheduleError
+from schedulers.schedule import Schedule
+from schedulers.temporal import new, old, parse
+from smg.expr import body_expr
+from spacefusion.lower.exprs import F32, to_tir
+
+NEG_INF = -3.0e38
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """Parameters of the PrimFunc in PrimFunc order (inputs, then outputs)."""
+
+    params: tuple[tuple[str, tuple[int, ...], str, str], ...]  # name, shape, dtype, role
+
+
+def signature(s: Schedule) -> KernelSignature:
+    smg = s.smg
+    ps = [(n, smg.shape(n), smg.space(n).dtype, "input") for n in smg.inputs]
+    ps += [(n, smg.shape(n), smg.space(n).dtype, "output") for n in smg.outputs]
+    return KernelSignature(tuple(ps))
+
+
+def _check_lowerable(s: Schedule) -> None:
+    for d, t in s.block:
+        if d != s.thread_dim and t != 1:
+            raise ScheduleError(
+                f"the TIR lowering needs tile 1 for cut dim {d!r} (only the thread dim "
+                f"{s.thread_dim!r} may have a larger tile); got {t}"
+            )
+
+
+class _Kernel:
+    """State of one lowering: buffers, loop indices, and the emit helpers."""
+
+    def __init__(self, s: Schedule, target: str) -> None:
+        self.s, self.target, self.smg = s, target, s.smg
+        self.cut = {d for d, _ in s.block}
+        self.sizes = self.smg.dim_sizes
+        self.glob: dict[str, tirx.Buffer] = {}
+        self.local: dict[str, tirx.Buffer] = {}
+        self.shared: dict[str, tirx.Buffer] = {}
+        self.origin: dict[str, tirx.PrimExpr] = {}
+        self.t0: tirx.PrimExpr | None = None
+
+    # -- indices ------------------------------------------------------------------
+    def local_dims(self, space: str) -> tuple[str, ...]:
+        space = space.replace("__old", "").replace("__new", "")
+        return tuple(d for d in self.smg.space(space).dims if d not in self.cut)
+
+    def local_shape(self, space: str) -> tuple[int, ...]:
+        shape = tuple(self.s.step if d == self.s.serial else self.sizes[d] for d in self.local_dims(space))
+        return shape or (1,)
+
+    def local_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
+        return [env[d] for d in self.local_dims(space)] or [0]
+
+    def global_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
+        idx = []
+        for d in self.smg.space(space).dims:
+            if d in self.cut:
+                idx.append(tirx.min(self.origin[d], self.sizes[d] - 1))  # clamp tails
+            elif d == self.s.serial:
+                idx.append(self.t0 + env[d])
+            else:
+                idx.append(env[d])
+        return idx
+
+    # -- loads --------------------------------------------------------------------
+    def load(self, name: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        base = name.replace("__old", "").replace("__new", "")
+        if name.endswith("__old"):
+            return self.local[name][self.local_index(base, env)]
+        if name.endswith("__new"):
+            return self.local[base][self.local_index(base, env)]
+        if base in self.local:
+            return self.local[base][self.local_index(base, env)]
+        if base in self.shared:
+            return self.shared[base][self.local_index(base, env)]
+        val = self.glob[base][self.global_index(base, env)]
+        return val if self.glob[base].dtype == F32 else tirx.Cast(F32, val)
+
+    def expr(self, text_or_expr, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
+        return to_tir(e, lambda n: self.load(n, env))
+
+    # -- loop helpers -------------------------------------------------------------
+    def loops(self, dims: tuple[str, ...], stack: ExitStack) -> dict[str, tirx.PrimExpr]:
+        env = {}
+        for d in dims:
+            ext = self.s.step if d == self.s.serial else self.sizes[d]
+            env[d] = stack.enter_context(T.serial(0, ext))
+        return env
+
+    def valid_serial(self, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        return self.t0 + env[self.s.serial] < self.sizes[self.s.serial]
+
+
+def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
+    """Lower ``s`` to a PrimFunc for ``target`` kind ``"llvm"`` or ``"cuda"``."""
+    _check_lowerable(s)
+    k = _Kernel(s, target)
+    grid = s.grid()
+    nblocks = math.prod(grid.values())
+    cuda = target == "cuda"
+    sig = signature(s)
+    with IB.IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("main")
+            for name, shape, dtype, _ in sig.params:
+                k.glob[name] = T.arg(name, T.buffer(shape, dtype))
+            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+            with ExitStack() as top:
+                if cuda:
+                    bid = top.enter_context(T.thread_binding(0, nblocks, thread="blockIdx.x"))
+                    tid = top.enter_context(T.thread_binding(0, s.threads, thread="threadIdx.x"))
+                else:
+                    bid = top.enter_context(T.parallel(0, nblocks))
+                    tid = top.enter_context(T.serial(0, s.threads))
+                rest = bid
+                for d, _t in reversed(s.block):  # mixed-radix decode of the block id
+                    blk = rest % grid[d] if d != s.block[0][0] else rest
+                    rest = rest // grid[d]
+                    k.origin[d] = blk * s.tiles[d] + (tid if d == s.thread_dim else 0)
+                _emit_body(k, cuda)
+    return ib.get()
+
+
+def _alloc_local(k: _Kernel, name: str, space: str) -> None:
+    k.local[name] = T.alloc_buffer(k.local_shape(space), F32, scope="local")
+
+
+def _emit_body(k: _Kernel, cuda: bool) -> None:
+    s, smg, plan = k.s, k.smg, k.s.plan
+    states = [u.state for u in plan.states]
+    olds = sorted({sym.name for u in plan.states for sym in parse(u.correction).free_symbols
+                   if sym.name.endswith("__old")})
+    for st in states:
+        _alloc_local(k, st, st)
+    for o in olds:
+        _alloc_local(k, o, o.replace("__old", ""))
+    for st, u in zip(states, plan.states):
+        with ExitStack() as st_loops:
+            env = k.loops(k.local_dims(st), st_loops)
+            T.buffer_store(k.local[st], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
+                           k.local_index(st, env))
+    staged = [n for n, lvl in s.memory if lvl == "shared"] if cuda else []
+    for n in staged:
+        k.shared[n] = T.alloc_buffer(k.local_shape(n), smg.space(n).dtype, scope="shared")
+    for n in plan.streamed:
+        _alloc_local(k, n, n)
+    with T.serial(0, s.num_steps) as step:
+        k.t0 = step * s.step
+        for n in staged:
+            _emit_stage(k, n)
+        if staged:
+            T.evaluate(T.tvm_storage_sync("shared"))
+        for n in plan.streamed:
+            _emit_streamed(k, n)
+        for o in olds:
+            with ExitStack() as st:
+                env = k.loops(k.local_dims(o.replace("__old", "")), st)
+                T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
+        for u in plan.states:
+            _emit_update(k, u)
+        if staged:
+            T.evaluate(T.tvm_storage_sync("shared"))
+    for out, text in plan.finalize:
+        with ExitStack() as st:
+            env = k.loops(k.local_dims(out), st)
+            ok = tirx.all(*[k.origin[d] < k.sizes[d] for d in smg.space(out).dims if d in k.cut])
+            with T.If(ok):
+                with T.Then():
+                    val = k.expr(text, env)
+                    dt = k.glob[out].dtype
+                    val = val if dt == F32 else tirx.Cast(dt, val)
+                    T.buffer_store(k.glob[out], val, k.global_index(out, env))
+
+
+
+def _emit_stage(k: _Kernel, name: str) -> None:
+    """Cooperative, strided copy of one step's tile of an input into shared memory."""
+    dims = k.local_dims(name)
+    shape = k.local_shape(name)
+    total = math.prod(shape)
+    threads = k.s.threads
+    tid = k.origin[k.s.thread_dim] - (k.origin[k.s.thread_dim] // threads) * threads
+    with T.serial(0, (total + threads - 1) // threads) as it:
+        flat = it * threads + tid
+        env, rest = {}, flat
+        for d, ext in reversed(list(zip(dims, shape))):
+            env[d] = rest % ext
+            rest = rest // ext
+        ok = flat < total
+        if k.s.serial in env:
+            ok = tirx.all(ok, k.valid_serial(env))
+        with T.If(ok):
+            with T.Then():
+                T.buffer_store(k.shared[name], k.glob[name][k.global_index(name, env)],
+                               k.local_index(name, env))
+
+
+def _emit_streamed(k: _Kernel, name: str) -> None:
+    op = k.smg.producer(name)
+    body = body_expr(op)
+    with ExitStack() as st:
+        env = k.loops(k.local_dims(name), st)
+        idx = k.local_index(name, env)
+        init = NEG_INF if op.combiner == "max" else 0.0
+        T.buffer_store(k.local[name], tirx.FloatImm(F32, init), idx)
+        guard = k.valid_serial(env) if k.s.serial in env else tirx.const(True, "bool")
+        with T.If(guard):
+            with T.Then():
+                if not op.reduce:
+                    T.buffer_store(k.local[name], k.expr(body, env), idx)
+                else:
+                    with ExitStack() as red:
+                        env2 = {**env, **k.loops(op.reduce, red)}
+                        val = k.expr(body, env2)
+                        cur = k.local[name][idx]
+                        T.buffer_store(k.local[name], cur + val if op.combiner == "sum"
+                                       else tirx.max(cur, val), idx)
+
+
+def _emit_update(k: _Kernel, u) -> None:
+    """``S = max(S, body)`` or ``S = S * correction + body`` over one step."""
+    st_name = u.state
+    with ExitStack() as st:
+        env = k.loops(k.local_dims(st_name), st)
+        idx = k.local_index(st_name, env)
+        buf = k.local[st_name]
+        if u.combiner == "sum" and u.correction != "1":
+            corr_env = dict(env)
+            T.buffer_store(buf, buf[idx] * k.expr(_new_to_cur(u.correction), corr_env), idx)
+        t = st.enter_context(T.serial(0, k.s.step))
+        env2 = {**env, k.s.serial: t}
+        with T.If(k.valid_serial(env2)):
+            with T.Then():
+                val = k.expr(u.body, env2)
+                T.buffer_store(buf, tirx.max(buf[idx], val) if u.combiner == "max" else buf[idx] + val, idx)
+
+
+def _new_to_cur(text: str) -> str:
+    """Inside a step, ``X__new`` is the already-updated state buffer ``X``."""
+    return text.replace("__new", "")
+
+
+__all__ = ["KernelSignature", "build_primfunc", "new", "old", "signature"]

@@ -1,0 +1,269 @@
+"""Kernel artefacts: the only contract between the TVM lowering and the GPU runtime.
+
+A kernel artefact is a folder holding ``kernel.cu`` (CUDA source), ``kernel.json`` (launch metadata)
+and optionally a prebuilt cubin. This module is pure stdlib so that artefacts can be written where TVM
+runs and read where only torch/cupy are installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_TAG = "spacefusion-kernel/1"
+SOURCE_FILE = "kernel.cu"
+META_FILE = "kernel.json"
+
+#: dtype names as TVM spells them; each is also a ``torch`` attribute name.
+SUPPORTED_DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
+)
+ROLES = frozenset({"input", "output"})
+MAX_THREADS_PER_BLOCK = 1024
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_REQUIRED_KEYS = ("kernel_name", "arch", "grid", "block", "params", "param_order")
+
+
+class ArtefactError(ValueError):
+    """A kernel artefact is missing or malformed; the message names the folder and the field."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One tensor argument of the kernel: a contiguous row-major buffer of this shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "role": self.role}
+
+
+@dataclass(frozen=True)
+class KernelArtefact:
+    """Validated contents of an artefact folder (metadata only; the source is read on demand)."""
+
+    folder: Path
+    kernel_name: str
+    arch: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_smem_bytes: int
+    params: tuple[ParamSpec, ...]
+    param_order: tuple[str, ...]
+    workload: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    cubin: str | None = None
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, folder: str | Path) -> KernelArtefact:
+        """Read and validate ``folder/kernel.json``; raise ArtefactError naming the first problem."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ArtefactError(f"artefact folder {folder} does not exist or is not a directory")
+        meta_path = folder / META_FILE
+        if not meta_path.is_file():
+            raise ArtefactError(f"{folder}: missing {META_FILE}")
+        if not (folder / SOURCE_FILE).is_file():
+            raise ArtefactError(f"{folder}: missing {SOURCE_FILE}")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ArtefactError(f"{meta_path}: not valid JSON ({exc})") from exc
+        art = cls.from_meta(meta, folder)
+        if not re.search(rf"\b{re.escape(art.kernel_name)}\s*\(", art.source):
+            raise ArtefactError(f"{folder}: kernel_name {art.kernel_name!r} is not defined in {SOURCE_FILE}")
+        return art
+
+    @classmethod
+    def from_meta(cls, meta: Any, folder: str | Path) -> KernelArtefact:
+        """Validate a parsed kernel.json dict (no file access), so save() can check before writing."""
+        where = str(folder)
+        if not isinstance(meta, dict):
+            raise ArtefactError(f"{where}: {META_FILE} must hold a JSON object, got {type(meta).__name__}")
+        tag = meta.get("format")
+        if tag != FORMAT_TAG:
+            raise ArtefactError(f"{where}: format tag is {tag!r}, expected {FORMAT_TAG!r}")
+        for key in _REQUIRED_KEYS:
+            if key not in meta:
+                raise ArtefactError(f"{where}: {META_FILE} lacks required key {key!r}")
+
+        name = meta["kernel_name"]
+        if not isinstance(name, str) or not _IDENT.match(name):
+            raise ArtefactError(f"{where}: kernel_name {name!r} is not a C identifier")
+        arch = meta["arch"]
+        if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+[a-z]?", arch):
+            raise ArtefactError(f"{where}: arch {arch!r} is not of the form 'sm_90a'")
+        grid = _dim3(meta["grid"], "grid", where)
+        block = _dim3(meta["block"], "block", where)
+        if math.prod(block) > MAX_THREADS_PER_BLOCK:
+            raise ArtefactError(f"{where}: block {list(block)} has {math.prod(block)} threads (> 1024)")
+        smem = meta.get("dynamic_smem_bytes", 0)
+        if not _is_int(smem) or smem < 0:
+            raise ArtefactError(f"{where}: dynamic_smem_bytes must be a non-negative int, got {smem!r}")
+
+        params = _params(meta["params"], where)
+        order = meta["param_order"]
+        if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
+            raise ArtefactError(f"{where}: param_order must be a list of names, got {order!r}")
+        names = [p.name for p in params]
+        if len(set(order)) != len(order) or sorted(order) != sorted(names):
+            raise ArtefactError(
+                f"{where}: param_order {order} does not match params {names} "
+                f"(missing {sorted(set(names) - set(order))}, unknown {sorted(set(order) - set(names))})"
+            )
+
+        workload = meta.get("workload", {})
+        if not isinstance(workload, dict):
+            raise ArtefactError(f"{where}: workload must be an object, got {workload!r}")
+        cubin = meta.get("cubin")
+        if cubin is not None and (not isinstance(cubin, str) or Path(cubin).name != cubin):
+            raise ArtefactError(f"{where}: cubin must be a file name inside the artefact, got {cubin!r}")
+
+        return cls(
+            folder=Path(folder),
+            kernel_name=name,
+            arch=arch,
+            grid=grid,
+            block=block,
+            dynamic_smem_bytes=smem,
+            params=params,
+            param_order=tuple(order),
+            workload=workload,
+            cubin=cubin,
+        )
+
+    @classmethod
+    def save(
+        cls, folder: str | Path, source: str, meta: Mapping[str, Any], *, cubin: bytes | None = None
+    ) -> KernelArtefact:
+        """Validate ``meta`` then write kernel.cu, kernel.json (and the cubin); return the loaded artefact.
+
+        The format tag is filled in when absent. Validation happens before anything is written, so a
+        bad lowering never leaves a half-written artefact behind.
+        """
+        folder = Path(folder)
+        meta = {"format": FORMAT_TAG, **dict(meta)}
+        if cubin is not None:
+            meta.setdefault("cubin", "kernel.cubin")
+        cls.from_meta(meta, folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SOURCE_FILE).write_text(source)
+        if cubin is not None:
+            (folder / meta["cubin"]).write_bytes(cubin)
+        (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return cls.load(folder)
+
+    # ---- accessors ----------------------------------------------------------------------------
+
+    @property
+    def source_path(self) -> Path:
+        return self.folder / SOURCE_FILE
+
+    @property
+    def source(self) -> str:
+        return self.source_path.read_text()
+
+    @property
+    def cubin_path(self) -> Path | None:
+        """The prebuilt cubin if the metadata names one and it exists, else None (compile instead)."""
+        if self.cubin is None:
+            return None
+        path = self.folder / self.cubin
+        return path if path.is_file() else None
+
+    @property
+    def inputs(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p in self.params if p.role == "input")
+
+    @property
+    def outputs(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p in self.params if p.role == "output")
+
+    def param(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"{self.folder}: kernel {self.kernel_name} has no param {name!r}")
+
+    @property
+    def ordered_params(self) -> tuple[ParamSpec, ...]:
+        """Params in kernel-signature order, i.e. the order in which pointers are passed."""
+        return tuple(self.param(n) for n in self.param_order)
+
+    def to_meta(self) -> dict[str, Any]:
+        """The kernel.json dict this artefact round-trips to."""
+        meta: dict[str, Any] = {
+            "format": FORMAT_TAG,
+            "kernel_name": self.kernel_name,
+            "arch": self.arch,
+            "grid": list(self.grid),
+            "block": list(self.block),
+            "dynamic_smem_bytes": self.dynamic_smem_bytes,
+            "params": [p.to_json() for p in self.params],
+            "param_order": list(self.param_order),
+            "workload": dict(self.workload),
+        }
+        if self.cubin is not None:
+            meta["cubin"] = self.cubin
+        return meta
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _dim3(value: Any, what: str, where: str) -> tuple[int, int, int]:
+    """Accept 1-3 positive ints (CUDA pads missing dims with 1)."""
+    if (
+        not isinstance(value, list)
+        or not 1 <= len(value) <= 3
+        or not all(_is_int(v) and v > 0 for v in value)
+    ):
+        raise ArtefactError(f"{where}: {what} must be a list of 1-3 positive ints, got {value!r}")
+    padded = [*value, 1, 1][:3]
+    return (padded[0], padded[1], padded[2])
+
+
+def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
+    if not isinstance(value, list) or not value:
+        raise ArtefactError(f"{where}: params must be a non-empty list, got {value!r}")
+    out: list[ParamSpec] = []
+    for i, p in enumerate(value):
+        if not isinstance(p, dict):
+            raise ArtefactError(f"{where}: params[{i}] must be an object, got {p!r}")
+        name = p.get("name")
+        if not isinstance(name, str) or not _IDENT.match(name):
+            raise ArtefactError(f"{where}: params[{i}] name {name!r} is not an identifier")
+        shape = p.get("shape")
+        if not isinstance(shape, list) or not shape or not all(_is_int(s) and s > 0 for s in shape):
+            raise ArtefactError(
+                f"{where}: param {name!r} has bad shape {shape!r} (need a list of positive ints)"
+            )
+        dtype = p.get("dtype")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ArtefactError(f"{where}: param {name!r} has unsupported dtype {dtype!r}")
+        role = p.get("role")
+        if role not in ROLES:
+            raise ArtefactError(f"{where}: param {name!r} has role {role!r}, expected 'input' or 'output'")
+        out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role))
+    names = [p.name for p in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ArtefactError(f"{where}: duplicate param names {dupes}")
+    if not any(p.role == "output" for p in out):
+        raise ArtefactError(f"{where}: no param has role 'output'")
+    return tuple(out)

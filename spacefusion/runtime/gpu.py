@@ -1,0 +1,319 @@
+"""Run kernel artefacts on a GPU with torch tensors, through CuPy; no TVM needed.
+
+torch and cupy are imported inside functions so that this module imports (and its errors can be
+tested) on machines without a GPU stack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .artefact import KernelArtefact, ParamSpec
+
+if TYPE_CHECKING:
+    import torch
+
+#: Flags for our own nvcc run; -arch comes from the artefact.
+DEFAULT_NVCC_OPTIONS: tuple[str, ...] = ("-O3", "-std=c++17", "-lineinfo")
+#: Above this, CUDA requires an explicit opt-in attribute for dynamic shared memory.
+DEFAULT_SMEM_LIMIT = 48 * 1024
+#: Vectorised loads in generated code (float4, half8) need 16-byte aligned pointers; a misaligned
+#: pointer raises a sticky "misaligned address" that kills the whole CUDA context, so we refuse early.
+POINTER_ALIGNMENT = 16
+
+
+class KernelLaunchError(ValueError):
+    """The tensors passed to a kernel do not match its params; the message names the param."""
+
+
+class KernelCompileError(RuntimeError):
+    """No way of building the artefact gave a loadable kernel; the message lists every attempt."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map an artefact dtype name (TVM spelling, e.g. 'float16') to the torch dtype."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise KernelLaunchError(f"dtype {name!r} has no torch equivalent")
+    return dtype
+
+
+def find_nvcc() -> str | None:
+    """Locate the real nvcc, preferring $CUDA_PATH/$CUDA_HOME (PATH may hold a wrapper script)."""
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        root = os.environ.get(var)
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    fallback = Path("/usr/local/cuda/bin/nvcc")
+    return str(fallback) if fallback.is_file() else None
+
+
+def cubin_cache_dir() -> Path:
+    """Where nvcc-built cubins are kept: $SPACEFUSION_CUBIN_CACHE or ~/.cache/spacefusion/cubin."""
+    env = os.environ.get("SPACEFUSION_CUBIN_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "spacefusion" / "cubin"
+
+
+def compile_cubin(source: str, arch: str, options: Sequence[str] = DEFAULT_NVCC_OPTIONS) -> Path:
+    """Compile CUDA source to a cubin with nvcc, cached by content, and return its path.
+
+    We run nvcc ourselves rather than through cupy's nvcc backend because cupy adds its own
+    ``-gencode=...sm_90`` (no 'a' suffix, so no wgmma/TMA) and ``-ftz=true``.
+    """
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise KernelCompileError("nvcc not found (set CUDA_PATH or put nvcc on PATH)")
+    cmd_flags = ["-cubin", f"-arch={arch}", *options]
+    key = hashlib.sha256("\0".join([nvcc, *cmd_flags, source]).encode()).hexdigest()[:32]
+    cache = cubin_cache_dir()
+    out = cache / f"{key}.cubin"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        tmp_out = Path(tmp) / "kernel.cubin"
+        proc = subprocess.run(
+            [nvcc, *cmd_flags, "-o", str(tmp_out), str(src)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise KernelCompileError(f"nvcc {' '.join(cmd_flags)} failed:\n{proc.stderr or proc.stdout}")
+        staged = cache / f"{key}.{os.getpid()}.tmp"
+        shutil.copyfile(tmp_out, staged)
+        os.replace(staged, out)  # atomic, so concurrent runs never read a half-written cubin
+    return out
+
+
+class CudaKernel:
+    """A launchable artefact kernel: validates torch tensors against the params, then launches.
+
+    The kernel is built lazily on first launch (or by ``compile()``), trying in order: the artefact's
+    prebuilt cubin, nvcc, then NVRTC. ``backend`` records which one worked.
+    """
+
+    def __init__(
+        self,
+        artefact: KernelArtefact | str | Path,
+        *,
+        nvcc_options: Sequence[str] = DEFAULT_NVCC_OPTIONS,
+        prefer_cubin: bool = True,
+    ) -> None:
+        self.artefact = artefact if isinstance(artefact, KernelArtefact) else KernelArtefact.load(artefact)
+        self.nvcc_options = tuple(nvcc_options)
+        self.prefer_cubin = prefer_cubin
+        self.backend: str | None = None
+        self.compile_errors: dict[str, str] = {}
+        self._kernels: dict[int, Any] = {}  # device index -> cupy.RawKernel
+
+    def __repr__(self) -> str:
+        art = self.artefact
+        return f"CudaKernel({art.kernel_name!r}, folder={str(art.folder)!r}, backend={self.backend})"
+
+    # ---- building -----------------------------------------------------------------------------
+
+    def compile(self, device: int | None = None) -> str:
+        """Load the kernel onto ``device`` (default: torch's current device); return the backend used."""
+        import torch
+
+        index = torch.cuda.current_device() if device is None else device
+        self._kernel(index)
+        assert self.backend is not None
+        return self.backend
+
+    def _strategies(self) -> list[tuple[str, Callable[[], Any]]]:
+        import cupy
+
+        art = self.artefact
+        out: list[tuple[str, Callable[[], Any]]] = []
+        cubin = art.cubin_path
+        if self.prefer_cubin and cubin is not None:
+            out.append(("cubin", lambda: cupy.RawModule(path=str(cubin))))
+        out.append(
+            ("nvcc", lambda: cupy.RawModule(path=str(compile_cubin(art.source, art.arch, self.nvcc_options))))
+        )
+        out.append(
+            (
+                "nvrtc",
+                lambda: cupy.RawModule(
+                    code=art.source, backend="nvrtc", options=(f"-arch={art.arch}", "-std=c++17")
+                ),
+            )
+        )
+        return out
+
+    def _kernel(self, device: int) -> Any:
+        if device in self._kernels:
+            return self._kernels[device]
+        import cupy
+
+        art = self.artefact
+        errors: dict[str, str] = {}
+        with cupy.cuda.Device(device):
+            for backend, make_module in self._strategies():
+                try:
+                    kernel = make_module().get_function(art.kernel_name)
+                    limit = kernel.max_threads_per_block  # forces the module load, surfacing arch mismatches
+                except Exception as exc:  # any failure means: try the next way
+                    errors[backend] = f"{type(exc).__name__}: {exc}"
+                    continue
+                break
+            else:
+                self.compile_errors = errors
+                detail = "\n".join(f"  {k}: {v}" for k, v in errors.items())
+                raise KernelCompileError(
+                    f"{art.folder}: could not build {art.kernel_name} for {art.arch}:\n{detail}"
+                )
+            threads = art.block[0] * art.block[1] * art.block[2]
+            if threads > limit:
+                raise KernelLaunchError(
+                    f"{art.folder}: block {list(art.block)} has {threads} threads, "
+                    f"but {art.kernel_name} allows {limit}"
+                )
+            if art.dynamic_smem_bytes > DEFAULT_SMEM_LIMIT:
+                optin = cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
+                if art.dynamic_smem_bytes > optin:
+                    raise KernelLaunchError(
+                        f"{art.folder}: dynamic_smem_bytes={art.dynamic_smem_bytes} "
+                        f"exceeds the device limit {optin}"
+                    )
+                kernel.max_dynamic_shared_size_bytes = art.dynamic_smem_bytes
+        self.compile_errors = errors
+        self.backend = backend
+        self._kernels[device] = kernel
+        return kernel
+
+    # ---- launching ----------------------------------------------------------------------------
+
+    def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Launch with params by name: every input, and any outputs to write into (others allocated)."""
+        roles = {p.name: p.role for p in self.artefact.params}
+        unknown = sorted(set(tensors) - set(roles))
+        if unknown:
+            raise KernelLaunchError(
+                f"{self.artefact.kernel_name}: unknown params {unknown}; params are {sorted(roles)}"
+            )
+        inputs = {n: t for n, t in tensors.items() if roles[n] == "input"}
+        outputs = {n: t for n, t in tensors.items() if roles[n] == "output"}
+        return self.launch(inputs, outputs)
+
+    def launch(
+        self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Check tensors, allocate missing outputs, launch on torch's current stream; return outputs.
+
+        Asynchronous like any CUDA launch: synchronise (or use the tensors on the same stream) before
+        reading the results on the host.
+        """
+        import cupy
+        import numpy
+        import torch
+
+        art = self.artefact
+        tensors = self._bind(inputs, dict(outputs or {}))
+        device = next(iter(tensors.values())).device
+        kernel = self._kernel(device.index)
+        args = tuple(numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
+        with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream):
+            kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
+        return {p.name: tensors[p.name] for p in art.outputs}
+
+    def _bind(
+        self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Match tensors to params by name, allocate missing outputs, and check every tensor."""
+        import torch
+
+        art = self.artefact
+        in_names = {p.name for p in art.inputs}
+        out_names = {p.name for p in art.outputs}
+        for what, names, allowed in (("input", inputs, in_names), ("output", outputs, out_names)):
+            bad = sorted(set(names) - allowed)
+            if bad:
+                raise KernelLaunchError(
+                    f"{art.kernel_name}: {bad} are not {what}s; its {what}s are {sorted(allowed)}"
+                )
+        missing = sorted(in_names - set(inputs))
+        if missing:
+            raise KernelLaunchError(f"{art.kernel_name}: missing inputs {missing}")
+        given = {**inputs, **outputs}
+        first = next(iter(given.values()))
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cuda")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        for name, t in given.items():
+            _check_tensor(art.kernel_name, art.param(name), t, device)
+        for p in art.outputs:
+            if p.name not in given:
+                given[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=device)
+        return given
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle exposed through the ``__cuda_stream__`` protocol cupy reads."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def _cupy_stream(ptr: int) -> Any:
+    """A cupy view of torch's stream ``ptr`` on the current device, so kernels order with torch work.
+
+    Cached per (device, handle): wrapping is a pure view, and launches are on the hot path of timing.
+    """
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), ptr)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):  # cupy >= 14; ExternalStream is deprecated there
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, key[0])
+        _STREAMS[key] = stream
+    return stream
+
+
+def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> None:
+    import torch
+
+    where = f"{kernel}: param {p.name!r} ({p.role})"
+    if not isinstance(t, torch.Tensor):
+        raise KernelLaunchError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise KernelLaunchError(f"{where} is on {t.device}, expected a CUDA tensor")
+    if t.device != device:
+        raise KernelLaunchError(f"{where} is on {t.device} but other tensors are on {device}")
+    if t.dtype != torch_dtype(p.dtype):
+        raise KernelLaunchError(f"{where} has dtype {t.dtype}, expected {p.dtype}")
+    if tuple(t.shape) != p.shape:
+        raise KernelLaunchError(f"{where} has shape {list(t.shape)}, expected {list(p.shape)}")
+    if not t.is_contiguous():
+        raise KernelLaunchError(f"{where} is not contiguous (strides {t.stride()}); call .contiguous()")
+    if t.data_ptr() % POINTER_ALIGNMENT:
+        raise KernelLaunchError(
+            f"{where} data pointer is not {POINTER_ALIGNMENT}-byte aligned; pass a fresh tensor"
+        )
+
+
+def load_kernel(folder: str | Path, **kwargs: Any) -> CudaKernel:
+    """Shorthand for ``CudaKernel(KernelArtefact.load(folder), **kwargs)``."""
+    return CudaKernel(KernelArtefact.load(folder), **kwargs)

@@ -1,0 +1,94 @@
+"""The one GPU timer: CUDA events per iteration, L2 flushed between runs, median reported.
+
+Every benchmark (the artefact harness, baselines, the tuner) uses this, so their numbers compare.
+torch is imported lazily so that the module imports on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: Flush buffer floor; also at least twice the device's L2 (H100: 50 MB, H200: 60 MB).
+MIN_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TimingResult:
+    """Per-launch GPU time in microseconds over ``iters`` timed runs (cold L2 when flushed)."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    iters: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of already sorted values; q in [0, 100]."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples_us: Sequence[float]) -> TimingResult:
+    """Median and 10th/90th percentiles: the median resists clock and launch outliers."""
+    ordered = sorted(samples_us)
+    return TimingResult(
+        median_us=percentile(ordered, 50),
+        p10_us=percentile(ordered, 10),
+        p90_us=percentile(ordered, 90),
+        iters=len(ordered),
+    )
+
+
+def time_cuda(
+    fn: Callable[[], object],
+    warmup: int = 10,
+    iters: int = 100,
+    flush_l2: bool = True,
+    *,
+    flush_bytes: int | None = None,
+) -> TimingResult:
+    """Time ``fn`` (which launches GPU work on torch's current stream) with CUDA events.
+
+    Each iteration brackets only ``fn`` with a start/end event pair; the L2 flush (zeroing a buffer
+    larger than L2) is enqueued before the start event, so it is ordered before but not timed. All
+    events are read after one final synchronise, so the host never stalls the stream mid-run.
+    """
+    import torch
+
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush: torch.Tensor | None = None
+    if flush_l2:
+        l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+        nbytes = flush_bytes if flush_bytes is not None else max(MIN_FLUSH_BYTES, 2 * l2)
+        flush = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    for _ in range(warmup):
+        if flush is not None:
+            flush.zero_()
+        fn()
+    torch.cuda.synchronize(device)
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends, strict=True):
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    samples_us = [start.elapsed_time(end) * 1000.0 for start, end in zip(starts, ends, strict=True)]
+    del flush
+    return summarize(samples_us)

@@ -1,0 +1,65 @@
+"""TVM llvm numerics of the fused kernels against the unfused numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from schedulers.errors import ScheduleError
+from smg import evaluate, random_inputs
+from smg.workloads import gemm, mha, softmax_gemm
+from spacefusion.api import build, schedule
+from spacefusion.lower.build import UnknownTargetError, parse_target
+
+TOL = {"float32": 2e-5, "float16": 2e-2}
+
+CASES = [
+    (mha, (1, 2, 197, 197, 64), {"m": 64}, 32),
+    (mha, (2, 2, 64, 96, 32), {"m": 32}, 32),
+    (mha, (1, 1, 33, 50, 16), {"m": 16}, 16),  # nothing divides
+    (softmax_gemm, (197, 197, 64), {"m": 64}, 32),
+    (softmax_gemm, (40, 130, 24), {"m": 32}, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fn,shape,tiles,step", CASES)
+def test_fused_kernel_matches_reference(fn, shape, tiles, step, dtype) -> None:
+    g = fn(*shape, dtype=dtype)
+    s = schedule(g, tiles=tiles, step=step)
+    x = random_inputs(g, seed=3)
+    got = build(s, "llvm")(x)
+    ref = evaluate(g, x)
+    for k in ref:
+        assert got[k].dtype == np.dtype(dtype)
+        err = np.abs(got[k].astype(np.float64) - ref[k]).max()
+        assert err < TOL[dtype], (k, err)
+
+
+def test_plain_gemm_is_serial_over_k() -> None:
+    g = gemm(37, 20, 45)
+    s = schedule(g, tiles={"n": 8}, step=16)
+    assert s.serial == "k"
+    x = random_inputs(g, seed=1)
+    np.testing.assert_allclose(build(s, "llvm")(x)["C"], evaluate(g, x)["C"], atol=1e-4)
+
+
+def test_unknown_target_is_a_clear_error() -> None:
+    with pytest.raises(UnknownTargetError, match="unknown target 'rocm'"):
+        parse_target("rocm")
+    assert parse_target("cuda") == ("cuda", "sm_90a")
+    assert parse_target("cuda:sm_80") == ("cuda", "sm_80")
+
+
+def test_tile_larger_than_dim_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="larger than the dim"):
+        schedule(mha(1, 1, 32, 32, 16), tiles={"m": 64})
+
+
+def test_wrong_input_shape_is_a_clear_error() -> None:
+    g = softmax_gemm(8, 8, 4, dtype="float32")
+    k = build(schedule(g, tiles={"m": 8}, step=8), "llvm")
+    x = random_inputs(g)
+    x["S"] = x["S"][:, :4]
+    with pytest.raises(ValueError, match="input 'S' has shape"):
+        k(x)

@@ -1,0 +1,266 @@
+"""Kernel artefact loading/validation (CPU), import-lightness of the GPU runtime, and one GPU smoke test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spacefusion.runtime.artefact import FORMAT_TAG, ArtefactError, KernelArtefact
+from spacefusion.runtime.timing import percentile, summarize
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("tvm", "islpy", "xgboost", "sympy")
+
+SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(128) main_kernel(float* __restrict__ O, float* __restrict__ S,
+                                                               float* __restrict__ V) {
+  O[threadIdx.x] = S[threadIdx.x] + V[threadIdx.x];
+}
+"""
+
+
+def _meta(**override: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "format": FORMAT_TAG,
+        "kernel_name": "main_kernel",
+        "arch": "sm_90a",
+        "grid": [4, 1, 1],
+        "block": [128, 1, 1],
+        "dynamic_smem_bytes": 0,
+        "params": [
+            {"name": "S", "shape": [64, 128], "dtype": "float16", "role": "input"},
+            {"name": "V", "shape": [128, 32], "dtype": "float16", "role": "input"},
+            {"name": "O", "shape": [64, 32], "dtype": "float16", "role": "output"},
+        ],
+        "param_order": ["O", "S", "V"],
+        "workload": {"name": "softmax_gemm", "shape": {"m": 64, "l": 128, "n": 32}, "dtype": "float16"},
+    }
+    meta.update(override)
+    return meta
+
+
+def _write(folder: Path, meta: Any, source: str = SOURCE) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernel.cu").write_text(source)
+    (folder / "kernel.json").write_text(json.dumps(meta))
+    return folder
+
+
+def _param(name: str, **override: Any) -> list[dict[str, Any]]:
+    params = _meta()["params"]
+    return [{**p, **override} if p["name"] == name else p for p in params]
+
+
+def test_load_valid_artefact(tmp_path: Path) -> None:
+    art = KernelArtefact.load(_write(tmp_path / "a", _meta(grid=[4], block=[128, 1])))
+    assert art.kernel_name == "main_kernel"
+    assert art.grid == (4, 1, 1) and art.block == (128, 1, 1)
+    assert [p.name for p in art.ordered_params] == ["O", "S", "V"]
+    assert [p.name for p in art.inputs] == ["S", "V"] and [p.name for p in art.outputs] == ["O"]
+    assert art.param("V").shape == (128, 32) and art.param("V").numel == 128 * 32
+    assert art.workload["name"] == "softmax_gemm"
+    assert art.cubin_path is None
+    with pytest.raises(KeyError, match="no param 'X'"):
+        art.param("X")
+
+
+def test_save_round_trips_and_fills_format_tag(tmp_path: Path) -> None:
+    meta = _meta()
+    del meta["format"]
+    art = KernelArtefact.save(tmp_path / "b", SOURCE, meta, cubin=b"\x7fELF fake")
+    assert art.cubin == "kernel.cubin" and art.cubin_path == tmp_path / "b" / "kernel.cubin"
+    assert json.loads((tmp_path / "b" / "kernel.json").read_text())["format"] == FORMAT_TAG
+    assert KernelArtefact.load(tmp_path / "b") == art
+    assert art.to_meta() == {**_meta(), "cubin": "kernel.cubin"}
+
+
+def test_save_validates_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(ArtefactError, match="param_order"):
+        KernelArtefact.save(tmp_path / "c", SOURCE, _meta(param_order=["S", "V"]))
+    assert not (tmp_path / "c").exists()
+
+
+def test_artefact_error_is_value_error() -> None:
+    assert issubclass(ArtefactError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        (_meta(format="spacefusion-kernel/0"), "format tag"),
+        ([1, 2], "JSON object"),
+        ({k: v for k, v in _meta().items() if k != "grid"}, "lacks required key 'grid'"),
+        (_meta(param_order=["O", "S"]), r"param_order .*missing \['V'\]"),
+        (_meta(param_order=["O", "S", "V", "Q"]), r"unknown \['Q'\]"),
+        (_meta(param_order=["O", "S", "S", "V"]), "param_order"),
+        (_meta(params=_param("V", shape=[128, -32])), "'V' has bad shape"),
+        (_meta(params=_param("V", shape=[])), "'V' has bad shape"),
+        (_meta(params=_param("V", shape=[128, 32.0])), "'V' has bad shape"),
+        (_meta(params=_param("V", shape=[True, 32])), "'V' has bad shape"),
+        (_meta(params=_param("V", shape="128x32")), "'V' has bad shape"),
+        (_meta(params=_param("S", dtype="float8")), "'S' has unsupported dtype"),
+        (_meta(params=_param("S", role="inout")), "'S' has role"),
+        (_meta(params=_param("O", role="input")), "no param has role 'output'"),
+        (_meta(params=[*_meta()["params"], _meta()["params"][0]]), "duplicate param names"),
+        (_meta(params=[]), "params must be a non-empty list"),
+        (_meta(block=[1024, 2, 1]), "2048 threads"),
+        (_meta(grid=[0, 1, 1]), "grid must be"),
+        (_meta(grid=[1, 1, 1, 1]), "grid must be"),
+        (_meta(dynamic_smem_bytes=-1), "dynamic_smem_bytes"),
+        (_meta(arch="90a"), "arch"),
+        (_meta(kernel_name="main kernel"), "kernel_name"),
+        (_meta(cubin="../x.cubin"), "cubin"),
+        (_meta(workload=[1]), "workload"),
+    ],
+)
+def test_invalid_metadata_is_rejected(tmp_path: Path, meta: Any, match: str) -> None:
+    with pytest.raises(ArtefactError, match=match):
+        KernelArtefact.load(_write(tmp_path / "bad", meta))
+
+
+def test_missing_files_and_bad_json(tmp_path: Path) -> None:
+    with pytest.raises(ArtefactError, match="does not exist"):
+        KernelArtefact.load(tmp_path / "nowhere")
+    folder = _write(tmp_path / "x", _meta())
+    (folder / "kernel.cu").unlink()
+    with pytest.raises(ArtefactError, match="missing kernel.cu"):
+        KernelArtefact.load(folder)
+    (folder / "kernel.json").unlink()
+    with pytest.raises(ArtefactError, match="missing kernel.json"):
+        KernelArtefact.load(folder)
+    _write(folder, _meta())
+    (folder / "kernel.json").write_text("{not json")
+    with pytest.raises(ArtefactError, match="not valid JSON"):
+        KernelArtefact.load(folder)
+
+
+def test_kernel_name_must_be_defined_in_source(tmp_path: Path) -> None:
+    with pytest.raises(ArtefactError, match="'other_kernel' is not defined in kernel.cu"):
+        KernelArtefact.load(_write(tmp_path / "k", _meta(kernel_name="other_kernel")))
+
+
+def test_cuda_kernel_constructs_without_gpu_stack(tmp_path: Path) -> None:
+    from spacefusion.runtime.gpu import CudaKernel
+
+    kernel = CudaKernel(_write(tmp_path / "k", _meta()))
+    assert kernel.backend is None and "main_kernel" in repr(kernel)
+
+
+def test_timing_summary_statistics() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 10) == pytest.approx(1.0)
+    res = summarize([float(x) for x in range(100, 0, -1)])
+    assert res.iters == 100 and res.median_us == 50.5
+    assert res.p10_us == pytest.approx(10.9) and res.p90_us == pytest.approx(90.1)
+    assert res.as_dict()["median_us"] == 50.5
+
+
+def _modules_after(code: str) -> dict[str, bool]:
+    watched = HEAVY + ("torch", "cupy")
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {watched!r}}}))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=60
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_runtime_imports_no_heavy_dependencies() -> None:
+    loaded = _modules_after(
+        f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+        "import spacefusion.runtime, spacefusion.runtime.gpu, spacefusion.runtime.timing"
+    )
+    assert not any(loaded.values()), loaded
+
+
+def test_gpu_script_loads_runtime_by_file_path() -> None:
+    script = REPO_ROOT / "experiments" / "run_artefacts_gpu.py"
+    loaded = _modules_after(
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('run_artefacts_gpu', {str(script)!r})\n"
+        "mod = sys.modules['run_artefacts_gpu'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "gpu = mod.runtime_module('gpu'); mod.runtime_module('timing')\n"
+        "assert gpu.CudaKernel.__module__ == '_spacefusion_runtime.gpu'\n"
+        "assert not any(m == 'spacefusion' or m.startswith('spacefusion.') for m in sys.modules)"
+    )
+    assert not any(loaded.values()), loaded
+
+
+VADD_SOURCE = r"""
+extern "C" __global__ void vadd(const float* __restrict__ B, float* __restrict__ C,
+                                const float* __restrict__ A) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < 1000) C[i] = A[i] + 2.0f * B[i];
+}
+
+extern "C" __global__ void smem_copy(const float* __restrict__ A, float* __restrict__ C) {
+  extern __shared__ float buf[];  // 64 KB dynamic: needs the opt-in attribute
+  for (int i = threadIdx.x; i < 16384; i += blockDim.x) buf[i] = A[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < 16384; i += blockDim.x) C[i] = buf[16383 - i];
+}
+"""
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_runs_on_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from spacefusion.runtime.gpu import CudaKernel, KernelLaunchError
+    from spacefusion.runtime.timing import time_cuda
+
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cache"))
+    major, minor = torch.cuda.get_device_capability()
+    vec = [{"name": n, "shape": [1000], "dtype": "float32", "role": "input"} for n in ("A", "B")]
+    meta = _meta(
+        kernel_name="vadd",
+        arch=f"sm_{major}{minor}",
+        grid=[4],
+        block=[256],
+        params=[*vec, {"name": "C", "shape": [1000], "dtype": "float32", "role": "output"}],
+        param_order=["B", "C", "A"],  # not sorted: pointers must follow param_order
+        workload={"name": "vadd"},
+    )
+    kernel = CudaKernel(KernelArtefact.save(tmp_path / "vadd", VADD_SOURCE, meta))
+    a = torch.randn(1000, device="cuda")
+    b = torch.randn(1000, device="cuda")
+    out = kernel.launch({"A": a, "B": b})["C"]
+    torch.testing.assert_close(out, a + 2 * b)
+    assert kernel.backend == "nvcc"
+
+    c = torch.empty(1000, device="cuda")
+    assert kernel(A=a, B=b, C=c)["C"] is c
+    torch.testing.assert_close(c, a + 2 * b)
+    with pytest.raises(KernelLaunchError, match="'B'.*dtype"):
+        kernel(A=a, B=b.half())
+    with pytest.raises(KernelLaunchError, match="'A'.*shape"):
+        kernel(A=a[:10], B=b)
+    with pytest.raises(KernelLaunchError, match="'A'.*not contiguous"):
+        kernel(A=torch.randn(2000, device="cuda")[::2], B=b)
+    with pytest.raises(KernelLaunchError, match="missing inputs"):
+        kernel(A=a)
+    assert time_cuda(lambda: kernel(A=a, B=b, C=c), warmup=2, iters=5).median_us > 0
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the launch must join torch's current stream, not cupy's default
+        doubled = kernel(A=a, B=b)["C"] * 2
+    side.synchronize()
+    torch.testing.assert_close(doubled, 2 * (a + 2 * b))
+
+    big = [
+        {"name": "A", "shape": [16384], "dtype": "float32", "role": "input"},
+        {"name": "C", "shape": [16384], "dtype": "float32", "role": "output"},
+    ]
+    smem_meta = {**meta, "kernel_name": "smem_copy", "grid": [1], "block": [256], "params": big}
+    smem_meta.update(param_order=["A", "C"], dynamic_smem_bytes=64 * 1024)
+    smem = CudaKernel(KernelArtefact.save(tmp_path / "smem", VADD_SOURCE, smem_meta))
+    x = torch.randn(16384, device="cuda")
+    torch.testing.assert_close(smem(A=x)["C"], x.flip(0))

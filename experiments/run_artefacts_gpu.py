@@ -71,13 +71,9 @@ def _require(art: Any, inputs: tuple[str, ...], output: str) -> None:
     roles = {p.name: p.role for p in art.params}
     for name in inputs:
         if roles.get(name) != "input":
-            raise ValueError(
-                f"workload {art.workload.get('name')!r} needs an input param {name!r}; got {roles}"
-            )
+            raise ValueError(f"workload {art.workload.get('name')!r} needs an input param {name!r}; got {roles}")
     if roles.get(output) != "output":
-        raise ValueError(
-            f"workload {art.workload.get('name')!r} needs an output param {output!r}; got {roles}"
-        )
+        raise ValueError(f"workload {art.workload.get('name')!r} needs an output param {output!r}; got {roles}")
 
 
 def _random_inputs(art: Any, names: tuple[str, ...], seed: int) -> dict[str, Any]:
@@ -182,9 +178,7 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
     case = WORKLOADS[name](art, seed, use_compile)
     out_spec = art.param(case.output)
     if tuple(case.reference.shape) != out_spec.shape:
-        raise ValueError(
-            f"reference shape {list(case.reference.shape)} != param O shape {list(out_spec.shape)}"
-        )
+        raise ValueError(f"reference shape {list(case.reference.shape)} != param O shape {list(out_spec.shape)}")
 
     kernel = gpu.CudaKernel(art)
     row["backend"] = kernel.compile()
@@ -192,8 +186,7 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
         row["compile_errors"] = kernel.compile_errors
     # NaN-filled outputs: any element the kernel fails to write shows up as a non-finite error.
     outputs = {
-        p.name: torch.full(p.shape, math.nan, dtype=gpu.torch_dtype(p.dtype), device="cuda")
-        for p in art.outputs
+        p.name: torch.full(p.shape, math.nan, dtype=gpu.torch_dtype(p.dtype), device="cuda") for p in art.outputs
     }
     kernel.launch(case.inputs, outputs)
     torch.cuda.synchronize()
@@ -256,17 +249,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artefacts", nargs="+", type=Path, help="artefact folders (kernel.cu + kernel.json)")
     parser.add_argument("--out", type=Path, default=Path("results.json"), help="JSON results file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument(
-        "--no-compile", action="store_true", help="skip torch.compile baselines (slow to build)"
-    )
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines (slow to build)")
     args = parser.parse_args(argv)
 
     import torch
@@ -281,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for folder in args.artefacts:
         try:
-            row = run_one(
-                folder, seed=args.seed, warmup=args.warmup, iters=args.iters, use_compile=not args.no_compile
-            )
+            row = run_one(folder, seed=args.seed, warmup=args.warmup, iters=args.iters, use_compile=not args.no_compile)
         except Exception as exc:  # record and go on: one bad artefact must not lose the others' numbers
             row = {"path": str(folder), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
             row["traceback"] = traceback.format_exc()

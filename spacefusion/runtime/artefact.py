@@ -228,11 +228,7 @@ def _is_int(x: Any) -> bool:
 
 def _dim3(value: Any, what: str, where: str) -> tuple[int, int, int]:
     """Accept 1-3 positive ints (CUDA pads missing dims with 1)."""
-    if (
-        not isinstance(value, list)
-        or not 1 <= len(value) <= 3
-        or not all(_is_int(v) and v > 0 for v in value)
-    ):
+    if not isinstance(value, list) or not 1 <= len(value) <= 3 or not all(_is_int(v) and v > 0 for v in value):
         raise ArtefactError(f"{where}: {what} must be a list of 1-3 positive ints, got {value!r}")
     padded = [*value, 1, 1][:3]
     return (padded[0], padded[1], padded[2])
@@ -250,9 +246,7 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
             raise ArtefactError(f"{where}: params[{i}] name {name!r} is not an identifier")
         shape = p.get("shape")
         if not isinstance(shape, list) or not shape or not all(_is_int(s) and s > 0 for s in shape):
-            raise ArtefactError(
-                f"{where}: param {name!r} has bad shape {shape!r} (need a list of positive ints)"
-            )
+            raise ArtefactError(f"{where}: param {name!r} has bad shape {shape!r} (need a list of positive ints)")
         dtype = p.get("dtype")
         if dtype not in SUPPORTED_DTYPES:
             raise ArtefactError(f"{where}: param {name!r} has unsupported dtype {dtype!r}")

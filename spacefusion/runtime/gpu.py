@@ -141,15 +141,11 @@ class CudaKernel:
         cubin = art.cubin_path
         if self.prefer_cubin and cubin is not None:
             out.append(("cubin", lambda: cupy.RawModule(path=str(cubin))))
-        out.append(
-            ("nvcc", lambda: cupy.RawModule(path=str(compile_cubin(art.source, art.arch, self.nvcc_options))))
-        )
+        out.append(("nvcc", lambda: cupy.RawModule(path=str(compile_cubin(art.source, art.arch, self.nvcc_options)))))
         out.append(
             (
                 "nvrtc",
-                lambda: cupy.RawModule(
-                    code=art.source, backend="nvrtc", options=(f"-arch={art.arch}", "-std=c++17")
-                ),
+                lambda: cupy.RawModule(code=art.source, backend="nvrtc", options=(f"-arch={art.arch}", "-std=c++17")),
             )
         )
         return out
@@ -173,21 +169,17 @@ class CudaKernel:
             else:
                 self.compile_errors = errors
                 detail = "\n".join(f"  {k}: {v}" for k, v in errors.items())
-                raise KernelCompileError(
-                    f"{art.folder}: could not build {art.kernel_name} for {art.arch}:\n{detail}"
-                )
+                raise KernelCompileError(f"{art.folder}: could not build {art.kernel_name} for {art.arch}:\n{detail}")
             threads = art.block[0] * art.block[1] * art.block[2]
             if threads > limit:
                 raise KernelLaunchError(
-                    f"{art.folder}: block {list(art.block)} has {threads} threads, "
-                    f"but {art.kernel_name} allows {limit}"
+                    f"{art.folder}: block {list(art.block)} has {threads} threads, but {art.kernel_name} allows {limit}"
                 )
             if art.dynamic_smem_bytes > DEFAULT_SMEM_LIMIT:
                 optin = cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
                 if art.dynamic_smem_bytes > optin:
                     raise KernelLaunchError(
-                        f"{art.folder}: dynamic_smem_bytes={art.dynamic_smem_bytes} "
-                        f"exceeds the device limit {optin}"
+                        f"{art.folder}: dynamic_smem_bytes={art.dynamic_smem_bytes} exceeds the device limit {optin}"
                     )
                 kernel.max_dynamic_shared_size_bytes = art.dynamic_smem_bytes
         self.compile_errors = errors
@@ -230,9 +222,7 @@ class CudaKernel:
             kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
         return {p.name: tensors[p.name] for p in art.outputs}
 
-    def _bind(
-        self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Match tensors to params by name, allocate missing outputs, and check every tensor."""
         import torch
 
@@ -242,9 +232,7 @@ class CudaKernel:
         for what, names, allowed in (("input", inputs, in_names), ("output", outputs, out_names)):
             bad = sorted(set(names) - allowed)
             if bad:
-                raise KernelLaunchError(
-                    f"{art.kernel_name}: {bad} are not {what}s; its {what}s are {sorted(allowed)}"
-                )
+                raise KernelLaunchError(f"{art.kernel_name}: {bad} are not {what}s; its {what}s are {sorted(allowed)}")
         missing = sorted(in_names - set(inputs))
         if missing:
             raise KernelLaunchError(f"{art.kernel_name}: missing inputs {missing}")
@@ -309,9 +297,7 @@ def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> No
     if not t.is_contiguous():
         raise KernelLaunchError(f"{where} is not contiguous (strides {t.stride()}); call .contiguous()")
     if t.data_ptr() % POINTER_ALIGNMENT:
-        raise KernelLaunchError(
-            f"{where} data pointer is not {POINTER_ALIGNMENT}-byte aligned; pass a fresh tensor"
-        )
+        raise KernelLaunchError(f"{where} data pointer is not {POINTER_ALIGNMENT}-byte aligned; pass a fresh tensor")
 
 
 def load_kernel(folder: str | Path, **kwargs: Any) -> CudaKernel:

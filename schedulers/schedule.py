@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from schedulers.errors import ScheduleError
+from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.spatial import DimDecision, analyse_spatial
 from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
 from smg.hashing import content_key
@@ -98,7 +98,15 @@ class Schedule:
         except json.JSONDecodeError as e:
             raise ScheduleError(f"schedule JSON is not valid JSON: {e}") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ScheduleError(f"not a spacefusion schedule (format tag {d.get('format')!r})")
+            tag = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise ScheduleError(f"not a spacefusion schedule (format tag {tag!r})")
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ScheduleError(f"schedule JSON is incomplete or malformed: {e!r}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> Schedule:
         p = d["plan"]
         plan = TemporalPlan(
             serial=d["serial"],
@@ -125,7 +133,8 @@ class Schedule:
 
 
 def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
-    """The reduced dim whose slicing removes the largest on-chip footprint."""
+    """The reduced dim whose slicing removes the largest on-chip footprint,
+    among those the temporal slicer accepts."""
     cut = {d.dim for d in spatial if d.cut}
     sizes = smg.dim_sizes
     cands = [d.dim for d in spatial if not d.cut and any(d.dim in op.reduce for op in smg.ops)]
@@ -136,7 +145,14 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
         return sum(math.prod(sizes[x] for x in s.dims if x not in cut)
                    for s in smg.spaces if dim in s.dims)
 
-    return max(cands, key=lambda c: (weight(c), sizes[c]))
+    refused = []
+    for c in sorted(cands, key=lambda c: (weight(c), sizes[c]), reverse=True):
+        try:
+            plan_temporal(smg, c)
+            return c
+        except TemporalSliceError as e:
+            refused.append(f"{c}: {e}")
+    raise TemporalSliceError(f"no reduced dim of {smg.name!r} can be sliced temporally: " + "; ".join(refused))
 
 
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
@@ -171,7 +187,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
-    if step <= 0 or step > sizes[serial]:
+    if step <= 0:
+        raise ScheduleError(f"step {step} for serial dim {serial!r} must be positive")
+    if step > sizes[serial]:
         raise ScheduleError(f"step {step} for serial dim {serial!r} is larger than the dim ({sizes[serial]})")
     plan = plan_temporal(smg, serial)
     memory = []

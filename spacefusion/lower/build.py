@@ -42,7 +42,9 @@ def parse_target(target: str) -> tuple[str, str | None]:
 
 
 def _tvm():
-    os.environ.setdefault("CUDA_PATH", "/usr/local/cuda-13.0") if Path("/usr/local/cuda-13.0").exists() else None
+    """Import TVM lazily; its NVRTC path looks for CUDA next to nvcc unless CUDA_PATH is set."""
+    if Path("/usr/local/cuda-13.0").exists():
+        os.environ.setdefault("CUDA_PATH", "/usr/local/cuda-13.0")
     import tvm
 
     return tvm

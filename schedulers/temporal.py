@@ -152,9 +152,8 @@ def _postpone(body: sp.Expr, state_syms: set[sp.Symbol]) -> tuple[sp.Expr, sp.Ex
     return body, sp.simplify(factor)
 
 
-def _correction(body: sp.Expr, running: list[sp.Symbol]) -> sp.Expr:
-    if not running:
-        return sp.Integer(1)
+def _correction(body: sp.Expr, running: list[sp.Symbol]) -> tuple[sp.Expr, set[sp.Symbol]]:
+    """``body(B_new) / body(B_old)`` and the old/new symbols it may depend on."""
     olds = {b: sp.Symbol(old(b.name), real=True) for b in running}
     news = {b: sp.Symbol(new(b.name), real=True) for b in running}
     return sp.simplify(body.xreplace(news) / body.xreplace(olds)), set(olds.values()) | set(news.values())

@@ -22,7 +22,7 @@ from tvm.script.ir_builder import tirx as T
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
-from schedulers.temporal import new, old, parse
+from schedulers.temporal import parse
 from smg.expr import body_expr
 from spacefusion.lower.exprs import F32, to_tir
 
@@ -267,4 +267,4 @@ def _new_to_cur(text: str) -> str:
     return text.replace("__new", "")
 
 
-__all__ = ["KernelSignature", "build_primfunc", "new", "old", "signature"]
+__all__ = ["KernelSignature", "build_primfunc", "signature"]

@@ -123,13 +123,19 @@ class Schedule:
             step=int(d["step"]),
             plan=plan,
             memory=tuple(tuple(m) for m in d["memory"]),
-            spatial=tuple(DimDecision(**x) for x in d["spatial"]),
+            spatial=tuple(DimDecision(**{**x, "recomputes": tuple(x.get("recomputes", ()))}) for x in d["spatial"]),
         )
 
     def __str__(self) -> str:
         from schedulers.printing import schedule_summary
 
         return schedule_summary(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter: slices, memory levels, derived update functions and the SMG."""
+        from schedulers.display import schedule_html
+
+        return schedule_html(self)
 
 
 def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
@@ -156,13 +162,21 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 
 
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
-                  step: int = 32, thread_dim: str | None = None) -> Schedule:
+                  step: int = 32, thread_dim: str | None = None, recompute: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
-    innermost cut output dim, which is spread over threads).
+    innermost cut output dim, which is spread over threads).  With
+    ``recompute`` a tile may also cut a dim whose only obstacle is that each
+    block recomputes an intermediate (e.g. the MLP's hidden tile per output
+    column block): a trade of FLOPs for on-chip memory.
     """
     spatial = analyse_spatial(smg)
+    if recompute:
+        spatial = tuple(
+            DimDecision(d.dim, True, f"cut on request, recomputing {', '.join(d.recomputes)} per block",
+                        d.recomputes) if d.recomputes and d.dim in (tiles or {}) else d
+            for d in spatial)
     cut = [d.dim for d in spatial if d.cut]
     sizes = smg.dim_sizes
     tiles = dict(tiles or {})
@@ -170,8 +184,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if d not in sizes:
             raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}")
         if d not in cut:
-            reason = next(x.reason for x in spatial if x.dim == d)
-            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {reason}")
+            dec = next(x for x in spatial if x.dim == d)
+            hint = " (recompute=True cuts it anyway)" if dec.recomputes else ""
+            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {dec.reason}{hint}")
     if not cut:
         raise ScheduleError(f"no dim of {smg.name!r} can be cut spatially")
     out_dims = smg.space(smg.outputs[0]).dims

@@ -16,9 +16,14 @@ from smg.ir import SMG, Kind
 
 @dataclass(frozen=True)
 class DimDecision:
+    """Whether ``dim`` may be cut, and why.  ``recomputes`` lists the
+    intermediates a cut would recompute per block (a cut the scheduler may
+    still choose when keeping the dim whole does not fit on chip)."""
+
     dim: str
     cut: bool
     reason: str
+    recomputes: tuple[str, ...] = ()
 
 
 def analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
@@ -40,7 +45,7 @@ def analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
         elif recompute:
             why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}: every block "
                    f"would recompute it")
-            decisions.append(DimDecision(dim, False, why))
+            decisions.append(DimDecision(dim, False, why, tuple(recompute)))
         else:
             bcast = sorted({e.src for e in smg.edges if e.kind(dim) is Kind.ONE_TO_ALL})
             extra = f"; inputs {', '.join(bcast)} are re-read per block" if bcast else ""

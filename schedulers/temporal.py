@@ -44,30 +44,53 @@ class UpdateFunction:
     """How one state is carried across serial steps.
 
     Step rule: ``max``: ``S = max(S, max_t body)``; ``sum``:
-    ``S = S * correction + sum_t body``.  ``body`` and ``correction`` may read
-    other states (their updated values) and ``<state>__old`` / ``__new``.
-    ``value`` gives the state's true value from its accumulator after the
-    loop (postponed broadcasts live there).
+    ``S = carry + sum_t body``, where ``carry`` re-bases the accumulator to
+    the running states' new values; it reads the pre-step accumulators
+    (``X__old``) and running states (``b__old``, ``b__new``).  An empty
+    ``carry`` keeps the accumulator as it is.  ``value`` gives the state's
+    true value from its accumulator after the loop (postponed broadcasts live
+    there).  ``space`` is the SMG space whose shape the accumulator has (an
+    auxiliary accumulator ``X__d1`` of a derived update has ``X``'s shape).
     """
 
     state: str
     combiner: str
     body: str
-    correction: str = "1"
+    carry: str = ""
     value: str = ""
     postponed: str = "1"
+    space: str = ""
 
     @property
     def init(self) -> float:
         return -np.inf if self.combiner == "max" else 0.0
+
+    @property
+    def base(self) -> str:
+        return self.space or self.state
+
+    @property
+    def correction(self) -> str:
+        """The multiplicative correction ``carry / X__old`` when the carry is one."""
+        if not self.carry:
+            return "1"
+        ratio = sp.simplify(parse(self.carry) / sp.Symbol(old(self.state), real=True))
+        if any(s.name.split("__")[0] == self.state.split("__")[0] or not s.name.endswith(("__old", "__new"))
+               for s in ratio.free_symbols):
+            raise TemporalSliceError(f"update of {self.state!r} is not a plain rescaling: {self.carry}")
+        return str(ratio)
 
     def describe(self, serial: str, states: tuple[str, ...] = ()) -> str:
         """Readable recurrence; primes mark values after this step's update."""
         s = self.state
         if self.combiner == "max":
             return f"{s}' = max({s}, max_{serial} {self.body})"
-        corr = "" if self.correction == "1" else f" * {self.correction}"
-        text = f"{s}' = {s}{corr} + sum_{serial} {_primed(self.body, states)}"
+        try:
+            corr = self.correction
+            carry = s if corr == "1" else f"{s} * {corr}"
+        except TemporalSliceError:
+            carry = self.carry
+        text = f"{s}' = {carry} + sum_{serial} {_primed(self.body, states)}"
         return text.replace("__new", "'").replace("__old", "")
 
 
@@ -84,6 +107,9 @@ class TemporalPlan:
     states: tuple[UpdateFunction, ...]
     finalize: tuple[tuple[str, str], ...]  # output space -> expression over state values
     inlined: tuple[str, ...]
+    #: outputs that keep the serial dim: written in a second pass over the steps,
+    #: once the reductions over the serial dim are final
+    second_pass: tuple[str, ...] = ()
 
 
 def _depends_on(smg: SMG, space: str, targets: set[str], memo: dict[str, bool]) -> bool:
@@ -152,11 +178,110 @@ def _postpone(body: sp.Expr, state_syms: set[sp.Symbol]) -> tuple[sp.Expr, sp.Ex
     return body, sp.simplify(factor)
 
 
-def _correction(body: sp.Expr, running: list[sp.Symbol]) -> tuple[sp.Expr, set[sp.Symbol]]:
-    """``body(B_new) / body(B_old)`` and the old/new symbols it may depend on."""
-    olds = {b: sp.Symbol(old(b.name), real=True) for b in running}
-    news = {b: sp.Symbol(new(b.name), real=True) for b in running}
-    return sp.simplify(body.xreplace(news) / body.xreplace(olds)), set(olds.values()) | set(news.values())
+def _samples(exprs: list[sp.Expr], syms: list[sp.Symbol], pts: np.ndarray) -> np.ndarray:
+    """Values of ``exprs`` at the points ``pts`` (one row per point)."""
+    cols = []
+    for e in exprs:
+        f = sp.lambdify(syms, e, modules="numpy")
+        cols.append(np.broadcast_to(np.asarray(f(*pts.T), dtype=np.float64), (len(pts),)))
+    return np.stack(cols, axis=1) if cols else np.zeros((len(pts), 0))
+
+
+def _coefficients(g: sp.Expr, basis: list[sp.Expr], syms: list[sp.Symbol],
+                  rng: np.random.Generator) -> np.ndarray | None:
+    """Constant ``c`` with ``g == sum c_j basis_j`` identically, or None.
+
+    Fitted at random points (positive, away from poles), then verified at
+    fresh ones: a coefficient that secretly depends on a variable fails there.
+    """
+    n = len(basis) + 6
+    fit_pts, check_pts = rng.uniform(0.3, 1.7, size=(2, n, len(syms)))
+    a, a2 = _samples(basis, syms, fit_pts), _samples(basis, syms, check_pts)
+    y, y2 = _samples([g], syms, fit_pts)[:, 0], _samples([g], syms, check_pts)[:, 0]
+    if not all(np.all(np.isfinite(v)) for v in (a, a2, y, y2)):
+        return None
+    c = np.linalg.lstsq(a, y, rcond=None)[0] if basis else np.zeros(0)
+    if np.allclose(a2 @ c, y2, rtol=1e-9, atol=1e-12 * (1 + np.abs(y2).max())):
+        return c
+    return None
+
+
+def _derivative_closure(body: sp.Expr, running: list[sp.Symbol], streamed: list[sp.Symbol],
+                        state: str, limit: int = 6) -> tuple[list[sp.Expr], dict[sp.Symbol, sp.Matrix]]:
+    """Smallest basis ``F = [body, ...]`` closed under d/db for every running
+    state ``b``, with constant matrices ``D_b`` such that ``dF/db = D_b F``.
+
+    Then each partial accumulator ``A = sum_seen F(x; b)`` obeys
+    ``A(b_new) = expm((b_new - b_old) D_b) A(b_old)``: the update-then-aggregate
+    rule, exact for any body in this class (exponentials give online softmax,
+    polynomials give the Welford/Chan moment updates).
+    """
+    syms = streamed + running
+    rng = np.random.default_rng(0)
+    basis = [body]
+    rows: dict[sp.Symbol, list[np.ndarray]] = {b: [] for b in running}
+    i = 0
+    while i < len(basis):
+        for b in running:
+            g = sp.diff(basis[i], b)
+            c = _coefficients(g, basis, syms, rng)
+            if c is None:
+                if len(basis) >= limit:
+                    raise TemporalSliceError(
+                        f"state {state!r}: its body {body} is not closed under differentiation by the "
+                        f"running state(s) {[str(r) for r in running]} within {limit} terms, so no "
+                        f"update-then-aggregate rule corrects a partial result"
+                    )
+                basis.append(sp.simplify(g))
+                c = np.eye(len(basis))[-1]
+            rows[b].append(c)
+        i += 1
+    mats = {}
+    for b in running:
+        mats[b] = sp.Matrix([[_nice(x) for x in np.pad(r, (0, len(basis) - len(r)))] for r in rows[b]])
+    return basis, mats
+
+
+def _nice(x: float) -> sp.Expr:
+    return sp.nsimplify(float(x), rational=True, tolerance=1e-12) if abs(x) > 1e-300 else sp.Integer(0)
+
+
+def _flow(d: sp.Matrix, delta: sp.Expr) -> sp.Matrix:
+    """``expm(delta * D)``: a finite Taylor sum when D is nilpotent (polynomial bodies)."""
+    k = d.shape[0]
+    if (d**k).is_zero_matrix:
+        term, out = sp.eye(k), sp.eye(k)
+        for j in range(1, k):
+            term = term * d * delta / j
+            out += term
+        return out.applyfunc(sp.expand)
+    return (d * delta).exp().applyfunc(sp.simplify)
+
+
+def _carries(names: list[str], running: list[sp.Symbol], mats: dict[sp.Symbol, sp.Matrix]) -> list[sp.Expr]:
+    """``expm(delta_b D_b) @ A_old`` for each running state, composed."""
+    e = sp.eye(len(names))
+    for b in running:
+        delta = sp.Symbol(new(b.name), real=True) - sp.Symbol(old(b.name), real=True)
+        e = _flow(mats[b], delta) * e
+    accs = sp.Matrix([sp.Symbol(old(n), real=True) for n in names])
+    # expand products but never split an exponential of a difference into a product: it overflows
+    return [sp.expand(x, power_exp=False) for x in (e * accs)]
+
+
+def _sum_states(op_out: str, body: sp.Expr, running: list[sp.Symbol], factor: sp.Expr) -> list[UpdateFunction]:
+    """The update functions of one sum state (plus auxiliary accumulators)."""
+    value = str(sp.simplify(factor * symbol(op_out)))
+    if not running:
+        return [UpdateFunction(op_out, "sum", str(body), "", value, str(factor))]
+    streamed = sorted(body.free_symbols - set(running), key=str)
+    basis, mats = _derivative_closure(body, running, streamed, op_out)
+    names = [op_out] + [f"{op_out}__d{i}" for i in range(1, len(basis))]
+    carries = _carries(names, running, mats)
+    out = [UpdateFunction(op_out, "sum", str(body), str(carries[0]), value, str(factor))]
+    for n, f, c in zip(names[1:], basis[1:], carries[1:]):
+        out.append(UpdateFunction(n, "sum", str(f), str(c), n, "1", op_out))
+    return out
 
 
 def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
@@ -168,11 +293,8 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
     if not state_ops:
         raise TemporalSliceError(f"no op of {smg.name!r} reduces over {serial!r}; nothing to slice")
     for o in smg.outputs:
-        if serial in smg.space(o).dims:
-            raise TemporalSliceError(
-                f"output {o!r} keeps the serial dim {serial!r}: writing it needs the final value of "
-                f"the reductions over {serial!r}, i.e. a second pass"
-            )
+        if cls[o] == "state" and serial in smg.space(o).dims:  # pragma: no cover - reduce drops the dim
+            raise TemporalSliceError(f"output {o!r} both reduces and keeps {serial!r}")
     state_syms = {symbol(op.out) for op in state_ops}
     states: list[UpdateFunction] = []
     postponed: dict[str, sp.Expr] = {}
@@ -194,19 +316,9 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
             continue
         body, factor = _postpone(body, state_syms)
         running = sorted(body.free_symbols & state_syms, key=str)
-        corr = sp.Integer(1)
-        if running:
-            corr, allowed = _correction(body, running)
-            if not _free_of(corr, allowed):
-                raise TemporalSliceError(
-                    f"state {op.out!r}: its body {body} is not a product of a factor of the running "
-                    f"state(s) {[str(r) for r in running]} and the streamed values, so update-then-"
-                    f"aggregate cannot correct a partial result (correction would be {corr})"
-                )
         postponed[op.out] = factor
-        value = sp.simplify(factor * symbol(op.out))
-        states.append(UpdateFunction(op.out, "sum", str(body), str(corr), str(value), str(factor)))
-    values = {symbol(u.state): parse(u.value) for u in states}
+        states.extend(_sum_states(op.out, body, running, factor))
+    values = {symbol(u.state): parse(u.value) for u in states if u.space == ""}
     fin = []
     for o in smg.outputs:
         e = _inline(smg, symbol(o), cls)
@@ -217,6 +329,7 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
         states=tuple(states),
         finalize=tuple(fin),
         inlined=tuple(op.out for op in smg.ops if cls[op.out] in ("dependent", "post")),
+        second_pass=tuple(o for o in smg.outputs if serial in smg.space(o).dims),
     )
     check_update_functions(plan)
     return plan
@@ -236,10 +349,12 @@ def check_update_functions(plan: TemporalPlan, seed: int = 0) -> None:
     """Check the derived functions: identity, composition, and a sliced run on
     random data against the unsliced reduction chain."""
     for u in plan.states:
-        c = parse(u.correction)
-        subs = {s: sp.Symbol(s.name.replace("__old", "__new"), real=True) for s in c.free_symbols}
-        if sp.simplify(c.xreplace(subs) - 1) != 0:
-            raise TemporalSliceError(f"correction of {u.state!r} is not 1 when nothing changed: {c}")
+        if not u.carry:
+            continue
+        c = parse(u.carry)
+        subs = {s: sp.Symbol(s.name.replace("__new", "__old"), real=True) for s in c.free_symbols}
+        if sp.simplify(c.xreplace(subs) - sp.Symbol(old(u.state), real=True)) != 0:
+            raise TemporalSliceError(f"update of {u.state!r} changes the accumulator when nothing changed: {c}")
     rng = np.random.default_rng(seed)
     streamed = set()
     for u in plan.states:
@@ -263,14 +378,14 @@ def run_chain(plan: TemporalPlan, data: dict[str, np.ndarray], steps: list[int])
         for u in plan.states:
             args = {**tile, **{k: env[k] for k in env}}
             args |= {old(k): prev[k] for k in prev} | {new(k): env[k] for k in env}
-            b = _lambda(u.body)(args)
+            b = np.broadcast_to(_lambda(u.body)(args), (step,))  # a constant body still counts per element
             if u.combiner == "max":
                 env[u.state] = max(env[u.state], float(np.max(b)))
             else:
-                args[new(u.state)] = env[u.state]
-                env[u.state] = env[u.state] * float(_lambda(u.correction)(args)) + float(np.sum(b))
+                carried = float(_lambda(u.carry)(args)) if u.carry else env[u.state]
+                env[u.state] = carried + float(np.sum(b))
         start += step
-    return {u.state: float(_lambda(u.value)(env)) for u in plan.states}
+    return {u.state: float(_lambda(u.value or u.state)(env)) for u in plan.states}
 
 
 def _lambda(text: str):

@@ -21,5 +21,12 @@ def symbol(name: str) -> sp.Symbol:
 
 
 def body_expr(op: Op) -> sp.Expr:
-    """Parse ``op.body`` with each accessed space name bound to a real symbol."""
-    return _parse(op.body, tuple(a.space for a in op.inputs))
+    """Parse ``op.body`` with each accessed space name and each iteration dim
+    (index-dependent bodies, e.g. masks) bound to a real symbol."""
+    return _parse(op.body, tuple(a.space for a in op.inputs) + op.iter_dims)
+
+
+def index_symbols(op: Op) -> tuple[sp.Symbol, ...]:
+    """The iteration dims that ``op``'s body reads as values (e.g. ``l <= m``)."""
+    free = body_expr(op).free_symbols
+    return tuple(symbol(d) for d in op.iter_dims if symbol(d) in free)

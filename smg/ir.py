@@ -66,7 +66,10 @@ class Op:
     """A tensor index expression: ``out[out_index] = combiner_{reduce}(body)``.
 
     ``body`` is a sympy-parsable scalar expression whose free symbols are the
-    names of the accessed spaces.  ``kind`` is the user-facing operator name.
+    names of the accessed spaces and, for index-dependent bodies such as a
+    causal mask, names of iteration dims.  ``kind`` is the primitive's name;
+    ``group`` names the user-level operator it belongs to (a LayerNorm is
+    several primitives), which is the unit of the unfused baseline.
     """
 
     kind: str
@@ -76,6 +79,7 @@ class Op:
     body: str
     reduce: tuple[str, ...] = ()
     combiner: str = "none"
+    group: str = ""
 
     @property
     def iter_dims(self) -> tuple[str, ...]:
@@ -143,6 +147,8 @@ class SMG:
             raise ShapeError(f"SMG {self.name!r} declares a dimension twice: {names}")
         known = set(names)
         space_names = {s.name for s in self.spaces}
+        if known & space_names:
+            raise ValueError(f"SMG {self.name!r}: names used both for a dim and a space: {sorted(known & space_names)}")
         for s in self.spaces:
             for d in s.dims:
                 if d not in known:
@@ -190,6 +196,14 @@ class SMG:
         produced = {op.out for op in self.ops}
         return tuple(s.name for s in self.spaces if s.name not in produced)
 
+    def group_of(self, op: Op) -> str:
+        return op.group or op.out
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """User-level operators in order (the kernels of the unfused baseline)."""
+        return tuple(dict.fromkeys(self.group_of(op) for op in self.ops))
+
     @property
     def intermediates(self) -> tuple[str, ...]:
         return tuple(op.out for op in self.ops if op.out not in self.outputs)
@@ -218,6 +232,12 @@ class SMG:
         from smg.printing import summary
 
         return summary(self)
+
+    def _repr_svg_(self) -> str:
+        """Jupyter: spaces, iteration spaces and per-dim dependency kinds on the edges."""
+        from smg.display import smg_svg
+
+        return smg_svg(self)
 
 
 def join_smgs(graphs: list[SMG], name: str, outputs: tuple[str, ...] | None = None) -> SMG:

@@ -6,7 +6,10 @@ is a join of the per-operator SMGs on shared names, done by ``Builder.build``.
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from smg.errors import ShapeError, UnknownAxisError, UnknownOperatorError
@@ -44,6 +47,12 @@ REDUCE = ("sum", "max")
 RESERVED = frozenset({"exp", "log", "sqrt", "tanh", "erf", "Abs", "Min", "sin", "cos"})
 
 
+def _mentions(body: str, name: str) -> bool:
+    import re
+
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_(])", body) is not None
+
+
 @dataclass(frozen=True)
 class Tensor:
     """A handle on a data space of a graph under construction."""
@@ -67,6 +76,17 @@ class Builder:
         self.spaces: dict[str, DataSpace] = {}
         self.graphs: list[SMG] = []
         self._count: dict[str, int] = {}
+        self._group: str | None = None
+
+    @contextmanager
+    def group(self, name: str) -> Iterator[None]:
+        """Ops emitted inside form one user-level operator (one kernel when unfused)."""
+        outer = self._group
+        self._group = outer or name  # a composite inside a composite stays in the outer one
+        try:
+            yield
+        finally:
+            self._group = outer
 
     # -- helpers ----------------------------------------------------------------
     def _fresh(self, base: str, name: str | None) -> str:
@@ -82,9 +102,13 @@ class Builder:
                              f"the function names {sorted(RESERVED)}")
         if name in self.spaces:
             raise ValueError(f"space name {name!r} is already used in graph {self.name!r}")
+        if name in self.dims:
+            raise ValueError(f"space name {name!r} is already a dimension of graph {self.name!r}")
         return name
 
     def _dim(self, name: str, size: int) -> None:
+        if name in self.spaces:
+            raise ValueError(f"dimension name {name!r} is already a space of graph {self.name!r}")
         if name in self.dims and self.dims[name] != size:
             raise ShapeError(
                 f"dimension {name!r} has size {self.dims[name]} elsewhere in graph "
@@ -94,6 +118,8 @@ class Builder:
         self.dims[name] = int(size)
 
     def _emit(self, op: Op, dtype: str | None = None) -> Tensor:
+        if self._group:
+            op = dataclasses.replace(op, group=self._group)
         out = DataSpace(op.out, op.out_index, dtype or self.dtype)
         self.spaces[op.out] = out
         used = set(op.iter_dims)
@@ -145,13 +171,28 @@ class Builder:
         return self._emit(Op(fn, self._fresh(fn, name), out_dims, accs, body))
 
     def map(self, body: str, *xs: Tensor, name: str | None = None, kind: str = "map") -> Tensor:
-        """A user-written element-wise index expression over ``xs`` (broadcasting)."""
+        """A user-written element-wise expression over ``xs`` (broadcasting).
+
+        The body may also read the index along an output dim by its name
+        (e.g. ``l <= m`` for a causal mask).
+        """
         self._own(*xs)
         out_dims: tuple[str, ...] = ()
         for x in xs:
             out_dims += tuple(d for d in x.dims if d not in out_dims)
+        for d in self.dims:
+            if d not in out_dims and _mentions(body, d):
+                raise UnknownAxisError(f"body {body!r} reads index {d!r}, which is not a dim of its inputs {out_dims}")
         accs = tuple(Access(x.name, x.dims) for x in dict.fromkeys(xs))
         return self._emit(Op(kind, self._fresh(kind, name), out_dims, accs, body))
+
+    def mask(self, x: Tensor, keep: str, fill: float = -1e30, name: str | None = None) -> Tensor:
+        """``x`` where the index condition ``keep`` holds (e.g. ``"l <= m"``), else ``fill``.
+
+        The fill is a large finite negative rather than -inf, so a fully masked
+        tile of an online reduction gives no inf - inf.
+        """
+        return self.map(f"Piecewise(({x.name}, {keep}), ({float(fill)!r}, True))", x, name=name, kind="mask")
 
     def scale(self, x: Tensor, factor: float, name: str | None = None) -> Tensor:
         self._own(x)
@@ -193,11 +234,44 @@ class Builder:
     def softmax(self, x: Tensor, dim: str, name: str | None = None) -> Tensor:
         """Softmax as its max -> sub -> exp -> sum -> div composition."""
         base = name or f"{x.name}_softmax"
-        mx = self.reduce(x, dim, "max", name=f"{base}_max")
-        sh = self.binary("sub", x, mx, name=f"{base}_sub")
-        ex = self.unary("exp", sh, name=f"{base}_exp")
-        sm = self.reduce(ex, dim, "sum", name=f"{base}_sum")
-        return self.binary("div", ex, sm, name=name or base)
+        with self.group(base):
+            mx = self.reduce(x, dim, "max", name=f"{base}_max")
+            sh = self.binary("sub", x, mx, name=f"{base}_sub")
+            ex = self.unary("exp", sh, name=f"{base}_exp")
+            sm = self.reduce(ex, dim, "sum", name=f"{base}_sum")
+            return self.binary("div", ex, sm, name=name or base)
+
+    def layernorm(self, x: Tensor, dim: str, weight: Tensor | None = None, bias: Tensor | None = None,
+                  eps: float = 1e-5, name: str | None = None) -> Tensor:
+        """LayerNorm over ``dim`` as its primitives: mean, centred square, variance, scale."""
+        base = name or f"{x.name}_layernorm"
+        inv_n = 1.0 / self.dims[dim]
+        with self.group(base):
+            mean = self.scale(self.reduce(x, dim, "sum", name=f"{base}_sum"), inv_n, name=f"{base}_mean")
+            xc = self.binary("sub", x, mean, name=f"{base}_xc")
+            sq = self.map(f"{xc.name}**2", xc, name=f"{base}_sq")
+            var = self.scale(self.reduce(sq, dim, "sum", name=f"{base}_sqsum"), inv_n, name=f"{base}_var")
+            rstd = self.map(f"1/sqrt({var.name} + {float(eps)!r})", var, name=f"{base}_rstd")
+            return self._affine(self.binary("mul", xc, rstd, name=None if weight or bias else name),
+                                weight, bias, name)
+
+    def rmsnorm(self, x: Tensor, dim: str, weight: Tensor | None = None, eps: float = 1e-6,
+                name: str | None = None) -> Tensor:
+        """RMSNorm over ``dim``: x / sqrt(mean(x^2) + eps) * weight."""
+        base = name or f"{x.name}_rmsnorm"
+        with self.group(base):
+            sq = self.map(f"{x.name}**2", x, name=f"{base}_sq")
+            ms = self.scale(self.reduce(sq, dim, "sum", name=f"{base}_sqsum"), 1.0 / self.dims[dim],
+                            name=f"{base}_ms")
+            rstd = self.map(f"1/sqrt({ms.name} + {float(eps)!r})", ms, name=f"{base}_rstd")
+            return self._affine(self.binary("mul", x, rstd, name=None if weight else name), weight, None, name)
+
+    def _affine(self, y: Tensor, weight: Tensor | None, bias: Tensor | None, name: str | None) -> Tensor:
+        if weight is not None:
+            y = self.binary("mul", y, weight, name=None if bias else name)
+        if bias is not None:
+            y = self.binary("add", y, bias, name=name)
+        return y
 
     def build(self, *outputs: Tensor, name: str | None = None) -> SMG:
         """Join the operator SMGs into one fused SMG computing ``outputs``."""

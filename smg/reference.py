@@ -8,7 +8,7 @@ import numpy as np
 import sympy as sp
 
 from smg.errors import ShapeError
-from smg.expr import body_expr, symbol
+from smg.expr import body_expr, index_symbols, symbol
 from smg.ir import SMG, Op
 
 
@@ -16,7 +16,8 @@ def _lambdify(op: Op):
     from math import erf
 
     mods = [{"Max": np.maximum, "Min": np.minimum, "erf": np.vectorize(erf)}, "numpy"]
-    return sp.lambdify([symbol(a.space) for a in op.inputs], body_expr(op), modules=mods)
+    args = [symbol(a.space) for a in op.inputs] + list(index_symbols(op))
+    return sp.lambdify(args, body_expr(op), modules=mods)
 
 
 def _aligned(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...]) -> np.ndarray:
@@ -27,8 +28,15 @@ def _aligned(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...]
     return arr.reshape(shape)
 
 
-def evaluate_op(op: Op, env: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Evaluate one op on arrays whose axes follow each space's dims."""
+def evaluate_op(op: Op, env: Mapping[str, np.ndarray], sizes: Mapping[str, int] | None = None,
+                starts: Mapping[str, int] | None = None) -> np.ndarray:
+    """Evaluate one op on arrays whose axes follow each space's dims.
+
+    ``sizes`` gives the extent of every iteration dim; it matters when a dim
+    is read by no input (e.g. a sum over a constant counts its elements).
+    ``starts`` gives the global index of the first element along each dim when
+    the arrays are slices (index-dependent bodies such as masks read it).
+    """
     ins = [env[a.space] for a in op.inputs]
     expr = body_expr(op)
     syms = [symbol(a.space) for a in op.inputs]
@@ -40,8 +48,14 @@ def evaluate_op(op: Op, env: Mapping[str, np.ndarray]) -> np.ndarray:
             out = "".join(letters[d] for d in op.out_index)
             return float(coeff) * np.einsum(f"{spec}->{out}", *ins, optimize=True)
     args = [_aligned(x, a.index, op.iter_dims) for x, a in zip(ins, op.inputs)]
-    val = np.broadcast_to(np.asarray(_lambdify(op)(*args), dtype=np.float64),
-                          np.broadcast_shapes(*(a.shape for a in args)))
+    shape = np.broadcast_shapes(*(a.shape for a in args))
+    if sizes is not None:
+        shape = tuple(sizes[d] for d in op.iter_dims)
+    for sym in index_symbols(op):
+        axis = op.iter_dims.index(sym.name)
+        idx = np.arange(shape[axis], dtype=np.float64) + (starts or {}).get(sym.name, 0)
+        args.append(idx.reshape([-1 if i == axis else 1 for i in range(len(shape))]))
+    val = np.broadcast_to(np.asarray(_lambdify(op)(*args), dtype=np.float64), shape)
     axes = tuple(range(len(op.out_index), len(op.iter_dims)))
     if op.combiner == "sum":
         return val.sum(axis=axes)
@@ -62,7 +76,7 @@ def evaluate(smg: SMG, inputs: Mapping[str, np.ndarray], keep: bool = False) -> 
             raise ShapeError(f"input {name!r} has shape {arr.shape}, graph {smg.name!r} expects {want}")
         env[name] = arr
     for op in smg.ops:
-        env[op.out] = evaluate_op(op, env)
+        env[op.out] = evaluate_op(op, env, smg.dim_sizes)
     return env if keep else {o: env[o] for o in smg.outputs}
 
 

@@ -20,7 +20,7 @@ def smg_from_dict(d: dict[str, Any]) -> SMG:
         ops=tuple(
             Op(o["kind"], o["out"], tuple(o["out_index"]),
                tuple(Access(a["space"], tuple(a["index"])) for a in o["inputs"]),
-               o["body"], tuple(o["reduce"]), o["combiner"])
+               o["body"], tuple(o["reduce"]), o["combiner"], o.get("group", ""))
             for o in d["ops"]
         ),
         outputs=tuple(d["outputs"]),

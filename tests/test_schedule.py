@@ -247,10 +247,11 @@ def test_thread_dim_must_be_cut() -> None:
 def test_unplannable_graph_is_refused_by_make_schedule() -> None:
     from smg import Builder
 
-    g = Builder("plain_softmax")
+    g = Builder("inverse_deviation")
     x = g.input("X", {"m": 4, "l": 16})
-    with pytest.raises(TemporalSliceError, match="second pass"):
-        make_schedule(g.build(g.softmax(x, "l", name="P")), step=4)
+    inv = g.map("1/(X - Xsum)", x, g.reduce(x, "l", "sum", name="Xsum"), name="inv")
+    with pytest.raises(TemporalSliceError, match="not closed under differentiation"):
+        make_schedule(g.build(g.reduce(inv, "l", "sum", name="acc")), step=4)
 
 
 def test_automatic_serial_dim_is_one_the_temporal_slicer_accepts() -> None:

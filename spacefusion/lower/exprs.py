@@ -62,6 +62,21 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr
             for a in e.args[1:]:
                 out = fn(out, go(a))
             return out
+        if isinstance(e, sp.Piecewise):
+            out = None
+            for val, cond in reversed(e.args):
+                out = go(val) if cond is sp.true else tirx.if_then_else(go(cond), go(val), out)
+            if out is None:  # pragma: no cover - sympy always ends Piecewise with True here
+                raise NotImplementedError(f"Piecewise without a default branch: {e}")
+            return out
+        rel = {sp.LessThan: lambda a, b: a <= b, sp.StrictLessThan: lambda a, b: a < b,
+               sp.GreaterThan: lambda a, b: a >= b, sp.StrictGreaterThan: lambda a, b: a > b}
+        for f, g in rel.items():
+            if isinstance(e, f):
+                return g(go(e.lhs), go(e.rhs))
+        if isinstance(e, (sp.And, sp.Or)):
+            fn = tirx.all if isinstance(e, sp.And) else tirx.any
+            return fn(*[go(a) for a in e.args])
         raise NotImplementedError(f"cannot lower expression {e} ({type(e).__name__}) to TIR")
 
     return go(expr)

@@ -67,7 +67,7 @@ class _Kernel:
 
     # -- indices ------------------------------------------------------------------
     def local_dims(self, space: str) -> tuple[str, ...]:
-        space = space.replace("__old", "").replace("__new", "")
+        space = space.split("__")[0]  # X, X__old, X__d1 (auxiliary accumulator) share X's dims
         return tuple(d for d in self.smg.space(space).dims if d not in self.cut)
 
     def local_shape(self, space: str) -> tuple[int, ...]:
@@ -89,7 +89,19 @@ class _Kernel:
         return idx
 
     # -- loads --------------------------------------------------------------------
+    def index_value(self, dim: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        """Global index along ``dim`` as fp32 (for index-dependent bodies, e.g. masks)."""
+        if dim in self.cut:
+            idx = self.origin[dim]
+        elif dim == self.s.serial:
+            idx = self.t0 + env[dim]
+        else:
+            idx = env[dim]
+        return tirx.Cast(F32, idx)
+
     def load(self, name: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        if name in self.sizes:
+            return self.index_value(name, env)
         base = name.replace("__old", "").replace("__new", "")
         if name.endswith("__old"):
             return self.local[name][self.local_index(base, env)]
@@ -154,50 +166,77 @@ def _alloc_local(k: _Kernel, name: str, space: str) -> None:
 
 def _emit_body(k: _Kernel, cuda: bool) -> None:
     s, smg, plan = k.s, k.smg, k.s.plan
-    states = [u.state for u in plan.states]
-    olds = sorted({sym.name for u in plan.states for sym in parse(u.correction).free_symbols
+    olds = sorted({sym.name for u in plan.states for sym in parse(u.carry or "0").free_symbols
                    if sym.name.endswith("__old")})
-    for st in states:
-        _alloc_local(k, st, st)
+    for u in plan.states:
+        _alloc_local(k, u.state, u.state)
     for o in olds:
-        _alloc_local(k, o, o.replace("__old", ""))
-    for st, u in zip(states, plan.states):
+        _alloc_local(k, o, o)
+    for u in plan.states:
         with ExitStack() as st_loops:
-            env = k.loops(k.local_dims(st), st_loops)
-            T.buffer_store(k.local[st], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
-                           k.local_index(st, env))
+            env = k.loops(k.local_dims(u.state), st_loops)
+            T.buffer_store(k.local[u.state], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
+                           k.local_index(u.state, env))
     staged = [n for n, lvl in s.memory if lvl == "shared"] if cuda else []
     for n in staged:
         k.shared[n] = T.alloc_buffer(k.local_shape(n), smg.space(n).dtype, scope="shared")
     for n in plan.streamed:
         _alloc_local(k, n, n)
+    per_step = tuple(n for n in plan.streamed if s.serial in smg.producer(n).iter_dims)
+    k.t0 = tirx.const(0, "int32")
+    for n in plan.streamed:  # streamed ops without the serial dim: once per block, before the loop
+        if n not in per_step:
+            _emit_streamed(k, n)
     with T.serial(0, s.num_steps) as step:
         k.t0 = step * s.step
-        for n in staged:
-            _emit_stage(k, n)
-        if staged:
-            T.evaluate(T.tvm_storage_sync("shared"))
-        for n in plan.streamed:
-            _emit_streamed(k, n)
+        _emit_step_inputs(k, staged, per_step)
         for o in olds:
             with ExitStack() as st:
-                env = k.loops(k.local_dims(o.replace("__old", "")), st)
+                env = k.loops(k.local_dims(o), st)
                 T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
         for u in plan.states:
             _emit_update(k, u)
         if staged:
             T.evaluate(T.tvm_storage_sync("shared"))
-    for out, text in plan.finalize:
-        with ExitStack() as st:
-            env = k.loops(k.local_dims(out), st)
-            ok = tirx.all(*[k.origin[d] < k.sizes[d] for d in smg.space(out).dims if d in k.cut])
-            with T.If(ok):
-                with T.Then():
-                    val = k.expr(text, env)
-                    dt = k.glob[out].dtype
-                    val = val if dt == F32 else tirx.Cast(dt, val)
-                    T.buffer_store(k.glob[out], val, k.global_index(out, env))
+    fin = dict(plan.finalize)
+    for out in smg.outputs:
+        if out not in plan.second_pass:
+            _emit_store(k, out, fin[out], serial=False)
+    if plan.second_pass:
+        # outputs keeping the serial dim: a second pass once the reductions are final; with
+        # one step the streamed tile is still on chip and is not recomputed
+        with T.serial(0, s.num_steps) as step:
+            k.t0 = step * s.step
+            if s.num_steps > 1:
+                _emit_step_inputs(k, staged, per_step)
+            for out in plan.second_pass:
+                _emit_store(k, out, fin[out], serial=True)
+            if staged and s.num_steps > 1:
+                T.evaluate(T.tvm_storage_sync("shared"))
 
+
+def _emit_step_inputs(k: _Kernel, staged: list[str], streamed: tuple[str, ...]) -> None:
+    """Stage this step's input tiles and materialise the streamed spaces."""
+    for n in staged:
+        _emit_stage(k, n)
+    if staged:
+        T.evaluate(T.tvm_storage_sync("shared"))
+    for n in streamed:
+        _emit_streamed(k, n)
+
+
+def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
+    """Store an output element-wise (masked on cut-dim and serial-dim tails)."""
+    with ExitStack() as st:
+        env = k.loops(k.local_dims(out), st)
+        conds = [k.origin[d] < k.sizes[d] for d in k.smg.space(out).dims if d in k.cut]
+        if serial:
+            conds.append(k.valid_serial(env))
+        with T.If(tirx.all(*conds) if conds else tirx.const(True, "bool")):
+            with T.Then():
+                val = k.expr(text, env)
+                dt = k.glob[out].dtype
+                T.buffer_store(k.glob[out], val if dt == F32 else tirx.Cast(dt, val), k.global_index(out, env))
 
 
 def _emit_stage(k: _Kernel, name: str) -> None:
@@ -245,15 +284,13 @@ def _emit_streamed(k: _Kernel, name: str) -> None:
 
 
 def _emit_update(k: _Kernel, u) -> None:
-    """``S = max(S, body)`` or ``S = S * correction + body`` over one step."""
-    st_name = u.state
+    """``S = max(S, body)`` or ``S = carry + body`` over one step."""
     with ExitStack() as st:
-        env = k.loops(k.local_dims(st_name), st)
-        idx = k.local_index(st_name, env)
-        buf = k.local[st_name]
-        if u.combiner == "sum" and u.correction != "1":
-            corr_env = dict(env)
-            T.buffer_store(buf, buf[idx] * k.expr(_new_to_cur(u.correction), corr_env), idx)
+        env = k.loops(k.local_dims(u.state), st)
+        idx = k.local_index(u.state, env)
+        buf = k.local[u.state]
+        if u.combiner == "sum" and u.carry:
+            T.buffer_store(buf, k.expr(_new_to_cur(u.carry), dict(env)), idx)
         t = st.enter_context(T.serial(0, k.s.step))
         env2 = {**env, k.s.serial: t}
         with T.If(k.valid_serial(env2)):

@@ -1,0 +1,158 @@
+"""Fusion patterns beyond attention, each an SMG built from ``smg.ops``.
+
+Norms, GEMM epilogues, the fused MLP, an LSTM cell, horizontal fusion and
+attention variants.  None of them has a code path of its own: they go through
+the same slicers and lowering as MHA.  Names follow torch (``A @ B`` with
+B[k, n]); sizes are the only parameters besides options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from smg.errors import ShapeError, UnknownOperatorError
+from smg.ir import SMG
+from smg.ops import UNARY, Builder
+
+
+def layernorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
+    """``Y = LayerNorm(X) * W + B`` over the last dim."""
+    g = Builder("layernorm", dtype)
+    x = g.input("X", {"m": m, "n": n})
+    w, b = g.input("W", {"n": n}), g.input("B", {"n": n})
+    return g.build(g.layernorm(x, "n", w, b, eps=eps, name="Y"))
+
+
+def rmsnorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-6) -> SMG:
+    """``Y = X / sqrt(mean(X^2) + eps) * W`` over the last dim."""
+    g = Builder("rmsnorm", dtype)
+    x = g.input("X", {"m": m, "n": n})
+    return g.build(g.rmsnorm(x, "n", g.input("W", {"n": n}), eps=eps, name="Y"))
+
+
+def residual_layernorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
+    """``Y = LayerNorm(X + R) * W + B`` (seed 004's example)."""
+    g = Builder("residual_layernorm", dtype)
+    x, r = g.input("X", {"m": m, "n": n}), g.input("R", {"m": m, "n": n})
+    w, b = g.input("W", {"n": n}), g.input("B", {"n": n})
+    t = g.binary("add", x, r, name="T")
+    return g.build(g.layernorm(t, "n", w, b, eps=eps, name="Y"))
+
+
+def softmax(m: int, n: int, dtype: str = "float32") -> SMG:
+    """Row softmax ``Y = softmax(X, dim=-1)``."""
+    g = Builder("softmax", dtype)
+    return g.build(g.softmax(g.input("X", {"m": m, "n": n}), "n", name="Y"))
+
+
+def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = True,
+                  dtype: str = "float32") -> SMG:
+    """``Y = act(A @ B + bias)``; ``act`` is any unary operator or ``"none"``."""
+    if act != "none" and act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    g = Builder(f"gemm_{act}", dtype)
+    a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", {"k": k, "n": n})
+    y = g.matmul(a, b, reduce="k", name="C" if bias or act != "none" else "Y")
+    if bias:
+        y = g.binary("add", y, g.input("bias", {"n": n}), name="Cb" if act != "none" else "Y")
+    if act != "none":
+        y = g.unary(act, y, name="Y")
+    return g.build(y)
+
+
+def gemm_layernorm(m: int, n: int, k: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
+    """``Y = LayerNorm(A @ B) * W + Bn`` over the GEMM's output row."""
+    g = Builder("gemm_layernorm", dtype)
+    a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", {"k": k, "n": n})
+    c = g.matmul(a, b, reduce="k", name="C")
+    return g.build(g.layernorm(c, "n", g.input("W", {"n": n}), g.input("Bn", {"n": n}), eps=eps, name="Y"))
+
+
+def mlp(m: int, k: int, h: int, n: int, act: str = "gelu", dtype: str = "float32") -> SMG:
+    """Fused MLP ``Y = act(X @ W1) @ W2`` with X[m, k], W1[k, h], W2[h, n]."""
+    if act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
+    g = Builder("mlp", dtype)
+    x = g.input("X", {"m": m, "k": k})
+    w1, w2 = g.input("W1", {"k": k, "h": h}), g.input("W2", {"h": h, "n": n})
+    hid = g.unary(act, g.matmul(x, w1, reduce="k", name="H"), name="Ha")
+    return g.build(g.matmul(hid, w2, reduce="h", name="Y"))
+
+
+def lstm_cell(batch: int, input_size: int, hidden: int, dtype: str = "float32") -> SMG:
+    """One LSTM step: gates = X @ Wx_g + H @ Wh_g + b_g for g in (i, f, g, o);
+    ``C' = sigmoid(f) * C + sigmoid(i) * tanh(g)``, ``H' = sigmoid(o) * tanh(C')``."""
+    g = Builder("lstm_cell", dtype)
+    x = g.input("X", {"b": batch, "k": input_size})
+    h = g.input("H", {"b": batch, "j": hidden})
+    c = g.input("C", {"b": batch, "n": hidden})
+    act = {"i": "sigmoid", "f": "sigmoid", "g": "tanh", "o": "sigmoid"}
+    gates = {}
+    for gate in "ifgo":
+        gx = g.matmul(x, g.input(f"Wx{gate}", {"k": input_size, "n": hidden}), reduce="k", name=f"X{gate}")
+        gh = g.matmul(h, g.input(f"Wh{gate}", {"j": hidden, "n": hidden}), reduce="j", name=f"H{gate}")
+        pre = g.map(f"X{gate} + H{gate} + b{gate}", gx, gh, g.input(f"b{gate}", {"n": hidden}), name=f"P{gate}")
+        gates[gate] = g.unary(act[gate], pre, name=f"G{gate}")
+    c_new = g.map("Gf*C + Gi*Gg", gates["f"], c, gates["i"], gates["g"], name="Cn")
+    h_new = g.binary("mul", gates["o"], g.unary("tanh", c_new, name="Ct"), name="Hn")
+    return g.build(h_new, c_new)
+
+
+def horizontal_gemms(m: int, k: int, n: int, names: tuple[str, ...] = ("shift", "scale", "gate"),
+                     dtype: str = "float32") -> SMG:
+    """Independent GEMMs sharing their input X: ``Y_i = X @ W_i``, one launch.
+
+    The SMG is the join of the GEMMs on X's space; the blocks of all outputs
+    share X's tile (AdaLN's shift/scale/gate, or Q/K/V projections).
+    """
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"output names must be distinct and non-empty: {names}")
+    g = Builder("horizontal_" + "_".join(names), dtype)
+    x = g.input("X", {"m": m, "k": k})
+    outs = [g.matmul(x, g.input(f"W_{nm}", {"k": k, "n": n}), reduce="k", name=nm) for nm in names]
+    return g.build(*outs)
+
+
+def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv_heads: int | None = None,
+              causal: bool = False, dtype: str = "float16", scale: float | None = None) -> SMG:
+    """``softmax(Q K^T * scale [+ causal mask]) V`` with optional grouped-query heads.
+
+    Grouped-query attention is a broadcast, not a gather: the query heads are
+    (kv head ``hk``, member ``r``) and K/V lack ``r`` (One-to-All), so
+    Q [b, heads, m, d] is viewed as [b, kv_heads, heads/kv_heads, m, d].  The
+    causal mask keeps ``l <= m`` (torch's ``is_causal``: top-left aligned).
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ShapeError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    sc = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    g = Builder("attention", dtype)
+    if kv_heads == heads:
+        hd = {"h": heads}
+        q = g.input("Q", {"b": batch, **hd, "m": seq_q, "d": head_dim})
+    else:
+        hd = {"h": kv_heads}
+        q = g.input("Q", {"b": batch, **hd, "r": heads // kv_heads, "m": seq_q, "d": head_dim})
+    k = g.input("K", {"b": batch, **hd, "l": seq_kv, "d": head_dim})
+    v = g.input("V", {"b": batch, **hd, "l": seq_kv, "n": head_dim})
+    s = g.scale(g.matmul(q, k, reduce="d", name="S"), sc, name="Ss")
+    if causal:
+        s = g.mask(s, "l <= m", name="Sm")
+    o = g.matmul(g.softmax(s, "l", name="P"), v, reduce="l", name="O")
+    attrs = (("scale", repr(sc)), ("causal", str(causal)), ("kv_heads", str(kv_heads)))
+    return dataclasses.replace(g.build(o), attrs=attrs)
+
+
+PATTERNS = {
+    "layernorm": layernorm,
+    "rmsnorm": rmsnorm,
+    "residual_layernorm": residual_layernorm,
+    "softmax": softmax,
+    "gemm_epilogue": gemm_epilogue,
+    "gemm_layernorm": gemm_layernorm,
+    "mlp": mlp,
+    "lstm_cell": lstm_cell,
+    "horizontal_gemms": horizontal_gemms,
+    "attention": attention,
+}

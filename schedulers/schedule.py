@@ -21,6 +21,7 @@ from smg.serialize import smg_from_dict, smg_to_dict
 
 FORMAT = "spacefusion-schedule/1"
 LEVELS = ("global", "shared", "register", "inlined")
+MAX_THREADS = 1024  # CUDA's threads per block
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class Schedule:
     """Block dims and sizes, serial dim and step, update functions, memory levels.
 
     ``block`` lists each spatially cut dim with its tile; dims not listed are
-    whole inside a block.  ``thread_dim`` is the block dim spread over threads.
+    whole inside a block.  Every element of a block's tile is one thread;
+    ``thread_dim`` is the fastest-varying one (consecutive threads, coalesced).
     """
 
     smg: SMG
@@ -50,7 +52,7 @@ class Schedule:
 
     @property
     def threads(self) -> int:
-        return self.tiles[self.thread_dim]
+        return math.prod(t for _, t in self.block)
 
     def grid(self) -> dict[str, int]:
         """Number of blocks along each cut dim."""
@@ -199,6 +201,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if t <= 0 or t > sizes[d]:
             raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
         block.append((d, t))
+    if math.prod(t for _, t in block) > MAX_THREADS:
+        raise ScheduleError(f"block tile {dict(block)} has {math.prod(t for _, t in block)} elements; one thread "
+                            f"each allows at most {MAX_THREADS}")
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
@@ -211,7 +216,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     states = {u.state for u in plan.states}
     for s in smg.spaces:
         if s.name in smg.inputs:
-            lvl = "shared" if serial in s.dims and thread_dim not in s.dims else "global"
+            # shared by several threads of the block along a cut dim it lacks: staged per step
+            lvl = "shared" if serial in s.dims and any(t > 1 and d not in s.dims for d, t in block) else "global"
         elif s.name in states or s.name in plan.streamed:
             lvl = "register"
         elif s.name in smg.outputs:

@@ -82,7 +82,14 @@ def test_gemm_and_softmax_gemm_schedules() -> None:
 
 def test_thread_dim_can_be_chosen() -> None:
     s = make_schedule(gemm(64, 64, 16), thread_dim="m", tiles={"m": 32, "n": 8}, step=8)
-    assert s.thread_dim == "m" and s.threads == 32
+    assert s.thread_dim == "m" and s.threads == 32 * 8  # one thread per element of the block tile
+    # both inputs lack a cut dim with tile > 1: each is shared by several threads, staged per step
+    assert s.level("A") == "shared" and s.level("B") == "shared"
+
+
+def test_block_tile_larger_than_a_thread_block_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="at most 1024"):
+        make_schedule(gemm(64, 64, 16), tiles={"m": 64, "n": 32}, step=8)
 
 
 def test_str_shows_update_functions_and_reasons() -> None:

@@ -20,7 +20,6 @@ from tvm import tirx
 from tvm.script import ir_builder as IB
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
 from smg.expr import body_expr
@@ -43,15 +42,6 @@ def signature(s: Schedule) -> KernelSignature:
     return KernelSignature(tuple(ps))
 
 
-def _check_lowerable(s: Schedule) -> None:
-    for d, t in s.block:
-        if d != s.thread_dim and t != 1:
-            raise ScheduleError(
-                f"the TIR lowering needs tile 1 for cut dim {d!r} (only the thread dim "
-                f"{s.thread_dim!r} may have a larger tile); got {t}"
-            )
-
-
 class _Kernel:
     """State of one lowering: buffers, loop indices, and the emit helpers."""
 
@@ -64,6 +54,7 @@ class _Kernel:
         self.shared: dict[str, tirx.Buffer] = {}
         self.origin: dict[str, tirx.PrimExpr] = {}
         self.t0: tirx.PrimExpr | None = None
+        self.tid: tirx.PrimExpr | None = None
 
     # -- indices ------------------------------------------------------------------
     def local_dims(self, space: str) -> tuple[str, ...]:
@@ -132,7 +123,6 @@ class _Kernel:
 
 def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
     """Lower ``s`` to a PrimFunc for ``target`` kind ``"llvm"`` or ``"cuda"``."""
-    _check_lowerable(s)
     k = _Kernel(s, target)
     grid = s.grid()
     nblocks = math.prod(grid.values())
@@ -151,11 +141,18 @@ def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
                 else:
                     bid = top.enter_context(T.parallel(0, nblocks))
                     tid = top.enter_context(T.serial(0, s.threads))
+                k.tid = tid
+                # thread id -> position in the block tile, thread_dim fastest (coalesced)
+                order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
+                within, rest_t = {}, tid
+                for d in order:
+                    within[d] = rest_t % s.tiles[d] if d != order[-1] else rest_t
+                    rest_t = rest_t // s.tiles[d]
                 rest = bid
                 for d, _t in reversed(s.block):  # mixed-radix decode of the block id
                     blk = rest % grid[d] if d != s.block[0][0] else rest
                     rest = rest // grid[d]
-                    k.origin[d] = blk * s.tiles[d] + (tid if d == s.thread_dim else 0)
+                    k.origin[d] = blk * s.tiles[d] + within[d]
                 _emit_body(k, cuda)
     return ib.get()
 
@@ -245,7 +242,7 @@ def _emit_stage(k: _Kernel, name: str) -> None:
     shape = k.local_shape(name)
     total = math.prod(shape)
     threads = k.s.threads
-    tid = k.origin[k.s.thread_dim] - (k.origin[k.s.thread_dim] // threads) * threads
+    tid = k.tid
     with T.serial(0, (total + threads - 1) // threads) as it:
         flat = it * threads + tid
         env, rest = {}, flat

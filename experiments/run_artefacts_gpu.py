@@ -133,9 +133,116 @@ def build_softmax_gemm(art: Any, seed: int, use_compile: bool) -> Case:
     return Case(inputs=x, output="O", reference=ref, baselines=baselines)
 
 
+def _case(art: Any, seed: int, use_compile: bool, names: tuple[str, ...], output: str,
+          fn: Callable[..., Any]) -> Case:
+    """A pattern whose torch form is ``fn(*inputs)`` (run in fp32 for the reference)."""
+    import torch
+
+    _require(art, names, output)
+    x = _random_inputs(art, names, seed)
+    args = [x[n] for n in names]
+    ref = fn(*[a.float() for a in args]).reshape(art.param(output).shape)
+
+    def eager() -> Any:
+        return fn(*args)
+
+    baselines: dict[str, Callable[[], Any]] = {"eager": eager}
+    if use_compile:
+        baselines["torch.compile"] = torch.compile(eager)
+    return Case(inputs=x, output=output, reference=ref, baselines=baselines)
+
+
+def _params(art: Any) -> tuple[str, ...]:
+    return tuple(p.name for p in art.params if p.role == "input")
+
+
+def build_norm(art: Any, seed: int, use_compile: bool) -> Case:
+    """LayerNorm / residual LayerNorm / RMSNorm / softmax over the last dim, as torch writes them."""
+    import torch
+    import torch.nn.functional as F
+
+    name = art.workload["name"]
+    n = art.param("Y").shape[-1]
+    fns: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
+        "layernorm": (("X", "W", "B"), lambda x, w, b: F.layer_norm(x, (n,), w, b, eps=1e-5)),
+        "residual_layernorm": (("X", "R", "W", "B"), lambda x, r, w, b: F.layer_norm(x + r, (n,), w, b, eps=1e-5)),
+        "rmsnorm": (("X", "W"), lambda x, w: F.rms_norm(x, (n,), w, eps=1e-6)),
+        "softmax": (("X",), lambda x: torch.softmax(x, dim=-1)),
+    }
+    names, fn = fns[name]
+    return _case(art, seed, use_compile, names, "Y", fn)
+
+
+_ACTS = {"sigmoid": "sigmoid", "relu": "relu", "gelu": "gelu", "silu": "silu", "tanh": "tanh"}
+
+
+def build_gemm_epilogue(art: Any, seed: int, use_compile: bool) -> Case:
+    """``act(A @ Bw [+ bias])`` with torch's own GEMM and activation."""
+    import torch.nn.functional as F
+
+    act = getattr(F, _ACTS[art.workload["name"].removeprefix("gemm_")])
+    if "bias" in _params(art):
+        return _case(art, seed, use_compile, ("A", "Bw", "bias"), "Y", lambda a, b, c: act(a @ b + c))
+    return _case(art, seed, use_compile, ("A", "Bw"), "Y", lambda a, b: act(a @ b))
+
+
+def build_gemm_layernorm(art: Any, seed: int, use_compile: bool) -> Case:
+    import torch.nn.functional as F
+
+    n = art.param("Y").shape[-1]
+    return _case(art, seed, use_compile, ("A", "Bw", "W", "Bn"), "Y",
+                 lambda a, b, w, c: F.layer_norm(a @ b, (n,), w, c, eps=1e-5))
+
+
+def build_mlp(art: Any, seed: int, use_compile: bool) -> Case:
+    import torch.nn.functional as F
+
+    return _case(art, seed, use_compile, ("X", "W1", "W2"), "Y", lambda x, w1, w2: F.gelu(x @ w1) @ w2)
+
+
+def build_attention(art: Any, seed: int, use_compile: bool) -> Case:
+    """Causal and/or grouped-query attention; SDPA gets the same mask and GQA layout."""
+    import torch
+    import torch.nn.functional as F
+
+    meta = art.workload
+    causal = meta.get("causal") == "True"
+    scale = float(meta["scale"])
+    qs = art.param("Q").shape
+    b, m, d = qs[0], qs[-2], qs[-1]
+    hq = math.prod(qs[1:-2])
+
+    def eager(q: Any, k: Any, v: Any) -> Any:
+        q4 = q.reshape(b, hq, m, d)
+        rep = hq // k.shape[1]
+        k4, v4 = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        s = q4 @ k4.transpose(-2, -1) * scale
+        if causal:
+            keep = torch.ones(m, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v4
+
+    case = _case(art, seed, use_compile, ("Q", "K", "V"), "O", eager)
+    q, k, v = (case.inputs[n] for n in ("Q", "K", "V"))
+    case.baselines["sdpa"] = lambda: F.scaled_dot_product_attention(
+        q.reshape(b, hq, m, d), k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != hq)
+    return case
+
+
 WORKLOADS: dict[str, Callable[[Any, int, bool], Case]] = {
     "mha": build_mha,
     "softmax_gemm": build_softmax_gemm,
+    "layernorm": build_norm,
+    "residual_layernorm": build_norm,
+    "rmsnorm": build_norm,
+    "softmax": build_norm,
+    "gemm_sigmoid": build_gemm_epilogue,
+    "gemm_relu": build_gemm_epilogue,
+    "gemm_gelu": build_gemm_epilogue,
+    "gemm_silu": build_gemm_epilogue,
+    "gemm_layernorm": build_gemm_layernorm,
+    "mlp": build_mlp,
+    "attention": build_attention,
 }
 
 
@@ -143,7 +250,7 @@ def max_abs_err(out: Any, ref: Any) -> float:
     """Max |out - ref| in float32; NaN if any element is non-finite (e.g. never written)."""
     import torch
 
-    diff = (out.float() - ref).abs()
+    diff = (out.float().reshape(ref.shape) - ref).abs()
     if not bool(torch.isfinite(diff).all()):
         return math.nan
     return float(diff.max())

@@ -215,9 +215,12 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     memory = []
     states = {u.state for u in plan.states}
     for s in smg.spaces:
+        # shared by several threads of the block (it lacks a cut dim whose tile is > 1)
+        shared_by_threads = any(t > 1 and d not in s.dims for d, t in block)
         if s.name in smg.inputs:
-            # shared by several threads of the block along a cut dim it lacks: staged per step
-            lvl = "shared" if serial in s.dims and any(t > 1 and d not in s.dims for d, t in block) else "global"
+            lvl = "shared" if serial in s.dims and shared_by_threads else "global"
+        elif s.name in plan.streamed and serial in s.dims and shared_by_threads:
+            lvl = "shared"  # computed once per block and step, cooperatively
         elif s.name in states or s.name in plan.streamed:
             lvl = "register"
         elif s.name in smg.outputs:

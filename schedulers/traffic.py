@@ -243,7 +243,8 @@ def on_chip(s: Schedule) -> tuple[tuple[str, int], ...]:
         fp = _footprint(smg, name, lo, hi, readers=None if name in smg.inputs else [name])
         if name in states:  # an accumulator holds the whole block's result, plus derived auxiliaries
             fp *= sum(1 for u in s.plan.states if u.base == name)
-        width = np.dtype(smg.space(name).dtype).itemsize if level == "shared" else ON_CHIP_BYTES
+        staged = level == "shared" and name in smg.inputs  # staged inputs keep their dtype
+        width = np.dtype(smg.space(name).dtype).itemsize if staged else ON_CHIP_BYTES
         out.append((name, fp * width))
     return tuple(out)
 

@@ -51,13 +51,15 @@ def _tvm():
 
 
 def shared_bytes(s: Schedule) -> int:
-    """Static shared memory of the generated kernel (the staged input tiles)."""
+    """Static shared memory of the generated kernel: block-shared tiles (staged
+    inputs in their dtype, cooperatively computed streamed spaces in fp32)."""
     total = 0
     for name, lvl in s.memory:
         if lvl == "shared":
-            dims = [d for d in s.smg.space(name).dims if d not in s.tiles]
-            n = math.prod(s.step if d == s.serial else s.smg.dim_sizes[d] for d in dims)
-            total += n * np.dtype(s.smg.space(name).dtype).itemsize
+            sizes = s.smg.dim_sizes
+            n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
+                          for d in s.smg.space(name).dims)
+            total += n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
     return total
 
 

@@ -13,7 +13,7 @@ end are skipped by every reduction.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -55,6 +55,20 @@ class _Kernel:
         self.origin: dict[str, tirx.PrimExpr] = {}
         self.t0: tirx.PrimExpr | None = None
         self.tid: tirx.PrimExpr | None = None
+        self.base: dict[str, tirx.PrimExpr] = {}  # first index of the block's tile per cut dim
+        self.within: dict[str, tirx.PrimExpr] = {}  # this thread's position in the tile
+
+    @contextmanager
+    def at(self, pos: dict[str, tirx.PrimExpr]):
+        """Emit code for the tile element ``pos`` instead of this thread's own
+        (cooperative staging and computation of block-shared buffers)."""
+        saved = dict(self.origin), dict(self.within)
+        for d, e in pos.items():
+            self.origin[d], self.within[d] = self.base[d] + e, e
+        try:
+            yield
+        finally:
+            self.origin, self.within = saved
 
     # -- indices ------------------------------------------------------------------
     def local_dims(self, space: str) -> tuple[str, ...]:
@@ -67,6 +81,15 @@ class _Kernel:
 
     def local_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
         return [env[d] for d in self.local_dims(space)] or [0]
+
+    def shared_shape(self, space: str) -> tuple[int, ...]:
+        """A block-shared buffer holds the block's whole tile (all threads' elements)."""
+        dims = self.smg.space(space).dims
+        return tuple(self.s.tiles[d] if d in self.cut else self.s.step if d == self.s.serial else self.sizes[d]
+                     for d in dims) or (1,)
+
+    def shared_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
+        return [self.within[d] if d in self.cut else env[d] for d in self.smg.space(space).dims] or [0]
 
     def global_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
         idx = []
@@ -101,7 +124,8 @@ class _Kernel:
         if base in self.local:
             return self.local[base][self.local_index(base, env)]
         if base in self.shared:
-            return self.shared[base][self.local_index(base, env)]
+            val = self.shared[base][self.shared_index(base, env)]
+            return val if self.shared[base].dtype == F32 else tirx.Cast(F32, val)
         val = self.glob[base][self.global_index(base, env)]
         return val if self.glob[base].dtype == F32 else tirx.Cast(F32, val)
 
@@ -152,6 +176,7 @@ def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
                 for d, _t in reversed(s.block):  # mixed-radix decode of the block id
                     blk = rest % grid[d] if d != s.block[0][0] else rest
                     rest = rest // grid[d]
+                    k.base[d], k.within[d] = blk * s.tiles[d], within[d]
                     k.origin[d] = blk * s.tiles[d] + within[d]
                 _emit_body(k, cuda)
     return ib.get()
@@ -174,11 +199,14 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
             env = k.loops(k.local_dims(u.state), st_loops)
             T.buffer_store(k.local[u.state], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
                            k.local_index(u.state, env))
-    staged = [n for n, lvl in s.memory if lvl == "shared"] if cuda else []
-    for n in staged:
-        k.shared[n] = T.alloc_buffer(k.local_shape(n), smg.space(n).dtype, scope="shared")
+    shared = {n for n, lvl in s.memory if lvl == "shared"} if cuda else set()
+    staged = [n for n in smg.inputs if n in shared]
+    for n in shared:
+        dt = smg.space(n).dtype if n in smg.inputs else F32
+        k.shared[n] = T.alloc_buffer(k.shared_shape(n), dt, scope="shared")
     for n in plan.streamed:
-        _alloc_local(k, n, n)
+        if n not in shared:
+            _alloc_local(k, n, n)
     per_step = tuple(n for n in plan.streamed if s.serial in smg.producer(n).iter_dims)
     k.t0 = tirx.const(0, "int32")
     for n in plan.streamed:  # streamed ops without the serial dim: once per block, before the loop
@@ -193,7 +221,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
                 T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
         for u in plan.states:
             _emit_update(k, u)
-        if staged:
+        if k.shared:  # the next step overwrites the block-shared tiles
             T.evaluate(T.tvm_storage_sync("shared"))
     fin = dict(plan.finalize)
     for out in smg.outputs:
@@ -208,7 +236,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
                 _emit_step_inputs(k, staged, per_step)
             for out in plan.second_pass:
                 _emit_store(k, out, fin[out], serial=True)
-            if staged and s.num_steps > 1:
+            if k.shared and s.num_steps > 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
 
 
@@ -218,8 +246,14 @@ def _emit_step_inputs(k: _Kernel, staged: list[str], streamed: tuple[str, ...]) 
         _emit_stage(k, n)
     if staged:
         T.evaluate(T.tvm_storage_sync("shared"))
+    coop = [n for n in streamed if n in k.shared]
+    for n in coop:
+        _emit_shared_streamed(k, n)
+    if coop:
+        T.evaluate(T.tvm_storage_sync("shared"))
     for n in streamed:
-        _emit_streamed(k, n)
+        if n not in k.shared:
+            _emit_streamed(k, n)
 
 
 def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
@@ -236,15 +270,15 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
                 T.buffer_store(k.glob[out], val if dt == F32 else tirx.Cast(dt, val), k.global_index(out, env))
 
 
-def _emit_stage(k: _Kernel, name: str) -> None:
-    """Cooperative, strided copy of one step's tile of an input into shared memory."""
-    dims = k.local_dims(name)
-    shape = k.local_shape(name)
+def _cooperative(k: _Kernel, name: str, emit) -> None:
+    """Spread the elements of block-shared buffer ``name`` over the block's threads;
+    ``emit(env)`` writes one element (with ``k.at`` set to that element)."""
+    dims = k.smg.space(name).dims
+    shape = k.shared_shape(name)
     total = math.prod(shape)
     threads = k.s.threads
-    tid = k.tid
     with T.serial(0, (total + threads - 1) // threads) as it:
-        flat = it * threads + tid
+        flat = it * threads + k.tid
         env, rest = {}, flat
         for d, ext in reversed(list(zip(dims, shape))):
             env[d] = rest % ext
@@ -254,8 +288,34 @@ def _emit_stage(k: _Kernel, name: str) -> None:
             ok = tirx.all(ok, k.valid_serial(env))
         with T.If(ok):
             with T.Then():
-                T.buffer_store(k.shared[name], k.glob[name][k.global_index(name, env)],
-                               k.local_index(name, env))
+                with k.at({d: env[d] for d in dims if d in k.cut}):
+                    emit(env)
+
+
+def _emit_stage(k: _Kernel, name: str) -> None:
+    """Cooperative copy of one step's tile of an input into shared memory."""
+    _cooperative(k, name, lambda env: T.buffer_store(
+        k.shared[name], k.glob[name][k.global_index(name, env)], k.shared_index(name, env)))
+
+
+def _emit_shared_streamed(k: _Kernel, name: str) -> None:
+    """A streamed space that several threads read: computed once per block, cooperatively."""
+    op = k.smg.producer(name)
+    body = body_expr(op)
+
+    def emit(env: dict[str, tirx.PrimExpr]) -> None:
+        idx = k.shared_index(name, env)
+        if not op.reduce:
+            T.buffer_store(k.shared[name], k.expr(body, env), idx)
+            return
+        acc = T.alloc_buffer((1,), F32, scope="local")
+        T.buffer_store(acc, tirx.FloatImm(F32, NEG_INF if op.combiner == "max" else 0.0), [0])
+        with ExitStack() as red:
+            val = k.expr(body, {**env, **k.loops(op.reduce, red)})
+            T.buffer_store(acc, acc[0] + val if op.combiner == "sum" else tirx.max(acc[0], val), [0])
+        T.buffer_store(k.shared[name], acc[0], idx)
+
+    _cooperative(k, name, emit)
 
 
 def _emit_streamed(k: _Kernel, name: str) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from schedulers.temporal import new, old, parse
 from smg.ir import Access, Op
@@ -45,6 +46,11 @@ def _starts(ranges: Mapping[str, slice]) -> dict[str, int]:
 def interpret(s: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute ``s`` on numpy inputs (float64 math); returns the outputs."""
     smg, plan = s.smg, s.plan
+    for op in smg.ops:
+        for a in op.inputs:
+            if not a.plain:
+                raise ScheduleError(f"the schedule interpreter slices tensors per block and cannot follow "
+                                    f"{op.out!r} reading {a.space!r} at {a.index}; check the llvm kernel instead")
     sizes = smg.dim_sizes
     data = {n: np.asarray(inputs[n], dtype=np.float64) for n in smg.inputs}
     outs = {o: np.zeros(smg.shape(o)) for o in smg.outputs}

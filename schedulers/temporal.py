@@ -145,6 +145,7 @@ def _inline(smg: SMG, expr: sp.Expr, cls: dict[str, str]) -> sp.Expr:
         for s in expr.free_symbols:
             op = smg.producer(s.name)
             if op is not None and cls[op.out] in ("dependent", "post"):
+                _plain_only(op, "inlined into an update function")
                 if op.reduce:
                     raise TemporalSliceError(
                         f"op {op.out!r} reduces over {op.reduce} while depending on a running state"
@@ -154,6 +155,14 @@ def _inline(smg: SMG, expr: sp.Expr, cls: dict[str, str]) -> sp.Expr:
             return expr
         expr = expr.xreplace(subs)
     raise TemporalSliceError("cyclic inlining")  # pragma: no cover
+
+
+def _plain_only(op, role: str) -> None:
+    """Bodies merged by substitution lose their accesses' index expressions: such ops must be streamed."""
+    for a in op.inputs:
+        if not a.plain:
+            raise TemporalSliceError(f"op {op.out!r} reads {a.space!r} at {a.index} and would be {role}; "
+                                     f"an op that gathers or windows must be streamed (materialised per step)")
 
 
 def _free_of(expr: sp.Expr, allowed: set[sp.Symbol]) -> bool:
@@ -299,6 +308,7 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
     states: list[UpdateFunction] = []
     postponed: dict[str, sp.Expr] = {}
     for op in state_ops:
+        _plain_only(op, "a running state")
         body = _inline(smg, body_expr(op), cls)
         for s in body.free_symbols & state_syms:
             if s.name in postponed and postponed[s.name] != 1:

@@ -195,23 +195,26 @@ def fused_kernel(s: Schedule) -> KernelTraffic:
 
 
 def _inputs_reached(s: Schedule, names: list[str], through_streamed: bool) -> set[str]:
-    """Inputs with the serial dim read from device memory to evaluate ``names``
+    """Inputs read along the serial dim from device memory to evaluate ``names``
     (directly, or through streamed spaces when ``through_streamed``)."""
     smg = s.smg
     spaces = {sp.name for sp in smg.spaces}
     need: set[str] = set()
-    todo = [(n, True) for n in names]
-    seen: set[tuple[str, bool]] = set()
+    todo = [(n, True, s.serial in smg.space(n).dims) for n in names if n in spaces]
+    seen: set[tuple[str, bool, bool]] = set()
     while todo:
-        n, direct = todo.pop()
-        if (n, direct) in seen or n not in spaces:
+        item = todo.pop()
+        n, direct, along = item
+        if item in seen:
             continue
-        seen.add((n, direct))
+        seen.add(item)
         if n in smg.inputs:
-            if s.serial in smg.space(n).dims and (direct or through_streamed):
+            if along and (direct or through_streamed):
                 need.add(n)
         elif n in s.plan.streamed:
-            todo += [(a.space, False) for a in smg.producer(n).inputs]
+            op = smg.producer(n)
+            # an input is read along the serial dim if its index mentions it (y, y + ky, floor(y/2))
+            todo += [(a.space, False, any(s.serial in a.dims_in(c) for c in a.index)) for a in op.inputs]
     return need
 
 

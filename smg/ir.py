@@ -9,6 +9,7 @@ edge -- is derived from those expressions, so it cannot drift from them.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -24,10 +25,13 @@ class Kind(enum.StrEnum):
     ONE_TO_ONE = "One-to-One"
     ONE_TO_ALL = "One-to-All"
     ALL_TO_ONE = "All-to-One"
+    #: a sliding window (``y + ky``): neighbouring elements overlap, a tile needs a halo.
+    #: Not in the paper's SMG; it lets the slicers tile convolutions.
+    WINDOWED = "Windowed"
 
     @property
     def short(self) -> str:
-        return {"One-to-One": "1:1", "One-to-All": "1:A", "All-to-One": "A:1"}[self.value]
+        return {"One-to-One": "1:1", "One-to-All": "1:A", "All-to-One": "A:1", "Windowed": "W"}[self.value]
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,24 @@ class DataSpace:
 
 @dataclass(frozen=True)
 class Access:
-    """One read of ``space`` inside an op: element index = the named dims."""
+    """One read of ``space`` inside an op.
+
+    Each index component is an iteration dim's name (the common case) or an
+    affine expression of iteration dims with optional ``floor(e/c)``, e.g.
+    ``y + ky - 1`` (a window) or ``floor(y/2)`` (nearest upsampling).
+    Elements outside the space read as zero (padding).
+    """
 
     space: str
     index: tuple[str, ...]
+
+    @property
+    def plain(self) -> bool:
+        """True when every component is a dim name, each at most once."""
+        return all(c.isidentifier() for c in self.index) and len(set(self.index)) == len(self.index)
+
+    def dims_in(self, component: str) -> tuple[str, ...]:
+        return tuple(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", component.replace("floor", " ")))
 
 
 @dataclass(frozen=True)
@@ -117,10 +135,17 @@ def _edges_of(op: Op) -> tuple[Edge, ...]:
     it = op.iteration_space
     edges = []
     for acc in op.inputs:
-        kinds = tuple(
-            (d, Kind.ONE_TO_ONE if d in acc.index else Kind.ONE_TO_ALL) for d in op.iter_dims
-        )
-        edges.append(Edge(acc.space, it, kinds))
+        comps = [acc.dims_in(c) for c in acc.index]
+        kinds = []
+        for d in op.iter_dims:
+            holding = [c for c in comps if d in c]
+            if not holding:
+                kinds.append((d, Kind.ONE_TO_ALL))
+            elif any(len(c) > 1 for c in holding):  # shares a component with another dim: y + ky
+                kinds.append((d, Kind.WINDOWED))
+            else:
+                kinds.append((d, Kind.ONE_TO_ONE))
+        edges.append(Edge(acc.space, it, tuple(kinds)))
     kinds = tuple((d, Kind.ALL_TO_ONE if d in op.reduce else Kind.ONE_TO_ONE) for d in op.iter_dims)
     edges.append(Edge(it, op.out, kinds))
     return tuple(edges)
@@ -160,6 +185,15 @@ class SMG:
             for a in op.inputs:
                 if a.space not in space_names:
                     raise UnknownAxisError(f"op {op.out!r} reads unknown space {a.space!r}")
+                want = next(x for x in self.spaces if x.name == a.space).dims
+                if len(a.index) != len(want):
+                    raise ShapeError(f"op {op.out!r} indexes {a.space!r} with {len(a.index)} components; "
+                                     f"it has {len(want)} dims {want}")
+                for c in a.index:
+                    bad = [d for d in a.dims_in(c) if d not in op.iter_dims]
+                    if bad:
+                        raise UnknownAxisError(f"op {op.out!r} indexes {a.space!r} with {c!r}, which uses "
+                                               f"{bad}, not iteration dims of the op {op.iter_dims}")
                 if a.space not in written and a.space in {o.out for o in self.ops}:
                     raise ValueError(f"op {op.out!r} reads {a.space!r} before it is computed")
             written.add(op.out)
@@ -217,10 +251,10 @@ class SMG:
 
     def count_kinds(self) -> dict[Kind, int]:
         """How many (edge, dimension) pairs carry each dependency kind."""
-        out = {k: 0 for k in Kind}
+        out = {k: 0 for k in Kind if k is not Kind.WINDOWED}  # the paper's three, plus windows if any
         for e in self.edges:
             for _, k in e.kinds:
-                out[k] += 1
+                out[k] = out.get(k, 0) + 1
         return out
 
     # -- fusion -----------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import keyword
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,8 +123,8 @@ class Builder:
             op = dataclasses.replace(op, group=self._group)
         out = DataSpace(op.out, op.out_index, dtype or self.dtype)
         self.spaces[op.out] = out
-        used = set(op.iter_dims)
         ins = tuple(self.spaces[a.space] for a in op.inputs)
+        used = set(op.iter_dims) | {d for sp in ins for d in sp.dims}  # gathers read dims they don't iterate
         self.graphs.append(
             SMG(
                 name=op.out,
@@ -199,16 +200,55 @@ class Builder:
         body = f"{float(factor)!r}*{x.name}"
         return self._emit(Op("scale", self._fresh("scale", name), x.dims, (Access(x.name, x.dims),), body))
 
-    def reduce(self, x: Tensor, dim: str, combiner: str, name: str | None = None) -> Tensor:
-        """Reduce ``x`` over ``dim`` (All-to-One) with ``sum`` or ``max``."""
+    def reduce(self, x: Tensor, dim: str | tuple[str, ...], combiner: str, name: str | None = None) -> Tensor:
+        """Reduce ``x`` over ``dim`` (or several dims) (All-to-One) with ``sum`` or ``max``."""
         if combiner not in REDUCE:
             raise UnknownOperatorError(f"unknown reduction {combiner!r}; known: {list(REDUCE)}")
         self._own(x)
-        if dim not in x.dims:
-            raise UnknownAxisError(f"cannot reduce {x.name!r} over {dim!r}: its dims are {x.dims}")
-        out_dims = tuple(d for d in x.dims if d != dim)
+        dims = (dim,) if isinstance(dim, str) else tuple(dim)
+        for d in dims:
+            if d not in x.dims:
+                raise UnknownAxisError(f"cannot reduce {x.name!r} over {d!r}: its dims are {x.dims}")
+        out_dims = tuple(d for d in x.dims if d not in dims)
         op = Op(f"reduce_{combiner}", self._fresh(f"{x.name}_{combiner}", name), out_dims,
-                (Access(x.name, x.dims),), x.name, (dim,), combiner)
+                (Access(x.name, x.dims),), x.name, dims, combiner)
+        return self._emit(op)
+
+    def upsample(self, x: Tensor, dims: dict[str, str], factor: int = 2, name: str | None = None) -> Tensor:
+        """Nearest-neighbour upsampling: dim ``d`` becomes ``dims[d]`` (``factor`` times longer),
+        read at ``floor(new / factor)``."""
+        self._own(x)
+        for d in dims:
+            if d not in x.dims:
+                raise UnknownAxisError(f"cannot upsample {x.name!r} along {d!r}: its dims are {x.dims}")
+        for d, nd in dims.items():
+            self._dim(nd, factor * self.dims[d])
+        out_dims = tuple(dims.get(d, d) for d in x.dims)
+        index = tuple(f"floor({dims[d]}/{int(factor)})" if d in dims else d for d in x.dims)
+        return self._emit(Op("upsample", self._fresh("upsample", name), out_dims, (Access(x.name, index),), x.name))
+
+    def conv(self, x: Tensor, w: Tensor, window: dict[str, str], channel: str, pad: int = 0,
+             name: str | None = None) -> Tensor:
+        """Convolution (stride 1): ``out = sum_{channel, window} w * x[.., d + k_d - pad, ..]``.
+
+        ``window`` maps each spatial dim of ``x`` to its kernel dim in ``w``; ``w``'s other dims
+        (besides ``channel``) are the output channels, placed where ``channel`` was in ``x``.
+        """
+        self._own(x, w)
+        for d, kd in window.items():
+            if d not in x.dims or kd not in w.dims:
+                raise UnknownAxisError(f"conv window {d!r}->{kd!r}: {x.name!r} has {x.dims}, {w.name!r} has {w.dims}")
+        if channel not in x.dims or channel not in w.dims:
+            raise UnknownAxisError(f"conv channel {channel!r} must be a dim of {x.name!r} {x.dims} and {w.name!r} "
+                                   f"{w.dims}")
+        out_ch = tuple(d for d in w.dims if d != channel and d not in window.values())
+        out_dims = ()
+        for d in x.dims:
+            out_dims += out_ch if d == channel else (d,)
+        index = tuple(f"{d} + {window[d]} - {int(pad)}" if d in window else d for d in x.dims)
+        accs = (Access(w.name, w.dims), Access(x.name, index))
+        op = Op("conv", self._fresh("conv", name), out_dims, accs, f"{w.name}*{x.name}",
+                (channel, *window.values()), "sum")
         return self._emit(op)
 
     def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None) -> Tensor:
@@ -241,11 +281,16 @@ class Builder:
             sm = self.reduce(ex, dim, "sum", name=f"{base}_sum")
             return self.binary("div", ex, sm, name=name or base)
 
-    def layernorm(self, x: Tensor, dim: str, weight: Tensor | None = None, bias: Tensor | None = None,
-                  eps: float = 1e-5, name: str | None = None) -> Tensor:
-        """LayerNorm over ``dim`` as its primitives: mean, centred square, variance, scale."""
+    def layernorm(self, x: Tensor, dim: str | tuple[str, ...], weight: Tensor | None = None,
+                  bias: Tensor | None = None, eps: float = 1e-5, name: str | None = None) -> Tensor:
+        """LayerNorm over ``dim`` (or several dims: GroupNorm) as its primitives: mean,
+        centred square, variance, scale."""
         base = name or f"{x.name}_layernorm"
-        inv_n = 1.0 / self.dims[dim]
+        dims = (dim,) if isinstance(dim, str) else tuple(dim)
+        for d in dims:
+            if d not in x.dims:
+                raise UnknownAxisError(f"cannot normalise {x.name!r} over {d!r}: its dims are {x.dims}")
+        inv_n = 1.0 / math.prod(self.dims[d] for d in dims)
         with self.group(base):
             mean = self.scale(self.reduce(x, dim, "sum", name=f"{base}_sum"), inv_n, name=f"{base}_mean")
             xc = self.binary("sub", x, mean, name=f"{base}_xc")

@@ -144,6 +144,26 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
     return dataclasses.replace(g.build(o), attrs=attrs)
 
 
+def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int, groups: int,
+                      dtype: str = "float32", eps: float = 1e-6) -> SMG:
+    """Seed 000's vertical chain ``Upsample(2x nearest) -> Conv2d 3x3 (pad 1) -> GroupNorm -> SiLU``.
+
+    The output channels are (group ``g``, member ``cg``), so GroupNorm is a LayerNorm over
+    (cg, y, x).  The convolution's window is a Windowed mapping (``y + ky - 1``), the
+    upsampling a ``floor(y/2)`` gather: index expressions on the accesses.
+    """
+    if c_out % groups:
+        raise ShapeError(f"output channels ({c_out}) must be a multiple of the groups ({groups})")
+    g = Builder("vae_decoder_block", dtype)
+    x = g.input("In", {"n": batch, "c": c_in, "h": height, "w": width})
+    up = g.upsample(x, {"h": "y", "w": "x"}, 2, name="U")
+    wc = g.input("Wc", {"g": groups, "cg": c_out // groups, "c": c_in, "ky": 3, "kx": 3})
+    conv = g.conv(up, wc, {"y": "ky", "x": "kx"}, "c", pad=1, name="Cv")
+    gw, gb = g.input("gw", {"g": groups, "cg": c_out // groups}), g.input("gb", {"g": groups, "cg": c_out // groups})
+    gn = g.layernorm(conv, ("cg", "y", "x"), gw, gb, eps=eps, name="GN")
+    return g.build(g.unary("silu", gn, name="Out"))
+
+
 PATTERNS = {
     "layernorm": layernorm,
     "rmsnorm": rmsnorm,
@@ -155,4 +175,5 @@ PATTERNS = {
     "lstm_cell": lstm_cell,
     "horizontal_gemms": horizontal_gemms,
     "attention": attention,
+    "vae_decoder_block": vae_decoder_block,
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 
 import numpy as np
 import sympy as sp
@@ -28,6 +29,26 @@ def _aligned(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...]
     return arr.reshape(shape)
 
 
+@lru_cache(maxsize=1024)
+def _component(text: str, dims: tuple[str, ...]):
+    syms = [sp.Symbol(d, integer=True) for d in dims]
+    return sp.lambdify(syms, sp.sympify(text, locals={d: s for d, s in zip(dims, syms)}), modules="numpy")
+
+
+def _gather(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...], shape: tuple[int, ...],
+            starts: Mapping[str, int] | None) -> np.ndarray:
+    """``arr`` read at index expressions over the iteration space; outside reads are 0 (padding)."""
+    grids = [(np.arange(n) + (starts or {}).get(d, 0)).reshape([-1 if i == j else 1 for j in range(len(shape))])
+             for i, (d, n) in enumerate(zip(iter_dims, shape))]
+    ok = np.ones((1,) * len(shape), dtype=bool)
+    idx = []
+    for comp, size in zip(index, arr.shape):
+        v = np.floor(np.asarray(_component(comp, iter_dims)(*grids), dtype=np.float64)).astype(np.int64)
+        ok = ok & (v >= 0) & (v < size)
+        idx.append(np.clip(v, 0, size - 1))
+    return np.where(ok, arr[tuple(np.broadcast_arrays(*idx))], 0.0)
+
+
 def evaluate_op(op: Op, env: Mapping[str, np.ndarray], sizes: Mapping[str, int] | None = None,
                 starts: Mapping[str, int] | None = None) -> np.ndarray:
     """Evaluate one op on arrays whose axes follow each space's dims.
@@ -40,17 +61,22 @@ def evaluate_op(op: Op, env: Mapping[str, np.ndarray], sizes: Mapping[str, int] 
     ins = [env[a.space] for a in op.inputs]
     expr = body_expr(op)
     syms = [symbol(a.space) for a in op.inputs]
-    if op.combiner == "sum" and len(ins) == 2 and expr.is_Mul and set(expr.free_symbols) == set(syms):
+    plain = all(a.plain for a in op.inputs)
+    if plain and op.combiner == "sum" and len(ins) == 2 and expr.is_Mul and set(expr.free_symbols) == set(syms):
         coeff, rest = expr.as_coeff_Mul()
         if rest == syms[0] * syms[1]:
             letters = {d: chr(97 + i) for i, d in enumerate(op.iter_dims)}
             spec = ",".join("".join(letters[d] for d in a.index) for a in op.inputs)
             out = "".join(letters[d] for d in op.out_index)
             return float(coeff) * np.einsum(f"{spec}->{out}", *ins, optimize=True)
-    args = [_aligned(x, a.index, op.iter_dims) for x, a in zip(ins, op.inputs)]
-    shape = np.broadcast_shapes(*(a.shape for a in args))
     if sizes is not None:
         shape = tuple(sizes[d] for d in op.iter_dims)
+    elif plain:
+        shape = np.broadcast_shapes(*(_aligned(x, a.index, op.iter_dims).shape for x, a in zip(ins, op.inputs)))
+    else:
+        raise ValueError(f"op {op.out!r} gathers through index expressions: pass the iteration sizes")
+    args = [_aligned(x, a.index, op.iter_dims) if a.plain else _gather(x, a.index, op.iter_dims, shape, starts)
+            for x, a in zip(ins, op.inputs)]
     for sym in index_symbols(op):
         axis = op.iter_dims.index(sym.name)
         idx = np.arange(shape[axis], dtype=np.float64) + (starts or {}).get(sym.name, 0)

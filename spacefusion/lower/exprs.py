@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import sympy as sp
@@ -80,3 +81,32 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr
         raise NotImplementedError(f"cannot lower expression {e} ({type(e).__name__}) to TIR")
 
     return go(expr)
+
+
+def to_tir_int(text: str, value: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
+    """An integer index expression (affine, with ``floor(e/c)``) as int32 TIR."""
+    names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text.replace("floor", " "))
+    e = sp.sympify(text, locals={n: sp.Symbol(n, integer=True) for n in names})
+
+    def go(x: sp.Expr) -> tirx.PrimExpr:
+        if x.is_Symbol:
+            return value(x.name)
+        if x.is_Integer:
+            return tirx.const(int(x), "int32")
+        if x.is_Add:
+            out = go(x.args[0])
+            for a in x.args[1:]:
+                out = out + go(a)
+            return out
+        if x.is_Mul and all(a.is_Integer or a.is_Symbol for a in x.args):
+            out = go(x.args[0])
+            for a in x.args[1:]:
+                out = out * go(a)
+            return out
+        if isinstance(x, sp.floor):
+            num, den = sp.together(x.args[0]).as_numer_denom()
+            if den.is_Integer:
+                return tirx.floordiv(go(sp.expand(num)), int(den))
+        raise NotImplementedError(f"index expression {text!r}: cannot lower {x} to integer TIR")
+
+    return go(e)

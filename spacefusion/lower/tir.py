@@ -20,10 +20,12 @@ from tvm import tirx
 from tvm.script import ir_builder as IB
 from tvm.script.ir_builder import tirx as T
 
+from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
 from smg.expr import body_expr
-from spacefusion.lower.exprs import F32, to_tir
+from smg.ir import Access, Op
+from spacefusion.lower.exprs import F32, to_tir, to_tir_int
 
 NEG_INF = -3.0e38
 
@@ -56,7 +58,18 @@ class _Kernel:
         self.t0: tirx.PrimExpr | None = None
         self.tid: tirx.PrimExpr | None = None
         self.base: dict[str, tirx.PrimExpr] = {}  # first index of the block's tile per cut dim
+        self.abs: dict[str, tirx.PrimExpr] = {}  # absolute index overrides (evaluating a gathered element)
+        self.op: Op | None = None  # the op whose body is being emitted (its accesses give index expressions)
         self.within: dict[str, tirx.PrimExpr] = {}  # this thread's position in the tile
+
+    @contextmanager
+    def emitting(self, op: Op):
+        """Bodies emitted inside read ``op``'s accesses (index expressions)."""
+        saved, self.op = self.op, op
+        try:
+            yield
+        finally:
+            self.op = saved
 
     @contextmanager
     def at(self, pos: dict[str, tirx.PrimExpr]):
@@ -94,7 +107,9 @@ class _Kernel:
     def global_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
         idx = []
         for d in self.smg.space(space).dims:
-            if d in self.cut:
+            if d in self.abs:
+                idx.append(self.abs[d])
+            elif d in self.cut:
                 idx.append(tirx.min(self.origin[d], self.sizes[d] - 1))  # clamp tails
             elif d == self.s.serial:
                 idx.append(self.t0 + env[d])
@@ -103,20 +118,57 @@ class _Kernel:
         return idx
 
     # -- loads --------------------------------------------------------------------
+    def dim_value(self, dim: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        """Absolute (global) index along ``dim`` at the current element."""
+        if dim in self.abs:
+            return self.abs[dim]
+        if dim in self.cut:
+            return self.origin[dim]
+        if dim == self.s.serial:
+            return self.t0 + env[dim]
+        return env[dim]
+
     def index_value(self, dim: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
         """Global index along ``dim`` as fp32 (for index-dependent bodies, e.g. masks)."""
-        if dim in self.cut:
-            idx = self.origin[dim]
-        elif dim == self.s.serial:
-            idx = self.t0 + env[dim]
+        return tirx.Cast(F32, self.dim_value(dim, env))
+
+    def gathered(self, acc: Access, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        """``acc.space`` read at index expressions (windows, upsampling); 0 outside (padding).
+
+        An intermediate read this way is recomputed at the gathered position from its
+        producer's body (its halo is not in any tile), so it must read only inputs.
+        """
+        space = self.smg.space(acc.space)
+        pos = [to_tir_int(c, lambda d: self.dim_value(d, env)) for c in acc.index]
+        sizes = [self.sizes[d] for d in space.dims]
+        ok = tirx.all(*[tirx.all(p >= 0, p < n) for p, n in zip(pos, sizes)])
+        clamped = [tirx.max(tirx.min(p, n - 1), 0) for p, n in zip(pos, sizes)]
+        if acc.space in self.glob:
+            val = self.glob[acc.space][clamped]
+            val = val if self.glob[acc.space].dtype == F32 else tirx.Cast(F32, val)
         else:
-            idx = env[dim]
-        return tirx.Cast(F32, idx)
+            prod = self.smg.producer(acc.space)
+            if prod.reduce or any(a.space not in self.smg.inputs for a in prod.inputs):
+                raise ScheduleError(
+                    f"{self.op.out!r} reads intermediate {acc.space!r} through {acc.index}: recomputing its "
+                    f"halo needs {acc.space!r} to be an element-wise function of inputs")
+            saved_abs, saved_op = dict(self.abs), self.op
+            self.abs.update(dict(zip(prod.out_index, clamped)))
+            self.op = prod
+            try:
+                val = self.expr(body_expr(prod), env)
+            finally:
+                self.abs, self.op = saved_abs, saved_op
+        return tirx.if_then_else(ok, val, tirx.FloatImm(F32, 0.0))
 
     def load(self, name: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
         if name in self.sizes:
             return self.index_value(name, env)
         base = name.replace("__old", "").replace("__new", "")
+        if self.op is not None and base == name:
+            acc = next((a for a in self.op.inputs if a.space == name), None)
+            if acc is not None and not acc.plain:
+                return self.gathered(acc, env)
         if name.endswith("__old"):
             return self.local[name][self.local_index(base, env)]
         if name.endswith("__new"):
@@ -304,24 +356,29 @@ def _emit_shared_streamed(k: _Kernel, name: str) -> None:
     body = body_expr(op)
 
     def emit(env: dict[str, tirx.PrimExpr]) -> None:
-        idx = k.shared_index(name, env)
-        if not op.reduce:
-            T.buffer_store(k.shared[name], k.expr(body, env), idx)
-            return
-        acc = T.alloc_buffer((1,), F32, scope="local")
-        T.buffer_store(acc, tirx.FloatImm(F32, NEG_INF if op.combiner == "max" else 0.0), [0])
-        with ExitStack() as red:
-            val = k.expr(body, {**env, **k.loops(op.reduce, red)})
-            T.buffer_store(acc, acc[0] + val if op.combiner == "sum" else tirx.max(acc[0], val), [0])
-        T.buffer_store(k.shared[name], acc[0], idx)
+        with k.emitting(op):
+            _emit_shared_element(k, name, op, body, env)
 
     _cooperative(k, name, emit)
+
+
+def _emit_shared_element(k: _Kernel, name: str, op: Op, body, env: dict[str, tirx.PrimExpr]) -> None:
+    idx = k.shared_index(name, env)
+    if not op.reduce:
+        T.buffer_store(k.shared[name], k.expr(body, env), idx)
+        return
+    acc = T.alloc_buffer((1,), F32, scope="local")
+    T.buffer_store(acc, tirx.FloatImm(F32, NEG_INF if op.combiner == "max" else 0.0), [0])
+    with ExitStack() as red:
+        val = k.expr(body, {**env, **k.loops(op.reduce, red)})
+        T.buffer_store(acc, acc[0] + val if op.combiner == "sum" else tirx.max(acc[0], val), [0])
+    T.buffer_store(k.shared[name], acc[0], idx)
 
 
 def _emit_streamed(k: _Kernel, name: str) -> None:
     op = k.smg.producer(name)
     body = body_expr(op)
-    with ExitStack() as st:
+    with ExitStack() as st, k.emitting(op):
         env = k.loops(k.local_dims(name), st)
         idx = k.local_index(name, env)
         init = NEG_INF if op.combiner == "max" else 0.0
@@ -350,6 +407,9 @@ def _emit_update(k: _Kernel, u) -> None:
             T.buffer_store(buf, k.expr(_new_to_cur(u.carry), dict(env)), idx)
         t = st.enter_context(T.serial(0, k.s.step))
         env2 = {**env, k.s.serial: t}
+        # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
+        others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
+        env2 |= k.loops(others, st)
         with T.If(k.valid_serial(env2)):
             with T.Then():
                 val = k.expr(u.body, env2)

@@ -46,6 +46,9 @@ SMALL = {
     "small_mlp": (lambda: P.mlp(37, 40, 50, 24, dtype=H), {"m": 4, "n": 8}, 8, True),
     "small_causal": (lambda: P.attention(1, 2, 70, 70, 64, causal=True, dtype=H), {"m": 32}, 16, False),
     "small_gqa": (lambda: P.attention(1, 8, 50, 60, 64, kv_heads=2, dtype=H), {"r": 4, "m": 16}, 16, False),
+    "small_vae_block": (lambda: P.vae_decoder_block(2, 3, 4, 5, 6, 2, dtype=H), {"n": 2}, 4, False),
+    "vae_block_1x16x16_32x32_g4": (lambda: P.vae_decoder_block(1, 16, 16, 32, 32, 4, dtype=H),
+                                   {"n": 1, "g": 4}, 8, True),
 }
 
 
@@ -60,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        s = make_schedule(mk(), tiles, step=step, recompute=recompute)
+        g = mk()
+        serial = "y" if g.name == "vae_decoder_block" else None
+        s = make_schedule(g, tiles, serial=serial, step=step, recompute=recompute)
         build(s, "cuda").save(args.out / name)
         print(f"{name}: grid {s.num_blocks} x {s.threads} threads, serial {s.serial} step {s.step} "
               f"({s.num_steps} steps), {time.perf_counter() - t0:.1f}s")

@@ -229,7 +229,22 @@ def build_attention(art: Any, seed: int, use_compile: bool) -> Case:
     return case
 
 
+def build_vae_block(art: Any, seed: int, use_compile: bool) -> Case:
+    """Upsample(2x nearest) -> Conv2d 3x3 pad 1 -> GroupNorm -> SiLU, as torch writes it."""
+    import torch.nn.functional as F
+
+    groups, cg, c_in = art.param("Wc").shape[:3]
+
+    def chain(x: Any, wc: Any, gw: Any, gb: Any) -> Any:
+        up = F.interpolate(x, scale_factor=2, mode="nearest")
+        conv = F.conv2d(up, wc.reshape(groups * cg, c_in, 3, 3), padding=1)
+        return F.silu(F.group_norm(conv, groups, gw.reshape(-1), gb.reshape(-1), eps=1e-6))
+
+    return _case(art, seed, use_compile, ("In", "Wc", "gw", "gb"), "Out", chain)
+
+
 WORKLOADS: dict[str, Callable[[Any, int, bool], Case]] = {
+    "vae_decoder_block": build_vae_block,
     "mha": build_mha,
     "softmax_gemm": build_softmax_gemm,
     "layernorm": build_norm,

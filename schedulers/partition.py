@@ -74,7 +74,7 @@ def fit(smg: SMG, hw: HardwareModel, tiles: dict[str, int] | None = None, step: 
     sizes = smg.dim_sizes
     tiles = {d: min(t, sizes[d]) for d, t in (tiles or {}).items() if d in sizes}
     try:
-        s = make_schedule(smg, _cuttable(smg, tiles), step=1)
+        s = make_schedule(smg, _cuttable(smg, tiles), step=1, hw=hw)
         if s.plan.second_pass and any(smg.producer(n).reduce and s.serial in smg.producer(n).iter_dims
                                       for n in s.plan.streamed):
             steps = [sizes[s.serial]]  # the second pass would recompute a reduction: keep the row on chip
@@ -82,7 +82,7 @@ def fit(smg: SMG, hw: HardwareModel, tiles: dict[str, int] | None = None, step: 
         else:
             steps = [min(step, sizes[s.serial])]
             why = ""
-        s = make_schedule(smg, s.tiles, serial=s.serial, step=steps[0], thread_dim=s.thread_dim)
+        s = make_schedule(smg, s.tiles, serial=s.serial, step=steps[0], thread_dim=s.thread_dim, hw=hw)
     except ScheduleError as e:
         return str(e)
     need = sum(b for _, b in on_chip(s))

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from schedulers.errors import ScheduleError, TemporalSliceError
+from schedulers.hardware import H100, HardwareModel
 from schedulers.spatial import DimDecision, analyse_spatial
 from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
 from smg.hashing import content_key
@@ -21,7 +22,6 @@ from smg.serialize import smg_from_dict, smg_to_dict
 
 FORMAT = "spacefusion-schedule/1"
 LEVELS = ("global", "shared", "register", "inlined")
-MAX_THREADS = 1024  # CUDA's threads per block
 
 
 @dataclass(frozen=True)
@@ -164,14 +164,16 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 
 
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
-                  step: int = 32, thread_dim: str | None = None, recompute: bool = False) -> Schedule:
+                  step: int = 32, thread_dim: str | None = None, recompute: bool = False,
+                  hw: HardwareModel | None = None) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
     innermost cut output dim, which is spread over threads).  With
     ``recompute`` a tile may also cut a dim whose only obstacle is that each
     block recomputes an intermediate (e.g. the MLP's hidden tile per output
-    column block): a trade of FLOPs for on-chip memory.
+    column block): a trade of FLOPs for on-chip memory.  ``hw`` (default H100)
+    bounds the threads per block.
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -201,9 +203,10 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if t <= 0 or t > sizes[d]:
             raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
         block.append((d, t))
-    if math.prod(t for _, t in block) > MAX_THREADS:
+    limit = (hw or H100).max_threads_per_block
+    if math.prod(t for _, t in block) > limit:
         raise ScheduleError(f"block tile {dict(block)} has {math.prod(t for _, t in block)} elements; one thread "
-                            f"each allows at most {MAX_THREADS}")
+                            f"each allows at most {limit} on {(hw or H100).name}")
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")

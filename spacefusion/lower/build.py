@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from schedulers.errors import ScheduleError
+from schedulers.hardware import H100, PRESETS, HardwareModel
 from schedulers.schedule import Schedule
 from smg.errors import ShapeError, SpaceFusionError
 from spacefusion.lower.tir import build_primfunc, signature
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
-STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this fails at launch
 
 
 class UnknownTargetError(SpaceFusionError, ValueError):
@@ -126,14 +126,25 @@ def nvcc_cubin(src: Path, out: Path, arch: str) -> None:
 _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
 
 
+def hardware_for(arch: str) -> HardwareModel:
+    """The hardware model whose limits a kernel for ``arch`` is checked against."""
+    for hw in PRESETS.values():
+        if hw.arch and hw.arch.rstrip("a") == arch.rstrip("a"):
+            return hw
+    return H100
+
+
 def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
     smem = shared_bytes(s)
-    if smem > STATIC_SMEM_LIMIT:
+    hw = hardware_for(arch)
+    if smem > hw.smem_static_per_block_bytes:  # the lowering emits static __shared__ arrays
         raise ScheduleError(
             f"step {s.step} on {s.serial!r} needs {smem} B of shared memory per block, over the "
-            f"{STATIC_SMEM_LIMIT} B static limit; use a smaller step"
+            f"{hw.smem_static_per_block_bytes} B static limit of {hw.name}; use a smaller step"
         )
+    if s.threads > hw.max_threads_per_block:
+        raise ScheduleError(f"{s.threads} threads per block; {hw.name} allows {hw.max_threads_per_block}")
     tvm = _tvm()
     f = build_primfunc(s, "cuda")
     ex = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "cuda", "arch": arch}))

@@ -19,9 +19,10 @@ from smg.reference import evaluate, random_inputs
 
 
 def schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
-             step: int = 32) -> Schedule:
-    """Slice ``smg`` spatially then temporally; see ``schedulers.schedule.make_schedule``."""
-    return make_schedule(smg, tiles=tiles, serial=serial, step=step)
+             step: int = 32, **options) -> Schedule:
+    """Slice ``smg`` spatially then temporally; ``options`` (``thread_dim``, ``recompute``,
+    ``hw``) as in ``schedulers.schedule.make_schedule``."""
+    return make_schedule(smg, tiles=tiles, serial=serial, step=step, **options)
 
 
 def build(s: Schedule, target: str = "llvm"):

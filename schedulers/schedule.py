@@ -85,6 +85,7 @@ class Schedule:
                 "inlined": list(p.inlined),
                 "states": [vars(u) for u in p.states],
                 "finalize": [list(f) for f in p.finalize],
+                "second_pass": list(p.second_pass),
             },
             "memory": [list(m) for m in self.memory],
             "spatial": [vars(d) for d in self.spatial],
@@ -116,6 +117,7 @@ class Schedule:
             states=tuple(UpdateFunction(**u) for u in p["states"]),
             finalize=tuple(tuple(f) for f in p["finalize"]),
             inlined=tuple(p["inlined"]),
+            second_pass=tuple(p.get("second_pass", ())),
         )
         return cls(
             smg=smg_from_dict(d["smg"]),
@@ -138,6 +140,23 @@ class Schedule:
         from schedulers.display import schedule_html
 
         return schedule_html(self)
+
+
+def _override_levels(memory: list[tuple[str, str]], levels: dict[str, str], inputs: tuple[str, ...]
+                     ) -> list[tuple[str, str]]:
+    """Apply the choices the lowering supports: staged input -> global, shared tile -> per thread."""
+    cur = dict(memory)
+    for name, lvl in levels.items():
+        if name not in cur:
+            raise ScheduleError(f"memory level given for unknown space {name!r}")
+        if lvl == cur[name]:
+            continue
+        allowed = {cur[name], "global"} if name in inputs else {cur[name], "register"}
+        if cur[name] != "shared" or lvl not in allowed:
+            raise ScheduleError(f"space {name!r} cannot move from {cur[name]!r} to {lvl!r}; the lowering can "
+                                f"only read a staged input from global memory or compute a shared tile per thread")
+        cur[name] = lvl
+    return [(n, cur[n]) for n, _ in memory]
 
 
 def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
@@ -165,7 +184,7 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
-                  hw: HardwareModel | None = None) -> Schedule:
+                  hw: HardwareModel | None = None, levels: dict[str, str] | None = None) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -173,7 +192,10 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``recompute`` a tile may also cut a dim whose only obstacle is that each
     block recomputes an intermediate (e.g. the MLP's hidden tile per output
     column block): a trade of FLOPs for on-chip memory.  ``hw`` (default H100)
-    bounds the threads per block.
+    bounds the threads per block.  ``levels`` overrides memory levels where
+    the lowering has a choice: a staged input may be read from ``global``
+    instead, a block-shared streamed tile may be computed per thread
+    (``register``).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -231,4 +253,5 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         else:
             lvl = "inlined"
         memory.append((s.name, lvl))
+    memory = _override_levels(memory, levels or {}, smg.inputs)
     return Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial)

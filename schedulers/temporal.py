@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import sympy as sp
@@ -293,8 +294,12 @@ def _sum_states(op_out: str, body: sp.Expr, running: list[sp.Symbol], factor: sp
     return out
 
 
+@lru_cache(maxsize=512)
 def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
-    """Derive the streamed spaces, update functions and finalisation for ``serial``."""
+    """Derive the streamed spaces, update functions and finalisation for ``serial``.
+
+    Pure in (smg, serial) and both are immutable, so plans are memoised in-process
+    (the search asks for the same plan for every tiling)."""
     if serial not in smg.dim_sizes:
         raise TemporalSliceError(f"serial dim {serial!r} is not a dimension of {smg.name!r}")
     cls = classify(smg, serial)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ import numpy as np
 
 from schedulers.errors import ScheduleError
 from schedulers.hardware import H100, PRESETS, HardwareModel
+from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
 from smg.errors import ShapeError, SpaceFusionError
 from spacefusion.lower.tir import build_primfunc, signature
@@ -48,19 +48,6 @@ def _tvm():
     import tvm
 
     return tvm
-
-
-def shared_bytes(s: Schedule) -> int:
-    """Static shared memory of the generated kernel: block-shared tiles (staged
-    inputs in their dtype, cooperatively computed streamed spaces in fp32)."""
-    total = 0
-    for name, lvl in s.memory:
-        if lvl == "shared":
-            sizes = s.smg.dim_sizes
-            n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
-                          for d in s.smg.space(name).dims)
-            total += n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
-    return total
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""Per-block resources of a Schedule as the lowering will emit it (no TVM needed).
+
+The search prunes with these before building anything: static shared memory
+(staged input tiles in their dtype, cooperatively computed tiles in fp32),
+threads, and an estimate of registers per thread from the per-thread local
+buffers (accumulators, streamed tiles, snapshots of running states).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from schedulers.hardware import HardwareModel, ResourceError
+from schedulers.schedule import Schedule
+from schedulers.temporal import parse
+
+#: registers a thread needs besides its local buffers (indices, pointers, temporaries)
+BASE_REGISTERS = 32
+
+
+def shared_bytes(s: Schedule) -> int:
+    """Static shared memory of the generated kernel."""
+    total = 0
+    sizes = s.smg.dim_sizes
+    for name, lvl in s.memory:
+        if lvl == "shared":
+            n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
+                          for d in s.smg.space(name).dims)
+            total += n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
+    return total
+
+
+def local_floats(s: Schedule) -> int:
+    """fp32 values each thread keeps in local buffers (registers, or spilled)."""
+    sizes = s.smg.dim_sizes
+    cut = set(s.tiles)
+
+    def per_thread(space: str) -> int:
+        dims = s.smg.space(space.split("__")[0]).dims
+        return math.prod(s.step if d == s.serial else sizes[d] for d in dims if d not in cut)
+
+    names = [u.state for u in s.plan.states]
+    names += [n for n in s.plan.streamed if s.level(n) != "shared"]
+    names += sorted({x.name for u in s.plan.states for x in parse(u.carry or "0").free_symbols
+                     if x.name.endswith("__old")})
+    return sum(per_thread(n) for n in names)
+
+
+@dataclass(frozen=True)
+class BlockResources:
+    threads: int
+    shared_bytes: int
+    local_floats: int
+
+    @property
+    def registers_per_thread(self) -> int:
+        """Estimate; above the 255-register limit the buffers spill to local memory."""
+        return min(255, BASE_REGISTERS + self.local_floats)
+
+    @property
+    def spills(self) -> bool:
+        return BASE_REGISTERS + self.local_floats > 255
+
+
+def block_resources(s: Schedule) -> BlockResources:
+    return BlockResources(s.threads, shared_bytes(s), local_floats(s))
+
+
+def check_resources(s: Schedule, hw: HardwareModel) -> BlockResources:
+    """Raise ResourceError (naming the resource) when one block of ``s`` cannot run on ``hw``."""
+    r = block_resources(s)
+    hw.check_block(r.shared_bytes, r.threads, r.registers_per_thread)
+    if hw.occupancy_blocks_per_sm(r.shared_bytes, r.threads, r.registers_per_thread) == 0:
+        raise ResourceError(f"{hw.name}: a block of {r.threads} threads with {r.shared_bytes} B shared memory and "
+                            f"~{r.registers_per_thread} registers/thread does not fit on one SM")
+    return r

@@ -1,0 +1,101 @@
+"""What the tuner measures and remembers: the records shared by runners, the
+database and the learned cost model.
+
+A ``MeasureInput`` is a schedule and a target; a ``MeasureResult`` is what a
+runner observed (numerics first, then timings).  Both are plain, frozen and
+JSON round-trippable, so an offline batch measured on another machine can be
+imported unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from schedulers.schedule import Schedule
+
+RECORD_FORMAT = "spacefusion-record/1"
+
+
+@dataclass(frozen=True)
+class MeasureInput:
+    """One candidate to measure: a schedule and the target it is built for
+    (``"llvm"`` or ``"cuda:<arch>"``)."""
+
+    schedule: Schedule
+    target: str
+
+    @property
+    def key(self) -> str:
+        return self.schedule.key
+
+
+@dataclass(frozen=True)
+class MeasureResult:
+    """What one measurement gave.
+
+    ``latencies_us`` are the individual timed runs (empty when the candidate
+    failed to build, or failed the numerics check, which ``error`` then says).
+    ``max_abs_err`` is the check against the unfused numpy reference, done
+    before any timing.  ``meta`` holds free-form provenance (device, runner,
+    warm-up, build seconds).
+    """
+
+    schedule_key: str
+    target: str
+    latencies_us: tuple[float, ...] = ()
+    max_abs_err: float | None = None
+    error: str | None = None
+    meta: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and len(self.latencies_us) > 0
+
+    @property
+    def median_us(self) -> float:
+        """Median latency, +inf for a failed candidate (so it sorts last)."""
+        if not self.ok:
+            return math.inf
+        xs = sorted(self.latencies_us)
+        n = len(xs)
+        return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": RECORD_FORMAT,
+            "schedule_key": self.schedule_key,
+            "target": self.target,
+            "latencies_us": list(self.latencies_us),
+            "max_abs_err": self.max_abs_err,
+            "error": self.error,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MeasureResult:
+        if not isinstance(d, dict) or d.get("format") != RECORD_FORMAT:
+            raise ValueError(f"not a spacefusion measurement record: {str(d)[:120]}")
+        return cls(
+            schedule_key=str(d["schedule_key"]),
+            target=str(d["target"]),
+            latencies_us=tuple(float(x) for x in d.get("latencies_us", ())),
+            max_abs_err=None if d.get("max_abs_err") is None else float(d["max_abs_err"]),
+            error=d.get("error"),
+            meta=tuple(sorted((str(k), v) for k, v in dict(d.get("meta", {})).items())),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+class Runner(Protocol):
+    """Measures candidates; every implementation checks numerics before timing."""
+
+    name: str
+
+    def measure(self, inputs: list[MeasureInput]) -> list[MeasureResult]:
+        """One result per input, in order; a failure is a result with ``error``, not an exception."""
+        ...

@@ -1,0 +1,170 @@
+"""The search space: every choice the slicers and the lowering leave open, and
+resource-aware pruning against a hardware model (analysis only, no GPU).
+
+Knobs: the serial dim (each one the temporal slicer accepts), block tiles per
+spatially cut dim (powers of two, one thread per tile element), the thread
+dim (which cut dim is fastest across threads), the serial step, whether each
+stageable input is staged in shared memory, whether each block-shared streamed
+tile is computed cooperatively or per thread, and -- on request -- cuts that
+recompute an intermediate.  Vector width, pipeline depth and tensor cores are
+fixed (1, 1, off) until the lowering supports them (issue 5); ``describe``
+says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from schedulers.errors import ScheduleError
+from schedulers.hardware import HardwareError, HardwareModel
+from schedulers.resources import check_resources
+from schedulers.schedule import Schedule, make_schedule
+from schedulers.spatial import analyse_spatial
+from schedulers.temporal import plan_temporal
+from smg.ir import SMG
+
+FIXED = {"vector_width": 1, "pipeline_depth": 1, "tensor_cores": "off"}
+
+
+def _pow2_upto(n: int, lo: int = 1) -> list[int]:
+    out, v = [], lo
+    while v <= n:
+        out.append(v)
+        v *= 2
+    if n not in out and n >= lo:
+        out.append(n)  # the whole dim (row on chip), also when not a power of two
+    return out
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One point of the space; ``build`` turns it into a Schedule."""
+
+    tiles: tuple[tuple[str, int], ...]
+    serial: str
+    step: int
+    thread_dim: str
+    levels: tuple[tuple[str, str], ...] = ()
+    recompute: bool = False
+
+
+@dataclass
+class SpaceReport:
+    """How large the space is at each stage of pruning, and why candidates went."""
+
+    total: int = 0
+    valid: int = 0
+    fits: int = 0
+    pruned: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(self.pruned.items(), key=lambda kv: -kv[1]))
+        return (f"search space: {self.total} points, {self.valid} valid schedules, {self.fits} fit the hardware"
+                + (f" (pruned: {why})" if why else ""))
+
+
+class SearchSpace:
+    """Enumerates candidate schedules of ``smg`` for ``hw``."""
+
+    def __init__(self, smg: SMG, hw: HardwareModel, *, recompute: bool = False, max_step: int | None = None,
+                 min_threads: int = 32) -> None:
+        self.smg, self.hw, self.recompute = smg, hw, recompute
+        self.max_step = max_step
+        self.min_threads = min_threads
+        self.report = SpaceReport()
+
+    @cached_property
+    def serials(self) -> tuple[str, ...]:
+        cut = {d.dim for d in analyse_spatial(self.smg) if d.cut}
+        out = []
+        for d in self.smg.dims:
+            if d.name in cut or not any(d.name in op.reduce for op in self.smg.ops):
+                continue
+            try:
+                plan_temporal(self.smg, d.name)
+                out.append(d.name)
+            except ScheduleError:
+                continue
+        if not out:
+            raise ScheduleError(f"no reduced dim of {self.smg.name!r} can be sliced temporally")
+        return tuple(out)
+
+    @cached_property
+    def cut_dims(self) -> tuple[str, ...]:
+        return tuple(d.dim for d in analyse_spatial(self.smg) if d.cut or (self.recompute and d.recomputes))
+
+    def tilings(self) -> Iterator[dict[str, int]]:
+        sizes = self.smg.dim_sizes
+        limit = self.hw.max_threads_per_block
+        opts = [_pow2_upto(min(sizes[d], limit)) for d in self.cut_dims]
+        smallest = min(limit, math.prod(sizes[d] for d in self.cut_dims))
+        for combo in itertools.product(*opts):
+            threads = math.prod(combo)
+            if threads <= limit and threads >= min(self.min_threads, smallest):
+                yield dict(zip(self.cut_dims, combo))
+
+    def knobs(self) -> Iterator[Knobs]:
+        sizes = self.smg.dim_sizes
+        for serial in self.serials:
+            steps = _pow2_upto(min(sizes[serial], self.max_step or sizes[serial]), lo=min(8, sizes[serial]))
+            if sizes[serial] not in steps:
+                steps.append(sizes[serial])
+            for tiles in self.tilings():
+                movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
+                for thread_dim, step in itertools.product(movers, steps):
+                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute)
+                    yield from self._level_variants(base)
+
+    def _level_variants(self, k: Knobs) -> Iterator[Knobs]:
+        try:
+            s = self._schedule(k)
+        except ScheduleError:
+            yield k  # counted as invalid by ``candidates``
+            return
+        shared = [n for n, lvl in s.memory if lvl == "shared"]
+        for alt in itertools.product((False, True), repeat=len(shared)):
+            levels = tuple((n, "global" if n in s.smg.inputs else "register") for n, a in zip(shared, alt) if a)
+            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute)
+
+    def _schedule(self, k: Knobs) -> Schedule:
+        return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
+                             recompute=k.recompute, hw=self.hw, levels=dict(k.levels))
+
+    def candidates(self) -> list[Schedule]:
+        """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
+        rep = self.report = SpaceReport()
+        out: dict[str, Schedule] = {}
+        for k in self.knobs():
+            rep.total += 1
+            try:
+                s = self._schedule(k)
+            except ScheduleError as e:
+                rep.pruned[_reason(str(e))] = rep.pruned.get(_reason(str(e)), 0) + 1
+                continue
+            rep.valid += 1
+            try:
+                check_resources(s, self.hw)
+            except HardwareError as e:
+                rep.pruned[_reason(str(e))] = rep.pruned.get(_reason(str(e)), 0) + 1
+                continue
+            out.setdefault(s.key, s)
+        rep.fits = len(out)
+        return list(out.values())
+
+    def describe(self) -> str:
+        fixed = ", ".join(f"{k}={v}" for k, v in FIXED.items())
+        return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
+                f"steps up to {self.max_step or 'the dim'}, staging/cooperative choices per shared space; "
+                f"fixed until the lowering supports them: {fixed}")
+
+
+def _reason(msg: str) -> str:
+    low = msg.lower()
+    for key in ("shared memory", "registers", "threads", "does not fit on one sm", "larger than the dim"):
+        if key in low:
+            return key
+    return msg.split(":")[0][:60]

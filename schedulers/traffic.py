@@ -20,6 +20,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import islpy as isl
 import numpy as np
@@ -127,6 +128,14 @@ def _footprint(smg: SMG, space: str, lo: dict[str, int], hi: dict[str, int],
                readers: Iterable[str] | None = None) -> int:
     """Distinct elements of ``space`` touched by ops (``readers``, default all)
     whose iteration domains are restricted to the box ``lo <= d < hi``."""
+    return _footprint_cached(smg, space, tuple(sorted(lo.items())), tuple(sorted(hi.items())),
+                             None if readers is None else tuple(readers))
+
+
+@lru_cache(maxsize=65536)
+def _footprint_cached(smg: SMG, space: str, lo_items: tuple, hi_items: tuple, readers: tuple | None) -> int:
+    """Memoised: a search asks for the same block shapes over and over (steps, levels vary)."""
+    lo, hi = dict(lo_items), dict(hi_items)
     target = smg.space(space)
     union = None
     for op in smg.ops:

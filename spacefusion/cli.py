@@ -1,4 +1,4 @@
-"""``spacefusion`` command line: ``demo`` (the embedded default) and ``build``."""
+"""``spacefusion`` command line: ``demo`` (the embedded default), ``build`` and ``tune``."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ TOL = {"float32": 1e-4, "float16": 2e-2}
 
 
 def _workload(name: str, shape: list[int], dtype: str):
-    from smg import workloads
+    from smg import patterns, workloads
 
-    if name not in workloads.WORKLOADS:
-        raise SpaceFusionError(f"unknown workload {name!r}; known: {sorted(workloads.WORKLOADS)}")
-    return workloads.WORKLOADS[name](*shape, dtype=dtype)
+    known = {**patterns.PATTERNS, **workloads.WORKLOADS}
+    if name not in known:
+        raise SpaceFusionError(f"unknown workload {name!r}; known: {sorted(known)}")
+    try:
+        return known[name](*shape, dtype=dtype)
+    except TypeError as e:
+        raise SpaceFusionError(f"workload {name!r} does not take shape {shape}: {e}") from None
 
 
 def verify_llvm(s, seed: int = 0) -> float:
@@ -71,6 +75,41 @@ def build_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+TARGETS = {"h100": ("H100", "cuda:sm_90a"), "h200": ("H200", "cuda:sm_90a"), "a100": ("A100", "cuda:sm_80"),
+           "llvm": ("H100", "llvm")}
+
+
+def tune_cmd(args: argparse.Namespace) -> int:
+    """Tune one workload; the runner decides where candidates are measured."""
+    import json
+
+    from schedulers.hardware import get_hardware
+    from search import runners
+    from search.tuner import summary_dict, tune
+
+    if args.target not in TARGETS:
+        raise SpaceFusionError(f"unknown target {args.target!r}; known: {sorted(TARGETS)}")
+    hw_name, target = TARGETS[args.target]
+    g = _workload(args.workload, args.shape, args.dtype)
+    if args.runner == "llvm" or target == "llvm":
+        runner = runners.LLVMRunner(repeats=args.iters or 5)
+        target = "llvm"
+    elif args.runner == "gpu":
+        runner = runners.LocalGPURunner(iters=args.iters or 100)
+    elif args.runner == "offline":
+        if not args.batch_dir:
+            raise SpaceFusionError("--runner offline needs --batch-dir (where candidates are exported)")
+        runner = runners.OfflineBatchRunner(args.batch_dir)
+    else:
+        runner = runners.RayRunner(address=args.ray_address)
+    summary = tune(g, runner, hw=get_hardware(hw_name), target=target, db=args.db, trials=args.trials,
+                   batch=args.batch, workers=args.workers, seed=args.seed, progress=not args.quiet)
+    print(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary_dict(summary), indent=1, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spacefusion", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -89,9 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--step", type=int, default=32)
     b.add_argument("--verify", action="store_true")
     b.add_argument("--out", required=True)
+    t = sub.add_parser("tune", help="search schedules of a workload, measure them, remember the best")
+    t.add_argument("workload")
+    t.add_argument("--shape", type=int, nargs="+", required=True)
+    t.add_argument("--dtype", default="float16", choices=sorted(TOL))
+    t.add_argument("--target", default="h100", help=f"one of {sorted(TARGETS)}")
+    t.add_argument("--runner", default="gpu", choices=["gpu", "llvm", "offline", "ray"])
+    t.add_argument("--batch-dir", default=None, help="offline runner: where candidates are exported")
+    t.add_argument("--ray-address", default=None)
+    t.add_argument("--db", default="spacefusion_tuning.db")
+    t.add_argument("--trials", type=int, default=64)
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--iters", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--json", default=None, help="write the summary as JSON here")
+    t.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     try:
-        return demo(args) if args.cmd == "demo" else build_cmd(args)
+        return {"demo": demo, "build": build_cmd, "tune": tune_cmd}[args.cmd](args)
     except (SpaceFusionError, KeyError) as e:
         print(f"spacefusion: error: {e}", file=sys.stderr)
         return 2

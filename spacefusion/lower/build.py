@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -90,21 +91,45 @@ class CudaArtefact:
     source: str
     meta: dict
 
-    def save(self, folder: str | Path, compile_cubin: bool = True) -> Path:
+    def save(self, folder: str | Path, compile_cubin: bool = True, cache: str | Path | None = "default") -> Path:
+        """Write kernel.cu + kernel.json (+ kernel.cubin).  Cubins are cached by the sha256 of
+        (source, arch, nvcc flags): an identical kernel is never compiled twice."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "kernel.cu").write_text(self.source)
         meta = dict(self.meta)
         if compile_cubin and shutil.which("nvcc"):
-            nvcc_cubin(folder / "kernel.cu", folder / "kernel.cubin", meta["arch"])
+            out = folder / "kernel.cubin"
+            cached = _cubin_cache(cache, self.source, meta["arch"])
+            if cached is not None and cached.is_file():
+                shutil.copyfile(cached, out)
+            else:
+                nvcc_cubin(folder / "kernel.cu", out, meta["arch"])
+                if cached is not None:
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+                    shutil.copyfile(out, tmp)
+                    os.replace(tmp, cached)  # atomic: parallel builders never see half a cubin
             meta["cubin"] = "kernel.cubin"
         (folder / "kernel.json").write_text(json.dumps(meta, indent=1))
         return folder
 
 
+NVCC_FLAGS = ("-O3", "-diag-suppress=177,1046")
+
+
+def _cubin_cache(cache: str | Path | None, source: str, arch: str) -> Path | None:
+    if cache is None:
+        return None
+    root = Path(os.environ.get("SPACEFUSION_CUBIN_CACHE", Path.home() / ".cache" / "spacefusion" / "cubins")
+                ) if cache == "default" else Path(cache)
+    digest = hashlib.sha256("\0".join([source, arch, *NVCC_FLAGS]).encode()).hexdigest()
+    return root / f"{digest}.cubin"
+
+
 def nvcc_cubin(src: Path, out: Path, arch: str) -> None:
     """Compile CUDA source to a cubin; raise with nvcc's message on failure."""
-    cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-diag-suppress=177,1046", "-o", str(out), str(src)]
+    cmd = ["nvcc", "-cubin", f"-arch={arch}", *NVCC_FLAGS, "-o", str(out), str(src)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed for {src}:\n{res.stderr[-3000:]}")

@@ -1,0 +1,138 @@
+"""Analytical cost model: a time estimate for a Schedule on a HardwareModel, no GPU.
+
+The kernel the lowering emits runs one thread per element of a block tile on
+CUDA cores, so the estimate is a roofline with the corrections that decide
+which schedule wins among those:
+
+- device-memory bytes are the exact islpy footprints (``schedulers.traffic``),
+  with per-thread reads of an input whose fastest-varying index is not the
+  thread dim charged a whole 32-byte sector per element (uncoalesced), and
+  spilled local buffers charged as extra traffic;
+- FLOPs count every op once per element of its iteration domain, times the
+  recomputation the schedule implies: streamed tiles computed per thread are
+  recomputed by every thread along the cut dims they lack, and the second pass
+  recomputes the streamed tiles when the row was sliced;
+- the machine is only busy if there are enough threads: occupancy from the
+  hardware model, waves of blocks, partial last waves;
+- each serial step costs a barrier.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import sympy as sp
+
+from schedulers.hardware import HardwareModel
+from schedulers.resources import block_resources
+from schedulers.schedule import Schedule
+from schedulers.traffic import fused_kernel
+from smg.expr import body_expr
+from smg.ir import Op
+
+SECTOR_BYTES = 32
+BARRIER_CYCLES = 200
+LAUNCH_US = 2.0
+
+
+@lru_cache(maxsize=4096)
+def _ops_per_point(op: Op) -> int:
+    return max(1, int(sp.count_ops(body_expr(op))) + (1 if op.reduce else 0))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The estimate and its parts (seconds), so a user can see what dominates."""
+
+    memory_s: float
+    compute_s: float
+    sync_s: float
+    bytes: float
+    flops: float
+    occupancy: int
+
+    @property
+    def us(self) -> float:
+        return (max(self.memory_s, self.compute_s) + self.sync_s) * 1e6 + LAUNCH_US
+
+
+def _work(s: Schedule) -> tuple[float, float, float]:
+    """FLOPs, and operand bytes loaded from shared memory and from the L1/L2 path."""
+    smg, sizes = s.smg, s.smg.dim_sizes
+    grid = s.grid()
+    total = shared_b = cached_b = 0.0
+    states = {u.base for u in s.plan.states}
+    for op in smg.ops:
+        if op.out not in s.plan.streamed and op.out not in states:
+            continue  # inlined: counted in the bodies that use it (its share is small)
+        points = float(math.prod(sizes[d] for d in op.iter_dims))
+        if op.out in s.plan.streamed:
+            per_thread = s.level(op.out) != "shared"
+            for d, t in s.block:
+                if d not in op.iter_dims:  # every block (and, per thread, every thread) along d recomputes it
+                    points *= grid[d] * (t if per_thread else 1)
+            if s.plan.second_pass and s.num_steps > 1 and s.serial in op.iter_dims:
+                points *= 2
+        total += points * _ops_per_point(op)
+        for a in op.inputs:
+            lvl = s.level(a.space)
+            item = np.dtype(smg.space(a.space).dtype).itemsize if a.space in smg.inputs else 4
+            if lvl == "shared":
+                shared_b += points * item
+            elif lvl == "global" or a.space in smg.inputs:
+                cached_b += points * item
+    for u in s.plan.states:  # the derived update functions, applied per element per step
+        if u.carry:
+            total += int(sp.count_ops(sp.sympify(u.carry))) * math.prod(
+                sizes[d] for d in smg.space(u.base).dims) * s.num_steps
+    return total, shared_b, cached_b
+
+
+def _uncoalesced_bytes(s: Schedule) -> float:
+    """Extra bytes of per-thread global reads that consecutive threads make far apart."""
+    smg = s.smg
+    extra = 0.0
+    k = fused_kernel(s)
+    for name, nbytes in k.reads:
+        if s.level(name) != "global" or s.tiles.get(s.thread_dim, 1) == 1:
+            continue
+        dims = smg.space(name).dims
+        if s.thread_dim in dims and dims[-1] != s.thread_dim:
+            item = np.dtype(smg.space(name).dtype).itemsize
+            extra += nbytes * (SECTOR_BYTES / item - 1)
+    return extra
+
+
+def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
+    """The analytical time estimate of ``s`` on ``hw``."""
+    res = block_resources(s)
+    occ = hw.occupancy_blocks_per_sm(res.shared_bytes, res.threads, res.registers_per_thread)
+    slots = max(1, occ) * hw.num_sms
+    blocks = s.num_blocks
+    waves = math.ceil(blocks / slots)
+    busy_sms = min(hw.num_sms, blocks)
+    resident = min(blocks, slots) * res.threads
+    # latency hiding: CUDA cores reach their peak with about half the maximum resident threads
+    thread_util = min(1.0, resident / (0.5 * hw.num_sms * hw.max_threads_per_sm))
+    wave_util = blocks / (waves * slots) if waves > 1 else 1.0
+    peak = hw.peak_flops("float32", tensor_core=False)
+    flops, shared_b, cached_b = _work(s)
+    util = max(thread_util * wave_util, 1e-6)
+    # every operand comes from shared memory or the L1/L2 path, not registers: those limit first
+    compute_s = max(flops / peak, shared_b / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
+                    cached_b / hw.l2_bandwidth_bytes_per_s) / util
+    nbytes = float(fused_kernel(s).read_bytes + fused_kernel(s).write_bytes) + _uncoalesced_bytes(s)
+    if res.spills:  # local buffers beyond the register file go to (cached) local memory each step
+        nbytes += (res.local_floats * 4) * res.threads * blocks * 2
+    mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
+    memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
+    passes = 2 if s.plan.second_pass else 1
+    sync_s = waves * s.num_steps * passes * BARRIER_CYCLES / hw.clock_hz
+    return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
+
+
+def estimate_us(s: Schedule, hw: HardwareModel) -> float:
+    return estimate(s, hw).us

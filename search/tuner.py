@@ -1,0 +1,245 @@
+"""The tuner: recommend on the CPU, measure on a runner, remember in the database.
+
+Loop: enumerate and prune the search space (``search.space``); rank the
+candidates with the analytical model until the learned (XGBoost) model has
+records to learn from, then with the learned model; measure a batch (mostly
+the best-ranked, some at random so the learned model sees the whole space);
+store every record as it arrives; retrain; repeat until the trial budget is
+spent.  A cached best for the same tuning key is reused at once unless
+``SPACEFUSION_NO_CACHE`` is set.  Before each measured batch the learned
+model's predictions are recorded, so its ranking quality is always reported
+on records it was not trained on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schedulers.hardware import H100, HardwareModel
+from schedulers.schedule import Schedule
+from search.cost import estimate_us
+from search.database import TuningDatabase, cache_enabled, key_parts, tuning_key
+from search.learned import LearnedCostModel
+from search.metrics import spearman, top1_slowdown
+from search.records import MeasureInput, MeasureResult, Runner
+from search.space import SearchSpace, SpaceReport
+from smg.ir import SMG
+
+MIN_RECORDS_TO_LEARN = 8
+
+
+@dataclass
+class TuneSummary:
+    """What a tune found, how long it took, and how well the cost models ranked."""
+
+    workload: str
+    key: str
+    best: Schedule | None
+    best_result: MeasureResult | None
+    from_cache: bool = False
+    pending: str | None = None
+    space: SpaceReport | None = None
+    built: int = 0
+    measured: int = 0
+    failed: int = 0
+    wall_s: float = 0.0
+    time_to_best_s: float = 0.0
+    predicted_us: float | None = None
+    analytical: dict[str, float] = field(default_factory=dict)
+    learned: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def best_us(self) -> float | None:
+        return None if self.best_result is None else self.best_result.median_us
+
+    def __str__(self) -> str:
+        lines = [f"tune {self.workload}  key={self.key[:12]}"]
+        if self.from_cache:
+            lines.append("  cached best reused (set SPACEFUSION_NO_CACHE=1 to tune again)")
+        if self.space is not None:
+            lines.append(f"  {self.space}")
+        lines.append(f"  built {self.built}, measured {self.measured} ({self.failed} failed), "
+                     f"wall {self.wall_s:.1f} s, best found after {self.time_to_best_s:.1f} s")
+        if self.pending:
+            lines.append(f"  pending: {self.pending}")
+        if self.best is not None and self.best_result is not None:
+            lines.append(f"  best: {self.best_us:.1f} us  tiles {self.best.tiles} thread dim {self.best.thread_dim} "
+                         f"serial {self.best.serial} step {self.best.step}")
+            if self.predicted_us is not None:
+                lines.append(f"  analytical model predicted {self.predicted_us:.1f} us for it "
+                             f"({self.predicted_us / self.best_us:.2f}x)")
+        for name, q in (("analytical", self.analytical), ("learned", self.learned)):
+            if q:
+                lines.append(f"  {name} model on unseen records: spearman {q['spearman']:.3f}, "
+                             f"top-1 slowdown {q['top1_slowdown']:.2f}x over {int(q['n'])} records")
+        return "\n".join(lines)
+
+
+class _Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = max(total, 1), enabled, 0
+
+    def update(self, n: int, best: float) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        width = 30
+        fill = int(width * min(self.done, self.total) / self.total)
+        best_s = f"{best:.1f} us" if math.isfinite(best) else "-"
+        sys.stderr.write(f"\r  [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} measured, best {best_s}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _prebuild_one(args: tuple[str, str, str]) -> str | None:
+    """Worker: lower one candidate and compile its cubin into the content-hashed cache."""
+    schedule_json, target, folder = args
+    from spacefusion.api import build
+
+    try:
+        build(Schedule.from_json(schedule_json), target).save(folder)
+        return None
+    except Exception as exc:  # reported by the runner when it builds the same candidate
+        return f"{type(exc).__name__}: {exc}"
+
+
+def prebuild(inputs: list[MeasureInput], workers: int) -> float:
+    """Build CUDA candidates in parallel processes (``import tvm`` is 1.6 s, nvcc 1.3 s per kernel):
+    the cubins land in the content-hashed cache, so the runner's own build is a cache hit."""
+    cuda = [i for i in inputs if i.target.startswith(("cuda", "sm_"))]
+    if not cuda or workers <= 1:
+        return 0.0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(workers) as pool:
+        jobs = [(i.schedule.to_json(), i.target, os.path.join(tmp, i.key)) for i in cuda]
+        list(pool.map(_prebuild_one, jobs))
+    return time.perf_counter() - t0
+
+
+def _quality(pred: list[float], measured: list[float]) -> dict[str, float]:
+    ok = [(p, m) for p, m in zip(pred, measured) if math.isfinite(m)]
+    if len(ok) < 2:
+        return {}
+    p, m = zip(*ok)
+    return {"spearman": spearman(np.array(p), np.array(m)), "top1_slowdown": top1_slowdown(np.array(p), np.array(m)),
+            "n": float(len(ok))}
+
+
+def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
+         db: TuningDatabase | str | Path | None = None, trials: int = 64, batch: int = 16, explore: float = 0.25,
+         seed: int = 0, workers: int = 2, progress: bool = True, recompute: bool = False,
+         max_step: int | None = None) -> TuneSummary:
+    """Find a fast schedule of ``smg`` on ``runner``; see the module docstring."""
+    t_start = time.perf_counter()
+    own_db = not isinstance(db, TuningDatabase)
+    database = TuningDatabase(db if db is not None else Path(tempfile.mkdtemp()) / "tuning.db") if own_db else db
+    try:
+        return _tune(smg, runner, hw, target, database, trials, batch, explore, seed, workers, progress,
+                     recompute, max_step, t_start)
+    finally:
+        if own_db:
+            database.close()
+
+
+def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDatabase, trials: int, batch: int,
+          explore: float, seed: int, workers: int, progress: bool, recompute: bool, max_step: int | None,
+          t_start: float) -> TuneSummary:
+    key = tuning_key(smg, hw, target)
+    parts = key_parts(smg, hw, target)
+    summary = TuneSummary(smg.name, key, None, None)
+    if cache_enabled():
+        cached = db.best(key)
+        if cached is not None:
+            summary.best, summary.best_result = cached
+            summary.from_cache = True
+            summary.wall_s = time.perf_counter() - t_start
+            return summary
+    space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step)
+    cands = space.candidates()
+    summary.space = space.report
+    measured = db.measured_keys(key)
+    remaining = {s.key: s for s in cands if s.key not in measured}
+    est = {k: estimate_us(s, hw) for k, s in remaining.items()}
+    model = LearnedCostModel(hw)
+    history = [(s, r) for s, r in db.records(key)]
+    if sum(r.ok for _, r in history) >= MIN_RECORDS_TO_LEARN:
+        model.fit([s for s, _ in history], [r for _, r in history], [key] * len(history))
+    rng = np.random.default_rng(seed)
+    bar = _Progress(min(trials, len(remaining)), progress)
+    held = {"analytical": ([], []), "learned": ([], [])}
+    best_us = min((r.median_us for _, r in history), default=math.inf)
+    done = 0
+    while done < trials and remaining:
+        keys = list(remaining)
+        score = (dict(zip(keys, model.predict([remaining[k] for k in keys]))) if model.is_trained
+                 else {k: est[k] for k in keys})
+        order = sorted(keys, key=lambda k: (score[k], k))
+        n = min(batch, trials - done, len(order))
+        n_exploit = max(1, math.ceil(n * (1 - explore))) if model.is_trained or n < 4 else n - n // 4
+        pick = order[:n_exploit]
+        rest = order[n_exploit:]
+        if n - len(pick) > 0 and rest:
+            pick += list(rng.choice(rest, size=min(n - len(pick), len(rest)), replace=False))
+        inputs = [MeasureInput(remaining[k], target) for k in pick]
+        pred_learned = list(model.predict([i.schedule for i in inputs])) if model.is_trained else None
+        summary.built += len(inputs)
+        prebuild(inputs, workers)
+        results = runner.measure(inputs)
+        pending = [r for r in results if dict(r.meta).get("pending")]
+        if pending:
+            summary.pending = pending[0].error
+            break
+        for inp, res in zip(inputs, results):
+            db.add(key, inp.schedule, res, parts)
+            remaining.pop(inp.key, None)
+            summary.measured += 1
+            summary.failed += 0 if res.ok else 1
+            if res.median_us < best_us:
+                best_us = res.median_us
+                summary.time_to_best_s = time.perf_counter() - t_start
+        meds = [r.median_us for r in results]
+        held["analytical"][0].extend(est[i.key] for i in inputs)
+        held["analytical"][1].extend(meds)
+        if pred_learned is not None:
+            held["learned"][0].extend(pred_learned)
+            held["learned"][1].extend(meds)
+        done += len(inputs)
+        bar.update(len(inputs), best_us)
+        history = db.records(key)
+        if sum(r.ok for _, r in history) >= MIN_RECORDS_TO_LEARN:
+            model.fit([s for s, _ in history], [r for _, r in history], [key] * len(history))
+    bar.close()
+    best = db.best(key)
+    if best is not None:
+        summary.best, summary.best_result = best
+        summary.predicted_us = estimate_us(best[0], hw)
+    summary.analytical = _quality(*held["analytical"])
+    summary.learned = _quality(*held["learned"])
+    summary.wall_s = time.perf_counter() - t_start
+    return summary
+
+
+def summary_dict(s: TuneSummary) -> dict[str, Any]:
+    """Plain data for result files."""
+    return {
+        "workload": s.workload, "key": s.key, "from_cache": s.from_cache, "pending": s.pending,
+        "space": None if s.space is None else vars(s.space), "built": s.built, "measured": s.measured,
+        "failed": s.failed, "wall_s": s.wall_s, "time_to_best_s": s.time_to_best_s, "best_us": s.best_us,
+        "best_schedule": None if s.best is None else s.best.to_dict(), "predicted_us": s.predicted_us,
+        "analytical": s.analytical, "learned": s.learned,
+    }

@@ -1,0 +1,170 @@
+"""The auto-scheduler on the CPU: search space and pruning, the analytical model, and the whole
+tune loop on TVM llvm (database reuse, interruption, corruption, the cache switch, the CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from schedulers.hardware import H100
+from schedulers.resources import block_resources, shared_bytes
+from schedulers.schedule import make_schedule
+from search.cost import estimate
+from search.database import DatabaseError, TuningDatabase, tuning_key
+from search.records import MeasureResult
+from search.runners import LLVMRunner
+from search.space import SearchSpace
+from search.tuner import tune
+from smg import patterns as P
+from smg.workloads import gemm, mha
+from spacefusion.cli import main
+
+# -- search space ----------------------------------------------------------------------------------
+
+
+def test_space_counts_and_pruning_reasons() -> None:
+    sp = SearchSpace(mha(4, 4, 256, 256, 64), H100)
+    cands = sp.candidates()
+    rep = sp.report
+    assert rep.total >= rep.valid >= rep.fits == len(cands) > 0
+    assert rep.fits < rep.total  # big steps/tiles overflow shared memory or registers
+    assert set(rep.pruned) <= {"shared memory", "registers", "threads", "does not fit on one sm"}
+    assert "points" in sp.describe() and "tensor_cores=off" in sp.describe()
+    for s in cands:  # everything kept fits the H100
+        r = block_resources(s)
+        assert r.threads <= H100.max_threads_per_block
+        assert shared_bytes(s) <= H100.smem_static_per_block_bytes
+    assert len({s.key for s in cands}) == len(cands)
+
+
+def test_space_varies_every_knob() -> None:
+    cands = SearchSpace(gemm(64, 64, 64), H100).candidates()
+    assert len({tuple(sorted(s.tiles.items())) for s in cands}) > 5
+    assert len({s.step for s in cands}) > 2
+    assert len({s.thread_dim for s in cands}) == 2
+    assert len({tuple(s.memory) for s in cands}) > 1  # staging on and off
+
+
+def test_small_hardware_prunes_more() -> None:
+    small = dataclasses.replace(H100, name="small", smem_static_per_block_bytes=4096, smem_per_block_bytes=4096,
+                                smem_per_sm_bytes=4096)
+    g = mha(2, 2, 128, 128, 64)
+    assert len(SearchSpace(g, small).candidates()) < len(SearchSpace(g, H100).candidates())
+
+
+# -- analytical model ------------------------------------------------------------------------------
+
+
+def test_estimate_parts_and_orderings() -> None:
+    g = gemm(1024, 1024, 256, dtype="float16")
+    good = make_schedule(g, {"m": 16, "n": 64}, step=32)
+    e = estimate(good, H100)
+    assert e.us > 0 and e.flops >= 2 * 1024 * 1024 * 256 and e.bytes > 0 and e.occupancy > 0
+    # one thread per block starves the machine; tile-1 rows re-read B from device memory
+    assert estimate(make_schedule(g, {"m": 1, "n": 1}, step=32), H100).us > 10 * e.us
+    assert estimate(make_schedule(g, {"m": 1, "n": 64}, step=32), H100).bytes > e.bytes
+
+
+def test_estimate_charges_the_second_pass_and_recompute() -> None:
+    g = P.residual_layernorm(1024, 4096, "float16")
+    one = estimate(make_schedule(g, {"m": 64}, step=4096), H100)
+    sliced = estimate(make_schedule(g, {"m": 64}, step=256), H100)
+    assert sliced.bytes > one.bytes  # the second pass reads the row again
+    m = P.mlp(256, 256, 256, 256, dtype="float16")
+    cut = estimate(make_schedule(m, {"m": 4, "n": 64}, step=16, recompute=True,
+                                 levels={"H": "register"}), H100)
+    coop = estimate(make_schedule(m, {"m": 4, "n": 64}, step=16, recompute=True), H100)
+    assert cut.flops > 10 * coop.flops  # per-thread recomputation of the hidden tile
+
+
+# -- the tune loop on llvm -------------------------------------------------------------------------
+
+
+def test_tune_finds_and_remembers_a_verified_best(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("SPACEFUSION_NO_CACHE", raising=False)
+    g = P.layernorm(32, 256)
+    db = tmp_path / "t.db"
+    s = tune(g, LLVMRunner(repeats=2), target="llvm", db=db, trials=20, batch=5, progress=False)
+    assert s.measured == 20 and s.failed == 0 and s.best is not None
+    assert s.best_result.ok and s.best_result.max_abs_err is not None and s.best_result.max_abs_err < 1e-4
+    with TuningDatabase(db) as d:
+        key = tuning_key(g, H100, "llvm")
+        assert d.count(key) == 20
+        assert min(r.median_us for _, r in d.records(key)) == s.best_us
+    assert s.learned and -1.0 <= s.learned["spearman"] <= 1.0  # held-out quality after the first batches
+    again = tune(g, LLVMRunner(repeats=2), target="llvm", db=db, trials=20, progress=False)
+    assert again.from_cache and again.measured == 0 and again.best.key == s.best.key and again.wall_s < 2.0
+    monkeypatch.setenv("SPACEFUSION_NO_CACHE", "1")
+    more = tune(g, LLVMRunner(repeats=2), target="llvm", db=db, trials=5, batch=5, progress=False)
+    left = more.space.fits - 20
+    assert not more.from_cache and more.measured == min(5, left) > 0  # only candidates not measured before
+    with TuningDatabase(db) as d:
+        assert d.count(tuning_key(g, H100, "llvm")) == 20 + more.measured
+
+
+class _Interrupting(LLVMRunner):
+    def __init__(self, after: int) -> None:
+        super().__init__(repeats=1)
+        self.after, self.calls = after, 0
+
+    def measure(self, inputs):
+        self.calls += 1
+        if self.calls > self.after:
+            raise KeyboardInterrupt
+        return super().measure(inputs)
+
+
+def test_interrupted_tune_keeps_what_it_measured(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPACEFUSION_NO_CACHE", "1")
+    g = gemm(64, 64, 32)
+    db = tmp_path / "t.db"
+    with pytest.raises(KeyboardInterrupt):
+        tune(g, _Interrupting(after=2), target="llvm", db=db, trials=30, batch=4, progress=False)
+    with TuningDatabase(db) as d:
+        assert d.count(tuning_key(g, H100, "llvm")) == 8
+    resumed = tune(g, LLVMRunner(repeats=1), target="llvm", db=db, trials=4, batch=4, progress=False)
+    assert resumed.measured == 4  # the 8 already measured are not measured again
+    with TuningDatabase(db) as d:
+        assert d.count(tuning_key(g, H100, "llvm")) == 12
+
+
+def test_corrupt_database_is_refused_and_kept(tmp_path) -> None:
+    db = tmp_path / "t.db"
+    db.write_bytes(b"not a database at all" * 10)
+    before = db.read_bytes()
+    with pytest.raises(DatabaseError):
+        tune(gemm(8, 8, 8), LLVMRunner(repeats=1), target="llvm", db=db, trials=2, progress=False)
+    assert db.read_bytes() == before
+
+
+def test_failed_candidates_are_recorded_not_fatal(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPACEFUSION_NO_CACHE", "1")
+
+    class Flaky(LLVMRunner):
+        def measure(self, inputs):
+            out = super().measure(inputs)
+            return [dataclasses.replace(r, error="run: injected failure", latencies_us=()) if i == 0 else r
+                    for i, r in enumerate(out)]
+
+    s = tune(gemm(16, 16, 8), Flaky(repeats=1), target="llvm", db=tmp_path / "t.db", trials=6, batch=3,
+             progress=False)
+    assert s.failed == 2 and s.best_result.ok and math.isfinite(s.best_us)
+
+
+def test_cli_tune_on_llvm(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SPACEFUSION_NO_CACHE", "1")
+    out = tmp_path / "summary.json"
+    rc = main(["tune", "softmax_gemm", "--shape", "32", "64", "8", "--target", "llvm", "--db", str(tmp_path / "t.db"),
+               "--trials", "6", "--batch", "3", "--quiet", "--json", str(out)])
+    assert rc == 0 and out.exists()
+    text = capsys.readouterr().out
+    assert "measured 6" in text and "best:" in text
+    assert main(["tune", "softmax_gemm", "--shape", "32", "64", "8", "--target", "tpu"]) == 2
+    assert "unknown target 'tpu'" in capsys.readouterr().err
+
+
+def test_records_round_trip() -> None:
+    r = MeasureResult("k" * 64, "llvm", (1.0, 3.0, 2.0), 1e-6, None, (("device", "cpu"),))
+    assert MeasureResult.from_dict(r.to_dict()) == r and r.median_us == 2.0

@@ -173,7 +173,7 @@ class References:
 
 
 def measure_entry(entry: Mapping[str, Any], folder: Path, refs: References, *, warmup: int, iters: int,
-                  flush_l2: bool, device: str) -> dict[str, Any]:
+                  flush_l2: bool, device: str, budget_s: float | None = None) -> dict[str, Any]:
     """Check then time one manifest candidate; every failure becomes a record with ``error``."""
     import numpy as np
     import torch
@@ -206,14 +206,22 @@ def measure_entry(entry: Mapping[str, Any], folder: Path, refs: References, *, w
         # NaN-filled outputs: an element the kernel never writes fails the check.
         outputs = {p.name: torch.full(p.shape, math.nan, dtype=gpu.torch_dtype(p.dtype), device="cuda")
                    for p in art.outputs}
+        torch.cuda.synchronize()
+        t_launch = time.perf_counter()
         kernel.launch(inputs, outputs)
         torch.cuda.synchronize()
+        t_launch = time.perf_counter() - t_launch
         got = {n: t.double().cpu().numpy() for n, t in outputs.items()}
     except Exception as exc:
         return record(entry, error=f"run: {_describe(exc)}", meta=meta)
     err, problem = check_numerics(smg, ref, got)
     if problem is not None:
         return record(entry, max_abs_err=err, error=problem, meta=meta)
+    if budget_s is not None and t_launch * (warmup + iters) > budget_s:
+        # slow candidates: fewer runs, so a batch of them fits the GPU session (recorded in meta)
+        iters = max(3, min(iters, int(budget_s / max(t_launch, 1e-6))))
+        warmup = max(1, min(warmup, iters // 3))
+        meta.update(iters=iters, warmup=warmup, first_launch_s=round(t_launch, 4))
     try:
         t = timing.time_cuda(lambda: kernel.launch(inputs, outputs), warmup=warmup, iters=iters, flush_l2=flush_l2)
     except Exception as exc:
@@ -229,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--no-flush-l2", action="store_true", help="time with a warm L2 (default: flushed)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds of timing per candidate; slow candidates get fewer runs (at least 3)")
     args = parser.parse_args(argv)
     out = args.out or args.manifest_dir / "results.json"
 
@@ -248,13 +258,35 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.cuda.get_device_name()
 
+    def write(rows: list[dict[str, Any]]) -> None:
+        """Rewritten after every candidate: a session cut short still leaves what it measured."""
+        try:
+            import cupy
+
+            cupy_version = cupy.__version__
+        except ImportError:
+            cupy_version = None
+        result = {
+            "format": RESULTS_FORMAT,
+            "manifest": str(args.manifest_dir / "manifest.json"),
+            "device": device,
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "cupy": cupy_version,
+            "timing": {"warmup": args.warmup, "iters": args.iters, "flush_l2": not args.no_flush_l2,
+                       "stat": "median of CUDA events"},
+            "results": rows,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
     refs = References()
     rows: list[dict[str, Any]] = []
     cands = manifest["candidates"]
     for i, entry in enumerate(cands):
         try:
             row = measure_entry(entry, args.manifest_dir, refs, warmup=args.warmup, iters=args.iters,
-                                flush_l2=not args.no_flush_l2, device=device)
+                                flush_l2=not args.no_flush_l2, device=device, budget_s=args.budget_s)
         except Exception as exc:  # belt and braces: one candidate must never lose the others' numbers
             row = record(entry, error=f"internal: {_describe(exc)}",
                          meta={"runner": RUNNER, "traceback": traceback.format_exc()[-4000:]})
@@ -263,27 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.2e}"
         status = "ok" if row["error"] is None else row["error"].splitlines()[0][:100]
         key, target = entry["schedule_key"][:12], entry["target"]
-        print(f"[{i + 1}/{len(cands)}] {key} {target:<13} {lat}  err {err:>8}  {status}")
+        print(f"[{i + 1}/{len(cands)}] {key} {target:<13} {lat}  err {err:>8}  {status}", flush=True)
+        write(rows)
+    write(rows)
 
-    try:
-        import cupy
-
-        cupy_version = cupy.__version__
-    except ImportError:
-        cupy_version = None
-    result = {
-        "format": RESULTS_FORMAT,
-        "manifest": str(args.manifest_dir / "manifest.json"),
-        "device": device,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cupy": cupy_version,
-        "timing": {"warmup": args.warmup, "iters": args.iters, "flush_l2": not args.no_flush_l2,
-                   "stat": "median of CUDA events"},
-        "results": rows,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
     n_ok = sum(r["error"] is None for r in rows)
     print(f"{n_ok}/{len(rows)} candidates ok on {device}; wrote {out}")
     return 0

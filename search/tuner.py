@@ -159,8 +159,10 @@ def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "c
 def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDatabase, trials: int, batch: int,
           explore: float, seed: int, workers: int, progress: bool, recompute: bool, max_step: int | None,
           t_start: float) -> TuneSummary:
-    key = tuning_key(smg, hw, target)
-    parts = key_parts(smg, hw, target)
+    from spacefusion.lower.build import COMPILE_FLAGS
+
+    key = tuning_key(smg, hw, target, COMPILE_FLAGS)
+    parts = key_parts(smg, hw, target, COMPILE_FLAGS)
     summary = TuneSummary(smg.name, key, None, None)
     if cache_enabled():
         cached = db.best(key)
@@ -179,7 +181,6 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     history = [(s, r) for s, r in db.records(key)]
     if sum(r.ok for _, r in history) >= MIN_RECORDS_TO_LEARN:
         model.fit([s for s, _ in history], [r for _, r in history], [key] * len(history))
-    rng = np.random.default_rng(seed)
     bar = _Progress(min(trials, len(remaining)), progress)
     held = {"analytical": ([], []), "learned": ([], [])}
     best_us = min((r.median_us for _, r in history), default=math.inf)
@@ -193,6 +194,8 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
         n_exploit = max(1, math.ceil(n * (1 - explore))) if model.is_trained or n < 4 else n - n // 4
         pick = order[:n_exploit]
         rest = order[n_exploit:]
+        # exploration draws depend only on (seed, records so far): re-running a tune picks the same batch
+        rng = np.random.default_rng([seed, len(db.measured_keys(key))])
         if n - len(pick) > 0 and rest:
             pick += list(rng.choice(rest, size=min(n - len(pick), len(rest)), replace=False))
         inputs = [MeasureInput(remaining[k], target) for k in pick]
@@ -232,6 +235,37 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     summary.learned = _quality(*held["learned"])
     summary.wall_s = time.perf_counter() - t_start
     return summary
+
+
+def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: HardwareModel = H100) -> int:
+    """Add the records of an offline batch (its manifest + the GPU script's results.json) to ``db``.
+
+    The schedules come from the manifest, so a batch can be imported whatever ranking chose it.
+    """
+    import json
+
+    from search.runners import MANIFEST_FILE, import_batch
+    from spacefusion.lower.build import COMPILE_FLAGS
+
+    folder = Path(folder)
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    by_key = {c["schedule_key"]: c for c in manifest["candidates"]}
+    own = not isinstance(db, TuningDatabase)
+    database = TuningDatabase(db) if own else db
+    try:
+        n = 0
+        for res in import_batch(folder / "results.json"):
+            entry = by_key.get(res.schedule_key)
+            if entry is None:
+                raise ValueError(f"{folder}: result for {res.schedule_key[:12]} has no manifest entry")
+            sched = Schedule.from_json(json.dumps(entry["schedule"]))
+            key = tuning_key(sched.smg, hw, res.target, COMPILE_FLAGS)
+            database.add(key, sched, res, key_parts(sched.smg, hw, res.target, COMPILE_FLAGS))
+            n += 1
+        return n
+    finally:
+        if own:
+            database.close()
 
 
 def summary_dict(s: TuneSummary) -> dict[str, Any]:

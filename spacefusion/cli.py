@@ -102,6 +102,11 @@ def tune_cmd(args: argparse.Namespace) -> int:
         runner = runners.OfflineBatchRunner(args.batch_dir)
     else:
         runner = runners.RayRunner(address=args.ray_address)
+    if args.import_results:
+        from search.tuner import import_offline
+
+        n = import_offline(args.db, args.import_results, get_hardware(hw_name))
+        print(f"imported {n} records from {args.import_results}")
     summary = tune(g, runner, hw=get_hardware(hw_name), target=target, db=args.db, trials=args.trials,
                    batch=args.batch, workers=args.workers, seed=args.seed, progress=not args.quiet)
     print(summary)
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--runner", default="gpu", choices=["gpu", "llvm", "offline", "ray"])
     t.add_argument("--batch-dir", default=None, help="offline runner: where candidates are exported")
     t.add_argument("--ray-address", default=None)
+    t.add_argument("--import-results", default=None, help="first add an offline batch's results (its folder)")
     t.add_argument("--db", default="spacefusion_tuning.db")
     t.add_argument("--trials", type=int, default=64)
     t.add_argument("--batch", type=int, default=16)

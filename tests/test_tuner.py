@@ -20,6 +20,7 @@ from search.tuner import tune
 from smg import patterns as P
 from smg.workloads import gemm, mha
 from spacefusion.cli import main
+from spacefusion.lower.build import COMPILE_FLAGS
 
 # -- search space ----------------------------------------------------------------------------------
 
@@ -90,7 +91,7 @@ def test_tune_finds_and_remembers_a_verified_best(tmp_path, monkeypatch) -> None
     assert s.measured == 20 and s.failed == 0 and s.best is not None
     assert s.best_result.ok and s.best_result.max_abs_err is not None and s.best_result.max_abs_err < 1e-4
     with TuningDatabase(db) as d:
-        key = tuning_key(g, H100, "llvm")
+        key = tuning_key(g, H100, "llvm", COMPILE_FLAGS)
         assert d.count(key) == 20
         assert min(r.median_us for _, r in d.records(key)) == s.best_us
     assert s.learned and -1.0 <= s.learned["spearman"] <= 1.0  # held-out quality after the first batches
@@ -101,7 +102,7 @@ def test_tune_finds_and_remembers_a_verified_best(tmp_path, monkeypatch) -> None
     left = more.space.fits - 20
     assert not more.from_cache and more.measured == min(5, left) > 0  # only candidates not measured before
     with TuningDatabase(db) as d:
-        assert d.count(tuning_key(g, H100, "llvm")) == 20 + more.measured
+        assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == 20 + more.measured
 
 
 class _Interrupting(LLVMRunner):
@@ -123,11 +124,11 @@ def test_interrupted_tune_keeps_what_it_measured(tmp_path, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         tune(g, _Interrupting(after=2), target="llvm", db=db, trials=30, batch=4, progress=False)
     with TuningDatabase(db) as d:
-        assert d.count(tuning_key(g, H100, "llvm")) == 8
+        assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == 8
     resumed = tune(g, LLVMRunner(repeats=1), target="llvm", db=db, trials=4, batch=4, progress=False)
     assert resumed.measured == 4  # the 8 already measured are not measured again
     with TuningDatabase(db) as d:
-        assert d.count(tuning_key(g, H100, "llvm")) == 12
+        assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == 12
 
 
 def test_corrupt_database_is_refused_and_kept(tmp_path) -> None:

@@ -264,7 +264,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
     for n in plan.streamed:  # streamed ops without the serial dim: once per block, before the loop
         if n not in per_step:
             _emit_streamed(k, n)
-    with T.serial(0, s.num_steps) as step:
+    with _steps(s.num_steps) as step:
         k.t0 = step * s.step
         _emit_step_inputs(k, staged, per_step)
         for o in olds:
@@ -282,7 +282,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
     if plan.second_pass:
         # outputs keeping the serial dim: a second pass once the reductions are final; with
         # one step the streamed tile is still on chip and is not recomputed
-        with T.serial(0, s.num_steps) as step:
+        with _steps(s.num_steps) as step:
             k.t0 = step * s.step
             if s.num_steps > 1:
                 _emit_step_inputs(k, staged, per_step)
@@ -290,6 +290,16 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
                 _emit_store(k, out, fin[out], serial=True)
             if k.shared and s.num_steps > 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
+
+
+@contextmanager
+def _steps(n: int):
+    """The serial loop over steps; with one step, no loop at all (the index is 0)."""
+    if n == 1:
+        yield tirx.const(0, "int32")
+        return
+    with T.serial(0, n) as step:
+        yield step
 
 
 def _emit_step_inputs(k: _Kernel, staged: list[str], streamed: tuple[str, ...]) -> None:

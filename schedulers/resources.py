@@ -38,9 +38,11 @@ def local_floats(s: Schedule) -> int:
     sizes = s.smg.dim_sizes
     cut = set(s.tiles)
 
+    lane_step = -(-s.step // s.lanes)  # a lane keeps only its own serial elements
+
     def per_thread(space: str) -> int:
         dims = s.smg.space(space.split("__")[0]).dims
-        return math.prod(s.step if d == s.serial else sizes[d] for d in dims if d not in cut)
+        return math.prod(lane_step if d == s.serial else sizes[d] for d in dims if d not in cut)
 
     names = [u.state for u in s.plan.states]
     names += [n for n in s.plan.streamed if s.level(n) != "shared"]

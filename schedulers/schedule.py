@@ -41,6 +41,9 @@ class Schedule:
     plan: TemporalPlan
     memory: tuple[tuple[str, str], ...]
     spatial: tuple[DimDecision, ...]
+    #: threads (of one warp) sharing each tile element's serial reductions: each takes every
+    #: lanes-th element of a step and the partial results meet in warp shuffles
+    lanes: int = 1
 
     @cached_property
     def key(self) -> str:
@@ -52,7 +55,7 @@ class Schedule:
 
     @property
     def threads(self) -> int:
-        return math.prod(t for _, t in self.block)
+        return math.prod(t for _, t in self.block) * self.lanes
 
     def grid(self) -> dict[str, int]:
         """Number of blocks along each cut dim."""
@@ -89,7 +92,7 @@ class Schedule:
             },
             "memory": [list(m) for m in self.memory],
             "spatial": [vars(d) for d in self.spatial],
-        }
+        } | ({"lanes": self.lanes} if self.lanes != 1 else {})  # absent when 1: older keys stay valid
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -128,6 +131,7 @@ class Schedule:
             plan=plan,
             memory=tuple(tuple(m) for m in d["memory"]),
             spatial=tuple(DimDecision(**{**x, "recomputes": tuple(x.get("recomputes", ()))}) for x in d["spatial"]),
+            lanes=int(d.get("lanes", 1)),
         )
 
     def __str__(self) -> str:
@@ -184,7 +188,8 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
-                  hw: HardwareModel | None = None, levels: dict[str, str] | None = None) -> Schedule:
+                  hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
+                  lanes: int = 1) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -226,9 +231,12 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
         block.append((d, t))
     limit = (hw or H100).max_threads_per_block
-    if math.prod(t for _, t in block) > limit:
-        raise ScheduleError(f"block tile {dict(block)} has {math.prod(t for _, t in block)} elements; one thread "
-                            f"each allows at most {limit} on {(hw or H100).name}")
+    if lanes not in (1, 2, 4, 8, 16, 32):
+        raise ScheduleError(f"lanes {lanes} must be a power of two up to the warp size (32)")
+    if math.prod(t for _, t in block) * lanes > limit:
+        raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs "
+                            f"{math.prod(t for _, t in block) * lanes} threads; at most {limit} on "
+                            f"{(hw or H100).name}")
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
@@ -254,4 +262,4 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             lvl = "inlined"
         memory.append((s.name, lvl))
     memory = _override_levels(memory, levels or {}, smg.inputs)
-    return Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial)
+    return Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes))

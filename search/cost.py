@@ -84,6 +84,9 @@ def _work(s: Schedule) -> tuple[float, float, float]:
                 shared_b += points * item
             elif lvl == "global" or a.space in smg.inputs:
                 cached_b += points * item
+    if s.lanes > 1:  # the butterfly of shuffles per state element per step
+        total += sum(math.prod(sizes[d] for d in smg.space(u.base).dims) for u in s.plan.states) \
+            * s.num_steps * 2 * math.log2(s.lanes) * s.lanes
     for u in s.plan.states:  # the derived update functions, applied per element per step
         if u.carry:
             total += int(sp.count_ops(sp.sympify(u.carry))) * math.prod(
@@ -97,9 +100,11 @@ def _uncoalesced_bytes(s: Schedule) -> float:
     extra = 0.0
     k = fused_kernel(s)
     for name, nbytes in k.reads:
-        if s.level(name) != "global" or s.tiles.get(s.thread_dim, 1) == 1:
+        if s.level(name) != "global" or (s.tiles.get(s.thread_dim, 1) == 1 and s.lanes == 1):
             continue
         dims = smg.space(name).dims
+        if s.lanes > 1 and dims[-1] == s.serial:
+            continue  # consecutive lanes read consecutive serial elements: coalesced
         if s.thread_dim in dims and dims[-1] != s.thread_dim:
             item = np.dtype(smg.space(name).dtype).itemsize
             extra += nbytes * (SECTOR_BYTES / item - 1)

@@ -28,6 +28,7 @@ from schedulers.temporal import plan_temporal
 from smg.ir import SMG
 
 FIXED = {"vector_width": 1, "pipeline_depth": 1, "tensor_cores": "off"}
+LANES = (1, 8, 32)  # threads of a warp sharing one tile element's serial reductions
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -50,6 +51,7 @@ class Knobs:
     thread_dim: str
     levels: tuple[tuple[str, str], ...] = ()
     recompute: bool = False
+    lanes: int = 1
 
 
 @dataclass
@@ -115,8 +117,10 @@ class SearchSpace:
                 steps.append(sizes[serial])
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
-                for thread_dim, step in itertools.product(movers, steps):
-                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute)
+                for thread_dim, step, lanes in itertools.product(movers, steps, LANES):
+                    if lanes > step:
+                        continue
+                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes)
                     yield from self._level_variants(base)
 
     def _level_variants(self, k: Knobs) -> Iterator[Knobs]:
@@ -128,11 +132,11 @@ class SearchSpace:
         shared = [n for n, lvl in s.memory if lvl == "shared"]
         for alt in itertools.product((False, True), repeat=len(shared)):
             levels = tuple((n, "global" if n in s.smg.inputs else "register") for n, a in zip(shared, alt) if a)
-            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute)
+            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, k.lanes)
 
     def _schedule(self, k: Knobs) -> Schedule:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
-                             recompute=k.recompute, hw=self.hw, levels=dict(k.levels))
+                             recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
@@ -158,7 +162,8 @@ class SearchSpace:
     def describe(self) -> str:
         fixed = ", ".join(f"{k}={v}" for k, v in FIXED.items())
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
-                f"steps up to {self.max_step or 'the dim'}, staging/cooperative choices per shared space; "
+                f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, staging/cooperative choices "
+                f"per shared space; "
                 f"fixed until the lowering supports them: {fixed}")
 
 

@@ -28,6 +28,7 @@ from smg.ir import Access, Op
 from spacefusion.lower.exprs import F32, to_tir, to_tir_int
 
 NEG_INF = -3.0e38
+LANE_IT = "__lane_it"  # env key: a lane's position among its own serial elements
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class _Kernel:
         self.origin: dict[str, tirx.PrimExpr] = {}
         self.t0: tirx.PrimExpr | None = None
         self.tid: tirx.PrimExpr | None = None
+        # lanes exist on CUDA only (warp shuffles); on the CPU one thread does a lane group's work
+        self.lanes = s.lanes if target == "cuda" else 1
+        self.lane: tirx.PrimExpr = tirx.const(0, "int32")
         self.base: dict[str, tirx.PrimExpr] = {}  # first index of the block's tile per cut dim
         self.abs: dict[str, tirx.PrimExpr] = {}  # absolute index overrides (evaluating a gathered element)
         self.op: Op | None = None  # the op whose body is being emitted (its accesses give index expressions)
@@ -88,12 +92,18 @@ class _Kernel:
         space = space.split("__")[0]  # X, X__old, X__d1 (auxiliary accumulator) share X's dims
         return tuple(d for d in self.smg.space(space).dims if d not in self.cut)
 
+    @property
+    def lane_step(self) -> int:
+        """Elements of one step a lane handles (every lanes-th)."""
+        return -(-self.s.step // self.lanes)
+
     def local_shape(self, space: str) -> tuple[int, ...]:
-        shape = tuple(self.s.step if d == self.s.serial else self.sizes[d] for d in self.local_dims(space))
+        shape = tuple(self.lane_step if d == self.s.serial else self.sizes[d] for d in self.local_dims(space))
         return shape or (1,)
 
     def local_index(self, space: str, env: dict[str, tirx.PrimExpr]) -> list[tirx.PrimExpr]:
-        return [env[d] for d in self.local_dims(space)] or [0]
+        # a lane keeps only its own serial elements: position it -> element it * lanes + lane
+        return [env.get(LANE_IT, env[d]) if d == self.s.serial else env[d] for d in self.local_dims(space)] or [0]
 
     def shared_shape(self, space: str) -> tuple[int, ...]:
         """A block-shared buffer holds the block's whole tile (all threads' elements)."""
@@ -187,14 +197,30 @@ class _Kernel:
 
     # -- loop helpers -------------------------------------------------------------
     def loops(self, dims: tuple[str, ...], stack: ExitStack) -> dict[str, tirx.PrimExpr]:
+        """Loops over ``dims``; the serial dim visits only this lane's elements of the step."""
         env = {}
         for d in dims:
-            ext = self.s.step if d == self.s.serial else self.sizes[d]
-            env[d] = stack.enter_context(T.serial(0, ext))
+            if d == self.s.serial:
+                it = stack.enter_context(T.serial(0, self.lane_step))
+                env[d] = it * self.lanes + self.lane if self.lanes > 1 else it
+                if self.lanes > 1:
+                    env[LANE_IT] = it
+            else:
+                env[d] = stack.enter_context(T.serial(0, self.sizes[d]))
         return env
 
     def valid_serial(self, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
-        return self.t0 + env[self.s.serial] < self.sizes[self.s.serial]
+        ok = self.t0 + env[self.s.serial] < self.sizes[self.s.serial]
+        return tirx.all(ok, env[self.s.serial] < self.s.step) if self.lanes > 1 else ok
+
+    def allreduce(self, value: tirx.PrimExpr, combiner: str) -> tirx.PrimExpr:
+        """Combine ``value`` over the lanes of this thread's group (butterfly of warp shuffles)."""
+        off = self.lanes // 2
+        while off >= 1:
+            other = T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), value, off, self.lanes, 32)
+            value = value + other if combiner == "sum" else tirx.max(value, other)
+            off //= 2
+        return value
 
 
 def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
@@ -216,11 +242,15 @@ def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
                     tid = top.enter_context(T.thread_binding(0, s.threads, thread="threadIdx.x"))
                 else:
                     bid = top.enter_context(T.parallel(0, nblocks))
-                    tid = top.enter_context(T.serial(0, s.threads))
+                    tid = top.enter_context(T.serial(0, s.threads // s.lanes))
                 k.tid = tid
+                if k.lanes > 1:  # lanes fastest: a lane group is consecutive threads of one warp
+                    k.lane, rest_t = tid % k.lanes, tid // k.lanes
+                else:
+                    rest_t = tid
                 # thread id -> position in the block tile, thread_dim fastest (coalesced)
                 order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
-                within, rest_t = {}, tid
+                within = {}
                 for d in order:
                     within[d] = rest_t % s.tiles[d] if d != order[-1] else rest_t
                     rest_t = rest_t // s.tiles[d]
@@ -325,6 +355,8 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
         conds = [k.origin[d] < k.sizes[d] for d in k.smg.space(out).dims if d in k.cut]
         if serial:
             conds.append(k.valid_serial(env))
+        elif k.lanes > 1:
+            conds.append(k.lane == 0)  # every lane holds the same final value; one writes it
         with T.If(tirx.all(*conds) if conds else tirx.const(True, "bool")):
             with T.Then():
                 val = k.expr(text, env)
@@ -408,22 +440,29 @@ def _emit_streamed(k: _Kernel, name: str) -> None:
 
 
 def _emit_update(k: _Kernel, u) -> None:
-    """``S = max(S, body)`` or ``S = carry + body`` over one step."""
+    """``S = max(S, max_t body)`` or ``S = carry + sum_t body`` over one step; with lanes, each
+    lane reduces its own elements and the partial results meet in warp shuffles."""
     with ExitStack() as st:
         env = k.loops(k.local_dims(u.state), st)
         idx = k.local_index(u.state, env)
         buf = k.local[u.state]
-        if u.combiner == "sum" and u.carry:
-            T.buffer_store(buf, k.expr(_new_to_cur(u.carry), dict(env)), idx)
-        t = st.enter_context(T.serial(0, k.s.step))
-        env2 = {**env, k.s.serial: t}
-        # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
-        others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
-        env2 |= k.loops(others, st)
-        with T.If(k.valid_serial(env2)):
-            with T.Then():
-                val = k.expr(u.body, env2)
-                T.buffer_store(buf, tirx.max(buf[idx], val) if u.combiner == "max" else buf[idx] + val, idx)
+        part = T.alloc_buffer((1,), F32, scope="local")
+        T.buffer_store(part, tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0), [0])
+        with ExitStack() as red:
+            env2 = {**env, **k.loops((k.s.serial,), red)}
+            # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
+            others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
+            env2 |= k.loops(others, red)
+            with T.If(k.valid_serial(env2)):
+                with T.Then():
+                    val = k.expr(u.body, env2)
+                    T.buffer_store(part, tirx.max(part[0], val) if u.combiner == "max" else part[0] + val, [0])
+        total = k.allreduce(part[0], u.combiner) if k.lanes > 1 else part[0]
+        if u.combiner == "max":
+            T.buffer_store(buf, tirx.max(buf[idx], total), idx)
+        else:
+            carried = k.expr(_new_to_cur(u.carry), dict(env)) if u.carry else buf[idx]
+            T.buffer_store(buf, carried + total, idx)
 
 
 def _new_to_cur(text: str) -> str:

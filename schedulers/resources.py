@@ -21,15 +21,16 @@ from schedulers.temporal import parse
 BASE_REGISTERS = 32
 
 
-def shared_bytes(s: Schedule) -> int:
-    """Static shared memory of the generated kernel."""
+def shared_bytes(s: Schedule, align: int = 1) -> int:
+    """Shared memory of the generated kernel (each buffer rounded up to ``align`` bytes)."""
     total = 0
     sizes = s.smg.dim_sizes
     for name, lvl in s.memory:
         if lvl == "shared":
             n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
                           for d in s.smg.space(name).dims)
-            total += n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
+            nbytes = n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
+            total += -(-nbytes // align) * align
     return total
 
 
@@ -68,13 +69,15 @@ class BlockResources:
 
 
 def block_resources(s: Schedule) -> BlockResources:
-    return BlockResources(s.threads, shared_bytes(s), local_floats(s))
+    return BlockResources(s.threads, shared_bytes(s, align=128), local_floats(s))
 
 
 def check_resources(s: Schedule, hw: HardwareModel) -> BlockResources:
     """Raise ResourceError (naming the resource) when one block of ``s`` cannot run on ``hw``."""
     r = block_resources(s)
-    hw.check_block(r.shared_bytes, r.threads, r.registers_per_thread)
+    # above the static limit the lowering switches to dynamic shared memory
+    hw.check_block(r.shared_bytes, r.threads, r.registers_per_thread,
+                   dynamic=r.shared_bytes > hw.smem_static_per_block_bytes)
     if hw.occupancy_blocks_per_sm(r.shared_bytes, r.threads, r.registers_per_thread) == 0:
         raise ResourceError(f"{hw.name}: a block of {r.threads} threads with {r.shared_bytes} B shared memory and "
                             f"~{r.registers_per_thread} registers/thread does not fit on one SM")

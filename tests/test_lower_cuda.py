@@ -40,8 +40,18 @@ def test_nvcc_compiles_generated_cuda(tmp_path, arch) -> None:
         KernelArtefact.load(folder)  # the TVM-free runner accepts it
 
 
-def test_shared_memory_over_limit_is_refused() -> None:
+def test_shared_memory_above_48k_is_dynamic() -> None:
+    """K and V tiles of 128 x 128 fp32 (128 KB) go to dynamic shared memory, opted in at launch."""
     s = schedule(mha(1, 1, 1024, 1024, 128, dtype="float32"), tiles={"m": 64}, step=128)
+    art = build(s, "cuda")
+    assert "extern __shared__" in art.source
+    assert art.meta["dynamic_smem_bytes"] == 2 * 128 * 128 * 4 and art.meta["static_smem_bytes"] == 0
+    small = build(schedule(mha(1, 1, 64, 64, 16), tiles={"m": 64}, step=16), "cuda")
+    assert small.meta["dynamic_smem_bytes"] == 0 and "extern __shared__" not in small.source
+
+
+def test_shared_memory_over_the_opt_in_limit_is_refused() -> None:
+    s = schedule(mha(1, 1, 1024, 1024, 128, dtype="float32"), tiles={"m": 64}, step=256)
     with pytest.raises(ScheduleError, match="shared memory"):
         build(s, "cuda:sm_90a")
 

@@ -161,7 +161,8 @@ def test_local_gpu_runner_on_gpu(schedules) -> None:
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory, schedules) -> tuple[Path, list[MeasureInput]]:
-    too_big = make_schedule(mha(1, 1, 1024, 1024, 128, dtype="float32"), tiles={"m": 64}, step=128)
+    # 256 KB of K/V tiles: over even the opt-in (dynamic) shared-memory limit
+    too_big = make_schedule(mha(1, 1, 1024, 1024, 128, dtype="float32"), tiles={"m": 64}, step=256)
     inputs = [MeasureInput(schedules[0], "cuda:sm_90a"), MeasureInput(too_big, "cuda:sm_90a"),
               MeasureInput(schedules[1], "cuda:sm_80"), MeasureInput(schedules[0], "cuda:sm_80")]
     folder = export_batch(inputs, tmp_path_factory.mktemp("batch"), seed=7, cubin=False)

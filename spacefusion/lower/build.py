@@ -160,15 +160,20 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
     smem = shared_bytes(s)
     hw = hardware_for(arch)
-    if smem > hw.smem_static_per_block_bytes:  # the lowering emits static __shared__ arrays
+    # above the static limit the tiles go to dynamic shared memory (opt-in at launch); each
+    # merged buffer is counted rounded up to 128 B, an upper bound of TVM's aligned layout
+    dynamic = smem > hw.smem_static_per_block_bytes
+    dyn_bytes = shared_bytes(s, align=128) if dynamic else 0
+    usable = hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes
+    if dyn_bytes > usable:
         raise ScheduleError(
-            f"step {s.step} on {s.serial!r} needs {smem} B of shared memory per block, over the "
-            f"{hw.smem_static_per_block_bytes} B static limit of {hw.name}; use a smaller step"
+            f"step {s.step} on {s.serial!r} needs {dyn_bytes} B of shared memory per block, over the "
+            f"{usable} B {hw.name} allows (dynamic, opted in); use a smaller step or tile"
         )
     if s.threads > hw.max_threads_per_block:
         raise ScheduleError(f"{s.threads} threads per block; {hw.name} allows {hw.max_threads_per_block}")
     tvm = _tvm()
-    f = build_primfunc(s, "cuda")
+    f = build_primfunc(s, "cuda", dynamic_smem=dynamic)
     with _pass_context(tvm):
         ex = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "cuda", "arch": arch}))
     src = ex.mod.imports[0].inspect_source()
@@ -188,8 +193,8 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         "arch": arch,
         "grid": [s.num_blocks, 1, 1],
         "block": [s.threads, 1, 1],
-        "dynamic_smem_bytes": 0,
-        "static_smem_bytes": smem,
+        "dynamic_smem_bytes": dyn_bytes,
+        "static_smem_bytes": 0 if dynamic else smem,
         "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
         "param_order": order,
         "schedule_key": s.key,

@@ -223,9 +223,11 @@ class _Kernel:
         return value
 
 
-def build_primfunc(s: Schedule, target: str) -> tirx.PrimFunc:
-    """Lower ``s`` to a PrimFunc for ``target`` kind ``"llvm"`` or ``"cuda"``."""
+def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx.PrimFunc:
+    """Lower ``s`` to a PrimFunc for ``target`` kind ``"llvm"`` or ``"cuda"``; with
+    ``dynamic_smem`` the block-shared tiles live in dynamic shared memory (above 48 KB)."""
     k = _Kernel(s, target)
+    k.smem_scope = "shared.dyn" if dynamic_smem else "shared"
     grid = s.grid()
     nblocks = math.prod(grid.values())
     cuda = target == "cuda"
@@ -285,7 +287,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
     staged = [n for n in smg.inputs if n in shared]
     for n in shared:
         dt = smg.space(n).dtype if n in smg.inputs else F32
-        k.shared[n] = T.alloc_buffer(k.shared_shape(n), dt, scope="shared")
+        k.shared[n] = T.alloc_buffer(k.shared_shape(n), dt, scope=k.smem_scope)
     for n in plan.streamed:
         if n not in shared:
             _alloc_local(k, n, n)

@@ -44,6 +44,8 @@ class Schedule:
     #: threads (of one warp) sharing each tile element's serial reductions: each takes every
     #: lanes-th element of a step and the partial results meet in warp shuffles
     lanes: int = 1
+    #: lower the (GEMM + element-wise epilogue) kernel on tensor cores (CUDA only)
+    tensor_cores: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -92,7 +94,8 @@ class Schedule:
             },
             "memory": [list(m) for m in self.memory],
             "spatial": [vars(d) for d in self.spatial],
-        } | ({"lanes": self.lanes} if self.lanes != 1 else {})  # absent when 1: older keys stay valid
+        } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid
+            {"tensor_cores": True} if self.tensor_cores else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -132,6 +135,7 @@ class Schedule:
             memory=tuple(tuple(m) for m in d["memory"]),
             spatial=tuple(DimDecision(**{**x, "recomputes": tuple(x.get("recomputes", ()))}) for x in d["spatial"]),
             lanes=int(d.get("lanes", 1)),
+            tensor_cores=bool(d.get("tensor_cores", False)),
         )
 
     def __str__(self) -> str:
@@ -189,7 +193,7 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
-                  lanes: int = 1) -> Schedule:
+                  lanes: int = 1, tensor_cores: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -262,4 +266,12 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             lvl = "inlined"
         memory.append((s.name, lvl))
     memory = _override_levels(memory, levels or {}, smg.inputs)
-    return Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes))
+    out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
+                   bool(tensor_cores))
+    if tensor_cores:
+        from spacefusion.lower.tensorcore import tensorcore_reason
+
+        reason = tensorcore_reason(out)
+        if reason is not None:
+            raise ScheduleError(f"tensor cores requested for {smg.name!r}: {reason}")
+    return out

@@ -148,6 +148,21 @@ def nvcc_cubin(src: Path, out: Path, arch: str) -> None:
 _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
 
 
+def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
+    from spacefusion.lower.tensorcore import build_tensorcore
+
+    src, launch = build_tensorcore(s, arch)
+    sig = signature(s)
+    meta = {
+        "format": "spacefusion-kernel/1", "arch": arch, "static_smem_bytes": 0, **launch,
+        "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
+        "schedule_key": s.key,
+        "workload": dict(s.smg.attrs) | {"name": s.smg.name, "shape": s.smg.dim_sizes,
+                                        "dtype": s.smg.space(s.smg.outputs[0]).dtype},
+    }
+    return CudaArtefact(src, meta)
+
+
 def hardware_for(arch: str) -> HardwareModel:
     """The hardware model whose limits a kernel for ``arch`` is checked against."""
     for hw in PRESETS.values():
@@ -158,6 +173,8 @@ def hardware_for(arch: str) -> HardwareModel:
 
 def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
+    if s.tensor_cores:
+        return _build_tensorcore(s, arch)
     smem = shared_bytes(s)
     hw = hardware_for(arch)
     # above the static limit the tiles go to dynamic shared memory (opt-in at launch); each

@@ -1,0 +1,123 @@
+"""Tensor-core lowering for GEMM-with-epilogue schedules, through TVM's own tensorizer.
+
+When the temporal plan of a Schedule is one GEMM state (fp16 operands, the
+serial dim is its contraction) followed only by element-wise post ops, the
+fused kernel is exactly "matmul + epilogue".  That class is lowered from the
+SMG to TE (each op a ``te.compute``, bodies through the same sympy -> TIR
+printer as the scalar path), then TVM's ``MatmulTensorization`` rule tiles it
+for WMMA tensor cores with the epilogue fused into the store.  TVM picks the
+tiles inside the block; the Schedule decides what is fused and that it runs on
+tensor cores.  Launch configuration is read from the lowered device function.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from schedulers.errors import ScheduleError
+from schedulers.schedule import Schedule
+from smg.expr import body_expr
+from spacefusion.lower.exprs import F32, to_tir
+
+
+def tensorcore_reason(s: Schedule) -> str | None:
+    """Why ``s`` cannot use the tensor-core path (None when it can)."""
+    smg, plan = s.smg, s.plan
+    if len(plan.states) != 1:
+        return f"the plan has {len(plan.states)} running states; the tensor-core path takes one GEMM"
+    op = smg.producer(plan.states[0].state)
+    if op.reduce != (s.serial,) or op.combiner != "sum" or len(op.inputs) != 2:
+        return f"state {op.out!r} is not a two-operand sum over the serial dim {s.serial!r}"
+    if str(body_expr(op)) not in (f"{op.inputs[0].space}*{op.inputs[1].space}",
+                                  f"{op.inputs[1].space}*{op.inputs[0].space}"):
+        return f"state {op.out!r} has body {op.body!r}, not a product of its operands"
+    for a in op.inputs:
+        if smg.space(a.space).dtype != "float16" or a.space not in smg.inputs:
+            return f"GEMM operand {a.space!r} must be a float16 input"
+    for other in smg.ops:
+        if other is not op and (other.reduce or s.serial in other.iter_dims):
+            return f"op {other.out!r} is not an element-wise epilogue"
+        if any(not a.plain for a in other.inputs):
+            return f"op {other.out!r} gathers through an index expression"
+    if plan.second_pass:
+        return "outputs keep the serial dim"
+    return None
+
+
+def _te_graph(s: Schedule) -> tuple[list[Any], list[Any]]:
+    from tvm import te
+
+    smg = s.smg
+    sizes = smg.dim_sizes
+    tensors: dict[str, Any] = {n: te.placeholder(smg.shape(n), smg.space(n).dtype, name=n) for n in smg.inputs}
+    for op in smg.ops:
+        out_dtype = smg.space(op.out).dtype if op.out in smg.outputs else F32
+        raxes = {d: te.reduce_axis((0, sizes[d]), name=d) for d in op.reduce}
+        tensors[op.out] = te.compute(tuple(sizes[d] for d in op.out_index), _body(op, raxes, out_dtype, tensors, sizes),
+                                     name=op.out)
+    return [tensors[n] for n in smg.inputs], [tensors[n] for n in smg.outputs]
+
+
+def _body(op: Any, raxes: dict[str, Any], out_dtype: str, tensors: dict[str, Any], sizes: dict[str, int]):
+    """The ``fcompute`` of one op (TE wants positional index arguments only)."""
+    from tvm import te, tirx
+
+    def body(*idx: Any) -> Any:
+        env = dict(zip(op.out_index, idx)) | raxes
+
+        def load(name: str) -> Any:
+            if name in sizes:
+                return tirx.Cast(F32, env[name])
+            acc = op.access(name)
+            val = tensors[name][tuple(env[d] for d in acc.index)]
+            return val if val.dtype == F32 else tirx.Cast(F32, val)
+
+        val = to_tir(body_expr(op), load)
+        if op.reduce:
+            return te.sum(val, axis=[raxes[d] for d in op.reduce])
+        return val if out_dtype == F32 else tirx.Cast(out_dtype, val)
+
+    return body
+
+
+_LAUNCH = re.compile(r'launch_thread\("((?:blockIdx|threadIdx)\.[xyz])", (\d+)\)')
+_DYN = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"\)')
+_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
+
+
+def build_tensorcore(s: Schedule, arch: str) -> tuple[str, dict[str, Any]]:
+    """CUDA source and launch metadata of the tensor-core kernel of ``s``."""
+    reason = tensorcore_reason(s)
+    if reason is not None:
+        raise ScheduleError(f"no tensor-core lowering for {s.smg.name!r}: {reason}")
+    import tvm
+    from tvm import te
+    from tvm.s_tir.dlight.gpu.matmul import MatmulTensorization
+    from tvm.tirx.build import split_host_device_mods
+
+    ins, outs = _te_graph(s)
+    func = te.create_prim_func([*ins, *outs])
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with target:
+        sch = MatmulTensorization().apply(func, target, False)
+    if sch is None:
+        raise ScheduleError(f"TVM's tensorizer does not accept {s.smg.name!r} (shapes must be multiples of 16)")
+    mod = tvm.tirx.transform.BindTarget(target.with_host(tvm.target.Target({"kind": "llvm"})))(sch.mod)
+    pipeline = tvm.tirx.get_default_tir_pipeline(target)[0]
+    device = split_host_device_mods(pipeline(mod))[1]
+    fns = [f for dm in device.values() for f in dm.functions.values()]
+    if len(fns) != 1:
+        raise ScheduleError(f"the tensor-core lowering of {s.smg.name!r} gave {len(fns)} kernels, not one")
+    text = str(fns[0])
+    dims = {k: int(v) for k, v in _LAUNCH.findall(text)}
+    dyn = sum(int(x) for x in _DYN.findall(text))
+    src = tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
+    m = _SIG.search(src)
+    if m is None:
+        raise RuntimeError("no __global__ kernel in TVM's tensor-core output")
+    order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
+    grid = [dims.get(f"blockIdx.{a}", 1) for a in "xyz"]
+    block = [dims.get(f"threadIdx.{a}", 1) for a in "xyz"]
+    return src, {"kernel_name": m.group(2), "grid": grid, "block": block, "dynamic_smem_bytes": dyn,
+                 "param_order": order, "lowering": "tensorcore-wmma (TVM MatmulTensorization)"}

@@ -49,8 +49,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-RUNTIME_DIR = REPO_ROOT / "spacefusion" / "runtime"
-RUNTIME_PKG = "_spacefusion_runtime"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the shared loader
+from gpu_runtime import runtime_module  # noqa: E402
+
 HARDWARE_FILE = REPO_ROOT / "schedulers" / "hardware.py"
 HARDWARE_MOD = "_spacefusion_hardware"
 
@@ -244,24 +245,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 # ---- loading the runtime and the hardware model by file path ---------------------------------------
 
 
-def load_runtime() -> ModuleType:
-    """Import spacefusion/runtime by file path under RUNTIME_PKG; never imports ``spacefusion``."""
-    if RUNTIME_PKG in sys.modules:
-        return sys.modules[RUNTIME_PKG]
-    spec = importlib.util.spec_from_file_location(
-        RUNTIME_PKG, RUNTIME_DIR / "__init__.py", submodule_search_locations=[str(RUNTIME_DIR)]
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the runtime from {RUNTIME_DIR}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[RUNTIME_PKG] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-def runtime_module(name: str) -> ModuleType:
-    load_runtime()
-    return importlib.import_module(f"{RUNTIME_PKG}.{name}")
 
 
 def load_hardware_module() -> ModuleType:

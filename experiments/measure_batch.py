@@ -25,8 +25,6 @@ there is no GPU or the manifest is unreadable.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import math
 import sys
@@ -34,12 +32,11 @@ import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_DIR = REPO_ROOT / "spacefusion" / "runtime"
-RUNTIME_PKG = "_spacefusion_runtime"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the shared loader
+from gpu_runtime import runtime_module  # noqa: E402
 
 MANIFEST_FORMAT = "spacefusion-batch/1"
 RESULTS_FORMAT = "spacefusion-batch-results/1"
@@ -55,25 +52,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def load_runtime() -> ModuleType:
-    """Import spacefusion/runtime by file path under RUNTIME_PKG; never imports ``spacefusion``."""
-    if RUNTIME_PKG in sys.modules:
-        return sys.modules[RUNTIME_PKG]
-    spec = importlib.util.spec_from_file_location(
-        RUNTIME_PKG, RUNTIME_DIR / "__init__.py", submodule_search_locations=[str(RUNTIME_DIR)]
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the runtime from {RUNTIME_DIR}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[RUNTIME_PKG] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-def runtime_module(name: str) -> ModuleType:
-    """A submodule of the runtime ('artefact', 'gpu', 'timing'), loaded by file path."""
-    load_runtime()
-    return importlib.import_module(f"{RUNTIME_PKG}.{name}")
 
 
 # ---- numerics (mirrors search.runners.check_numerics) ----------------------------------------------

@@ -14,8 +14,6 @@ top-level ``spacefusion`` package, and whatever heavy dependencies it imports, i
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import math
 import sys
@@ -23,38 +21,18 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_DIR = REPO_ROOT / "spacefusion" / "runtime"
-RUNTIME_PKG = "_spacefusion_runtime"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the shared loader
+from gpu_runtime import runtime_module  # noqa: E402
 
 #: Absolute tolerance per output dtype, for outputs of order 1 (scaled up for larger outputs).
 ATOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
 
 
-def load_runtime() -> ModuleType:
-    """Import spacefusion/runtime by file path under RUNTIME_PKG; never imports ``spacefusion``."""
-    if RUNTIME_PKG in sys.modules:
-        return sys.modules[RUNTIME_PKG]
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    spec = importlib.util.spec_from_file_location(
-        RUNTIME_PKG, RUNTIME_DIR / "__init__.py", submodule_search_locations=[str(RUNTIME_DIR)]
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the runtime from {RUNTIME_DIR}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[RUNTIME_PKG] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-def runtime_module(name: str) -> ModuleType:
-    """A submodule of the runtime ('artefact', 'gpu', 'timing'), loaded by file path."""
-    load_runtime()
-    return importlib.import_module(f"{RUNTIME_PKG}.{name}")
 
 
 @dataclass

@@ -43,51 +43,12 @@ RESULTS_FORMAT = "spacefusion-batch-results/1"
 RECORD_FORMAT = "spacefusion-record/1"
 RUNNER = "measure_batch"
 
-#: Same table and rule as search.runners.TOLERANCE (a test keeps them equal): absolute tolerance for
-#: outputs of order 1, scaled by max(1, max|ref|).
-TOLERANCE: dict[str, float] = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
-DEFAULT_TOLERANCE = 2e-2
-
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
 
 
-
-
-# ---- numerics (mirrors search.runners.check_numerics) ----------------------------------------------
-
-
-def tolerance(dtype: str, ref: Any) -> float:
-    import numpy as np
-
-    finite = ref[np.isfinite(ref)]
-    scale = float(np.abs(finite).max()) if finite.size else 1.0
-    return TOLERANCE.get(dtype, DEFAULT_TOLERANCE) * max(1.0, scale)
-
-
-def check_numerics(smg: Any, ref: Mapping[str, Any], got: Mapping[str, Any]) -> tuple[float | None, str | None]:
-    """``(max_abs_err, error)`` of the kernel outputs against the float64 reference; error None if all pass."""
-    import numpy as np
-
-    worst = 0.0
-    for name, r in ref.items():
-        if name not in got:
-            return None, f"numerics: kernel returned no output {name!r} (got {sorted(got)})"
-        g = np.asarray(got[name], dtype=np.float64)
-        if g.size != r.size:
-            return None, f"numerics: output {name!r} has {g.size} elements, the reference {r.size}"
-        g = g.reshape(r.shape)
-        fin = np.isfinite(r)
-        if not np.isfinite(g[fin]).all() or not np.array_equal(g[~fin], r[~fin]):
-            return None, f"numerics: output {name!r} has non-finite values where the reference is finite"
-        err = float(np.abs(g[fin] - r[fin]).max()) if fin.any() else 0.0
-        tol = tolerance(smg.space(name).dtype, r)
-        worst = max(worst, err)
-        if err > tol:
-            return worst, f"numerics: max abs err {err:.3g} > tol {tol:.3g} (output {name!r})"
-    return worst, None
 
 
 # ---- manifest and records ------------------------------------------------------------------------
@@ -194,6 +155,8 @@ def measure_entry(entry: Mapping[str, Any], folder: Path, refs: References, *, w
         got = {n: t.double().cpu().numpy() for n, t in outputs.items()}
     except Exception as exc:
         return record(entry, error=f"run: {_describe(exc)}", meta=meta)
+    from smg.reference import check_numerics  # the same check the CPU runners use (numpy only)
+
     err, problem = check_numerics(smg, ref, got)
     if problem is not None:
         return record(entry, max_abs_err=err, error=problem, meta=meta)

@@ -33,13 +33,8 @@ import numpy as np
 from schedulers.schedule import Schedule
 from search.records import RECORD_FORMAT, MeasureInput, MeasureResult
 from smg.ir import SMG
-from smg.reference import evaluate, random_inputs
+from smg.reference import DEFAULT_TOLERANCE, TOLERANCE, check_numerics, evaluate, random_inputs, tolerance
 from smg.serialize import smg_to_dict
-
-#: Absolute tolerance per output dtype for outputs of order 1; scaled by max(1, max|ref|).
-#: experiments/measure_batch.py keeps an identical copy (it cannot import this module on the GPU machine).
-TOLERANCE: dict[str, float] = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
-DEFAULT_TOLERANCE = 2e-2
 
 MANIFEST_FORMAT = "spacefusion-batch/1"
 RESULTS_FORMAT = "spacefusion-batch-results/1"
@@ -48,39 +43,6 @@ RESULTS_FILE = "results.json"
 
 
 # ---- numerics ---------------------------------------------------------------------------------
-
-
-def tolerance(dtype: str, ref: np.ndarray) -> float:
-    """Allowed max |out - ref| for an output of ``dtype``: relative for large outputs, absolute near 0."""
-    finite = ref[np.isfinite(ref)]
-    scale = float(np.abs(finite).max()) if finite.size else 1.0
-    return TOLERANCE.get(dtype, DEFAULT_TOLERANCE) * max(1.0, scale)
-
-
-def check_numerics(smg: SMG, ref: Mapping[str, np.ndarray],
-                   got: Mapping[str, Any]) -> tuple[float | None, str | None]:
-    """Compare every output with the float64 reference: ``(max_abs_err, error)``, error None when all pass.
-
-    Non-finite values where the reference is finite (an element never written, an overflow) give
-    ``max_abs_err=None`` and an error saying so, rather than a NaN/inf that strict JSON cannot hold.
-    """
-    worst = 0.0
-    for name, r in ref.items():
-        if name not in got:
-            return None, f"numerics: kernel returned no output {name!r} (got {sorted(got)})"
-        g = np.asarray(got[name], dtype=np.float64)
-        if g.size != r.size:
-            return None, f"numerics: output {name!r} has {g.size} elements, the reference {r.size}"
-        g = g.reshape(r.shape)
-        fin = np.isfinite(r)
-        if not np.isfinite(g[fin]).all() or not np.array_equal(g[~fin], r[~fin]):
-            return None, f"numerics: output {name!r} has non-finite values where the reference is finite"
-        err = float(np.abs(g[fin] - r[fin]).max()) if fin.any() else 0.0
-        tol = tolerance(smg.space(name).dtype, r)
-        worst = max(worst, err)
-        if err > tol:
-            return worst, f"numerics: max abs err {err:.3g} > tol {tol:.3g} (output {name!r})"
-    return worst, None
 
 
 class _References:

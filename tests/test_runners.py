@@ -205,7 +205,8 @@ mb = importlib.util.module_from_spec(spec); spec.loader.exec_module(mb)
 manifest = mb.load_manifest(__import__("pathlib").Path({str(folder)!r}))
 c = manifest["candidates"][0]
 smg, x, ref = mb.References().get(c["workload"], c["seed"])
-assert mb.check_numerics(smg, ref, ref) == (0.0, None)
+from smg.reference import check_numerics
+assert check_numerics(smg, ref, ref) == (0.0, None)
 mb.runtime_module("artefact").KernelArtefact.load({str(folder)!r} + "/" + c["artefact"])
 mb.runtime_module("timing"); mb.runtime_module("gpu")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("tvm", "tvm_ffi", "islpy", "spacefusion", "search",
@@ -218,13 +219,16 @@ print(json.dumps(heavy))
 
 
 def test_measure_batch_numerics_match_the_runners() -> None:
-    script = _load_script()
-    assert script.TOLERANCE == runners.TOLERANCE and script.DEFAULT_TOLERANCE == runners.DEFAULT_TOLERANCE
-    g = gemm(8, 8, 4)
+    """The GPU script and the runners share one check (smg.reference.check_numerics)."""
+    assert "def check_numerics" not in SCRIPT.read_text()
+    assert "from smg.reference import check_numerics" in SCRIPT.read_text()
+    g = gemm(8, 8, 4)  # float32
     ref = evaluate(g, random_inputs(g, 1))
-    for delta in (0.0, 5e-5, 3e-3, np.nan):
-        got = {"C": ref["C"] + delta}
-        assert script.check_numerics(g, ref, got) == check_numerics(g, ref, got)
+    assert check_numerics(g, ref, {"C": ref["C"]}) == (0.0, None)
+    assert check_numerics(g, ref, {"C": ref["C"] + 5e-5})[1] is None
+    err, problem = check_numerics(g, ref, {"C": ref["C"] + 3e-3})
+    assert err == pytest.approx(3e-3) and problem.startswith("numerics: max abs err")
+    assert "non-finite" in check_numerics(g, ref, {"C": ref["C"] + np.nan})[1]
 
 
 def _script_results(script: ModuleType, inputs: list[MeasureInput], path: Path) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from smg.expr import body_expr
-from spacefusion.lower.exprs import F32, to_tir
+
+F32 = "float32"
 
 
 def tensorcore_reason(s: Schedule) -> str | None:
@@ -62,6 +63,8 @@ def _te_graph(s: Schedule) -> tuple[list[Any], list[Any]]:
 def _body(op: Any, raxes: dict[str, Any], out_dtype: str, tensors: dict[str, Any], sizes: dict[str, int]):
     """The ``fcompute`` of one op (TE wants positional index arguments only)."""
     from tvm import te, tirx
+
+    from spacefusion.lower.exprs import to_tir  # TVM only when lowering, not when checking eligibility
 
     def body(*idx: Any) -> Any:
         env = dict(zip(op.out_index, idx)) | raxes

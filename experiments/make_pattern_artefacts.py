@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Lower the issue-3 fusion patterns to CUDA artefacts for the GPU runner (needs TVM, no GPU).
 
-Usage:  python experiments/make_pattern_artefacts.py OUT_DIR [--only NAME ...] [--small]
+Usage:  python experiments/make_pattern_artefacts.py OUT_DIR [--only NAME ...] [--small | --mma]
 
 Each artefact is the sm_90a CUDA source, launch metadata and cubin of one schedule; copy OUT_DIR
 to the GPU machine and run ``experiments/run_artefacts_gpu.py OUT_DIR/*`` there.  ``--small``
 writes verification sizes (tails, multi-dim tiles, cooperative tiles) instead of the issue's
-realistic shapes.
+realistic shapes; ``--mma`` writes tensor-core warp-tile kernels (mma.sync/ldmatrix/cp.async),
+verification sizes and the issue's MHA/Softmax-GEMM shapes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schedulers.schedule import make_schedule  # noqa: E402
 from smg import patterns as P  # noqa: E402
+from smg import workloads as W  # noqa: E402
 from spacefusion.api import build  # noqa: E402
 
 H = "float16"
@@ -51,21 +53,43 @@ SMALL = {
                                    {"n": 1, "g": 4}, 8, True),
 }
 
+#: tensor-core warp-tile schedules: name -> (graph, tiles, step, make_schedule options)
+TC = {"tensor_cores": True}
+MMA = {
+    "mma_small_attention_tails": (lambda: P.attention(2, 3, 70, 90, 64, dtype=H), {"m": 32}, 32, TC | {"stages": 2}),
+    "mma_small_causal": (lambda: P.attention(1, 2, 100, 100, 64, causal=True, dtype=H), {"m": 32}, 16, TC),
+    "mma_small_causal_rect": (lambda: P.attention(1, 2, 64, 200, 128, causal=True, dtype=H), {"m": 16}, 32,
+                              TC | {"stages": 3}),
+    "mma_small_gqa_d80": (lambda: P.attention(1, 8, 50, 60, 80, kv_heads=2, dtype=H), {"m": 16}, 16,
+                          TC | {"stages": 2}),
+    "mma_small_bf16": (lambda: P.attention(1, 4, 128, 128, 64, dtype="bfloat16"), {"m": 64}, 64, TC | {"stages": 2}),
+    "mma_small_softmax_gemm": (lambda: W.softmax_gemm(100, 136, 32, dtype=H), {"m": 32}, 32, TC | {"stages": 2}),
+    "mma_mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 64}, 64, TC | {"stages": 2}),
+    "mma_mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, 64, TC | {"stages": 2}),
+    "mma_mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 64}, 64, TC | {"stages": 2}),
+    "mma_causal_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 64}, 64,
+                         TC | {"stages": 2}),
+    "mma_softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 32}, 128, TC | {"stages": 3}),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--mma", action="store_true")
     args = ap.parse_args(argv)
-    table = SMALL if args.small else REALISTIC
-    for name, (mk, tiles, step, recompute) in table.items():
+    table = MMA if args.mma else SMALL if args.small else REALISTIC
+    for name, (mk, tiles, step, extra) in table.items():
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
         g = mk()
         serial = "y" if g.name == "vae_decoder_block" else None
-        s = make_schedule(g, tiles, serial=serial, step=step, recompute=recompute)
+        opts = extra if isinstance(extra, dict) else {"recompute": extra}
+        s = make_schedule(g, tiles, serial=serial or ("l" if "attention" in g.name or "softmax_gemm" in g.name
+                                                      else None), step=step, **opts)
         build(s, "cuda").save(args.out / name)
         print(f"{name}: grid {s.num_blocks} x {s.threads} threads, serial {s.serial} step {s.step} "
               f"({s.num_steps} steps), {time.perf_counter() - t0:.1f}s")

@@ -69,6 +69,11 @@ class BlockResources:
 
 
 def block_resources(s: Schedule) -> BlockResources:
+    p = s.warp_tile
+    if p is not None:  # tensor-core warp-tile kernel: mma fragments, padded cp.async tiles
+        from schedulers.warp_tile import warp_tile_registers, warp_tile_smem_bytes
+
+        return BlockResources(s.threads, warp_tile_smem_bytes(s, p), warp_tile_registers(s, p) - BASE_REGISTERS)
     return BlockResources(s.threads, shared_bytes(s, align=128), local_floats(s))
 
 

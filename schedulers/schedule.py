@@ -44,8 +44,11 @@ class Schedule:
     #: threads (of one warp) sharing each tile element's serial reductions: each takes every
     #: lanes-th element of a step and the partial results meet in warp shuffles
     lanes: int = 1
-    #: lower the (GEMM + element-wise epilogue) kernel on tensor cores (CUDA only)
+    #: lower on tensor cores (CUDA only): a GEMM + element-wise epilogue through TVM's WMMA
+    #: tensorizer, or a warp-tile program (schedulers.warp_tile) through mma.sync/ldmatrix
     tensor_cores: bool = False
+    #: shared-memory buffers per streamed input tile of a warp-tile program (cp.async pipeline depth)
+    stages: int = 1
 
     @cached_property
     def key(self) -> str:
@@ -55,8 +58,22 @@ class Schedule:
     def tiles(self) -> dict[str, int]:
         return dict(self.block)
 
+    @cached_property
+    def warp_tile(self):
+        """The warp-tile program of a tensor-core schedule (None for WMMA or CUDA-core kernels)."""
+        if not self.tensor_cores:
+            return None
+        from schedulers.warp_tile import warp_tile_program
+
+        try:
+            return warp_tile_program(self)
+        except ScheduleError:
+            return None
+
     @property
     def threads(self) -> int:
+        if self.warp_tile is not None:
+            return self.warp_tile.threads
         return math.prod(t for _, t in self.block) * self.lanes
 
     def grid(self) -> dict[str, int]:
@@ -95,7 +112,8 @@ class Schedule:
             "memory": [list(m) for m in self.memory],
             "spatial": [vars(d) for d in self.spatial],
         } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid
-            {"tensor_cores": True} if self.tensor_cores else {})
+            {"tensor_cores": True} if self.tensor_cores else {}) | (
+            {"stages": self.stages} if self.stages != 1 else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -136,6 +154,7 @@ class Schedule:
             spatial=tuple(DimDecision(**{**x, "recomputes": tuple(x.get("recomputes", ()))}) for x in d["spatial"]),
             lanes=int(d.get("lanes", 1)),
             tensor_cores=bool(d.get("tensor_cores", False)),
+            stages=int(d.get("stages", 1)),
         )
 
     def __str__(self) -> str:
@@ -193,7 +212,7 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
-                  lanes: int = 1, tensor_cores: bool = False) -> Schedule:
+                  lanes: int = 1, tensor_cores: bool = False, stages: int = 1) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -266,12 +285,21 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             lvl = "inlined"
         memory.append((s.name, lvl))
     memory = _override_levels(memory, levels or {}, smg.inputs)
+    if stages not in (1, 2, 3, 4):
+        raise ScheduleError(f"stages {stages} must be 1..4 (shared buffers per streamed tile)")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
-                   bool(tensor_cores))
+                   bool(tensor_cores), int(stages))
     if tensor_cores:
+        from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
 
-        reason = tensorcore_reason(out)
-        if reason is not None:
-            raise ScheduleError(f"tensor cores requested for {smg.name!r}: {reason}")
+        wmma = tensorcore_reason(out)
+        warp = warp_tile_reason(out) if wmma is not None else None
+        if wmma is not None and warp is not None:
+            raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
+                                f"as a warp-tile program: {warp}")
+        if lanes != 1:
+            raise ScheduleError("lanes apply to CUDA-core kernels; tensor-core kernels place threads by mma tiles")
+    elif stages != 1:
+        raise ScheduleError("stages apply to tensor-core warp-tile kernels (tensor_cores=True)")
     return out

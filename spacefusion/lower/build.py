@@ -148,19 +148,61 @@ def nvcc_cubin(src: Path, out: Path, arch: str) -> None:
 _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
 
 
-def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
-    from spacefusion.lower.tensorcore import build_tensorcore
+_LAUNCH = re.compile(r'launch_thread\("((?:blockIdx|threadIdx)\.[xyz])", (\d+)\)')
+_DYN = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"')
 
-    src, launch = build_tensorcore(s, arch)
+
+def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact:
+    """Compile a scheduled IRModule; grid, block and dynamic shared memory are read from the
+    lowered device function, so the metadata is what TVM emitted, not what we meant."""
+    tvm = _tvm()
+    from tvm.tirx.build import split_host_device_mods
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with _pass_context(tvm):
+        bound = tvm.tirx.transform.BindTarget(target.with_host(tvm.target.Target({"kind": "llvm"})))(mod)
+        device = split_host_device_mods(tvm.tirx.get_default_tir_pipeline(target)[0](bound))[1]
+        src = tvm.compile(mod, target=target).mod.imports[0].inspect_source()
+    fns = [f for dm in device.values() for f in dm.functions.values()]
+    if len(fns) != 1:
+        raise ScheduleError(f"the {lowering} lowering of {s.smg.name!r} gave {len(fns)} kernels, not one")
+    text = str(fns[0])
+    dims = {k: int(v) for k, v in _LAUNCH.findall(text)}
+    m = _SIG.search(src)
+    if m is None:
+        raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
+    order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
+    if sorted(order) != sorted(p[0] for p in sig.params):
+        raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
+    dyn = sum(int(x) for x in _DYN.findall(text))
+    hw = hardware_for(arch)
+    if dyn > hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes:
+        raise ScheduleError(f"{lowering} kernel needs {dyn} B of shared memory per block; {hw.name} allows "
+                            f"{hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes} B")
     meta = {
-        "format": "spacefusion-kernel/1", "arch": arch, "static_smem_bytes": 0, **launch,
+        "format": "spacefusion-kernel/1", "kernel_name": m.group(2), "arch": arch,
+        "grid": [dims.get(f"blockIdx.{a}", 1) for a in "xyz"],
+        "block": [dims.get(f"threadIdx.{a}", 1) for a in "xyz"],
+        "dynamic_smem_bytes": dyn, "static_smem_bytes": 0, "param_order": order, "lowering": lowering,
         "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
         "schedule_key": s.key,
         "workload": dict(s.smg.attrs) | {"name": s.smg.name, "shape": s.smg.dim_sizes,
                                         "dtype": s.smg.space(s.smg.outputs[0]).dtype},
     }
     return CudaArtefact(src, meta)
+
+
+def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
+    tvm = _tvm()
+    if s.warp_tile is not None:
+        from spacefusion.lower.mma import build_warp_tile
+
+        mod = tvm.IRModule({"main": build_warp_tile(s)})
+        return _compile_lowered(s, mod, arch, "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
+    from spacefusion.lower.tensorcore import build_tensorcore
+
+    return _compile_lowered(s, build_tensorcore(s, arch), arch, "tensorcore-wmma (TVM MatmulTensorization)")
 
 
 def hardware_for(arch: str) -> HardwareModel:

@@ -15,8 +15,13 @@ def _const(v: float) -> tirx.PrimExpr:
     return tirx.FloatImm(F32, float(v))
 
 
-def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
-    """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol."""
+LOG2E = 1.4426950408889634
+
+
+def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False) -> tirx.PrimExpr:
+    """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
+    ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
+    reduction)."""
 
     def go(e: sp.Expr) -> tirx.PrimExpr:
         if e.is_Symbol:
@@ -52,6 +57,8 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr
                     out = out * b
                 return out
             return tirx.power(go(base), go(ex))
+        if exp2 and isinstance(e, sp.exp):
+            return tirx.exp2(go(e.args[0]) * _const(LOG2E))
         fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
                sp.Abs: tirx.abs}
         for f, g in fns.items():

@@ -12,7 +12,6 @@ tensor cores.  Launch configuration is read from the lowered device function.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from schedulers.errors import ScheduleError
@@ -84,20 +83,14 @@ def _body(op: Any, raxes: dict[str, Any], out_dtype: str, tensors: dict[str, Any
     return body
 
 
-_LAUNCH = re.compile(r'launch_thread\("((?:blockIdx|threadIdx)\.[xyz])", (\d+)\)')
-_DYN = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"\)')
-_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
-
-
-def build_tensorcore(s: Schedule, arch: str) -> tuple[str, dict[str, Any]]:
-    """CUDA source and launch metadata of the tensor-core kernel of ``s``."""
+def build_tensorcore(s: Schedule, arch: str) -> Any:
+    """The IRModule of the tensor-core (WMMA) kernel of ``s``, scheduled by TVM's tensorizer."""
     reason = tensorcore_reason(s)
     if reason is not None:
         raise ScheduleError(f"no tensor-core lowering for {s.smg.name!r}: {reason}")
     import tvm
     from tvm import te
     from tvm.s_tir.dlight.gpu.matmul import MatmulTensorization
-    from tvm.tirx.build import split_host_device_mods
 
     ins, outs = _te_graph(s)
     func = te.create_prim_func([*ins, *outs])
@@ -106,21 +99,4 @@ def build_tensorcore(s: Schedule, arch: str) -> tuple[str, dict[str, Any]]:
         sch = MatmulTensorization().apply(func, target, False)
     if sch is None:
         raise ScheduleError(f"TVM's tensorizer does not accept {s.smg.name!r} (shapes must be multiples of 16)")
-    mod = tvm.tirx.transform.BindTarget(target.with_host(tvm.target.Target({"kind": "llvm"})))(sch.mod)
-    pipeline = tvm.tirx.get_default_tir_pipeline(target)[0]
-    device = split_host_device_mods(pipeline(mod))[1]
-    fns = [f for dm in device.values() for f in dm.functions.values()]
-    if len(fns) != 1:
-        raise ScheduleError(f"the tensor-core lowering of {s.smg.name!r} gave {len(fns)} kernels, not one")
-    text = str(fns[0])
-    dims = {k: int(v) for k, v in _LAUNCH.findall(text)}
-    dyn = sum(int(x) for x in _DYN.findall(text))
-    src = tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
-    m = _SIG.search(src)
-    if m is None:
-        raise RuntimeError("no __global__ kernel in TVM's tensor-core output")
-    order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
-    grid = [dims.get(f"blockIdx.{a}", 1) for a in "xyz"]
-    block = [dims.get(f"threadIdx.{a}", 1) for a in "xyz"]
-    return src, {"kernel_name": m.group(2), "grid": grid, "block": block, "dynamic_smem_bytes": dyn,
-                 "param_order": order, "lowering": "tensorcore-wmma (TVM MatmulTensorization)"}
+    return sch.mod

@@ -1,0 +1,239 @@
+"""Recognise a *warp-tile program* in a Schedule: the form the mma lowering takes.
+
+A temporal plan whose block is a tile of one row dim R (the other cut dims have
+tile 1) and whose per-step work lives on the (R, serial) plane maps onto tensor
+cores the way FlashAttention does, with nothing named attention:
+
+- a streamed op that is a two-input matmul over a whole dim K (``Q*K`` over d) is
+  an ``mma.sync`` GEMM whose result is the *score tile* in the accumulator layout;
+- the other streamed ops are element-wise on that tile (scale, mask);
+- inputs on the (R, serial) plane (softmax-GEMM's S) are staged and read into the
+  same layout with ``ldmatrix``;
+- states over R alone are row statistics (warp-quad shuffles);
+- a state over (R, N) whose body is ``X * f`` with X an input on (serial, N) is the
+  second GEMM ``f @ X`` on tensor cores, rescaled by its derived carry each step.
+
+Everything here is analysis (no TVM): the schedule and the search use it to count
+threads and shared memory before anything is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy as sp
+
+from schedulers.errors import ScheduleError
+from schedulers.temporal import UpdateFunction, parse
+
+#: shared-memory rows are padded by 8 halfs (16 B): ldmatrix row addresses then fall in distinct banks
+PAD = 8
+MMA_DTYPES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ScoreGemm:
+    """``out[.., R, L] = sum_K a[.., R, K] * b[..]`` on tensor cores."""
+
+    out: str
+    a: str
+    b: str
+    k: str
+    b_trans: bool  # b is [.., K, L] (L contiguous) rather than [.., L, K]
+
+
+@dataclass(frozen=True)
+class GemmState:
+    """A state ``X[.., R, N] = sum_L x[.., L, N] * factor`` accumulated on tensor cores."""
+
+    update: UpdateFunction
+    x: str
+    n: str
+    factor: str
+
+
+@dataclass(frozen=True)
+class WarpTileProgram:
+    row: str
+    rows: int  # block tile along R: 16 rows per warp
+    batch: tuple[str, ...]  # cut dims of tile 1, outermost first
+    serial: str
+    step: int
+    stages: int
+    gemm: ScoreGemm | None
+    score_ops: tuple[str, ...]  # element-wise streamed ops on the score tile, in order
+    tiles_in: tuple[str, ...]  # inputs on (R, serial), staged and read in the score layout
+    row_states: tuple[UpdateFunction, ...]
+    gemm_states: tuple[GemmState, ...]
+    outputs: tuple[tuple[str, str], ...]  # (output, finalize expression)
+
+    @property
+    def warps(self) -> int:
+        return self.rows // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def _dims_ok(dims: tuple[str, ...], allowed: set[str], last: str) -> bool:
+    return set(dims) <= allowed and bool(dims) and dims[-1] == last
+
+
+def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
+    """The warp-tile reading of ``s``; ScheduleError says why there is none."""
+    smg, plan = s.smg, s.plan
+    sizes = smg.dim_sizes
+    L = s.serial
+    if plan.second_pass:
+        raise ScheduleError("outputs keep the serial dim (a second pass); the warp-tile path needs none")
+    big = [(d, t) for d, t in s.block if t > 1]
+    if len(big) != 1:
+        raise ScheduleError(f"the warp-tile path tiles exactly one row dim; block tiles are {dict(s.block)}")
+    row, rows = big[0]
+    if rows % 16:
+        raise ScheduleError(f"row tile {rows} along {row!r} must be a multiple of 16 (one mma tile per warp)")
+    if s.step % 16:
+        raise ScheduleError(f"step {s.step} along {L!r} must be a multiple of 16 (the mma k extent)")
+    batch = tuple(d for d, t in s.block if t == 1)
+    plane = set(batch) | {row, L}
+    for n in smg.inputs:
+        if smg.space(n).dtype not in MMA_DTYPES:
+            raise ScheduleError(f"input {n!r} is {smg.space(n).dtype}; tensor cores take {MMA_DTYPES}")
+    dt = {smg.space(n).dtype for n in smg.inputs}
+    if len(dt) > 1:
+        raise ScheduleError(f"inputs mix dtypes {sorted(dt)}")
+
+    gemm, score_ops = None, []
+    for i, name in enumerate(plan.streamed):
+        op = smg.producer(name)
+        if any(not a.plain for a in op.inputs):
+            raise ScheduleError(f"streamed op {name!r} gathers through an index expression")
+        if not set(op.out_index) <= plane or row not in op.out_index or L not in op.out_index:
+            raise ScheduleError(f"streamed space {name!r} {op.out_index} is not on the ({row}, {L}) plane")
+        if op.reduce:
+            gemm = _score_gemm(s, op, i, row, L, plane)
+        else:
+            score_ops.append(name)
+
+    used = set()
+    for u in plan.states:
+        used |= {x.name for x in parse(u.body).free_symbols}
+    for name in score_ops:
+        used |= {a.space for a in smg.producer(name).inputs}
+    tiles_in = tuple(n for n in smg.inputs if n in used and L in smg.space(n).dims and row in smg.space(n).dims)
+    for n in tiles_in:
+        if not _dims_ok(smg.space(n).dims, plane, L) or sizes[L] % 8:
+            raise ScheduleError(f"input {n!r} {smg.space(n).dims} must be on ({row}, {L}) with {L} last, "
+                                f"{L} a multiple of 8")
+
+    row_states, gemm_states = [], []
+    for u in plan.states:
+        dims = smg.space(u.space or u.state).dims
+        if set(dims) <= set(batch) | {row} and row in dims:
+            row_states.append(u)
+        else:
+            gemm_states.append(_gemm_state(s, u, dims, row, L, batch))
+    if not gemm_states:
+        raise ScheduleError("no state is a GEMM over the serial dim: nothing for tensor cores")
+    ns = {g.n for g in gemm_states}
+    outs = []
+    for out, text in plan.finalize:
+        dims = smg.space(out).dims
+        extra = set(dims) - set(batch) - {row}
+        if row not in dims or len(extra) > 1 or (extra and not extra <= ns):
+            raise ScheduleError(f"output {out!r} {dims} is not on the rows (and a GEMM state's column dim)")
+        outs.append((out, text))
+    return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
+                           tuple(row_states), tuple(gemm_states), tuple(outs))
+
+
+def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
+    smg = s.smg
+    if i != 0 or len(op.reduce) != 1 or op.combiner != "sum" or len(op.inputs) != 2:
+        raise ScheduleError(f"streamed op {op.out!r} reduces but is not the first, a two-operand sum over one dim")
+    k = op.reduce[0]
+    a, b = op.inputs
+    if str(parse(op.body)) not in (f"{a.space}*{b.space}", f"{b.space}*{a.space}"):
+        raise ScheduleError(f"streamed GEMM {op.out!r} has body {op.body!r}, not a product of its operands")
+    if L in a.index:
+        a, b = b, a
+    if a.space not in smg.inputs or b.space not in smg.inputs:
+        raise ScheduleError(f"GEMM {op.out!r} operands must be inputs (staged through shared memory)")
+    if not _dims_ok(a.index, plane | {k}, k) or L in a.index:
+        raise ScheduleError(f"GEMM operand {a.space!r} {a.index} must be [.., {row}, {k}] with {k} last")
+    if set(b.index) - (plane - {row}) - {k} or row in b.index or {k, L} - set(b.index):
+        raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must be on ({L}, {k})")
+    if b.index[-1] not in (k, L):
+        raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must end in {k!r} or {L!r}")
+    kd = smg.dim_sizes[k]
+    if kd % 16:
+        raise ScheduleError(f"GEMM dim {k!r} = {kd} must be a multiple of 16")
+    if b.index[-1] == L and smg.dim_sizes[L] % 8:
+        raise ScheduleError(f"{L!r} = {smg.dim_sizes[L]} must be a multiple of 8 when {b.space!r} ends in it")
+    return ScoreGemm(op.out, a.space, b.space, k, b.index[-1] == L)
+
+
+def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...]) -> GemmState:
+    smg = s.smg
+    if u.combiner != "sum" or u.state != (u.space or u.state):
+        raise ScheduleError(f"state {u.state!r} over {dims} is not a sum accumulator of its space")
+    extra = [d for d in dims if d not in batch and d != row]
+    if len(extra) != 1 or dims[-1] != extra[0]:
+        raise ScheduleError(f"state {u.state!r} {dims} must be [.., {row}, N] with one column dim N last")
+    n = extra[0]
+    body = parse(u.body)
+    xs = [f for f in sp.Mul.make_args(body) if f.is_Symbol and f.name in smg.inputs
+          and n in smg.space(f.name).dims]
+    if len(xs) != 1:
+        raise ScheduleError(f"state {u.state!r} body {u.body!r} is not (input over {n!r}) * factor")
+    x = xs[0]
+    factor = sp.simplify(body / x)
+    if x in factor.free_symbols or sp.Symbol(n) in factor.free_symbols:
+        raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}")
+    xd = smg.space(x.name).dims
+    if xd[-2:] != (L, n) or set(xd[:-2]) - set(batch):
+        raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, {n}]")
+    if smg.dim_sizes[n] % 16:
+        raise ScheduleError(f"GEMM dim {n!r} = {smg.dim_sizes[n]} must be a multiple of 16")
+    return GemmState(u, x.name, n, str(factor))
+
+
+def warp_tile_reason(s) -> str | None:
+    try:
+        warp_tile_program(s)
+    except ScheduleError as e:
+        return str(e)
+    return None
+
+
+def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
+    """Shared tiles as name -> (copies, rows, padded row length in elements)."""
+    sizes = s.smg.dim_sizes
+    out: dict[str, tuple[int, int, int]] = {}
+    if p.gemm is not None:
+        out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + PAD)
+        out[p.gemm.b] = ((p.stages, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
+                         else (p.stages, p.step, sizes[p.gemm.k] + PAD))
+    for n in p.tiles_in:
+        out[n] = (p.stages, p.rows, p.step + PAD)
+    for g in p.gemm_states:
+        out.setdefault(g.x, (p.stages, p.step, sizes[g.n] + PAD))
+    return out
+
+
+def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
+    item = 2  # fp16 / bf16
+    return sum(math.prod(v) * item for v in smem_layout(s, p).values())
+
+
+def warp_tile_registers(s, p: WarpTileProgram) -> int:
+    """Estimate of 32-bit registers per thread: fragments plus accumulators plus 40 for addressing."""
+    sizes = s.smg.dim_sizes
+    regs = 40 + (p.step // 8) * 4 * (1 + len(p.score_ops) // 2)  # score tile (+ live element-wise copies)
+    if p.gemm is not None:
+        regs += sizes[p.gemm.k] // 4  # A fragments held for the whole loop (8 halfs per 16 columns)
+    regs += (p.step // 16) * 4  # P as fp16 A fragments
+    regs += sum((sizes[g.n] // 8) * 4 for g in p.gemm_states) + 4 * len(p.row_states)
+    return regs

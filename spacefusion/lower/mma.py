@@ -1,0 +1,473 @@
+"""Warp-tile program -> TensorIR on tensor cores (mma.sync, ldmatrix, cp.async).
+
+The kernel is FlashAttention-2's shape, read off the schedule: one thread block per
+(batch coordinates, row tile), 16 rows per warp; per serial step the streamed input
+tiles arrive by cp.async into a ``stages``-deep ring of padded shared buffers; the
+score tile is an ``mma.sync.m16n8k16`` GEMM (or a staged input read by ``ldmatrix``)
+held in the accumulator layout, where each thread owns rows ``g`` and ``g + 8`` of
+its warp's 16 and two adjacent columns per 8-column tile.  Element-wise ops and the
+derived update functions are evaluated on those registers; row statistics combine
+over the 4 threads of a quad with shuffles; the second GEMM takes the factor tile as
+fp16 A fragments straight from the accumulator layout (the two layouts agree) and
+the other operand through ``ldmatrix.trans``.  Every value comes from the plan's
+sympy expressions: nothing here names attention or softmax.
+
+Fragment loops are unrolled in Python, so every register index is a constant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import sympy as sp
+from tvm import tirx
+from tvm.script import ir_builder as IB
+from tvm.script.ir_builder import tirx as T
+
+from schedulers.errors import ScheduleError
+from schedulers.schedule import Schedule
+from schedulers.temporal import parse
+from schedulers.warp_tile import GemmState, WarpTileProgram, smem_layout, warp_tile_program
+from smg.expr import body_expr
+from spacefusion.lower.exprs import F32, to_tir
+from spacefusion.lower.tir import signature
+
+NEG_INF = -3.0e38
+I32 = "int32"
+
+
+def _f(v: float) -> tirx.PrimExpr:
+    return tirx.FloatImm(F32, float(v))
+
+
+class _Gen:
+    def __init__(self, s: Schedule, p: WarpTileProgram) -> None:
+        self.s, self.p, self.smg = s, p, s.smg
+        self.sizes = self.smg.dim_sizes
+        self.ab = "fp16" if self.smg.space(self.smg.inputs[0]).dtype == "float16" else "bf16"
+        self.half = "float16" if self.ab == "fp16" else "bfloat16"
+        self.layout = smem_layout(s, p)
+        self.glob: dict[str, tirx.Buffer] = {}
+        self.smem: dict[str, tirx.Buffer] = {}
+        self.coord: dict[str, tirx.PrimExpr] = {}  # batch dim -> block coordinate
+        self.nt = p.step // 8  # 8-column tiles of the score tile
+        self.cache: dict[str, tirx.Buffer] = {}  # per-step element values by expression text
+
+    # -- addressing -----------------------------------------------------------------
+    def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        """Row-major element offset of ``name`` at ``pos`` (batch coordinates filled in)."""
+        dims = self.smg.space(name).dims
+        off = tirx.const(0, I32)
+        for d in dims:
+            off = off * self.sizes[d] + (pos[d] if d in pos else self.coord[d])
+        return off
+
+    def element(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        dims = self.smg.space(name).dims
+        v = self.glob[name][[pos[d] if d in pos else self.coord[d] for d in dims]]
+        return v if v.dtype == F32 else tirx.Cast(F32, v)
+
+    # -- cp.async tile copies ----------------------------------------------------------
+    def copy_tile(self, name: str, slot: tirx.PrimExpr, rdim: str, r0: tirx.PrimExpr,
+                  cdim: str, c0: tirx.PrimExpr, pred: tirx.PrimExpr | None = None) -> None:
+        """Copy a [rows, cols] tile (cols = ``cdim``, contiguous) of ``name`` into copy ``slot``
+        of its shared buffer in 16-byte cp.async chunks; rows/chunks past the end are clamped
+        (their values are masked or multiplied by zero downstream)."""
+        copies, rows, stride = self.layout[name]
+        cols = stride - 8
+        per_row = cols // 8
+        total = rows * per_row
+        th = self.p.threads
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + self.tid
+            r, cc = c // per_row, (c % per_row) * 8
+            grow = tirx.min(r0 + r, self.sizes[rdim] - 1)
+            gcol = tirx.min(c0 + cc, self.sizes[cdim] - 8)
+            conds = [c < total] if total % th else []
+            if pred is not None:
+                conds.append(pred)
+            src = self.flat(name, {rdim: grow, cdim: gcol})
+            dst = slot * (rows * stride) + r * stride + cc
+            with ExitStack() as guard:
+                if conds:
+                    guard.enter_context(T.If(tirx.all(*conds)))
+                    guard.enter_context(T.Then())
+                T.evaluate(_cp_async(self.half, self.smem[name], dst, self.glob[name], src))
+
+    def issue_step(self, step: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+        """cp.async the streamed tiles of ``step`` into ring slot ``step % stages``."""
+        p, L = self.p, self.p.serial
+        slot = step % p.stages if p.stages > 1 else tirx.const(0, I32)
+        t0 = step * p.step
+        if p.gemm is not None:
+            g = p.gemm
+            if g.b_trans:
+                self.copy_tile(g.b, slot, g.k, tirx.const(0, I32), L, t0, pred)
+            else:
+                self.copy_tile(g.b, slot, L, t0, g.k, tirx.const(0, I32), pred)
+        for n in p.tiles_in:
+            self.copy_tile(n, slot, p.row, self.row0, L, t0, pred)
+        for x in dict.fromkeys(gs.x for gs in p.gemm_states):
+            n = next(gs.n for gs in p.gemm_states if gs.x == x)
+            self.copy_tile(x, slot, L, t0, n, tirx.const(0, I32), pred)
+        T.evaluate(T.ptx.cp.async_.commit_group())
+
+    # -- fragments -------------------------------------------------------------------
+    def ldsm(self, frag: tirx.Buffer, off: int, name: str, soff: tirx.PrimExpr, trans: bool) -> None:
+        T.evaluate(T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, off, self.smem[name].access_ptr("r"),
+                                         soff, dtype=self.half))
+
+    def mma(self, c: tirx.Buffer, coff: int, a: tirx.Buffer, aoff: int, b: tirx.Buffer, boff: int) -> None:
+        T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", self.ab, self.ab, "fp32", a.data, aoff, b.data,
+                                    boff, c.data, coff, False, dtype=F32))
+
+    def a_offset(self, stride: int, r0: tirx.PrimExpr, c0: int) -> tirx.PrimExpr:
+        """ldmatrix.x4 row address of a 16x16 A-layout block at (r0, c0)."""
+        return (r0 + self.lane % 16) * stride + c0 + (self.lane // 16) * 8
+
+    def b_offset(self, stride: int, nrow0: int, kcol0: int, trans: bool) -> tirx.PrimExpr:
+        """ldmatrix.x4 row address for two 8-column B tiles (k 16) from [n, k] (or [k, n] with trans)."""
+        j, r = self.lane // 8, self.lane % 8
+        if trans:
+            return (kcol0 + (j % 2) * 8 + r) * stride + nrow0 + (j // 2) * 8
+        return (nrow0 + (j // 2) * 8 + r) * stride + kcol0 + (j % 2) * 8
+
+    # -- element positions -------------------------------------------------------------
+    def row_of(self, h: int) -> tirx.PrimExpr:
+        return self.row0 + self.warp * 16 + self.g + 8 * h
+
+    def col_of(self, i: int) -> tirx.PrimExpr:
+        return (i // 4) * 8 + 2 * self.t4 + i % 2
+
+    # -- expressions -------------------------------------------------------------------
+    def expr(self, text_or_expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
+        e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
+        return to_tir(e, load, exp2=True)
+
+    def load_common(self, name: str, h: int, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr | None:
+        """Row states (rows g + 8h), dims as indices, inputs from global memory."""
+        base = name.removesuffix("__old").removesuffix("__new")
+        if base in self.rs:
+            return (self.rs_old if name.endswith("__old") else self.rs)[base][h]
+        if name in self.sizes:
+            return tirx.Cast(F32, pos[name] if name in pos else self.coord[name])
+        if name in self.glob:
+            return self.element(name, pos)
+        return None
+
+    def load_score(self, i: int) -> Callable[[str], tirx.PrimExpr]:
+        pos = {self.p.row: self.row_of((i % 4) // 2), self.p.serial: self.t0 + self.col_of(i)}
+
+        def load(name: str) -> tirx.PrimExpr:
+            if name in self.score:
+                return self.score[name][i]
+            if name in self.tin:
+                return tirx.Cast(F32, self.tin[name][i])
+            v = self.load_common(name, (i % 4) // 2, pos)
+            if v is None:
+                raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on the score tile")
+            return v
+
+        return load
+
+    def valid(self, i: int) -> tirx.PrimExpr | None:
+        L = self.sizes[self.p.serial]
+        if L % self.p.step == 0:
+            return None
+        return self.t0 + self.col_of(i) < L
+
+    def values(self, text: str) -> tirx.Buffer:
+        """Per-element values of ``text`` on the score tile this step (computed once)."""
+        if text not in self.cache:
+            buf = T.alloc_buffer((self.nt * 4,), F32, scope="local")
+            e = parse(text)
+            for i in range(self.nt * 4):
+                T.buffer_store(buf, self.expr(e, self.load_score(i)), [i])
+            self.cache[text] = buf
+        return self.cache[text]
+
+    def updated(self, state: str) -> None:
+        """``state`` changed: cached values reading it are stale."""
+        self.cache = {k: v for k, v in self.cache.items() if state not in {x.name for x in parse(k).free_symbols}}
+
+    # -- the kernel ----------------------------------------------------------------------
+    def build(self) -> tirx.PrimFunc:
+        s, p = self.s, self.p
+        grid = s.grid()
+        nblocks = math.prod(grid.values())
+        with IB.IRBuilder() as ib:
+            with T.prim_func():
+                T.func_name("main")
+                for name, shape, dtype, _ in signature(s).params:
+                    self.glob[name] = T.arg(name, T.buffer(shape, dtype))
+                T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+                with T.thread_binding(0, nblocks, thread="blockIdx.x") as bid:
+                    with T.thread_binding(0, p.threads, thread="threadIdx.x") as tid:
+                        self.tid = tid
+                        self.warp, self.lane = tid // 32, tid % 32
+                        self.g, self.t4 = self.lane // 4, self.lane % 4
+                        rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
+                        rb = rest % grid[p.row]
+                        rest = rest // grid[p.row]
+                        for d in reversed(p.batch):
+                            self.coord[d] = rest % grid[d] if d != p.batch[0] else rest
+                            rest = rest // grid[d]
+                        self.row0 = rb * p.rows
+                        self._body()
+        return ib.get()
+
+    def _alloc(self) -> None:
+        p = self.p
+        for name, (copies, rows, stride) in self.layout.items():
+            self.smem[name] = T.alloc_buffer((copies * rows * stride,), self.half, scope="shared.dyn")
+        self.rs = {u.state: T.alloc_buffer((2,), F32, scope="local") for u in p.row_states}
+        self.rs_old = {u.state: T.alloc_buffer((2,), F32, scope="local") for u in p.row_states}
+        self.acc = {gs.update.state: T.alloc_buffer(((self.sizes[gs.n] // 8) * 4,), F32, scope="local")
+                    for gs in p.gemm_states}
+
+    def _steps_for_block(self) -> tirx.PrimExpr:
+        """Steps this block needs: all of them, unless a killing mask (fill <= -1e30, an affine
+        ``a*L + b*R + c <= 0`` with a > 0) leaves whole trailing steps masked for every row."""
+        p = self.p
+        total = tirx.const(self.s.num_steps, I32)
+        bound = _mask_bound(self.smg, p)
+        if bound is None:
+            return total
+        a, b, c, strict = bound
+        r_lo = self.row0
+        r_hi = tirx.min(self.row0 + p.rows, self.sizes[p.row]) - 1
+
+        def lmax(r: tirx.PrimExpr) -> tirx.PrimExpr:  # largest kept L for row r
+            num = -b * r - c - (1 if strict else 0)
+            return tirx.floordiv(num, a)
+
+        best, worst = (r_hi, r_lo) if b < 0 else (r_lo, r_hi)
+        need = tirx.min(total, tirx.floordiv(lmax(best), p.step) + 1)
+        # a row with nothing kept averages over all L (finite fill): then skip nothing
+        return tirx.Select(lmax(worst) >= 0, tirx.max(need, 1), total)
+
+    def _body(self) -> None:
+        p = self.p
+        self._alloc()
+        zero = tirx.const(0, I32)
+        for st in p.row_states:
+            for h in range(2):
+                T.buffer_store(self.rs[st.state], _f(NEG_INF if st.combiner == "max" else 0.0), [h])
+        for buf in self.acc.values():
+            for i in range(int(buf.shape[0])):
+                T.buffer_store(buf, _f(0.0), [i])
+        qf = None
+        if p.gemm is not None:  # the A operand stays in registers for the whole loop
+            g = p.gemm
+            kd = self.sizes[g.k]
+            self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero)
+            T.evaluate(T.ptx.cp.async_.commit_group())
+            T.evaluate(T.ptx.cp.async_.wait_group(0))
+            T.evaluate(T.tvm_storage_sync("shared"))
+            qf = T.alloc_buffer((kd // 16 * 8,), self.half, scope="local")
+            stride = self.layout[g.a][2]
+            for kt in range(kd // 16):
+                self.ldsm(qf, kt * 8, g.a, self.a_offset(stride, self.warp * 16, kt * 16), False)
+            # TVM reuses the dead A tile's shared memory for the ring: every warp must be done reading
+            T.evaluate(T.tvm_storage_sync("shared"))
+        nsteps = self._steps_for_block()
+        for pre in range(p.stages - 1):
+            self.issue_step(tirx.const(pre, I32), tirx.const(pre, I32) < nsteps)
+        with T.serial(0, nsteps) as j:
+            ahead = j + (p.stages - 1)
+            self.issue_step(ahead, ahead < nsteps if p.stages > 1 else None)
+            T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 1))
+            T.evaluate(T.tvm_storage_sync("shared"))
+            self.t0 = j * p.step
+            self.slot = j % p.stages if p.stages > 1 else zero
+            self._step(qf)
+            T.evaluate(T.tvm_storage_sync("shared"))
+        self._finalize()
+
+    def _step(self, qf: tirx.Buffer | None) -> None:
+        p = self.p
+        self.cache = {}
+        self.score: dict[str, tirx.Buffer] = {}
+        self.tin: dict[str, tirx.Buffer] = {}
+        n4 = self.nt * 4
+        if p.gemm is not None:
+            g = p.gemm
+            sacc = T.alloc_buffer((n4,), F32, scope="local")
+            for i in range(n4):
+                T.buffer_store(sacc, _f(0.0), [i])
+            copies, rows, stride = self.layout[g.b]
+            base = self.slot * (rows * stride)
+            kf = T.alloc_buffer((8,), self.half, scope="local")
+            for kt in range(self.sizes[g.k] // 16):
+                for n2 in range(self.nt // 2):
+                    self.ldsm(kf, 0, g.b, base + self.b_offset(stride, n2 * 16, kt * 16, g.b_trans), g.b_trans)
+                    self.mma(sacc, (2 * n2) * 4, qf, kt * 8, kf, 0)
+                    self.mma(sacc, (2 * n2 + 1) * 4, qf, kt * 8, kf, 4)
+            self.score[g.out] = sacc
+        for n in p.tiles_in:
+            copies, rows, stride = self.layout[n]
+            buf = T.alloc_buffer((n4,), self.half, scope="local")
+            for ct in range(self.nt // 2):
+                self.ldsm(buf, ct * 8, n, self.slot * (rows * stride) + self.a_offset(stride, self.warp * 16, ct * 16),
+                          False)
+            self.tin[n] = buf
+        for name in p.score_ops:
+            op = self.smg.producer(name)
+            buf = T.alloc_buffer((n4,), F32, scope="local")
+            e = body_expr(op)
+            for i in range(n4):
+                T.buffer_store(buf, self.expr(e, self.load_score(i)), [i])
+            self.score[name] = buf
+        for u in p.row_states:
+            for h in range(2):
+                T.buffer_store(self.rs_old[u.state], self.rs[u.state][h], [h])
+        gemm_of = {gs.update.state: gs for gs in p.gemm_states}
+        for u in self.s.plan.states:
+            if u.state in gemm_of:
+                self._gemm_update(gemm_of[u.state])
+            else:
+                self._row_update(u)
+
+    def _quad(self, v: tirx.PrimExpr, combiner: str) -> tirx.PrimExpr:
+        for off in (1, 2):
+            other = T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), v, off, 32, 32)
+            v = tirx.max(v, other) if combiner == "max" else v + other
+        return v
+
+    def _row_update(self, u) -> None:
+        vals = self.values(u.body)
+        ident = _f(NEG_INF if u.combiner == "max" else 0.0)
+        part = T.alloc_buffer((2,), F32, scope="local")
+        for h in range(2):
+            acc = None
+            for i in range(self.nt * 4):
+                if (i % 4) // 2 != h:
+                    continue
+                ok = self.valid(i)
+                v = vals[i] if ok is None else tirx.if_then_else(ok, vals[i], ident)
+                acc = v if acc is None else (tirx.max(acc, v) if u.combiner == "max" else acc + v)
+            T.buffer_store(part, self._quad(acc, u.combiner), [h])
+        buf = self.rs[u.state]
+        for h in range(2):
+            if u.combiner == "max":
+                T.buffer_store(buf, tirx.max(buf[h], part[h]), [h])
+            else:
+                carry = buf[h] if not u.carry else self.expr(u.carry, lambda n, h=h: self._load_row(n, h))
+                T.buffer_store(buf, carry + part[h], [h])
+        self.updated(u.state)
+
+    def _load_row(self, name: str, h: int) -> tirx.PrimExpr:
+        v = self.load_common(name, h, {self.p.row: self.row_of(h)})
+        if v is None:
+            raise ScheduleError(f"the warp-tile lowering cannot read {name!r} in a row update")
+        return v
+
+    def _load_acc(self, gs: GemmState, i: int, own: tirx.PrimExpr | None = None) -> Callable[[str], tirx.PrimExpr]:
+        h = (i % 4) // 2
+        pos = {self.p.row: self.row_of(h), gs.n: self.col_of(i)}
+
+        def load(name: str) -> tirx.PrimExpr:
+            base = name.removesuffix("__old").removesuffix("__new")
+            if base in self.acc:
+                return self.acc[base][i]
+            v = self.load_common(name, h, pos)
+            if v is None:
+                raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on an accumulator")
+            return v
+
+        return load
+
+    def _gemm_update(self, gs: GemmState) -> None:
+        p, u = self.p, gs.update
+        acc = self.acc[u.state]
+        if u.carry:
+            for i in range(int(acc.shape[0])):
+                T.buffer_store(acc, self.expr(u.carry, self._load_acc(gs, i)), [i])
+        vals = self.values(gs.factor)
+        pf = T.alloc_buffer((self.nt * 4,), self.half, scope="local")
+        for i in range(self.nt * 4):
+            ok = self.valid(i)
+            v = vals[i] if ok is None else tirx.if_then_else(ok, vals[i], _f(0.0))
+            T.buffer_store(pf, tirx.Cast(self.half, v), [i])
+        copies, rows, stride = self.layout[gs.x]
+        base = self.slot * (rows * stride)
+        vf = T.alloc_buffer((8,), self.half, scope="local")
+        for kt in range(p.step // 16):
+            for n2 in range(self.sizes[gs.n] // 16):
+                self.ldsm(vf, 0, gs.x, base + self.b_offset(stride, n2 * 16, kt * 16, True), True)
+                self.mma(acc, (2 * n2) * 4, pf, kt * 8, vf, 0)
+                self.mma(acc, (2 * n2 + 1) * 4, pf, kt * 8, vf, 4)
+        self.updated(u.state)
+
+    def _finalize(self) -> None:
+        p = self.p
+        M = self.sizes[p.row]
+        by_n = {gs.n: gs for gs in p.gemm_states}
+        for out, text in p.outputs:
+            dims = self.smg.space(out).dims
+            buf = self.glob[out]
+            n = next((d for d in dims if d in by_n), None)
+            if n is None:  # a row output: one thread of each quad writes it
+                for h in range(2):
+                    pos = {p.row: self.row_of(h)}
+                    with T.If(tirx.all(self.row_of(h) < M, self.t4 == 0)):
+                        with T.Then():
+                            v = self.expr(text, lambda nm, h=h: self._load_row(nm, h))
+                            T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+                continue
+            gs = by_n[n]
+            for h in range(2):
+                with T.If(self.row_of(h) < M):
+                    with T.Then():
+                        for i in range(int(self.acc[gs.update.state].shape[0])):
+                            if (i % 4) // 2 != h:
+                                continue
+                            pos = {p.row: self.row_of(h), n: self.col_of(i)}
+                            v = self.expr(text, self._load_acc(gs, i))
+                            T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+
+
+def _cast(v: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    return v if dtype == F32 else tirx.Cast(dtype, v)
+
+
+def _cp_async(dtype: str, dst: tirx.Buffer, doff: tirx.PrimExpr, src: tirx.Buffer, soff: tirx.PrimExpr):
+    from tvm.backend.cuda.op import ptx_cp_async_legacy
+
+    return ptx_cp_async_legacy(dtype, dst.data, doff, src.data, soff, 16)
+
+
+def _mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:
+    """(a, b, c, strict) of a killing mask ``a*L + b*R + c <= 0`` (``< 0`` if strict), a > 0."""
+    L, R = sp.Symbol(p.serial, real=True), sp.Symbol(p.row, real=True)
+    for name in p.score_ops:
+        op = smg.producer(name)
+        e = body_expr(op)
+        if op.kind != "mask" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
+            continue
+        (_, cond), (fill, _) = e.args
+        if not fill.is_Number or float(fill) > -1e30:
+            continue
+        if isinstance(cond, (sp.GreaterThan, sp.StrictGreaterThan)):
+            f, strict = cond.rhs - cond.lhs, isinstance(cond, sp.StrictGreaterThan)
+        elif isinstance(cond, (sp.LessThan, sp.StrictLessThan)):
+            f, strict = cond.lhs - cond.rhs, isinstance(cond, sp.StrictLessThan)
+        else:
+            continue
+        f = sp.expand(f)
+        if not f.free_symbols <= {L, R} or not f.is_polynomial(L, R) or sp.Poly(f, L, R).total_degree() > 1:
+            continue
+        a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
+        if all(x.is_Integer for x in (a, b, c)) and a > 0:
+            return int(a), int(b), int(c), strict
+    return None
+
+
+def build_warp_tile(s: Schedule) -> tirx.PrimFunc:
+    """The PrimFunc of the warp-tile program of ``s`` (CUDA only)."""
+    return _Gen(s, warp_tile_program(s)).build()
+
+
+__all__ = ["build_warp_tile"]

@@ -1,0 +1,118 @@
+"""Tensor-core warp-tile programs: recognition, resources, CUDA emission (mma.sync, ldmatrix,
+cp.async), nvcc, and on a GPU the numerics against the float64 numpy reference."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from schedulers.errors import ScheduleError
+from schedulers.resources import block_resources
+from schedulers.schedule import Schedule
+from schedulers.warp_tile import warp_tile_program
+from smg import patterns
+from smg.reference import evaluate
+from smg.workloads import softmax_gemm
+from spacefusion.api import build, schedule
+from spacefusion.lower.mma import _mask_bound
+
+CASES = {
+    "attention": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 32}, 32, 2),
+    "causal": (lambda: patterns.attention(1, 2, 100, 100, 64, causal=True), {"m": 32}, 16, 1),
+    "gqa_d80": (lambda: patterns.attention(1, 8, 50, 60, 80, kv_heads=2), {"m": 16}, 16, 2),
+    "bf16": (lambda: patterns.attention(1, 4, 128, 128, 64, dtype="bfloat16"), {"m": 64}, 64, 3),
+    "softmax_gemm": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2),
+}
+
+
+def _schedule(name: str) -> Schedule:
+    mk, tiles, step, stages = CASES[name]
+    return schedule(mk(), tiles=tiles, serial="l", step=step, tensor_cores=True, stages=stages)
+
+
+def test_attention_reads_as_a_warp_tile_program() -> None:
+    p = warp_tile_program(_schedule("causal"))
+    assert (p.row, p.rows, p.batch, p.serial, p.warps) == ("m", 32, ("b", "h"), "l", 2)
+    assert p.gemm is not None and (p.gemm.a, p.gemm.b, p.gemm.k, p.gemm.b_trans) == ("Q", "K", "d", False)
+    assert p.score_ops == ("Ss", "Sm") and p.tiles_in == ()
+    assert [u.state for u in p.row_states] == ["P_max", "P_sum"]
+    (gs,) = p.gemm_states
+    assert (gs.x, gs.n, gs.factor) == ("V", "n", "exp(-P_max + Sm)")
+    assert p.outputs == (("O", "O/P_sum"),)
+    # softmax-GEMM has no score GEMM: its S tile is an input staged in the accumulator layout
+    q = warp_tile_program(_schedule("softmax_gemm"))
+    assert q.gemm is None and q.tiles_in == ("S",)
+
+
+def test_causal_mask_bound_is_derived_from_the_condition() -> None:
+    s = _schedule("causal")
+    assert _mask_bound(s.smg, s.warp_tile) == (1, -1, 0, False)  # l - m <= 0
+    assert _mask_bound(_schedule("attention").smg, _schedule("attention").warp_tile) is None
+
+
+def test_warp_tile_resources_and_json() -> None:
+    s = _schedule("bf16")
+    r = block_resources(s)
+    assert s.threads == r.threads == 128  # 4 warps of 16 rows
+    # Q [64, 64+8] once, K and V [64, 64+8] in 3 stages, 2 bytes each
+    assert r.shared_bytes == 2 * (64 * 72 + 2 * 3 * 64 * 72)
+    back = Schedule.from_json(s.to_json())
+    assert back.stages == 3 and back.tensor_cores and back.key == s.key
+    assert "stages" not in schedule(patterns.attention(1, 1, 64, 64, 64), tiles={"m": 64}, step=32).to_dict()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tiles={"m": 24}, step=16), "multiple of 16"),
+    (dict(tiles={"m": 32}, step=24), "step 24"),
+    (dict(tiles={"m": 32}, step=32, lanes=4), "lanes apply to CUDA-core kernels"),
+])
+def test_warp_tile_refusals_name_the_problem(kwargs, match) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        schedule(patterns.attention(1, 2, 64, 64, 64), serial="l", tensor_cores=True, **kwargs)
+
+
+def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
+    with pytest.raises(ScheduleError, match="tensor cores take"):
+        schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
+    with pytest.raises(ScheduleError, match="stages apply to tensor-core"):
+        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
+    s = _schedule(name)
+    art = build(s, "cuda")
+    src = art.source
+    assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
+    assert "cp.async.cg.shared.global" in src and "cp.async.wait_group" in src
+    assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
+    assert len(re.findall(r"__global__ void[^;]*\{", src)) == 1
+    assert art.meta["block"] == [s.threads, 1, 1] and art.meta["grid"] == [s.num_blocks, 1, 1]
+    assert art.meta["dynamic_smem_bytes"] > 0
+    if shutil.which("nvcc"):
+        assert (art.save(tmp_path / name) / "kernel.cubin").stat().st_size > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from spacefusion.runtime.gpu import CudaKernel
+
+    s = _schedule(name)
+    kernel = CudaKernel(build(s, "cuda").save(tmp_path / name))
+    rng = np.random.default_rng(0)
+    dtype = s.smg.space(s.smg.inputs[0]).dtype
+    xs = {n: rng.standard_normal(s.smg.shape(n)).astype(np.float32) for n in s.smg.inputs}
+    tdt = getattr(torch, dtype)
+    xs = {n: torch.from_numpy(v).to("cuda", tdt) for n, v in xs.items()}
+    out = kernel.launch(xs)
+    ref = evaluate(s.smg, {n: v.float().cpu().numpy().astype(np.float64) for n, v in xs.items()})
+    for n, v in out.items():
+        np.testing.assert_allclose(v.float().cpu().numpy(), ref[n], atol=3e-2 if dtype == "bfloat16" else 5e-3)

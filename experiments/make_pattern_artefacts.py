@@ -64,6 +64,8 @@ MMA = {
                           TC | {"stages": 2}),
     "mma_small_bf16": (lambda: P.attention(1, 4, 128, 128, 64, dtype="bfloat16"), {"m": 64}, 64, TC | {"stages": 2}),
     "mma_small_softmax_gemm": (lambda: W.softmax_gemm(100, 136, 32, dtype=H), {"m": 32}, 32, TC | {"stages": 2}),
+    "mma_small_gemm_sigmoid": (lambda: P.gemm_epilogue(200, 200, 96, "sigmoid", True, H), {"m": 64, "n": 64}, 32,
+                               TC | {"stages": 2}),
     "mma_mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 64}, 64, TC | {"stages": 2}),
     "mma_mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, 64, TC | {"stages": 2}),
     "mma_mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 64}, 64, TC | {"stages": 2}),
@@ -88,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         g = mk()
         serial = "y" if g.name == "vae_decoder_block" else None
         opts = extra if isinstance(extra, dict) else {"recompute": extra}
-        s = make_schedule(g, tiles, serial=serial or ("l" if "attention" in g.name or "softmax_gemm" in g.name
-                                                      else None), step=step, **opts)
+        if serial is None and args.mma:
+            serial = "k" if g.name.startswith("gemm") else "l"
+        s = make_schedule(g, tiles, serial=serial, step=step, **opts)
         build(s, "cuda").save(args.out / name)
         print(f"{name}: grid {s.num_blocks} x {s.threads} threads, serial {s.serial} step {s.step} "
               f"({s.num_steps} steps), {time.perf_counter() - t0:.1f}s")

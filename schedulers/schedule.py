@@ -49,6 +49,8 @@ class Schedule:
     tensor_cores: bool = False
     #: shared-memory buffers per streamed input tile of a warp-tile program (cp.async pipeline depth)
     stages: int = 1
+    #: warps of a warp-tile program (0: up to 4); each takes rows/16/warps 16-row mma tiles
+    warps: int = 0
 
     @cached_property
     def key(self) -> str:
@@ -113,7 +115,7 @@ class Schedule:
             "spatial": [vars(d) for d in self.spatial],
         } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid
             {"tensor_cores": True} if self.tensor_cores else {}) | (
-            {"stages": self.stages} if self.stages != 1 else {})
+            {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -155,6 +157,7 @@ class Schedule:
             lanes=int(d.get("lanes", 1)),
             tensor_cores=bool(d.get("tensor_cores", False)),
             stages=int(d.get("stages", 1)),
+            warps=int(d.get("warps", 0)),
         )
 
     def __str__(self) -> str:
@@ -212,7 +215,7 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
-                  lanes: int = 1, tensor_cores: bool = False, stages: int = 1) -> Schedule:
+                  lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -256,10 +259,6 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     limit = (hw or H100).max_threads_per_block
     if lanes not in (1, 2, 4, 8, 16, 32):
         raise ScheduleError(f"lanes {lanes} must be a power of two up to the warp size (32)")
-    if math.prod(t for _, t in block) * lanes > limit:
-        raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs "
-                            f"{math.prod(t for _, t in block) * lanes} threads; at most {limit} on "
-                            f"{(hw or H100).name}")
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
@@ -288,7 +287,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     if stages not in (1, 2, 3, 4):
         raise ScheduleError(f"stages {stages} must be 1..4 (shared buffers per streamed tile)")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
-                   bool(tensor_cores), int(stages))
+                   bool(tensor_cores), int(stages), int(warps))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -300,6 +299,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                                 f"as a warp-tile program: {warp}")
         if lanes != 1:
             raise ScheduleError("lanes apply to CUDA-core kernels; tensor-core kernels place threads by mma tiles")
-    elif stages != 1:
-        raise ScheduleError("stages apply to tensor-core warp-tile kernels (tensor_cores=True)")
+    elif stages != 1 or warps:
+        raise ScheduleError("stages and warps apply to tensor-core warp-tile kernels (tensor_cores=True)")
+    if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
+        raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
+                            f"{limit} on {(hw or H100).name}")
     return out

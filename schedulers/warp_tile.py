@@ -51,6 +51,7 @@ class GemmState:
     x: str
     n: str
     factor: str
+    n_tile: int  # columns per block: the tile when N is cut spatially (a GEMM's output columns), else all
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,11 @@ class WarpTileProgram:
     row_states: tuple[UpdateFunction, ...]
     gemm_states: tuple[GemmState, ...]
     outputs: tuple[tuple[str, str], ...]  # (output, finalize expression)
+    warps: int  # each warp owns rows / warps rows: one K/V fragment feeds that many 16-row mma tiles
 
     @property
-    def warps(self) -> int:
-        return self.rows // 16
+    def warp_mtiles(self) -> int:
+        return self.rows // 16 // self.warps
 
     @property
     def threads(self) -> int:
@@ -88,15 +90,23 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     L = s.serial
     if plan.second_pass:
         raise ScheduleError("outputs keep the serial dim (a second pass); the warp-tile path needs none")
+    # the row dim: tiled, and not the last (column) dim of a state; a second tiled dim may be
+    # the column dim of a GEMM state (a GEMM's output columns)
+    state_dims = [smg.space(u.space or u.state).dims for u in plan.states]
     big = [(d, t) for d, t in s.block if t > 1]
-    if len(big) != 1:
-        raise ScheduleError(f"the warp-tile path tiles exactly one row dim; block tiles are {dict(s.block)}")
-    row, rows = big[0]
+    rowish = [(d, t) for d, t in big if all(d in dims for dims in state_dims)]
+    if len(rowish) > 1:  # a GEMM's one state has both: the row is not its last (column) dim
+        rowish = [(d, t) for d, t in rowish if all(d != dims[-1] for dims in state_dims)]
+    if len(rowish) != 1 or len(big) > 2:
+        raise ScheduleError(f"the warp-tile path tiles one row dim (and optionally a GEMM's column dim); "
+                            f"block tiles are {dict(s.block)}")
+    row, rows = rowish[0]
+    col_cut = {d: t for d, t in big if d != row}
     if rows % 16:
-        raise ScheduleError(f"row tile {rows} along {row!r} must be a multiple of 16 (one mma tile per warp)")
+        raise ScheduleError(f"row tile {rows} along {row!r} must be a multiple of 16 (16-row mma tiles)")
     if s.step % 16:
         raise ScheduleError(f"step {s.step} along {L!r} must be a multiple of 16 (the mma k extent)")
-    batch = tuple(d for d, t in s.block if t == 1)
+    batch = tuple(d for d, t in s.block if t == 1 and d not in col_cut)
     plane = set(batch) | {row, L}
     for n in smg.inputs:
         if smg.space(n).dtype not in MMA_DTYPES:
@@ -134,9 +144,11 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
         if set(dims) <= set(batch) | {row} and row in dims:
             row_states.append(u)
         else:
-            gemm_states.append(_gemm_state(s, u, dims, row, L, batch))
+            gemm_states.append(_gemm_state(s, u, dims, row, L, batch, col_cut))
     if not gemm_states:
         raise ScheduleError("no state is a GEMM over the serial dim: nothing for tensor cores")
+    if set(col_cut) - {g.n for g in gemm_states}:
+        raise ScheduleError(f"tiled dims {sorted(col_cut)} are not a GEMM state's column dim")
     ns = {g.n for g in gemm_states}
     outs = []
     for out, text in plan.finalize:
@@ -145,8 +157,11 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
         if row not in dims or len(extra) > 1 or (extra and not extra <= ns):
             raise ScheduleError(f"output {out!r} {dims} is not on the rows (and a GEMM state's column dim)")
         outs.append((out, text))
+    warps = s.warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
+    if warps not in (1, 2, 4, 8) or rows % (16 * warps):
+        raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
-                           tuple(row_states), tuple(gemm_states), tuple(outs))
+                           tuple(row_states), tuple(gemm_states), tuple(outs), warps)
 
 
 def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
@@ -175,7 +190,8 @@ def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
     return ScoreGemm(op.out, a.space, b.space, k, b.index[-1] == L)
 
 
-def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...]) -> GemmState:
+def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...],
+                col_cut: dict[str, int]) -> GemmState:
     smg = s.smg
     if u.combiner != "sum" or u.state != (u.space or u.state):
         raise ScheduleError(f"state {u.state!r} over {dims} is not a sum accumulator of its space")
@@ -195,9 +211,11 @@ def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, b
     xd = smg.space(x.name).dims
     if xd[-2:] != (L, n) or set(xd[:-2]) - set(batch):
         raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, {n}]")
-    if smg.dim_sizes[n] % 16:
-        raise ScheduleError(f"GEMM dim {n!r} = {smg.dim_sizes[n]} must be a multiple of 16")
-    return GemmState(u, x.name, n, str(factor))
+    n_tile = col_cut.get(n, smg.dim_sizes[n])
+    if n_tile % 16 or smg.dim_sizes[n] % 8:
+        raise ScheduleError(f"GEMM dim {n!r}: {n_tile} columns per block must be a multiple of 16 "
+                            f"(and {n!r} = {smg.dim_sizes[n]} of 8)")
+    return GemmState(u, x.name, n, str(factor), n_tile)
 
 
 def warp_tile_reason(s) -> str | None:
@@ -219,7 +237,7 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     for n in p.tiles_in:
         out[n] = (p.stages, p.rows, p.step + PAD)
     for g in p.gemm_states:
-        out.setdefault(g.x, (p.stages, p.step, sizes[g.n] + PAD))
+        out.setdefault(g.x, (p.stages, p.step, g.n_tile + PAD))
     return out
 
 
@@ -231,9 +249,10 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
 def warp_tile_registers(s, p: WarpTileProgram) -> int:
     """Estimate of 32-bit registers per thread: fragments plus accumulators plus 40 for addressing."""
     sizes = s.smg.dim_sizes
-    regs = 40 + (p.step // 8) * 4 * (1 + len(p.score_ops) // 2)  # score tile (+ live element-wise copies)
+    mt = p.warp_mtiles
+    regs = 40 + mt * (p.step // 8) * 4 * (1 + len(p.score_ops) // 2)  # score tile (+ live element-wise copies)
     if p.gemm is not None:
-        regs += sizes[p.gemm.k] // 4  # A fragments held for the whole loop (8 halfs per 16 columns)
-    regs += (p.step // 16) * 4  # P as fp16 A fragments
-    regs += sum((sizes[g.n] // 8) * 4 for g in p.gemm_states) + 4 * len(p.row_states)
+        regs += mt * sizes[p.gemm.k] // 4  # A fragments held for the whole loop (8 halfs per 16 columns)
+    regs += mt * (p.step // 16) * 4  # P as fp16 A fragments
+    regs += mt * (sum((g.n_tile // 8) * 4 for g in p.gemm_states) + 4 * len(p.row_states))
     return regs

@@ -78,13 +78,16 @@ def test_lanes_reduce_with_warp_shuffles() -> None:
 
 
 def test_gemm_epilogue_on_tensor_cores() -> None:
-    """GEMM + element-wise epilogue lowers through TVM's WMMA tensorizer into one kernel (checked
-    against torch on the H100, shapes that are and are not multiples of the tile); other plans
-    are refused with the reason."""
+    """GEMM + element-wise epilogue lowers into one tensor-core kernel: as a warp-tile program
+    (mma.sync) when the tiles are multiples of 16, else through TVM's WMMA tensorizer (checked
+    against torch on the H100); other plans are refused with the reason."""
     from smg import patterns
 
     g = patterns.gemm_epilogue(256, 192, 96, "silu", True, "float16")
-    s = schedule(g, tiles={"m": 16, "n": 64}, step=32, tensor_cores=True)
+    mma = build(schedule(g, tiles={"m": 64, "n": 64}, step=32, tensor_cores=True), "cuda")
+    assert "mma.sync.aligned.m16n8k16" in mma.source and "wmma" not in mma.source
+    assert mma.meta["grid"] == [4 * 3, 1, 1] and mma.meta["block"] == [128, 1, 1]
+    s = schedule(g, tiles={"m": 8, "n": 64}, step=32, tensor_cores=True)  # rows not a multiple of 16
     assert Schedule.from_json(s.to_json()).tensor_cores
     art = build(s, "cuda")
     assert "wmma" in art.source

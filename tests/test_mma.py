@@ -25,12 +25,15 @@ CASES = {
     "gqa_d80": (lambda: patterns.attention(1, 8, 50, 60, 80, kv_heads=2), {"m": 16}, 16, 2),
     "bf16": (lambda: patterns.attention(1, 4, 128, 128, 64, dtype="bfloat16"), {"m": 64}, 64, 3),
     "softmax_gemm": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2),
+    "gemm_sigmoid": (lambda: patterns.gemm_epilogue(200, 200, 96, "sigmoid", True, "float16"),
+                     {"m": 64, "n": 64}, 32, 2),
 }
 
 
 def _schedule(name: str) -> Schedule:
     mk, tiles, step, stages = CASES[name]
-    return schedule(mk(), tiles=tiles, serial="l", step=step, tensor_cores=True, stages=stages)
+    serial = "k" if name.startswith("gemm") else "l"
+    return schedule(mk(), tiles=tiles, serial=serial, step=step, tensor_cores=True, stages=stages)
 
 
 def test_attention_reads_as_a_warp_tile_program() -> None:
@@ -45,6 +48,10 @@ def test_attention_reads_as_a_warp_tile_program() -> None:
     # softmax-GEMM has no score GEMM: its S tile is an input staged in the accumulator layout
     q = warp_tile_program(_schedule("softmax_gemm"))
     assert q.gemm is None and q.tiles_in == ("S",)
+    # a GEMM + epilogue: A is the staged row operand, Bw the GEMM state's operand over a cut column dim
+    r = warp_tile_program(_schedule("gemm_sigmoid"))
+    assert (r.row, r.serial, r.tiles_in, r.row_states) == ("m", "k", ("A",), ())
+    assert [(g.x, g.n, g.factor, g.n_tile) for g in r.gemm_states] == [("Bw", "n", "A", 64)]
 
 
 def test_causal_mask_bound_is_derived_from_the_condition() -> None:
@@ -66,6 +73,7 @@ def test_warp_tile_resources_and_json() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tiles={"m": 24}, step=16), "multiple of 16"),
+    (dict(tiles={"m": 48}, step=16, warps=2), "divide the 48-row tile"),
     (dict(tiles={"m": 32}, step=24), "step 24"),
     (dict(tiles={"m": 32}, step=32, lanes=4), "lanes apply to CUDA-core kernels"),
 ])
@@ -77,7 +85,7 @@ def test_warp_tile_refusals_name_the_problem(kwargs, match) -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="stages apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="stages and warps apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 

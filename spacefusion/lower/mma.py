@@ -53,6 +53,8 @@ class _Gen:
         self.smem: dict[str, tirx.Buffer] = {}
         self.coord: dict[str, tirx.PrimExpr] = {}  # batch dim -> block coordinate
         self.nt = p.step // 8  # 8-column tiles of the score tile
+        self.mt = p.warp_mtiles  # 16-row mma tiles per warp
+        self.ns = self.mt * self.nt * 4  # score-tile elements per thread
         self.cache: dict[str, tirx.Buffer] = {}  # per-step element values by expression text
 
     # -- addressing -----------------------------------------------------------------
@@ -65,9 +67,10 @@ class _Gen:
         return off
 
     def element(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        """One element from global memory (tail positions clamped; their results are not stored)."""
         dims = self.smg.space(name).dims
-        v = self.glob[name][[pos[d] if d in pos else self.coord[d] for d in dims]]
-        return v if v.dtype == F32 else tirx.Cast(F32, v)
+        v = self.glob[name][[tirx.min(pos[d], self.sizes[d] - 1) if d in pos else self.coord[d] for d in dims]]
+        return v if self.glob[name].dtype == F32 else tirx.Cast(F32, v)
 
     # -- cp.async tile copies ----------------------------------------------------------
     def copy_tile(self, name: str, slot: tirx.PrimExpr, rdim: str, r0: tirx.PrimExpr,
@@ -111,8 +114,12 @@ class _Gen:
             self.copy_tile(n, slot, p.row, self.row0, L, t0, pred)
         for x in dict.fromkeys(gs.x for gs in p.gemm_states):
             n = next(gs.n for gs in p.gemm_states if gs.x == x)
-            self.copy_tile(x, slot, L, t0, n, tirx.const(0, I32), pred)
+            self.copy_tile(x, slot, L, t0, n, self.col0(n), pred)
         T.evaluate(T.ptx.cp.async_.commit_group())
+
+    def col0(self, n: str) -> tirx.PrimExpr:
+        """First column of this block along a GEMM state's column dim (0 unless it is cut)."""
+        return self.coord[n] * self.s.tiles[n] if n in self.s.tiles else tirx.const(0, I32)
 
     # -- fragments -------------------------------------------------------------------
     def ldsm(self, frag: tirx.Buffer, off: int, name: str, soff: tirx.PrimExpr, trans: bool) -> None:
@@ -135,11 +142,18 @@ class _Gen:
         return (nrow0 + (j // 2) * 8 + r) * stride + kcol0 + (j % 2) * 8
 
     # -- element positions -------------------------------------------------------------
-    def row_of(self, h: int) -> tirx.PrimExpr:
-        return self.row0 + self.warp * 16 + self.g + 8 * h
+    # a thread owns 2 rows per 16-row mma tile: row slot r = 2 * tile + (0 for g, 1 for g + 8);
+    # in a fragment array of `per` elements per tile, element E is tile E // per, column tile
+    # (E % per) // 4, and within it c0..c3 = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+    def row_of(self, r: int) -> tirx.PrimExpr:
+        return self.row0 + self.warp * (16 * self.mt) + (r // 2) * 16 + self.g + 8 * (r % 2)
 
-    def col_of(self, i: int) -> tirx.PrimExpr:
-        return (i // 4) * 8 + 2 * self.t4 + i % 2
+    @staticmethod
+    def slot_of(e: int, per: int) -> int:
+        return (e // per) * 2 + (e % 4) // 2
+
+    def col_of(self, e: int, per: int) -> tirx.PrimExpr:
+        return ((e % per) // 4) * 8 + 2 * self.t4 + e % 2
 
     # -- expressions -------------------------------------------------------------------
     def expr(self, text_or_expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -158,14 +172,15 @@ class _Gen:
         return None
 
     def load_score(self, i: int) -> Callable[[str], tirx.PrimExpr]:
-        pos = {self.p.row: self.row_of((i % 4) // 2), self.p.serial: self.t0 + self.col_of(i)}
+        r = self.slot_of(i, self.nt * 4)
+        pos = {self.p.row: self.row_of(r), self.p.serial: self.t0 + self.col_of(i, self.nt * 4)}
 
         def load(name: str) -> tirx.PrimExpr:
             if name in self.score:
                 return self.score[name][i]
             if name in self.tin:
                 return tirx.Cast(F32, self.tin[name][i])
-            v = self.load_common(name, (i % 4) // 2, pos)
+            v = self.load_common(name, r, pos)
             if v is None:
                 raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on the score tile")
             return v
@@ -176,14 +191,14 @@ class _Gen:
         L = self.sizes[self.p.serial]
         if L % self.p.step == 0:
             return None
-        return self.t0 + self.col_of(i) < L
+        return self.t0 + self.col_of(i, self.nt * 4) < L
 
     def values(self, text: str) -> tirx.Buffer:
         """Per-element values of ``text`` on the score tile this step (computed once)."""
         if text not in self.cache:
-            buf = T.alloc_buffer((self.nt * 4,), F32, scope="local")
+            buf = T.alloc_buffer((self.ns,), F32, scope="local")
             e = parse(text)
-            for i in range(self.nt * 4):
+            for i in range(self.ns):
                 T.buffer_store(buf, self.expr(e, self.load_score(i)), [i])
             self.cache[text] = buf
         return self.cache[text]
@@ -211,8 +226,9 @@ class _Gen:
                         rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
                         rb = rest % grid[p.row]
                         rest = rest // grid[p.row]
-                        for d in reversed(p.batch):
-                            self.coord[d] = rest % grid[d] if d != p.batch[0] else rest
+                        outer = [d for d, _ in s.block if d != p.row]
+                        for d in reversed(outer):
+                            self.coord[d] = rest % grid[d] if d != outer[0] else rest
                             rest = rest // grid[d]
                         self.row0 = rb * p.rows
                         self._body()
@@ -222,9 +238,9 @@ class _Gen:
         p = self.p
         for name, (copies, rows, stride) in self.layout.items():
             self.smem[name] = T.alloc_buffer((copies * rows * stride,), self.half, scope="shared.dyn")
-        self.rs = {u.state: T.alloc_buffer((2,), F32, scope="local") for u in p.row_states}
-        self.rs_old = {u.state: T.alloc_buffer((2,), F32, scope="local") for u in p.row_states}
-        self.acc = {gs.update.state: T.alloc_buffer(((self.sizes[gs.n] // 8) * 4,), F32, scope="local")
+        self.rs = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
+        self.rs_old = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
+        self.acc = {gs.update.state: T.alloc_buffer((self.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
                     for gs in p.gemm_states}
 
     def _steps_for_block(self) -> tirx.PrimExpr:
@@ -253,7 +269,7 @@ class _Gen:
         self._alloc()
         zero = tirx.const(0, I32)
         for st in p.row_states:
-            for h in range(2):
+            for h in range(2 * self.mt):
                 T.buffer_store(self.rs[st.state], _f(NEG_INF if st.combiner == "max" else 0.0), [h])
         for buf in self.acc.values():
             for i in range(int(buf.shape[0])):
@@ -266,10 +282,12 @@ class _Gen:
             T.evaluate(T.ptx.cp.async_.commit_group())
             T.evaluate(T.ptx.cp.async_.wait_group(0))
             T.evaluate(T.tvm_storage_sync("shared"))
-            qf = T.alloc_buffer((kd // 16 * 8,), self.half, scope="local")
+            qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
             stride = self.layout[g.a][2]
-            for kt in range(kd // 16):
-                self.ldsm(qf, kt * 8, g.a, self.a_offset(stride, self.warp * 16, kt * 16), False)
+            for mi in range(self.mt):
+                for kt in range(kd // 16):
+                    self.ldsm(qf, mi * kd // 2 + kt * 8, g.a,
+                              self.a_offset(stride, self.warp * 16 * self.mt + mi * 16, kt * 16), False)
             # TVM reuses the dead A tile's shared memory for the ring: every warp must be done reading
             T.evaluate(T.tvm_storage_sync("shared"))
         nsteps = self._steps_for_block()
@@ -291,37 +309,47 @@ class _Gen:
         self.cache = {}
         self.score: dict[str, tirx.Buffer] = {}
         self.tin: dict[str, tirx.Buffer] = {}
-        n4 = self.nt * 4
+        n4, ns = self.nt * 4, self.ns
         if p.gemm is not None:
             g = p.gemm
-            sacc = T.alloc_buffer((n4,), F32, scope="local")
-            for i in range(n4):
+            sacc = T.alloc_buffer((ns,), F32, scope="local")
+            for i in range(ns):
                 T.buffer_store(sacc, _f(0.0), [i])
             copies, rows, stride = self.layout[g.b]
             base = self.slot * (rows * stride)
-            kf = T.alloc_buffer((8,), self.half, scope="local")
-            for kt in range(self.sizes[g.k] // 16):
+            kd = self.sizes[g.k]
+
+            def load_k(kt: int, kf: tirx.Buffer) -> None:
                 for n2 in range(self.nt // 2):
-                    self.ldsm(kf, 0, g.b, base + self.b_offset(stride, n2 * 16, kt * 16, g.b_trans), g.b_trans)
-                    self.mma(sacc, (2 * n2) * 4, qf, kt * 8, kf, 0)
-                    self.mma(sacc, (2 * n2 + 1) * 4, qf, kt * 8, kf, 4)
+                    self.ldsm(kf, n2 * 8, g.b, base + self.b_offset(stride, n2 * 16, kt * 16, g.b_trans), g.b_trans)
+
+            def mma_k(kt: int, kf: tirx.Buffer) -> None:
+                for n2 in range(self.nt // 2):
+                    for mi in range(self.mt):  # one B fragment feeds every row tile of the warp
+                        a = mi * kd // 2 + kt * 8
+                        self.mma(sacc, mi * n4 + (2 * n2) * 4, qf, a, kf, n2 * 8)
+                        self.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, qf, a, kf, n2 * 8 + 4)
+
+            self._pipelined(kd // 16, self.nt // 2 * 8, load_k, mma_k)
             self.score[g.out] = sacc
         for n in p.tiles_in:
             copies, rows, stride = self.layout[n]
-            buf = T.alloc_buffer((n4,), self.half, scope="local")
-            for ct in range(self.nt // 2):
-                self.ldsm(buf, ct * 8, n, self.slot * (rows * stride) + self.a_offset(stride, self.warp * 16, ct * 16),
-                          False)
+            buf = T.alloc_buffer((ns,), self.half, scope="local")
+            for mi in range(self.mt):
+                for ct in range(self.nt // 2):
+                    r0 = self.warp * 16 * self.mt + mi * 16
+                    soff = self.slot * (rows * stride) + self.a_offset(stride, r0, ct * 16)
+                    self.ldsm(buf, mi * n4 + ct * 8, n, soff, False)
             self.tin[n] = buf
         for name in p.score_ops:
             op = self.smg.producer(name)
-            buf = T.alloc_buffer((n4,), F32, scope="local")
+            buf = T.alloc_buffer((ns,), F32, scope="local")
             e = body_expr(op)
-            for i in range(n4):
+            for i in range(ns):
                 T.buffer_store(buf, self.expr(e, self.load_score(i)), [i])
             self.score[name] = buf
         for u in p.row_states:
-            for h in range(2):
+            for h in range(2 * self.mt):
                 T.buffer_store(self.rs_old[u.state], self.rs[u.state][h], [h])
         gemm_of = {gs.update.state: gs for gs in p.gemm_states}
         for u in self.s.plan.states:
@@ -330,27 +358,38 @@ class _Gen:
             else:
                 self._row_update(u)
 
-    def _quad(self, v: tirx.PrimExpr, combiner: str) -> tirx.PrimExpr:
+    def _pipelined(self, kts: int, size: int, load, mma) -> None:
+        """Register double buffering over the k slices of a GEMM: the B fragments of slice kt+1
+        are requested (ldmatrix) before the mma.sync of slice kt, so shared-memory latency overlaps
+        the tensor cores instead of stalling each mma on its operands."""
+        bufs = [T.alloc_buffer((size,), self.half, scope="local") for _ in range(min(2, kts))]
+        load(0, bufs[0])
+        for kt in range(kts):
+            if kt + 1 < kts:
+                load(kt + 1, bufs[(kt + 1) % 2])
+            mma(kt, bufs[kt % 2])
+
+    def _quad(self, part: tirx.Buffer, h: int, combiner: str) -> None:
+        """Combine ``part[h]`` over the 4 threads of a quad (they share the row): 2 shuffles."""
         for off in (1, 2):
-            other = T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), v, off, 32, 32)
-            v = tirx.max(v, other) if combiner == "max" else v + other
-        return v
+            v = part[h]
+            other = T.tvm_warp_shuffle_xor(tirx.const(0xFFFFFFFF, "uint32"), v, off, 32, 32)
+            T.buffer_store(part, tirx.max(v, other) if combiner == "max" else v + other, [h])
 
     def _row_update(self, u) -> None:
         vals = self.values(u.body)
         ident = _f(NEG_INF if u.combiner == "max" else 0.0)
-        part = T.alloc_buffer((2,), F32, scope="local")
-        for h in range(2):
-            acc = None
-            for i in range(self.nt * 4):
-                if (i % 4) // 2 != h:
-                    continue
-                ok = self.valid(i)
-                v = vals[i] if ok is None else tirx.if_then_else(ok, vals[i], ident)
-                acc = v if acc is None else (tirx.max(acc, v) if u.combiner == "max" else acc + v)
-            T.buffer_store(part, self._quad(acc, u.combiner), [h])
+        part = T.alloc_buffer((2 * self.mt,), F32, scope="local")
+        for h in range(2 * self.mt):
+            terms = []
+            for i in range(self.ns):
+                if self.slot_of(i, self.nt * 4) == h:
+                    ok = self.valid(i)
+                    terms.append(vals[i] if ok is None else tirx.if_then_else(ok, vals[i], ident))
+            T.buffer_store(part, _tree(terms, u.combiner), [h])
+            self._quad(part, h, u.combiner)
         buf = self.rs[u.state]
-        for h in range(2):
+        for h in range(2 * self.mt):
             if u.combiner == "max":
                 T.buffer_store(buf, tirx.max(buf[h], part[h]), [h])
             else:
@@ -365,8 +404,9 @@ class _Gen:
         return v
 
     def _load_acc(self, gs: GemmState, i: int, own: tirx.PrimExpr | None = None) -> Callable[[str], tirx.PrimExpr]:
-        h = (i % 4) // 2
-        pos = {self.p.row: self.row_of(h), gs.n: self.col_of(i)}
+        per = (gs.n_tile // 8) * 4
+        h = self.slot_of(i, per)
+        pos = {self.p.row: self.row_of(h), gs.n: self.col0(gs.n) + self.col_of(i, per)}
 
         def load(name: str) -> tirx.PrimExpr:
             base = name.removesuffix("__old").removesuffix("__new")
@@ -383,22 +423,41 @@ class _Gen:
         p, u = self.p, gs.update
         acc = self.acc[u.state]
         if u.carry:
+            factor = _carry_factor(u.carry, u.state)
+            per = (gs.n_tile // 8) * 4
+            if factor is not None:  # carry = X__old * (a per-row factor): one evaluation per row
+                rows = T.alloc_buffer((2 * self.mt,), F32, scope="local")
+                for h in range(2 * self.mt):
+                    T.buffer_store(rows, self.expr(factor, lambda n, h=h: self._load_row(n, h)), [h])
             for i in range(int(acc.shape[0])):
-                T.buffer_store(acc, self.expr(u.carry, self._load_acc(gs, i)), [i])
-        vals = self.values(gs.factor)
-        pf = T.alloc_buffer((self.nt * 4,), self.half, scope="local")
-        for i in range(self.nt * 4):
-            ok = self.valid(i)
-            v = vals[i] if ok is None else tirx.if_then_else(ok, vals[i], _f(0.0))
-            T.buffer_store(pf, tirx.Cast(self.half, v), [i])
+                v = acc[i] * rows[self.slot_of(i, per)] if factor is not None else \
+                    self.expr(u.carry, self._load_acc(gs, i))
+                T.buffer_store(acc, v, [i])
+        if gs.factor in self.tin and self.valid(0) is None:
+            pf = self.tin[gs.factor]  # a plain GEMM operand: its ldmatrix fragments are the A operand
+        else:
+            vals = self.values(gs.factor)
+            pf = T.alloc_buffer((self.ns,), self.half, scope="local")
+            for i in range(self.ns):
+                ok = self.valid(i)
+                v = vals[i] if ok is None else tirx.if_then_else(ok, vals[i], _f(0.0))
+                T.buffer_store(pf, tirx.Cast(self.half, v), [i])
         copies, rows, stride = self.layout[gs.x]
         base = self.slot * (rows * stride)
-        vf = T.alloc_buffer((8,), self.half, scope="local")
-        for kt in range(p.step // 16):
-            for n2 in range(self.sizes[gs.n] // 16):
-                self.ldsm(vf, 0, gs.x, base + self.b_offset(stride, n2 * 16, kt * 16, True), True)
-                self.mma(acc, (2 * n2) * 4, pf, kt * 8, vf, 0)
-                self.mma(acc, (2 * n2 + 1) * 4, pf, kt * 8, vf, 4)
+        per = (gs.n_tile // 8) * 4
+
+        def load_v(kt: int, vf: tirx.Buffer) -> None:
+            for n2 in range(gs.n_tile // 16):
+                self.ldsm(vf, n2 * 8, gs.x, base + self.b_offset(stride, n2 * 16, kt * 16, True), True)
+
+        def mma_v(kt: int, vf: tirx.Buffer) -> None:
+            for n2 in range(gs.n_tile // 16):
+                for mi in range(self.mt):
+                    a = mi * self.nt * 4 + kt * 8
+                    self.mma(acc, mi * per + (2 * n2) * 4, pf, a, vf, n2 * 8)
+                    self.mma(acc, mi * per + (2 * n2 + 1) * 4, pf, a, vf, n2 * 8 + 4)
+
+        self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)
         self.updated(u.state)
 
     def _finalize(self) -> None:
@@ -410,7 +469,7 @@ class _Gen:
             buf = self.glob[out]
             n = next((d for d in dims if d in by_n), None)
             if n is None:  # a row output: one thread of each quad writes it
-                for h in range(2):
+                for h in range(2 * self.mt):
                     pos = {p.row: self.row_of(h)}
                     with T.If(tirx.all(self.row_of(h) < M, self.t4 == 0)):
                         with T.Then():
@@ -418,15 +477,38 @@ class _Gen:
                             T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
                 continue
             gs = by_n[n]
-            for h in range(2):
+            per = (gs.n_tile // 8) * 4
+            tail = self.sizes[n] % gs.n_tile != 0
+            for h in range(2 * self.mt):
                 with T.If(self.row_of(h) < M):
                     with T.Then():
                         for i in range(int(self.acc[gs.update.state].shape[0])):
-                            if (i % 4) // 2 != h:
+                            if self.slot_of(i, per) != h:
                                 continue
-                            pos = {p.row: self.row_of(h), n: self.col_of(i)}
+                            pos = {p.row: self.row_of(h), n: self.col0(n) + self.col_of(i, per)}
                             v = self.expr(text, self._load_acc(gs, i))
-                            T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+                            with ExitStack() as guard:
+                                if tail:
+                                    guard.enter_context(T.If(pos[n] < self.sizes[n]))
+                                    guard.enter_context(T.Then())
+                                T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+
+
+def _tree(terms: list[tirx.PrimExpr], combiner: str) -> tirx.PrimExpr:
+    """A balanced reduction tree (independent partial results: instruction-level parallelism)."""
+    while len(terms) > 1:
+        nxt = [tirx.max(a, b) if combiner == "max" else a + b for a, b in zip(terms[::2], terms[1::2])]
+        terms = nxt + ([terms[-1]] if len(terms) % 2 else [])
+    return terms[0]
+
+
+def _carry_factor(carry: str, state: str) -> sp.Expr | None:
+    """``c`` when ``carry == state__old * c`` with ``c`` free of the accumulator (else None)."""
+    e, old = parse(carry), sp.Symbol(f"{state}__old", real=True)
+    c = sp.simplify(e / old)
+    if old in c.free_symbols or any(s.name.startswith(f"{state}__") for s in c.free_symbols):
+        return None
+    return c
 
 
 def _cast(v: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:

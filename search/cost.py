@@ -34,6 +34,8 @@ from smg.expr import body_expr
 from smg.ir import Op
 
 SECTOR_BYTES = 32
+#: fraction of the dense tensor-core peak that mma.sync (not wgmma) kernels reach on Hopper
+MMA_SYNC_FRACTION = 0.6
 BARRIER_CYCLES = 200
 LAUNCH_US = 2.0
 
@@ -111,6 +113,30 @@ def _uncoalesced_bytes(s: Schedule) -> float:
     return extra
 
 
+def _warp_tile_compute_s(s: Schedule, hw: HardwareModel, resident_warps: float) -> tuple[float, float]:
+    """(seconds, FLOPs) of a tensor-core warp-tile program: mma FLOPs at the mma.sync share of the
+    tensor peak, the element-wise work per score element on the SIMT cores, ldmatrix traffic (every
+    warp reads each streamed tile) and the L2 traffic of tiles re-read by every row block."""
+    p, sizes = s.warp_tile, s.smg.dim_sizes
+    batch = math.prod(sizes[d] for d in p.batch) * math.prod(s.grid()[g.n] for g in p.gemm_states if g.n in s.tiles)
+    rows, cols = s.grid()[p.row] * p.rows, s.num_steps * p.step
+    mma = 2.0 * batch * rows * cols * (sizes[p.gemm.k] if p.gemm else 0)
+    mma += sum(2.0 * batch * rows * cols * g.n_tile for g in p.gemm_states)
+    simt = batch * rows * cols * 4.0 * (len(p.score_ops) + len(s.plan.states))
+    from schedulers.warp_tile import smem_layout
+
+    tiles = {n: c for n, c in smem_layout(s, p).items() if not (p.gemm and n == p.gemm.a)}
+    step_bytes = sum(r * (w - 8) * 2 for _, r, w in tiles.values())
+    smem = s.num_blocks * s.num_steps * p.warps * step_bytes
+    l2 = s.num_blocks * s.num_steps * step_bytes
+    dtype = s.smg.space(s.smg.inputs[0]).dtype
+    util = min(1.0, resident_warps / (4 * hw.num_sms))  # a few warps per scheduler hide mma latency
+    secs = max(mma / (hw.peak_flops(dtype, tensor_core=True) * MMA_SYNC_FRACTION) + simt / hw.peak_flops(
+        "float32", tensor_core=False), smem / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
+        l2 / hw.l2_bandwidth_bytes_per_s) / max(util, 1e-3)
+    return secs, mma + simt
+
+
 def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     """The analytical time estimate of ``s`` on ``hw``."""
     res = block_resources(s)
@@ -124,11 +150,14 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     thread_util = min(1.0, resident / (0.5 * hw.num_sms * hw.max_threads_per_sm))
     wave_util = blocks / (waves * slots) if waves > 1 else 1.0
     peak = hw.peak_flops("float32", tensor_core=False)
-    flops, shared_b, cached_b = _work(s)
-    util = max(thread_util * wave_util, 1e-6)
-    # every operand comes from shared memory or the L1/L2 path, not registers: those limit first
-    compute_s = max(flops / peak, shared_b / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
-                    cached_b / hw.l2_bandwidth_bytes_per_s) / util
+    if s.warp_tile is not None:
+        compute_s, flops = _warp_tile_compute_s(s, hw, min(blocks, slots) * res.threads / 32 * wave_util)
+    else:
+        flops, shared_b, cached_b = _work(s)
+        util = max(thread_util * wave_util, 1e-6)
+        # every operand comes from shared memory or the L1/L2 path, not registers: those limit first
+        compute_s = max(flops / peak, shared_b / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
+                        cached_b / hw.l2_bandwidth_bytes_per_s) / util
     nbytes = float(fused_kernel(s).read_bytes + fused_kernel(s).write_bytes) + _uncoalesced_bytes(s)
     if res.spills:  # local buffers beyond the register file go to (cached) local memory each step
         nbytes += (res.local_floats * 4) * res.threads * blocks * 2

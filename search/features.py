@@ -54,6 +54,9 @@ FEATURE_NAMES: tuple[str, ...] = (
     "thread_dim_innermost",  # the thread dim is the innermost dim of the first output (coalesced writes)
     "second_pass",
     "log2_carry_flops",  # per-step rescaling of the accumulators (online-softmax style carries)
+    "tensor_cores",  # 1 for a tensor-core kernel (warp-tile mma.sync or WMMA)
+    "stages",  # cp.async pipeline depth of a warp-tile program (1 otherwise)
+    "warp_mtiles",  # 16-row mma tiles per warp of a warp-tile program (0 otherwise)
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
     "shared_bytes_per_block",
@@ -193,6 +196,9 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "thread_dim_innermost": float(s.thread_dim == out_dims[-1]),
         "second_pass": float(bool(s.plan.second_pass)),
         "log2_carry_flops": _log2(carry),
+        "tensor_cores": float(s.tensor_cores),
+        "stages": s.stages,
+        "warp_mtiles": s.warp_tile.warp_mtiles if s.warp_tile is not None else 0,
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,
         "log2_shared_bytes_per_block": _log2(shared),

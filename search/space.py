@@ -6,9 +6,11 @@ spatially cut dim (powers of two, one thread per tile element), the thread
 dim (which cut dim is fastest across threads), the serial step, whether each
 stageable input is staged in shared memory, whether each block-shared streamed
 tile is computed cooperatively or per thread, and -- on request -- cuts that
-recompute an intermediate.  Vector width, pipeline depth and tensor cores are
-fixed (1, 1, off) until the lowering supports them (issue 5); ``describe``
-says so.
+recompute an intermediate.  For fp16/bf16 graphs whose plan is a warp-tile
+program (schedulers.warp_tile: attention, softmax-GEMM, GEMM + epilogue) the
+tensor-core variants add the cp.async pipeline depth (stages) and the warps per
+block; their steps are multiples of 16.  Vector width of the CUDA-core loads is
+fixed (1) until that lowering supports it; ``describe`` says so.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from schedulers.spatial import analyse_spatial
 from schedulers.temporal import plan_temporal
 from smg.ir import SMG
 
-FIXED = {"vector_width": 1, "pipeline_depth": 1, "tensor_cores": "off"}
+FIXED = {"vector_width": 1}
 LANES = (1, 8, 32)  # threads of a warp sharing one tile element's serial reductions
+STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
+WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -52,6 +56,9 @@ class Knobs:
     levels: tuple[tuple[str, str], ...] = ()
     recompute: bool = False
     lanes: int = 1
+    tensor_cores: bool = False
+    stages: int = 1
+    warps: int = 0
 
 
 @dataclass
@@ -73,8 +80,9 @@ class SearchSpace:
     """Enumerates candidate schedules of ``smg`` for ``hw``."""
 
     def __init__(self, smg: SMG, hw: HardwareModel, *, recompute: bool = False, max_step: int | None = None,
-                 min_threads: int = 32) -> None:
+                 min_threads: int = 32, tensor_cores: bool = True) -> None:
         self.smg, self.hw, self.recompute = smg, hw, recompute
+        self.tensor_cores = tensor_cores and hw.kind == "gpu"  # CUDA only: no CPU form of mma.sync
         self.max_step = max_step
         self.min_threads = min_threads
         self.report = SpaceReport()
@@ -122,6 +130,14 @@ class SearchSpace:
                         continue
                     base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes)
                     yield from self._level_variants(base)
+                if self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16:
+                    for step, stages, warps in itertools.product([s for s in steps if s % 16 == 0], STAGES, WARPS):
+                        yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
+                                    stages, warps)
+
+    @cached_property
+    def tensor_core_dtypes(self) -> bool:
+        return all(self.smg.space(n).dtype in ("float16", "bfloat16") for n in self.smg.inputs)
 
     def _level_variants(self, k: Knobs) -> Iterator[Knobs]:
         try:
@@ -136,7 +152,8 @@ class SearchSpace:
 
     def _schedule(self, k: Knobs) -> Schedule:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
-                             recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes)
+                             recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
+                             tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
@@ -163,12 +180,15 @@ class SearchSpace:
         fixed = ", ".join(f"{k}={v}" for k, v in FIXED.items())
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, staging/cooperative choices "
-                f"per shared space; "
+                f"per shared space, tensor-core warp tiles (stages {list(STAGES)}, warps {list(WARPS)}) where the "
+                f"plan is one; "
                 f"fixed until the lowering supports them: {fixed}")
 
 
 def _reason(msg: str) -> str:
     low = msg.lower()
+    if "tensor cores requested" in low:
+        return "no tensor-core form"
     for key in ("shared memory", "registers", "threads", "does not fit on one sm", "larger than the dim"):
         if key in low:
             return key

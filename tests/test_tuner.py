@@ -31,8 +31,11 @@ def test_space_counts_and_pruning_reasons() -> None:
     rep = sp.report
     assert rep.total >= rep.valid >= rep.fits == len(cands) > 0
     assert rep.fits < rep.total  # big steps/tiles overflow shared memory or registers
-    assert set(rep.pruned) <= {"shared memory", "registers", "threads", "does not fit on one sm"}
-    assert "points" in sp.describe() and "tensor_cores=off" in sp.describe()
+    assert set(rep.pruned) <= {"shared memory", "registers", "threads", "does not fit on one sm",
+                               "no tensor-core form"}
+    assert "points" in sp.describe() and "tensor-core warp tiles" in sp.describe()
+    tc = [s for s in cands if s.tensor_cores]  # fp16 attention: warp-tile variants are searched too
+    assert tc and {s.stages for s in tc} == {1, 2, 3} and all(s.step % 16 == 0 for s in tc)
     for s in cands:  # everything kept fits the H100
         r = block_resources(s)
         assert r.threads <= H100.max_threads_per_block

@@ -21,7 +21,7 @@ from smg.reference import evaluate, random_inputs
 def schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
              step: int = 32, **options) -> Schedule:
     """Slice ``smg`` spatially then temporally; ``options`` (``thread_dim``, ``recompute``,
-    ``hw``) as in ``schedulers.schedule.make_schedule``."""
+    ``hw``, ``lanes``, ``tensor_cores``, ``stages``, ``warps``) as in ``schedulers.schedule.make_schedule``."""
     return make_schedule(smg, tiles=tiles, serial=serial, step=step, **options)
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Lower the comparison harness's workloads to CUDA artefacts (needs TVM, no GPU).
+
+Usage:  python experiments/make_harness_artefacts.py OUT_DIR [--only KEY ...]
+
+One schedule per workload of ``experiments/harness_workloads.py``: the best of the tile sweeps
+measured on the H100 (``experiments/results_mma_sweep_h100.json``; rows x step x stages x warps).
+Attention, Softmax-GEMM and the GEMM epilogue are tensor-core warp-tile programs; LayerNorm(x+r)
+is the CUDA-core kernel with 32 lanes per row.  Then, on the GPU machine:
+``python experiments/harness.py OUT_DIR --out results.json --csv results.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schedulers.schedule import make_schedule  # noqa: E402
+from smg import patterns as P  # noqa: E402
+from smg import workloads as W  # noqa: E402
+from spacefusion.api import build  # noqa: E402
+
+H = "float16"
+TC = {"tensor_cores": True}
+#: harness key -> (graph, tiles, serial, step, make_schedule options)
+SCHEDULES = {
+    "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 64}, "l", 64, TC | {"stages": 2}),
+    "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32, TC | {"stages": 2}),
+    "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 64}, "l", 64, TC | {"stages": 2}),
+    "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 64}, "l", 32,
+                   TC | {"stages": 2}),
+    "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 32}, "l", 256, TC | {"stages": 3}),
+    "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 8}, "n", 256, {"lanes": 32}),
+    "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 64,
+                     TC | {"stages": 2}),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args(argv)
+    for key, (mk, tiles, serial, step, opts) in SCHEDULES.items():
+        if args.only and key not in args.only:
+            continue
+        t0 = time.perf_counter()
+        s = make_schedule(mk(), tiles, serial=serial, step=step, **opts)
+        art = build(s, "cuda")
+        art.save(args.out / key)
+        print(f"{key}: {art.meta.get('lowering', 'cuda-core')}, grid {art.meta['grid'][0]} x {art.meta['block'][0]} "
+              f"threads, {s.num_steps} steps of {step}, {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

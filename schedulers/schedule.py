@@ -292,11 +292,14 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
 
-        wmma = tensorcore_reason(out)
-        warp = warp_tile_reason(out) if wmma is not None else None
-        if wmma is not None and warp is not None:
-            raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
-                                f"as a warp-tile program: {warp}")
+        if out.warp_tile is None:  # the warp-tile reading is tried first (cached on the Schedule)
+            warp = warp_tile_reason(out)
+            wmma = tensorcore_reason(out)
+            if wmma is not None:
+                raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
+                                    f"as a warp-tile program: {warp}")
+            if stages != 1 or warps:  # TVM's WMMA tensorizer picks its own tiles: the knobs would be ignored
+                raise ScheduleError(f"stages/warps need a warp-tile program, and {smg.name!r} is not one: {warp}")
         if lanes != 1:
             raise ScheduleError("lanes apply to CUDA-core kernels; tensor-core kernels place threads by mma tiles")
     elif stages != 1 or warps:

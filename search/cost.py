@@ -30,6 +30,7 @@ from schedulers.hardware import HardwareModel
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
 from schedulers.traffic import fused_kernel
+from schedulers.warp_tile import smem_layout
 from smg.expr import body_expr
 from smg.ir import Op
 
@@ -123,8 +124,6 @@ def _warp_tile_compute_s(s: Schedule, hw: HardwareModel, resident_warps: float) 
     mma = 2.0 * batch * rows * cols * (sizes[p.gemm.k] if p.gemm else 0)
     mma += sum(2.0 * batch * rows * cols * g.n_tile for g in p.gemm_states)
     simt = batch * rows * cols * 4.0 * (len(p.score_ops) + len(s.plan.states))
-    from schedulers.warp_tile import smem_layout
-
     tiles = {n: c for n, c in smem_layout(s, p).items() if not (p.gemm and n == p.gemm.a)}
     step_bytes = sum(r * (w - 8) * 2 for _, r, w in tiles.values())
     smem = s.num_blocks * s.num_steps * p.warps * step_bytes

@@ -88,6 +88,21 @@ def _target_kind(target: str) -> str:
     return parse_target(target)[0]
 
 
+def _prepare(inp: MeasureInput, kind: str, refusal: str, refs: Any, seed: int,
+             meta: Mapping[str, Any]) -> tuple[Any, Any] | MeasureResult:
+    """(inputs, numpy reference) for ``inp``, or the failed result that says why not (a target of
+    another kind, an unknown target, a reference that cannot be computed)."""
+    try:
+        if _target_kind(inp.target) != kind:
+            return _fail(inp, f"target: {refusal}, got {inp.target!r}", meta)
+    except Exception as exc:
+        return _fail(inp, f"target: {_describe(exc)}", meta)
+    try:
+        return refs.get(inp.schedule.smg, seed)
+    except Exception as exc:
+        return _fail(inp, f"reference: {_describe(exc)}", meta)
+
+
 # ---- LLVM (CPU) ---------------------------------------------------------------------------------
 
 
@@ -113,17 +128,11 @@ class LLVMRunner:
     def _one(self, inp: MeasureInput) -> MeasureResult:
         meta: dict[str, Any] = {"runner": self.name, "warmup": self.warmup, "repeats": self.repeats,
                                 "seed": self.seed, "device": f"cpu ({platform.machine()})"}
-        try:
-            if _target_kind(inp.target) != "llvm":
-                return _fail(inp, f"target: {self.name} runner measures target 'llvm' only, got {inp.target!r}",
-                             meta)
-        except Exception as exc:
-            return _fail(inp, f"target: {_describe(exc)}", meta)
+        got = _prepare(inp, "llvm", f"{self.name} runner measures target 'llvm' only", self._refs, self.seed, meta)
+        if isinstance(got, MeasureResult):
+            return got
+        x, ref = got
         s = inp.schedule
-        try:
-            x, ref = self._refs.get(s.smg, self.seed)
-        except Exception as exc:
-            return _fail(inp, f"reference: {_describe(exc)}", meta)
         t0 = time.perf_counter()
         try:
             kernel = build_candidate(s, inp.target)
@@ -223,16 +232,11 @@ class LocalGPURunner:
         meta: dict[str, Any] = {"runner": self.name, "warmup": self.warmup, "iters": self.iters,
                                 "flush_l2": self.flush_l2, "seed": self.seed,
                                 "device": torch.cuda.get_device_name()}
-        try:
-            if _target_kind(inp.target) != "cuda":
-                return _fail(inp, f"target: {self.name} runner measures CUDA targets, got {inp.target!r}", meta)
-        except Exception as exc:
-            return _fail(inp, f"target: {_describe(exc)}", meta)
+        got = _prepare(inp, "cuda", f"{self.name} runner measures CUDA targets", self._refs, self.seed, meta)
+        if isinstance(got, MeasureResult):
+            return got
+        x, ref = got
         s = inp.schedule
-        try:
-            x, ref = self._refs.get(s.smg, self.seed)
-        except Exception as exc:
-            return _fail(inp, f"reference: {_describe(exc)}", meta)
         t0 = time.perf_counter()
         try:
             folder = build_candidate(s, inp.target).save(root / f"{inp.key}-{inp.target.replace(':', '_')}")

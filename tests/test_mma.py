@@ -82,6 +82,13 @@ def test_warp_tile_refusals_name_the_problem(kwargs, match) -> None:
         schedule(patterns.attention(1, 2, 64, 64, 64), serial="l", tensor_cores=True, **kwargs)
 
 
+def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
+    g = patterns.gemm_epilogue(64, 64, 64, "relu", False, "float16")
+    with pytest.raises(ScheduleError, match="stages/warps need a warp-tile program.*multiple of 16"):
+        schedule(g, tiles={"m": 8, "n": 64}, serial="k", step=32, tensor_cores=True, stages=2)
+    assert schedule(g, tiles={"m": 8, "n": 64}, serial="k", step=32, tensor_cores=True).warp_tile is None
+
+
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)

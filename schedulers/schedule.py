@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.hardware import H100, HardwareModel
 from schedulers.spatial import DimDecision, analyse_spatial
@@ -22,6 +24,8 @@ from smg.serialize import smg_from_dict, smg_to_dict
 
 FORMAT = "spacefusion-schedule/1"
 LEVELS = ("global", "shared", "register", "inlined")
+VECTORS = (1, 2, 4, 8)  # serial elements per vector access of a lane (CUDA-core kernels)
+MAX_VECTOR_BYTES = 16  # the widest global load/store of one thread
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class Schedule:
     stages: int = 1
     #: warps of a warp-tile program (0: up to 4); each takes rows/16/warps 16-row mma tiles
     warps: int = 0
+    #: consecutive serial elements a lane takes at once (CUDA-core kernels): one vector
+    #: load/store of ``vector`` elements (8 bytes of fp16 at 4) instead of scalar ones
+    vector: int = 1
 
     @cached_property
     def key(self) -> str:
@@ -115,7 +122,8 @@ class Schedule:
             "spatial": [vars(d) for d in self.spatial],
         } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid
             {"tensor_cores": True} if self.tensor_cores else {}) | (
-            {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {})
+            {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {}) | (
+            {"vector": self.vector} if self.vector != 1 else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -158,6 +166,7 @@ class Schedule:
             tensor_cores=bool(d.get("tensor_cores", False)),
             stages=int(d.get("stages", 1)),
             warps=int(d.get("warps", 0)),
+            vector=int(d.get("vector", 1)),
         )
 
     def __str__(self) -> str:
@@ -189,6 +198,31 @@ def _override_levels(memory: list[tuple[str, str]], levels: dict[str, str], inpu
     return [(n, cur[n]) for n, _ in memory]
 
 
+def _check_vector(smg: SMG, vector: int, step: int, lanes: int, serial: str, tensor_cores: bool) -> None:
+    """A vector is a run of consecutive serial elements that is either wholly inside the dim or
+    wholly past its end (so one guard covers it), starts aligned and is at most 16 bytes wide (so
+    one load or store moves it)."""
+    if vector not in VECTORS:
+        raise ScheduleError(f"vector {vector} must be one of {VECTORS} elements")
+    if vector == 1:
+        return
+    if tensor_cores:
+        raise ScheduleError("vector applies to CUDA-core kernels; warp-tile kernels load with cp.async and ldmatrix")
+    if step % (lanes * vector):
+        raise ScheduleError(f"step {step} must be a multiple of lanes x vector ({lanes} x {vector}) so that "
+                            f"every lane gets whole vectors")
+    size = smg.dim_sizes[serial]
+    if size % vector:
+        raise ScheduleError(f"serial dim {serial!r} ({size}) must be a multiple of vector {vector}: a vector may "
+                            f"not straddle the end of the dim")
+    for name in (*smg.inputs, *smg.outputs):
+        space = smg.space(name)
+        width = vector * np.dtype(space.dtype).itemsize
+        if space.dims[-1] == serial and width > MAX_VECTOR_BYTES:
+            raise ScheduleError(f"vector {vector} of {name!r} ({space.dtype}) is {width} bytes; a thread loads "
+                                f"at most {MAX_VECTOR_BYTES} at once")
+
+
 def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
     """The reduced dim whose slicing removes the largest on-chip footprint,
     among those the temporal slicer accepts."""
@@ -215,7 +249,8 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
-                  lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0) -> Schedule:
+                  lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
+                  vector: int = 1) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -226,7 +261,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     bounds the threads per block.  ``levels`` overrides memory levels where
     the lowering has a choice: a staged input may be read from ``global``
     instead, a block-shared streamed tile may be computed per thread
-    (``register``).
+    (``register``).  ``vector`` > 1 gives each lane runs of that many consecutive serial
+    elements, loaded and stored as one vector (CUDA-core kernels).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -266,6 +302,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         raise ScheduleError(f"step {step} for serial dim {serial!r} must be positive")
     if step > sizes[serial]:
         raise ScheduleError(f"step {step} for serial dim {serial!r} is larger than the dim ({sizes[serial]})")
+    _check_vector(smg, vector, step, lanes, serial, tensor_cores)
     plan = plan_temporal(smg, serial)
     memory = []
     states = {u.state for u in plan.states}
@@ -287,7 +324,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     if stages not in (1, 2, 3, 4):
         raise ScheduleError(f"stages {stages} must be 1..4 (shared buffers per streamed tile)")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
-                   bool(tensor_cores), int(stages), int(warps))
+                   bool(tensor_cores), int(stages), int(warps), int(vector))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason

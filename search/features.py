@@ -57,6 +57,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "tensor_cores",  # 1 for a tensor-core kernel (warp-tile mma.sync or WMMA)
     "stages",  # cp.async pipeline depth of a warp-tile program (1 otherwise)
     "warp_mtiles",  # 16-row mma tiles per warp of a warp-tile program (0 otherwise)
+    "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
     "shared_bytes_per_block",
@@ -199,6 +200,7 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "tensor_cores": float(s.tensor_cores),
         "stages": s.stages,
         "warp_mtiles": s.warp_tile.warp_mtiles if s.warp_tile is not None else 0,
+        "log2_vector": math.log2(1 + s.vector),
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,
         "log2_shared_bytes_per_block": _log2(shared),

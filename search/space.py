@@ -9,8 +9,8 @@ tile is computed cooperatively or per thread, and -- on request -- cuts that
 recompute an intermediate.  For fp16/bf16 graphs whose plan is a warp-tile
 program (schedulers.warp_tile: attention, softmax-GEMM, GEMM + epilogue) the
 tensor-core variants add the cp.async pipeline depth (stages) and the warps per
-block; their steps are multiples of 16.  Vector width of the CUDA-core loads is
-fixed (1) until that lowering supports it; ``describe`` says so.
+block; their steps are multiples of 16.  On the GPU the CUDA-core kernels also
+choose a vector width (consecutive serial elements per load/store of a lane).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from schedulers.spatial import analyse_spatial
 from schedulers.temporal import plan_temporal
 from smg.ir import SMG
 
-FIXED = {"vector_width": 1}
 LANES = (1, 8, 32)  # threads of a warp sharing one tile element's serial reductions
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
+VECTORS = (1, 4)  # GPU CUDA-core kernels: serial elements per vector load/store of a lane
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -59,6 +59,7 @@ class Knobs:
     tensor_cores: bool = False
     stages: int = 1
     warps: int = 0
+    vector: int = 1
 
 
 @dataclass
@@ -80,9 +81,10 @@ class SearchSpace:
     """Enumerates candidate schedules of ``smg`` for ``hw``."""
 
     def __init__(self, smg: SMG, hw: HardwareModel, *, recompute: bool = False, max_step: int | None = None,
-                 min_threads: int = 32, tensor_cores: bool = True) -> None:
+                 min_threads: int = 32, tensor_cores: bool = True, cuda: bool = True) -> None:
         self.smg, self.hw, self.recompute = smg, hw, recompute
-        self.tensor_cores = tensor_cores and hw.kind == "gpu"  # CUDA only: no CPU form of mma.sync
+        self.cuda = cuda and hw.kind == "gpu"  # False: the kernels are built for llvm (the CPU)
+        self.tensor_cores = tensor_cores and self.cuda  # no CPU form of mma.sync
         self.max_step = max_step
         self.min_threads = min_threads
         self.report = SpaceReport()
@@ -125,15 +127,20 @@ class SearchSpace:
                 steps.append(sizes[serial])
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
-                for thread_dim, step, lanes in itertools.product(movers, steps, LANES):
-                    if lanes > step:
+                for thread_dim, step, lanes, vec in itertools.product(movers, steps, LANES, self.vectors):
+                    if lanes > step or (vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):
                         continue
-                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes)
+                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes,
+                                 vector=vec)
                     yield from self._level_variants(base)
                 if self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16:
                     for step, stages, warps in itertools.product([s for s in steps if s % 16 == 0], STAGES, WARPS):
                         yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
                                     stages, warps)
+
+    @property
+    def vectors(self) -> tuple[int, ...]:
+        return VECTORS if self.cuda else (1,)  # LLVM vectorizes the CPU loops by itself
 
     @cached_property
     def tensor_core_dtypes(self) -> bool:
@@ -148,12 +155,12 @@ class SearchSpace:
         shared = [n for n, lvl in s.memory if lvl == "shared"]
         for alt in itertools.product((False, True), repeat=len(shared)):
             levels = tuple((n, "global" if n in s.smg.inputs else "register") for n, a in zip(shared, alt) if a)
-            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, k.lanes)
+            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, k.lanes, vector=k.vector)
 
     def _schedule(self, k: Knobs) -> Schedule:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
                              recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
-                             tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps)
+                             tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
@@ -177,12 +184,10 @@ class SearchSpace:
         return list(out.values())
 
     def describe(self) -> str:
-        fixed = ", ".join(f"{k}={v}" for k, v in FIXED.items())
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
-                f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, staging/cooperative choices "
-                f"per shared space, tensor-core warp tiles (stages {list(STAGES)}, warps {list(WARPS)}) where the "
-                f"plan is one; "
-                f"fixed until the lowering supports them: {fixed}")
+                f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
+                f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
+                f"(stages {list(STAGES)}, warps {list(WARPS)}) where the plan is one")
 
 
 def _reason(msg: str) -> str:

@@ -171,7 +171,7 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
             summary.from_cache = True
             summary.wall_s = time.perf_counter() - t_start
             return summary
-    space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step, tensor_cores=not target.startswith("llvm"))
+    space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step, cuda=not target.startswith("llvm"))
     cands = space.candidates()
     summary.space = space.report
     measured = db.measured_keys(key)

@@ -29,6 +29,9 @@ from spacefusion.lower.exprs import F32, to_tir, to_tir_int
 
 NEG_INF = -3.0e38
 LANE_IT = "__lane_it"  # env key: a lane's position among its own serial elements
+MAX_UNROLL = 64  # vector runs per lane and step unrolled at most (register arrays, code size)
+GUARDED = "__guarded"  # env key: the serial-tail guard was already emitted around a run
+VEC_I = "__vec_i"  # env key: position within the current run (index into the register copies)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class _Kernel:
         # lanes exist on CUDA only (warp shuffles); on the CPU one thread does a lane group's work
         self.lanes = s.lanes if target == "cuda" else 1
         self.lane: tirx.PrimExpr = tirx.const(0, "int32")
+        self.vec = s.vector  # a lane's serial elements come in runs of vec consecutive ones
+        self.regs: dict[str, tirx.Buffer] = {}  # global inputs copied into registers for the current run
+        self.outs: dict[str, tirx.Buffer] = {}  # outputs collected in registers for the current run
         self.base: dict[str, tirx.PrimExpr] = {}  # first index of the block's tile per cut dim
         self.abs: dict[str, tirx.PrimExpr] = {}  # absolute index overrides (evaluating a gathered element)
         self.op: Op | None = None  # the op whose body is being emitted (its accesses give index expressions)
@@ -185,6 +191,9 @@ class _Kernel:
             return self.local[base][self.local_index(base, env)]
         if base in self.local:
             return self.local[base][self.local_index(base, env)]
+        if base in self.regs and VEC_I in env:
+            val = self.regs[base][env[VEC_I]]
+            return val if self.regs[base].dtype == F32 else tirx.Cast(F32, val)
         if base in self.shared:
             val = self.shared[base][self.shared_index(base, env)]
             return val if self.shared[base].dtype == F32 else tirx.Cast(F32, val)
@@ -196,20 +205,85 @@ class _Kernel:
         return to_tir(e, lambda n: self.load(n, env))
 
     # -- loop helpers -------------------------------------------------------------
-    def loops(self, dims: tuple[str, ...], stack: ExitStack) -> dict[str, tirx.PrimExpr]:
-        """Loops over ``dims``; the serial dim visits only this lane's elements of the step."""
-        env = {}
+    def loops(self, dims: tuple[str, ...], stack: ExitStack, reads: tuple[str, ...] = (),
+              writes: tuple[str, ...] = ()) -> dict[str, tirx.PrimExpr]:
+        """Loops over ``dims``; the serial dim visits only this lane's elements of the step.
+
+        With a vector width > 1 the serial dim runs as whole vectors of this lane: an outer loop
+        over its runs and an unrolled loop within a run.  When the serial dim is innermost, the
+        tail guard is emitted once per run and the global inputs in ``reads`` are copied into
+        registers with one vectorized (wide) load per run; the body then reads the copies.  The
+        outputs in ``writes`` are collected in registers and stored with one wide store per run.
+        """
+        env: dict[str, tirx.PrimExpr] = {}
         for d in dims:
-            if d == self.s.serial:
+            if d != self.s.serial:
+                env[d] = stack.enter_context(T.serial(0, self.sizes[d]))
+            elif self.vec == 1:
                 it = stack.enter_context(T.serial(0, self.lane_step))
                 env[d] = it * self.lanes + self.lane if self.lanes > 1 else it
                 if self.lanes > 1:
                     env[LANE_IT] = it
-            else:
-                env[d] = stack.enter_context(T.serial(0, self.sizes[d]))
+            else:  # runs of vec: element = run * lanes * vec + lane * vec + i, position = run * vec + i
+                runs = self.lane_step // self.vec
+                # unrolled on the GPU so that the register arrays are indexed by constants
+                unrolled = T.unroll if self.target == "cuda" else T.serial
+                run = stack.enter_context((unrolled if runs <= MAX_UNROLL else T.serial)(0, runs))
+                first = run * (self.lanes * self.vec) + self.lane * self.vec
+                if d == dims[-1]:
+                    if self.has_tail:  # a run is wholly inside the dim or wholly past it
+                        stack.enter_context(T.If(self.t0 + first < self.sizes[d]))
+                        stack.enter_context(T.Then())
+                        env[GUARDED] = tirx.const(True, "bool")
+                    self._copy_in(reads, {**env, d: first}, stack)
+                    self._copy_out(writes, {**env, d: first}, stack)
+                i = stack.enter_context(unrolled(0, self.vec))
+                env[d], env[LANE_IT], env[VEC_I] = first + i, run * self.vec + i, i
         return env
 
+    def vector_reads(self, names) -> tuple[str, ...]:
+        """Global inputs among ``names`` that a run reads as one wide access: the serial dim is
+        their innermost (contiguous) dim and they are not staged in shared memory."""
+        if self.vec == 1:
+            return ()
+        return tuple(sorted(n for n in set(names) if n in self.smg.inputs and n not in self.shared
+                            and self.smg.space(n).dims[-1] == self.s.serial))
+
+    def _copy_out(self, writes: tuple[str, ...], env: dict[str, tirx.PrimExpr], stack: ExitStack) -> None:
+        for name in writes:
+            buf = self.glob[name]
+            copy = self.outs[name] = T.alloc_buffer((self.vec,), buf.dtype, scope="local")
+            tails = [self.origin[d] < self.sizes[d] for d in self.smg.space(name).dims if d in self.cut]
+
+            def flush(exc_type, *_, name=name, buf=buf, copy=copy, tails=tails) -> None:
+                del self.outs[name]
+                if exc_type is not None:
+                    return
+                with T.If(tirx.all(*tails) if tails else tirx.const(True, "bool")), T.Then():
+                    with T.vectorized(0, self.vec) as j:
+                        pos = {**env, self.s.serial: env[self.s.serial] + j}
+                        T.buffer_store(buf, copy[j], self.global_index(name, pos))
+
+            stack.push(flush)  # runs once the run's unrolled loop has closed
+
+    def _copy_in(self, reads: tuple[str, ...], env: dict[str, tirx.PrimExpr], stack: ExitStack) -> None:
+        for name in reads:
+            buf = self.glob[name]
+            copy = T.alloc_buffer((self.vec,), buf.dtype, scope="local")
+            with T.vectorized(0, self.vec) as j:
+                T.buffer_store(copy, buf[self.global_index(name, {**env, self.s.serial: env[self.s.serial] + j})],
+                               [j])
+            self.regs[name] = copy
+            stack.callback(self.regs.pop, name)
+
+    @property
+    def has_tail(self) -> bool:
+        """Whether some step holds serial positions past the dim's end (or past the step)."""
+        return self.sizes[self.s.serial] % self.s.step != 0 or self.s.step % self.lanes != 0
+
     def valid_serial(self, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        if GUARDED in env or not self.has_tail:
+            return tirx.const(True, "bool")
         ok = self.t0 + env[self.s.serial] < self.sizes[self.s.serial]
         return tirx.all(ok, env[self.s.serial] < self.s.step) if self.lanes > 1 else ok
 
@@ -353,7 +427,9 @@ def _emit_step_inputs(k: _Kernel, staged: list[str], streamed: tuple[str, ...]) 
 def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
     """Store an output element-wise (masked on cut-dim and serial-dim tails)."""
     with ExitStack() as st:
-        env = k.loops(k.local_dims(out), st)
+        wide = serial and k.vec > 1 and k.smg.space(out).dims[-1] == k.s.serial
+        reads = k.vector_reads(sym.name for sym in parse(text).free_symbols) if serial else ()
+        env = k.loops(k.local_dims(out), st, reads=reads, writes=(out,) if wide else ())
         conds = [k.origin[d] < k.sizes[d] for d in k.smg.space(out).dims if d in k.cut]
         if serial:
             conds.append(k.valid_serial(env))
@@ -363,7 +439,11 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
             with T.Then():
                 val = k.expr(text, env)
                 dt = k.glob[out].dtype
-                T.buffer_store(k.glob[out], val if dt == F32 else tirx.Cast(dt, val), k.global_index(out, env))
+                val = val if dt == F32 else tirx.Cast(dt, val)
+                if out in k.outs:
+                    T.buffer_store(k.outs[out], val, [env[VEC_I]])
+                else:
+                    T.buffer_store(k.glob[out], val, k.global_index(out, env))
 
 
 def _cooperative(k: _Kernel, name: str, emit) -> None:
@@ -423,7 +503,8 @@ def _emit_streamed(k: _Kernel, name: str) -> None:
     op = k.smg.producer(name)
     body = body_expr(op)
     with ExitStack() as st, k.emitting(op):
-        env = k.loops(k.local_dims(name), st)
+        reads = () if op.reduce else k.vector_reads(a.space for a in op.inputs if a.plain)
+        env = k.loops(k.local_dims(name), st, reads=reads)
         idx = k.local_index(name, env)
         init = NEG_INF if op.combiner == "max" else 0.0
         T.buffer_store(k.local[name], tirx.FloatImm(F32, init), idx)

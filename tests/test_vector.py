@@ -1,0 +1,107 @@
+"""Vector loads/stores of the CUDA-core lowering (``Schedule.vector``): runs of consecutive serial
+elements per lane, checked on llvm against the numpy reference and compiled for CUDA."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedulers.errors import ScheduleError
+from schedulers.hardware import get_hardware
+from schedulers.schedule import Schedule
+from search.space import SearchSpace
+from smg import patterns as P
+from smg import workloads as W
+from spacefusion.api import build, evaluate, random_inputs, schedule
+
+
+def _check_llvm(g, **kw) -> None:
+    ins = random_inputs(g, seed=0)
+    out = build(schedule(g, **kw), "llvm")(ins)
+    ref = evaluate(g, ins)
+    for name, want in ref.items():
+        np.testing.assert_allclose(out[name], want, rtol=2e-4, atol=2e-4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(rows=st.integers(1, 9), n4=st.integers(2, 40), step=st.sampled_from([8, 16, 64]),
+       vec=st.sampled_from([2, 4]))
+def test_vector_layernorm_matches_reference(rows, n4, step, vec) -> None:
+    """Steps that do not divide the row (a partial last step) and one-step rows alike."""
+    n = 4 * n4
+    _check_llvm(P.residual_layernorm(rows, n, "float32"), tiles={"m": min(4, rows)}, serial="n",
+                step=min(step, n - n % vec), vector=vec)
+
+
+@pytest.mark.parametrize("g,kw", [
+    (W.softmax_gemm(37, 300, 16), dict(tiles={"m": 8}, serial="l", step=32)),
+    (P.softmax(10, 300, "float32"), dict(tiles={"m": 4}, serial="n", step=300)),
+])
+def test_vector_streamed_and_second_pass(g, kw) -> None:
+    _check_llvm(g, vector=4, **kw)
+
+
+def test_vector_cuda_source_has_wide_accesses() -> None:
+    g = P.residual_layernorm(100, 300, "float16")
+    s = schedule(g, tiles={"m": 4}, serial="n", step=300, lanes=1, vector=4)
+    src = build(s, "cuda").source
+    # X and R are read, Y written, as half4 (8 bytes) at a time
+    assert re.search(r"\*\(half4\*\)\(X_ptr", src) and re.search(r"\*\(half4\*\)\(R_ptr", src)
+    assert re.search(r"\*\(half4\*\)\(Y_ptr", src)
+    g8 = P.residual_layernorm(100, 304, "float16")
+    src8 = build(schedule(g8, tiles={"m": 4}, serial="n", step=304, lanes=1, vector=8), "cuda").source
+    assert re.search(r"\*\(uint4\*\)\(X_ptr", src8) and re.search(r"\*\(uint4\*\)\(Y_ptr", src8)
+    scalar = build(schedule(g, tiles={"m": 4}, serial="n", step=300), "cuda").source
+    assert "half4" not in scalar.split("main_kernel(")[-1]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_nvcc_compiles_vector_kernels_with_lanes(tmp_path) -> None:
+    for g, kw in [
+        (P.residual_layernorm(100, 300, "float16"), dict(tiles={"m": 4}, serial="n", step=128, lanes=32)),
+        (W.softmax_gemm(100, 300, 16, dtype="float16"), dict(tiles={"m": 8}, serial="l", step=64, lanes=8)),
+    ]:
+        art = build(schedule(g, vector=4, **kw), "cuda")
+        assert art.save(tmp_path / g.name).joinpath("kernel.cubin").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(vector=16), "must be one of"),
+    (dict(vector=3), "must be one of"),
+    (dict(step=24, lanes=8, vector=4), "multiple of lanes x vector"),
+    (dict(vector=4, tensor_cores=True), "vector applies to CUDA-core kernels"),
+])
+def test_vector_refusals_name_the_problem(kw, msg) -> None:
+    g = P.residual_layernorm(64, 256, "float16")
+    with pytest.raises(ScheduleError, match=msg):
+        schedule(g, tiles={"m": 16}, serial="n", **{"step": 32, **kw})
+
+
+def test_vector_at_most_16_bytes() -> None:
+    schedule(P.residual_layernorm(8, 256, "float16"), tiles={"m": 4}, serial="n", step=32, vector=8)
+    with pytest.raises(ScheduleError, match="is 32 bytes"):
+        schedule(P.residual_layernorm(8, 256, "float32"), tiles={"m": 4}, serial="n", step=32, vector=8)
+
+
+def test_vector_not_straddling_the_dim_end() -> None:
+    with pytest.raises(ScheduleError, match="multiple of vector 4"):
+        schedule(P.residual_layernorm(8, 302, "float16"), tiles={"m": 4}, serial="n", step=32, vector=4)
+
+
+def test_vector_round_trips_and_keeps_old_keys() -> None:
+    g = P.residual_layernorm(64, 256, "float16")
+    s = schedule(g, tiles={"m": 4}, serial="n", step=64, lanes=8, vector=4)
+    assert Schedule.from_json(s.to_json()) == s and s.to_dict()["vector"] == 4
+    assert "vector" not in schedule(g, tiles={"m": 4}, serial="n", step=64).to_dict()
+
+
+def test_search_space_offers_vectors_on_gpu_only() -> None:
+    g = P.residual_layernorm(64, 256, "float16")
+    gpu = {s.vector for s in SearchSpace(g, get_hardware("h100")).candidates()}
+    cpu = {s.vector for s in SearchSpace(g, get_hardware("h100"), cuda=False).candidates()}
+    assert gpu == {1, 4} and cpu == {1}

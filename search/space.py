@@ -21,10 +21,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
 from schedulers.resources import check_resources
-from schedulers.schedule import Schedule, make_schedule
+from schedulers.schedule import MAX_VECTOR_BYTES, Schedule, make_schedule
 from schedulers.spatial import analyse_spatial
 from schedulers.temporal import plan_temporal
 from smg.ir import SMG
@@ -32,7 +34,6 @@ from smg.ir import SMG
 LANES = (1, 8, 32)  # threads of a warp sharing one tile element's serial reductions
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
-VECTORS = (1, 4)  # GPU CUDA-core kernels: serial elements per vector load/store of a lane
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -138,9 +139,14 @@ class SearchSpace:
                         yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
                                     stages, warps)
 
-    @property
+    @cached_property
     def vectors(self) -> tuple[int, ...]:
-        return VECTORS if self.cuda else (1,)  # LLVM vectorizes the CPU loops by itself
+        """Scalar, or the widest (16-byte) vector of the graph's widest element type; on the CPU
+        only scalar (LLVM vectorizes the loops by itself)."""
+        if not self.cuda:
+            return (1,)
+        item = max(np.dtype(self.smg.space(n).dtype).itemsize for n in (*self.smg.inputs, *self.smg.outputs))
+        return (1, max(1, MAX_VECTOR_BYTES // item))
 
     @cached_property
     def tensor_core_dtypes(self) -> bool:

@@ -58,6 +58,9 @@ class Schedule:
     #: consecutive serial elements a lane takes at once (CUDA-core kernels): one vector
     #: load/store of ``vector`` elements (8 bytes of fp16 at 4) instead of scalar ones
     vector: int = 1
+    #: warp groups of a warp-tile program that divide the serial steps of a block among them
+    #: (split-K inside the block); their partial states merge through the derived carries
+    split: int = 1
 
     @cached_property
     def key(self) -> str:
@@ -123,7 +126,7 @@ class Schedule:
         } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid
             {"tensor_cores": True} if self.tensor_cores else {}) | (
             {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {}) | (
-            {"vector": self.vector} if self.vector != 1 else {})
+            {"vector": self.vector} if self.vector != 1 else {}) | ({"split": self.split} if self.split != 1 else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -167,6 +170,7 @@ class Schedule:
             stages=int(d.get("stages", 1)),
             warps=int(d.get("warps", 0)),
             vector=int(d.get("vector", 1)),
+            split=int(d.get("split", 1)),
         )
 
     def __str__(self) -> str:
@@ -250,7 +254,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
-                  vector: int = 1) -> Schedule:
+                  vector: int = 1, split: int = 1) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -262,7 +266,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     the lowering has a choice: a staged input may be read from ``global``
     instead, a block-shared streamed tile may be computed per thread
     (``register``).  ``vector`` > 1 gives each lane runs of that many consecutive serial
-    elements, loaded and stored as one vector (CUDA-core kernels).
+    elements, loaded and stored as one vector (CUDA-core kernels).  ``split`` > 1 divides a
+    warp-tile block's serial steps among that many warp groups, whose partial states merge at
+    the end through the derived update functions (more warps per block for few row tiles).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -321,10 +327,12 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             lvl = "inlined"
         memory.append((s.name, lvl))
     memory = _override_levels(memory, levels or {}, smg.inputs)
+    if split not in (1, 2, 4, 8):
+        raise ScheduleError(f"split {split} must be 1, 2, 4 or 8 warp groups")
     if stages not in (1, 2, 3, 4):
         raise ScheduleError(f"stages {stages} must be 1..4 (shared buffers per streamed tile)")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
-                   bool(tensor_cores), int(stages), int(warps), int(vector))
+                   bool(tensor_cores), int(stages), int(warps), int(vector), int(split))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -335,12 +343,13 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             if wmma is not None:
                 raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
                                     f"as a warp-tile program: {warp}")
-            if stages != 1 or warps:  # TVM's WMMA tensorizer picks its own tiles: the knobs would be ignored
-                raise ScheduleError(f"stages/warps need a warp-tile program, and {smg.name!r} is not one: {warp}")
+            if stages != 1 or warps or split != 1:  # TVM's WMMA tensorizer picks its own tiles
+                raise ScheduleError(f"stages/warps/split need a warp-tile program, and {smg.name!r} is not one: "
+                                    f"{warp}")
         if lanes != 1:
             raise ScheduleError("lanes apply to CUDA-core kernels; tensor-core kernels place threads by mma tiles")
-    elif stages != 1 or warps:
-        raise ScheduleError("stages and warps apply to tensor-core warp-tile kernels (tensor_cores=True)")
+    elif stages != 1 or warps or split != 1:
+        raise ScheduleError("stages, warps and split apply to tensor-core warp-tile kernels (tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

@@ -69,6 +69,7 @@ class WarpTileProgram:
     gemm_states: tuple[GemmState, ...]
     outputs: tuple[tuple[str, str], ...]  # (output, finalize expression)
     warps: int  # each warp owns rows / warps rows: one K/V fragment feeds that many 16-row mma tiles
+    split: int = 1  # warp groups, each taking every split-th serial step (own cp.async ring)
 
     @property
     def warp_mtiles(self) -> int:
@@ -76,7 +77,11 @@ class WarpTileProgram:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps * self.split
+
+    def merge_floats(self) -> int:
+        """fp32 registers per thread that a warp group hands over when the groups merge."""
+        return self.warp_mtiles * (2 * len(self.row_states) + sum(g.n_tile // 8 * 4 for g in self.gemm_states))
 
 
 def _dims_ok(dims: tuple[str, ...], allowed: set[str], last: str) -> bool:
@@ -160,8 +165,23 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     warps = s.warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
     if warps not in (1, 2, 4, 8) or rows % (16 * warps):
         raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
+    split = getattr(s, "split", 1)
+    if split > 1:
+        for g in gemm_states:  # the merge rescales each group's accumulator by its row factor
+            if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:
+                raise ScheduleError(f"split {split}: the carry of {g.update.state!r} ({g.update.carry}) is not "
+                                    f"its old value times a per-row factor, so partial groups cannot merge")
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
-                           tuple(row_states), tuple(gemm_states), tuple(outs), warps)
+                           tuple(row_states), tuple(gemm_states), tuple(outs), warps, split)
+
+
+def carry_factor(carry: str, state: str) -> sp.Expr | None:
+    """``c`` when ``carry == state__old * c`` with ``c`` free of the accumulator (else None)."""
+    e, old = parse(carry), sp.Symbol(f"{state}__old", real=True)
+    c = sp.simplify(e / old)
+    if old in c.free_symbols or any(x.name.startswith(f"{state}__") for x in c.free_symbols):
+        return None
+    return c
 
 
 def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
@@ -227,23 +247,32 @@ def warp_tile_reason(s) -> str | None:
 
 
 def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
-    """Shared tiles as name -> (copies, rows, padded row length in elements)."""
+    """Shared tiles as name -> (copies, rows, padded row length in elements); each warp group has
+    its own ring of ``stages`` copies of every streamed tile."""
     sizes = s.smg.dim_sizes
     out: dict[str, tuple[int, int, int]] = {}
+    ring = p.stages * p.split
     if p.gemm is not None:
         out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + PAD)
-        out[p.gemm.b] = ((p.stages, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
-                         else (p.stages, p.step, sizes[p.gemm.k] + PAD))
+        out[p.gemm.b] = ((ring, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
+                         else (ring, p.step, sizes[p.gemm.k] + PAD))
     for n in p.tiles_in:
-        out[n] = (p.stages, p.rows, p.step + PAD)
+        out[n] = (ring, p.rows, p.step + PAD)
     for g in p.gemm_states:
-        out.setdefault(g.x, (p.stages, p.step, g.n_tile + PAD))
+        out.setdefault(g.x, (ring, p.step, g.n_tile + PAD))
     return out
 
 
 def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
+    """The kernel's arena: the ring tiles side by side, the A tile over them (it is read into
+    registers before the ring fills), and after the loop the groups' fp32 hand-over over it all."""
     item = 2  # fp16 / bf16
-    return sum(math.prod(v) * item for v in smem_layout(s, p).values())
+    layout = smem_layout(s, p)
+    a_tile = p.gemm.a if p.gemm is not None else None
+    ring = sum(math.prod(v) for n, v in layout.items() if n != a_tile) * item
+    a = math.prod(layout[a_tile]) * item if a_tile else 0
+    merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4
+    return max(ring, a, merge)
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:

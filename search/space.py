@@ -8,9 +8,10 @@ stageable input is staged in shared memory, whether each block-shared streamed
 tile is computed cooperatively or per thread, and -- on request -- cuts that
 recompute an intermediate.  For fp16/bf16 graphs whose plan is a warp-tile
 program (schedulers.warp_tile: attention, softmax-GEMM, GEMM + epilogue) the
-tensor-core variants add the cp.async pipeline depth (stages) and the warps per
-block; their steps are multiples of 16.  On the GPU the CUDA-core kernels also
-choose a vector width (consecutive serial elements per load/store of a lane).
+tensor-core variants add the cp.async pipeline depth (stages), the warps per
+block and the warp groups splitting the serial steps; their steps are multiples
+of 16.  On the GPU the CUDA-core kernels also choose a vector width
+(consecutive serial elements per load/store of a lane).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from smg.ir import SMG
 LANES = (1, 8, 32)  # threads of a warp sharing one tile element's serial reductions
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
+SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -61,6 +63,7 @@ class Knobs:
     stages: int = 1
     warps: int = 0
     vector: int = 1
+    split: int = 1
 
 
 @dataclass
@@ -135,9 +138,10 @@ class SearchSpace:
                                  vector=vec)
                     yield from self._level_variants(base)
                 if self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16:
-                    for step, stages, warps in itertools.product([s for s in steps if s % 16 == 0], STAGES, WARPS):
+                    steps16 = [s for s in steps if s % 16 == 0]
+                    for step, stages, warps, split in itertools.product(steps16, STAGES, WARPS, SPLITS):
                         yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
-                                    stages, warps)
+                                    stages, warps, split=split)
 
     @cached_property
     def vectors(self) -> tuple[int, ...]:
@@ -166,7 +170,8 @@ class SearchSpace:
     def _schedule(self, k: Knobs) -> Schedule:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
                              recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
-                             tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector)
+                             tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector,
+                             split=k.split)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
@@ -193,7 +198,7 @@ class SearchSpace:
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
                 f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
-                f"(stages {list(STAGES)}, warps {list(WARPS)}) where the plan is one")
+                f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}) where the plan is one")
 
 
 def _reason(msg: str) -> str:

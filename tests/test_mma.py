@@ -27,13 +27,18 @@ CASES = {
     "softmax_gemm": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2),
     "gemm_sigmoid": (lambda: patterns.gemm_epilogue(200, 200, 96, "sigmoid", True, "float16"),
                      {"m": 64, "n": 64}, 32, 2),
+    # warp groups splitting the serial steps, merged through the derived carries
+    "causal_split4": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2, {"split": 4}),
+    "mt2_split2": (lambda: patterns.attention(1, 2, 128, 256, 64), {"m": 128}, 32, 2, {"split": 2, "warps": 4}),
+    "softmax_gemm_split4": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"split": 4}),
 }
 
 
 def _schedule(name: str) -> Schedule:
-    mk, tiles, step, stages = CASES[name]
+    mk, tiles, step, stages, *kw = CASES[name]
     serial = "k" if name.startswith("gemm") else "l"
-    return schedule(mk(), tiles=tiles, serial=serial, step=step, tensor_cores=True, stages=stages)
+    return schedule(mk(), tiles=tiles, serial=serial, step=step, tensor_cores=True, stages=stages,
+                    **(kw[0] if kw else {}))
 
 
 def test_attention_reads_as_a_warp_tile_program() -> None:
@@ -64,8 +69,8 @@ def test_warp_tile_resources_and_json() -> None:
     s = _schedule("bf16")
     r = block_resources(s)
     assert s.threads == r.threads == 128  # 4 warps of 16 rows
-    # Q [64, 64+8] once, K and V [64, 64+8] in 3 stages, 2 bytes each
-    assert r.shared_bytes == 2 * (64 * 72 + 2 * 3 * 64 * 72)
+    # K and V [64, 64+8] in 3 stages, 2 bytes each; Q [64, 64+8] lies over them (read before they fill)
+    assert r.shared_bytes == 2 * (2 * 3 * 64 * 72)
     back = Schedule.from_json(s.to_json())
     assert back.stages == 3 and back.tensor_cores and back.key == s.key
     assert "stages" not in schedule(patterns.attention(1, 1, 64, 64, 64), tiles={"m": 64}, step=32).to_dict()
@@ -82,9 +87,28 @@ def test_warp_tile_refusals_name_the_problem(kwargs, match) -> None:
         schedule(patterns.attention(1, 2, 64, 64, 64), serial="l", tensor_cores=True, **kwargs)
 
 
+def test_split_groups_threads_rings_and_merge() -> None:
+    s = _schedule("causal_split4")
+    p = s.warp_tile
+    assert p.split == 4 and s.threads == 4 * 4 * 32  # 4 groups of 4 row warps
+    # each group its own K and V ring (2 stages of [32, 64+8]); the hand-over of 3 groups: P_max,
+    # P_sum (2 rows a thread) and O (8 column tiles x 4) per thread, fp32, is smaller
+    assert p.merge_floats() == 2 + 2 + 32
+    assert block_resources(s).shared_bytes == max(2 * 2 * 4 * 2 * 32 * 72, 3 * 128 * 36 * 4)
+    back = Schedule.from_json(s.to_json())
+    assert back.split == 4 and back.key == s.key and "split" not in _schedule("causal").to_dict()
+
+
+def test_split_refusals() -> None:
+    with pytest.raises(ScheduleError, match="split 3 must be"):
+        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
+    with pytest.raises(ScheduleError, match="stages, warps and split apply"):
+        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
+
+
 def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
     g = patterns.gemm_epilogue(64, 64, 64, "relu", False, "float16")
-    with pytest.raises(ScheduleError, match="stages/warps need a warp-tile program.*multiple of 16"):
+    with pytest.raises(ScheduleError, match="stages/warps/split need a warp-tile program.*multiple of 16"):
         schedule(g, tiles={"m": 8, "n": 64}, serial="k", step=32, tensor_cores=True, stages=2)
     assert schedule(g, tiles={"m": 8, "n": 64}, serial="k", step=32, tensor_cores=True).warp_tile is None
 
@@ -92,7 +116,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="stages and warps apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="stages, warps and split apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 

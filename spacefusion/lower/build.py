@@ -149,7 +149,7 @@ _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(
 
 
 _LAUNCH = re.compile(r'launch_thread\("((?:blockIdx|threadIdx)\.[xyz])", (\d+)\)')
-_DYN = re.compile(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared\.dyn"')
+_DYN = re.compile(r'alloc_buffer\(\((\d+),\), "(\w+)", scope="shared\.dyn"')  # merged (uint8) or one buffer
 
 
 def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact:
@@ -175,7 +175,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     sig = signature(s)
     if sorted(order) != sorted(p[0] for p in sig.params):
         raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
-    dyn = sum(int(x) for x in _DYN.findall(text))
+    dyn = sum(int(n) * tvm.runtime.DataType(dt).bits // 8 for n, dt in _DYN.findall(text))
     hw = hardware_for(arch)
     if dyn > hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes:
         raise ScheduleError(f"{lowering} kernel needs {dyn} B of shared memory per block; {hw.name} allows "

@@ -29,7 +29,7 @@ from tvm.script.ir_builder import tirx as T
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
-from schedulers.warp_tile import GemmState, WarpTileProgram, smem_layout, warp_tile_program
+from schedulers.warp_tile import GemmState, WarpTileProgram, carry_factor, smem_layout, warp_tile_program
 from smg.expr import body_expr
 from spacefusion.lower.exprs import F32, to_tir
 from spacefusion.lower.tir import signature
@@ -50,7 +50,8 @@ class _Gen:
         self.half = "float16" if self.ab == "fp16" else "bfloat16"
         self.layout = smem_layout(s, p)
         self.glob: dict[str, tirx.Buffer] = {}
-        self.smem: dict[str, tirx.Buffer] = {}
+        self.smem: dict[str, tirx.Buffer] = {}  # name -> the shared arena holding its tile(s)
+        self.sbase: dict[str, int] = {}  # name -> element offset of its tile(s) in the arena
         self.coord: dict[str, tirx.PrimExpr] = {}  # batch dim -> block coordinate
         self.nt = p.step // 8  # 8-column tiles of the score tile
         self.mt = p.warp_mtiles  # 16-row mma tiles per warp
@@ -74,17 +75,18 @@ class _Gen:
 
     # -- cp.async tile copies ----------------------------------------------------------
     def copy_tile(self, name: str, slot: tirx.PrimExpr, rdim: str, r0: tirx.PrimExpr,
-                  cdim: str, c0: tirx.PrimExpr, pred: tirx.PrimExpr | None = None) -> None:
+                  cdim: str, c0: tirx.PrimExpr, pred: tirx.PrimExpr | None = None, block: bool = False) -> None:
         """Copy a [rows, cols] tile (cols = ``cdim``, contiguous) of ``name`` into copy ``slot``
-        of its shared buffer in 16-byte cp.async chunks; rows/chunks past the end are clamped
-        (their values are masked or multiplied by zero downstream)."""
+        of its shared buffer in 16-byte cp.async chunks, by this warp group's threads (the whole
+        block's with ``block``); rows/chunks past the end are clamped (their values are masked or
+        multiplied by zero downstream)."""
         copies, rows, stride = self.layout[name]
         cols = stride - 8
         per_row = cols // 8
         total = rows * per_row
-        th = self.p.threads
+        th = self.p.threads if block else 32 * self.p.warps
         with T.serial(0, -(-total // th)) as it:
-            c = it * th + self.tid
+            c = it * th + (self.tid if block else self.gtid)
             r, cc = c // per_row, (c % per_row) * 8
             grow = tirx.min(r0 + r, self.sizes[rdim] - 1)
             gcol = tirx.min(c0 + cc, self.sizes[cdim] - 8)
@@ -97,13 +99,23 @@ class _Gen:
                 if conds:
                     guard.enter_context(T.If(tirx.all(*conds)))
                     guard.enter_context(T.Then())
-                T.evaluate(_cp_async(self.half, self.smem[name], dst, self.glob[name], src))
+                T.evaluate(_cp_async(self.half, self.smem[name], self.sbase[name] + dst, self.glob[name], src))
 
-    def issue_step(self, step: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
-        """cp.async the streamed tiles of ``step`` into ring slot ``step % stages``."""
+    def step_of(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        """The serial step of this warp group's ``j``-th iteration (groups interleave steps)."""
+        return j * self.p.split + self.grp if self.p.split > 1 else j
+
+    def slot_for(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Ring slot of iteration ``j``: the group's own ``stages`` copies."""
+        p = self.p
+        local = j % p.stages if p.stages > 1 else tirx.const(0, I32)
+        return self.grp * p.stages + local if p.split > 1 else local
+
+    def issue_step(self, j: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+        """cp.async the streamed tiles of this group's iteration ``j`` into its ring slot."""
         p, L = self.p, self.p.serial
-        slot = step % p.stages if p.stages > 1 else tirx.const(0, I32)
-        t0 = step * p.step
+        slot = self.slot_for(j)
+        t0 = self.step_of(j) * p.step
         if p.gemm is not None:
             g = p.gemm
             if g.b_trans:
@@ -124,7 +136,7 @@ class _Gen:
     # -- fragments -------------------------------------------------------------------
     def ldsm(self, frag: tirx.Buffer, off: int, name: str, soff: tirx.PrimExpr, trans: bool) -> None:
         T.evaluate(T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, off, self.smem[name].access_ptr("r"),
-                                         soff, dtype=self.half))
+                                         self.sbase[name] + soff, dtype=self.half))
 
     def mma(self, c: tirx.Buffer, coff: int, a: tirx.Buffer, aoff: int, b: tirx.Buffer, boff: int) -> None:
         T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", self.ab, self.ab, "fp32", a.data, aoff, b.data,
@@ -221,7 +233,10 @@ class _Gen:
                 with T.thread_binding(0, nblocks, thread="blockIdx.x") as bid:
                     with T.thread_binding(0, p.threads, thread="threadIdx.x") as tid:
                         self.tid = tid
-                        self.warp, self.lane = tid // 32, tid % 32
+                        group_threads = 32 * p.warps
+                        self.gtid = tid % group_threads if p.split > 1 else tid
+                        self.grp = tid // group_threads if p.split > 1 else tirx.const(0, I32)
+                        self.warp, self.lane = self.gtid // 32, tid % 32
                         self.g, self.t4 = self.lane // 4, self.lane % 4
                         rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
                         rb = rest % grid[p.row]
@@ -236,8 +251,20 @@ class _Gen:
 
     def _alloc(self) -> None:
         p = self.p
-        for name, (copies, rows, stride) in self.layout.items():
-            self.smem[name] = T.alloc_buffer((copies * rows * stride,), self.half, scope="shared.dyn")
+        # one arena with explicit offsets: the ring tiles side by side, the A tile (read into registers
+        # before the ring is first filled) over their start.  TVM's allocation merging is left out:
+        # it overlapped live ring tiles whose reads sit under a warp group's branch.
+        sizes = {n: math.prod(v) for n, v in self.layout.items()}
+        a_tile = p.gemm.a if p.gemm is not None else None
+        offs, end = {}, 0
+        for n in sizes:
+            if n != a_tile:
+                offs[n], end = end, end + sizes[n]
+        if a_tile is not None:
+            offs[a_tile], end = 0, max(end, sizes[a_tile])
+        arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
+        for n in sizes:
+            self.smem[n], self.sbase[n] = arena, offs[n]
         self.rs = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
         self.rs_old = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
         self.acc = {gs.update.state: T.alloc_buffer((self.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
@@ -278,7 +305,7 @@ class _Gen:
         if p.gemm is not None:  # the A operand stays in registers for the whole loop
             g = p.gemm
             kd = self.sizes[g.k]
-            self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero)
+            self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
             T.evaluate(T.ptx.cp.async_.commit_group())
             T.evaluate(T.ptx.cp.async_.wait_group(0))
             T.evaluate(T.tvm_storage_sync("shared"))
@@ -291,18 +318,27 @@ class _Gen:
             # TVM reuses the dead A tile's shared memory for the ring: every warp must be done reading
             T.evaluate(T.tvm_storage_sync("shared"))
         nsteps = self._steps_for_block()
+        # every group runs the same iteration count (the block-wide barriers), idle past the end
+        iters = tirx.floordiv(nsteps + (p.split - 1), p.split) if p.split > 1 else nsteps
         for pre in range(p.stages - 1):
-            self.issue_step(tirx.const(pre, I32), tirx.const(pre, I32) < nsteps)
-        with T.serial(0, nsteps) as j:
+            self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
+        with T.serial(0, iters) as j:
             ahead = j + (p.stages - 1)
-            self.issue_step(ahead, ahead < nsteps if p.stages > 1 else None)
+            self.issue_step(ahead, self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None)
             T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 1))
             T.evaluate(T.tvm_storage_sync("shared"))
-            self.t0 = j * p.step
-            self.slot = j % p.stages if p.stages > 1 else zero
-            self._step(qf)
+            self.t0 = self.step_of(j) * p.step
+            self.slot = self.slot_for(j)
+            with ExitStack() as busy:
+                if p.split > 1:
+                    busy.enter_context(T.If(self.step_of(j) < nsteps))
+                    busy.enter_context(T.Then())
+                self._step(qf)
             T.evaluate(T.tvm_storage_sync("shared"))
-        self._finalize()
+        if p.split == 1:
+            self._finalize()
+            return
+        self._merge()
 
     def _step(self, qf: tirx.Buffer | None) -> None:
         p = self.p
@@ -423,7 +459,7 @@ class _Gen:
         p, u = self.p, gs.update
         acc = self.acc[u.state]
         if u.carry:
-            factor = _carry_factor(u.carry, u.state)
+            factor = carry_factor(u.carry, u.state)
             per = (gs.n_tile // 8) * 4
             if factor is not None:  # carry = X__old * (a per-row factor): one evaluation per row
                 rows = T.alloc_buffer((2 * self.mt,), F32, scope="local")
@@ -459,6 +495,78 @@ class _Gen:
 
         self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)
         self.updated(u.state)
+
+    def _merge(self) -> None:
+        """Fold the other warp groups' partial states into group 0's, which then stores the outputs.
+
+        In plan order, a max state takes the max; a sum state is the sum over groups of its derived
+        carry with ``__old`` bound to that group's values and the new values to the states merged
+        so far: the carry rescales a partial result from its group's statistics to the final ones
+        (e.g. ``l * exp(m_g - m)``), exactly as it does from one step to the next."""
+        p, tg = self.p, 32 * self.p.warps
+        regs = [(u.state, self.rs[u.state]) for u in p.row_states] + list(self.acc.items())
+        nf = sum(int(b.shape[0]) for _, b in regs)
+        xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
+        offset, f = {}, 0
+        for name, b in regs:
+            offset[name], f = f, f + int(b.shape[0])
+        with T.If(self.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
+            for name, b in regs:
+                for e in range(int(b.shape[0])):
+                    T.buffer_store(xchg, b[e], [((self.grp - 1) * nf + offset[name] + e) * tg + self.gtid])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        with T.If(self.grp == 0), T.Then():
+            def src(g: int, name: str, e: int) -> tirx.PrimExpr:
+                if g == 0:
+                    return dict(regs)[name][e]
+                return xchg[((g - 1) * nf + offset[name] + e) * tg + self.gtid]
+
+            merged: dict[str, tirx.Buffer] = {}
+
+            def loader(g: int, h: int) -> Callable[[str], tirx.PrimExpr]:
+                """Row values for group g's carry: ``__old`` its own, new ones as merged so far."""
+                def load(name: str) -> tirx.PrimExpr:
+                    base = name.removesuffix("__old").removesuffix("__new")
+                    if base in self.rs:
+                        now = base in merged and not name.endswith("__old")
+                        return merged[base][h] if now else src(g, base, h)
+                    return self._load_row(name, h)
+                return load
+
+            gemm_of = {gs.update.state: gs for gs in p.gemm_states}
+            for u in self.s.plan.states:
+                size = int(dict(regs)[u.state].shape[0])
+                out = merged[u.state] = T.alloc_buffer((size,), F32, scope="local")
+                gs = gemm_of.get(u.state)
+                rescale = u.combiner == "sum" and bool(u.carry)
+                if gs is not None:  # accumulators: one carry factor per group and row
+                    per = (gs.n_tile // 8) * 4
+                    fac = T.alloc_buffer((p.split * 2 * self.mt,), F32, scope="local")
+                    if rescale:
+                        factor = carry_factor(u.carry, u.state)
+                        for g in range(p.split):
+                            for h in range(2 * self.mt):
+                                T.buffer_store(fac, self.expr(factor, loader(g, h)), [g * 2 * self.mt + h])
+                    for e in range(size):
+                        h = self.slot_of(e, per)
+                        terms = [src(g, u.state, e) * fac[g * 2 * self.mt + h] if rescale else src(g, u.state, e)
+                                 for g in range(p.split)]
+                        T.buffer_store(out, _tree(terms, u.combiner), [e])
+                    continue
+                old = f"{u.state}__old"
+                for h in range(size):
+                    terms = []
+                    for g in range(p.split):
+                        ld = loader(g, h)
+                        v = src(g, u.state, h)
+                        terms.append(self.expr(u.carry, lambda n, ld=ld, v=v, old=old: v if n == old else ld(n))
+                                     if rescale else v)
+                    T.buffer_store(out, _tree(terms, u.combiner), [h])
+            for u in p.row_states:
+                self.rs[u.state] = merged[u.state]
+            for name in self.acc:
+                self.acc[name] = merged[name]
+            self._finalize()  # group 0 stores the outputs
 
     def _finalize(self) -> None:
         p = self.p
@@ -500,15 +608,6 @@ def _tree(terms: list[tirx.PrimExpr], combiner: str) -> tirx.PrimExpr:
         nxt = [tirx.max(a, b) if combiner == "max" else a + b for a, b in zip(terms[::2], terms[1::2])]
         terms = nxt + ([terms[-1]] if len(terms) % 2 else [])
     return terms[0]
-
-
-def _carry_factor(carry: str, state: str) -> sp.Expr | None:
-    """``c`` when ``carry == state__old * c`` with ``c`` free of the accumulator (else None)."""
-    e, old = parse(carry), sp.Symbol(f"{state}__old", real=True)
-    c = sp.simplify(e / old)
-    if old in c.free_symbols or any(s.name.startswith(f"{state}__") for s in c.free_symbols):
-        return None
-    return c
 
 
 def _cast(v: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:

@@ -31,6 +31,8 @@ def shared_bytes(s: Schedule, align: int = 1) -> int:
                           for d in s.smg.space(name).dims)
             nbytes = n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
             total += -(-nbytes // align) * align
+    if s.lanes > 32 and s.warp_tile is None:  # the warps' partial results of a cross-warp reduction
+        total += -(-(s.threads // 32 * 4) // align) * align
     return total
 
 

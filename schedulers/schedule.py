@@ -25,6 +25,7 @@ from smg.serialize import smg_from_dict, smg_to_dict
 FORMAT = "spacefusion-schedule/1"
 LEVELS = ("global", "shared", "register", "inlined")
 VECTORS = (1, 2, 4, 8)  # serial elements per vector access of a lane (CUDA-core kernels)
+LANES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # threads sharing a tile element's reductions
 MAX_VECTOR_BYTES = 16  # the widest global load/store of one thread
 
 
@@ -45,8 +46,8 @@ class Schedule:
     plan: TemporalPlan
     memory: tuple[tuple[str, str], ...]
     spatial: tuple[DimDecision, ...]
-    #: threads (of one warp) sharing each tile element's serial reductions: each takes every
-    #: lanes-th element of a step and the partial results meet in warp shuffles
+    #: threads sharing each tile element's serial reductions: each takes every lanes-th element
+    #: (run) of a step; partial results meet in warp shuffles, then across warps in shared memory
     lanes: int = 1
     #: lower on tensor cores (CUDA only): a GEMM + element-wise epilogue through TVM's WMMA
     #: tensorizer, or a warp-tile program (schedulers.warp_tile) through mma.sync/ldmatrix
@@ -299,8 +300,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
         block.append((d, t))
     limit = (hw or H100).max_threads_per_block
-    if lanes not in (1, 2, 4, 8, 16, 32):
-        raise ScheduleError(f"lanes {lanes} must be a power of two up to the warp size (32)")
+    if lanes not in LANES:
+        raise ScheduleError(f"lanes {lanes} must be a power of two up to {LANES[-1]} (beyond a warp, 32, the "
+                            f"lanes of a group are whole warps)")
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")

@@ -32,7 +32,7 @@ from schedulers.spatial import analyse_spatial
 from schedulers.temporal import plan_temporal
 from smg.ir import SMG
 
-LANES = (1, 8, 32)  # threads of a warp sharing one tile element's serial reductions
+LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)

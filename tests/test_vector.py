@@ -105,3 +105,16 @@ def test_search_space_offers_vectors_on_gpu_only() -> None:
     gpu = {s.vector for s in SearchSpace(g, get_hardware("h100")).candidates()}
     cpu = {s.vector for s in SearchSpace(g, get_hardware("h100"), cuda=False).candidates()}
     assert gpu == {1, 8} and cpu == {1}  # 8 fp16 elements: 16-byte accesses
+
+
+def test_lanes_beyond_a_warp_reduce_through_shared_memory() -> None:
+    """A row over 4 warps: shuffles within each warp, then the warps' partial sums in shared memory."""
+    g = P.residual_layernorm(64, 4096, "float16")
+    s = schedule(g, tiles={"m": 1}, serial="n", step=4096, lanes=128, vector=8)
+    assert s.threads == 128
+    src = build(s, "cuda").source.split("main_kernel(")[-1]
+    assert "__shfl_xor_sync" in src and src.count("__syncthreads()") >= 2 * 3  # 3 states, 2 barriers each
+    assert re.search(r"__shared__ alignas\(\d+\) float _ptr\w*\[4\]", src)  # one partial per warp
+    with pytest.raises(ScheduleError, match="lanes 2048 must be a power of two up to 1024"):
+        schedule(g, tiles={"m": 1}, serial="n", step=4096, lanes=2048)
+    _check_llvm(P.residual_layernorm(5, 304, "float32"), tiles={"m": 1}, serial="n", step=256, lanes=128)

@@ -288,13 +288,32 @@ class _Kernel:
         return tirx.all(ok, env[self.s.serial] < self.s.step) if self.lanes > 1 else ok
 
     def allreduce(self, value: tirx.PrimExpr, combiner: str) -> tirx.PrimExpr:
-        """Combine ``value`` over the lanes of this thread's group (butterfly of warp shuffles)."""
-        off = self.lanes // 2
+        """Combine ``value`` over the lanes of this thread's group: a butterfly of warp shuffles,
+        and for groups wider than a warp the warps' results meet in shared memory (two barriers:
+        every thread of the block reaches each reduction, in the same order)."""
+        width = min(self.lanes, 32)
+        off = width // 2
         while off >= 1:
-            other = T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), value, off, self.lanes, 32)
+            other = T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), value, off, width, 32)
             value = value + other if combiner == "sum" else tirx.max(value, other)
             off //= 2
-        return value
+        if self.lanes <= 32:
+            return value
+        warps = self.lanes // 32
+        group, wi = self.tid // self.lanes, (self.tid % self.lanes) // 32
+        mine = T.alloc_buffer((1,), F32, scope="local")  # shuffled by the whole warp, then one lane stores
+        T.buffer_store(mine, value, [0])
+        with T.If(self.tid % 32 == 0), T.Then():
+            T.buffer_store(self.scratch, mine[0], [group * warps + wi])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        total = T.alloc_buffer((1,), F32, scope="local")
+        terms = [self.scratch[group * warps + w] for w in range(warps)]
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t if combiner == "sum" else tirx.max(acc, t)
+        T.buffer_store(total, acc, [0])
+        T.evaluate(T.tvm_storage_sync("shared"))  # the scratch is reused by the next reduction
+        return total[0]
 
 
 def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx.PrimFunc:
@@ -320,7 +339,7 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx
                     bid = top.enter_context(T.parallel(0, nblocks))
                     tid = top.enter_context(T.serial(0, s.threads // s.lanes))
                 k.tid = tid
-                if k.lanes > 1:  # lanes fastest: a lane group is consecutive threads of one warp
+                if k.lanes > 1:  # lanes fastest: a lane group is consecutive threads (of one or more warps)
                     k.lane, rest_t = tid % k.lanes, tid // k.lanes
                 else:
                     rest_t = tid
@@ -357,6 +376,8 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
             env = k.loops(k.local_dims(u.state), st_loops)
             T.buffer_store(k.local[u.state], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
                            k.local_index(u.state, env))
+    if k.lanes > 32:  # one partial result per warp of each lane group
+        k.scratch = T.alloc_buffer((s.threads // 32,), F32, scope="shared")
     shared = {n for n, lvl in s.memory if lvl == "shared"} if cuda else set()
     staged = [n for n in smg.inputs if n in shared]
     for n in shared:

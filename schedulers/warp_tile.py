@@ -165,7 +165,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     warps = s.warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
     if warps not in (1, 2, 4, 8) or rows % (16 * warps):
         raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
-    split = getattr(s, "split", 1)
+    split = s.split
     if split > 1:
         for g in gemm_states:  # the merge rescales each group's accumulator by its row factor
             if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:

@@ -541,8 +541,8 @@ class _Gen:
                 rescale = u.combiner == "sum" and bool(u.carry)
                 if gs is not None:  # accumulators: one carry factor per group and row
                     per = (gs.n_tile // 8) * 4
-                    fac = T.alloc_buffer((p.split * 2 * self.mt,), F32, scope="local")
                     if rescale:
+                        fac = T.alloc_buffer((p.split * 2 * self.mt,), F32, scope="local")
                         factor = carry_factor(u.carry, u.state)
                         for g in range(p.split):
                             for h in range(2 * self.mt):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schedulers.errors import ScheduleError
 from smg import evaluate, random_inputs
@@ -77,3 +79,34 @@ def test_whole_row_in_one_step(step: int) -> None:
     x = random_inputs(g, seed=0)
     got = build(make_schedule(g, {"m": 4}, step=step), "llvm")(x)["O"]
     assert np.abs(got - evaluate(g, x)["O"]).max() < 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(c=st.floats(-4, 4).filter(lambda v: abs(v) > 1e-3), seed=st.integers(0, 2**16))
+def test_exp2_form_with_distributed_log2e_matches_exp(c: float, seed: int) -> None:
+    """``exp(c*s - m)`` lowered as exp2 with log2 e spread over the terms agrees with numpy."""
+    import sympy as sp
+    import tvm
+    from tvm.script import ir_builder as IB
+    from tvm.script.ir_builder import tirx as T
+
+    from spacefusion.lower.exprs import to_tir
+
+    s_sym, m_sym = sp.symbols("s m", real=True)
+    e = sp.exp(sp.Float(c) * s_sym - m_sym)
+    n = 64
+    with IB.IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("main")
+            S = T.arg("S", T.buffer((n,), "float32"))
+            M = T.arg("M", T.buffer((n,), "float32"))
+            O = T.arg("O", T.buffer((n,), "float32"))
+            with T.serial(0, n) as i:
+                T.buffer_store(O, to_tir(e, lambda nm: (S if nm == "s" else M)[i], exp2=True, fold_log2e=True), [i])
+    f = tvm.compile(tvm.IRModule({"main": ib.get()}), target="llvm")
+    rng = np.random.default_rng(seed)
+    s = rng.uniform(-8, 8, n).astype(np.float32)
+    m = rng.uniform(-8, 8, n).astype(np.float32)
+    out = tvm.runtime.empty((n,), "float32")
+    f(tvm.runtime.tensor(s), tvm.runtime.tensor(m), out)
+    np.testing.assert_allclose(out.numpy(), np.exp(np.float64(c) * s - m), rtol=2e-5)

@@ -135,6 +135,21 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
         assert (art.save(tmp_path / name) / "kernel.cubin").stat().st_size > 0
 
 
+def test_score_scaling_folds_into_exp_and_max() -> None:
+    """``s = 0.125 * qk`` is not materialised: the row max reduces qk and scales once per row,
+    and exp(s - m) is exp2(qk * (0.125 log2 e) - m log2 e), one FFMA per element; the kernel is
+    built with -ftz (one MUFU per exp2f), recorded in its metadata."""
+    s = _schedule("attention")
+    art = build(s, "cuda")
+    src = art.source
+    assert "0x1.71547652b82fep-3f" in src  # 0.125 * log2(e), folded by sympy, not by nvcc
+    assert src.count("0x1p-3f") == 2 * s.warp_tile.warp_mtiles  # only the max's once-per-row scaling
+    assert art.meta["nvcc_flags"] == ["-ftz=true", "-prec-div=false"]
+    # a mask's -1e30 fill can make s and m equal sentinels: then exp takes (s - m) first, exactly 0
+    causal = build(_schedule("causal_split4"), "cuda").source
+    assert "0x1.71547652b82fep+0f" in causal and "0x1.71547652b82fep-3f" not in causal
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:

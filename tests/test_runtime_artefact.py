@@ -79,6 +79,14 @@ def test_save_round_trips_and_fills_format_tag(tmp_path: Path) -> None:
     assert art.to_meta() == {**_meta(), "cubin": "kernel.cubin"}
 
 
+def test_nvcc_flags_round_trip(tmp_path: Path) -> None:
+    """The flags a kernel was built with travel in kernel.json, so a GPU-side rebuild uses them."""
+    art = KernelArtefact.load(_write(tmp_path / "f", _meta(nvcc_flags=["-ftz=true", "-prec-div=false"])))
+    assert art.nvcc_flags == ("-ftz=true", "-prec-div=false")
+    assert art.to_meta()["nvcc_flags"] == ["-ftz=true", "-prec-div=false"]
+    assert "nvcc_flags" not in KernelArtefact.load(_write(tmp_path / "g", _meta())).to_meta()
+
+
 def test_save_validates_before_writing(tmp_path: Path) -> None:
     with pytest.raises(ArtefactError, match="param_order"):
         KernelArtefact.save(tmp_path / "c", SOURCE, _meta(param_order=["S", "V"]))
@@ -116,6 +124,8 @@ def test_artefact_error_is_value_error() -> None:
         (_meta(kernel_name="main kernel"), "kernel_name"),
         (_meta(cubin="../x.cubin"), "cubin"),
         (_meta(workload=[1]), "workload"),
+        (_meta(nvcc_flags="-ftz=true"), "nvcc_flags"),
+        (_meta(nvcc_flags=["ftz"]), "nvcc_flags"),
     ],
 )
 def test_invalid_metadata_is_rejected(tmp_path: Path, meta: Any, match: str) -> None:

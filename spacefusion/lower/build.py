@@ -108,11 +108,12 @@ class CudaArtefact:
         meta = dict(self.meta)
         if compile_cubin and shutil.which("nvcc"):
             out = folder / "kernel.cubin"
-            cached = _cubin_cache(cache, self.source, meta["arch"])
+            extra = tuple(meta.get("nvcc_flags", ()))
+            cached = _cubin_cache(cache, self.source, meta["arch"], extra)
             if cached is not None and cached.is_file():
                 shutil.copyfile(cached, out)
             else:
-                nvcc_cubin(folder / "kernel.cu", out, meta["arch"])
+                nvcc_cubin(folder / "kernel.cu", out, meta["arch"], extra)
                 if cached is not None:
                     cached.parent.mkdir(parents=True, exist_ok=True)
                     tmp = cached.with_suffix(f".{os.getpid()}.tmp")
@@ -124,22 +125,26 @@ class CudaArtefact:
 
 
 NVCC_FLAGS = ("-O3", "-diag-suppress=177,1046")
+#: the warp-tile kernels' flags (kept in kernel.json, so every compile path uses them): exp2f becomes
+#: one ex2.approx.ftz (no denormal range fix-up around each MUFU) and the epilogue's divisions one
+#: rcp and a multiply, as FlashAttention builds with --use_fast_math; numerics are checked as ever
+WARP_TILE_FLAGS = ("-ftz=true", "-prec-div=false")
 #: everything besides the schedule that decides the kernel: part of the tuning database key
-COMPILE_FLAGS = (*NVCC_FLAGS, "tirx.disable_storage_rewrite")
+COMPILE_FLAGS = (*NVCC_FLAGS, "tirx.disable_storage_rewrite", *WARP_TILE_FLAGS)
 
 
-def _cubin_cache(cache: str | Path | None, source: str, arch: str) -> Path | None:
+def _cubin_cache(cache: str | Path | None, source: str, arch: str, extra: tuple[str, ...] = ()) -> Path | None:
     if cache is None:
         return None
     root = Path(os.environ.get("SPACEFUSION_CUBIN_CACHE", Path.home() / ".cache" / "spacefusion" / "cubins")
                 ) if cache == "default" else Path(cache)
-    digest = hashlib.sha256("\0".join([source, arch, *NVCC_FLAGS]).encode()).hexdigest()
+    digest = hashlib.sha256("\0".join([source, arch, *NVCC_FLAGS, *extra]).encode()).hexdigest()
     return root / f"{digest}.cubin"
 
 
-def nvcc_cubin(src: Path, out: Path, arch: str) -> None:
+def nvcc_cubin(src: Path, out: Path, arch: str, extra: tuple[str, ...] = ()) -> None:
     """Compile CUDA source to a cubin; raise with nvcc's message on failure."""
-    cmd = ["nvcc", "-cubin", f"-arch={arch}", *NVCC_FLAGS, "-o", str(out), str(src)]
+    cmd = ["nvcc", "-cubin", f"-arch={arch}", *NVCC_FLAGS, *extra, "-o", str(out), str(src)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed for {src}:\n{res.stderr[-3000:]}")
@@ -199,7 +204,8 @@ def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
         from spacefusion.lower.mma import build_warp_tile
 
         mod = tvm.IRModule({"main": build_warp_tile(s)})
-        return _compile_lowered(s, mod, arch, "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
+        art = _compile_lowered(s, mod, arch, "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
+        return CudaArtefact(art.source, art.meta | {"nvcc_flags": list(WARP_TILE_FLAGS)})
     from spacefusion.lower.tensorcore import build_tensorcore
 
     return _compile_lowered(s, build_tensorcore(s, arch), arch, "tensorcore-wmma (TVM MatmulTensorization)")

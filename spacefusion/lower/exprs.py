@@ -18,10 +18,15 @@ def _const(v: float) -> tirx.PrimExpr:
 LOG2E = 1.4426950408889634
 
 
-def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False) -> tirx.PrimExpr:
+def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
+           fold_log2e: bool = False) -> tirx.PrimExpr:
     """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
     ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
-    reduction)."""
+    reduction).  With ``fold_log2e`` too, ``log2 e`` is distributed over the terms of ``x`` so
+    that constant factors fold: ``exp(c*s - m)`` is ``exp2((c*log2e)*s + (-log2e)*m)``, one FFMA
+    and one MUFU per element (``-log2e*m`` is the same for the whole row, computed once).  Only
+    for finite, moderate operands: ``s - m`` is no longer exactly 0 when ``s == m``, so two equal
+    sentinels (a -1e30 mask fill) would give exp2 of the rounding residual, which overflows."""
 
     def go(e: sp.Expr) -> tirx.PrimExpr:
         if e.is_Symbol:
@@ -58,6 +63,8 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
                 return out
             return tirx.power(go(base), go(ex))
         if exp2 and isinstance(e, sp.exp):
+            if fold_log2e:
+                return tirx.exp2(go(sp.Add(*[sp.Float(LOG2E) * a for a in sp.Add.make_args(e.args[0])])))
             return tirx.exp2(go(e.args[0]) * _const(LOG2E))
         fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
                sp.Abs: tirx.abs}

@@ -56,7 +56,11 @@ class _Gen:
         self.nt = p.step // 8  # 8-column tiles of the score tile
         self.mt = p.warp_mtiles  # 16-row mma tiles per warp
         self.ns = self.mt * self.nt * 4  # score-tile elements per thread
-        self.cache: dict[str, tirx.Buffer] = {}  # per-step element values by expression text
+        # log2 e folds into exp's operands unless a mask can fill a whole row slice with a sentinel:
+        # then m and s are both -1e30 and only s - m computed first is exactly 0
+        self.fold_log2e = not any(body_expr(self.smg.producer(n)).has(sp.Piecewise) for n in p.score_ops)
+        self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
+        self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -170,7 +174,7 @@ class _Gen:
     # -- expressions -------------------------------------------------------------------
     def expr(self, text_or_expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
         e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
-        return to_tir(e, load, exp2=True)
+        return to_tir(e, load, exp2=True, fold_log2e=self.fold_log2e)
 
     def load_common(self, name: str, h: int, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr | None:
         """Row states (rows g + 8h), dims as indices, inputs from global memory."""
@@ -205,19 +209,26 @@ class _Gen:
             return None
         return self.t0 + self.col_of(i, self.nt * 4) < L
 
-    def values(self, text: str) -> tirx.Buffer:
-        """Per-element values of ``text`` on the score tile this step (computed once)."""
-        if text not in self.cache:
+    def inlined(self, text_or_expr) -> sp.Expr:
+        """``text`` with the inlined score ops (constant scalings) substituted by their bodies."""
+        e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
+        subs = {x: self.inline[x.name] for x in e.free_symbols if x.name in self.inline}
+        return e.xreplace(subs) if subs else e
+
+    def values(self, text_or_expr) -> tirx.Buffer:
+        """Per-element values of an expression on the score tile this step (computed once)."""
+        e = self.inlined(text_or_expr)
+        key = str(e)
+        if key not in self.cache:
             buf = T.alloc_buffer((self.ns,), F32, scope="local")
-            e = parse(text)
             for i in range(self.ns):
                 T.buffer_store(buf, self.expr(e, self.load_score(i)), [i])
-            self.cache[text] = buf
-        return self.cache[text]
+            self.cache[key] = (frozenset(x.name for x in e.free_symbols), buf)
+        return self.cache[key][1]
 
     def updated(self, state: str) -> None:
         """``state`` changed: cached values reading it are stale."""
-        self.cache = {k: v for k, v in self.cache.items() if state not in {x.name for x in parse(k).free_symbols}}
+        self.cache = {k: v for k, v in self.cache.items() if state not in v[0]}
 
     # -- the kernel ----------------------------------------------------------------------
     def build(self) -> tirx.PrimFunc:
@@ -377,10 +388,14 @@ class _Gen:
                     soff = self.slot * (rows * stride) + self.a_offset(stride, r0, ct * 16)
                     self.ldsm(buf, mi * n4 + ct * 8, n, soff, False)
             self.tin[n] = buf
+        self.inline = {}
         for name in p.score_ops:
-            op = self.smg.producer(name)
+            e = self.inlined(body_expr(self.smg.producer(name)))
+            c, rest = e.as_coeff_Mul()
+            if c.is_Number and rest.is_Symbol:  # c * s: folded into its readers (exp's FFMA, max's scale)
+                self.inline[name] = e
+                continue
             buf = T.alloc_buffer((ns,), F32, scope="local")
-            e = body_expr(op)
             for i in range(ns):
                 T.buffer_store(buf, self.expr(e, self.load_score(i)), [i])
             self.score[name] = buf
@@ -413,7 +428,11 @@ class _Gen:
             T.buffer_store(part, tirx.max(v, other) if combiner == "max" else v + other, [h])
 
     def _row_update(self, u) -> None:
-        vals = self.values(u.body)
+        body = self.inlined(u.body)
+        # a constant factor leaves the reduction: max(c*x) = c*max(x) for c > 0, sum(c*x) = c*sum(x)
+        c, rest = body.as_coeff_Mul()
+        scale = c.is_Number and c != 1 and not rest.is_Number and (u.combiner == "sum" or c > 0)
+        vals = self.values(rest if scale else body)
         ident = _f(NEG_INF if u.combiner == "max" else 0.0)
         part = T.alloc_buffer((2 * self.mt,), F32, scope="local")
         for h in range(2 * self.mt):
@@ -424,6 +443,8 @@ class _Gen:
                     terms.append(vals[i] if ok is None else tirx.if_then_else(ok, vals[i], ident))
             T.buffer_store(part, _tree(terms, u.combiner), [h])
             self._quad(part, h, u.combiner)
+            if scale:
+                T.buffer_store(part, part[h] * _f(float(c)), [h])
         buf = self.rs[u.state]
         for h in range(2 * self.mt):
             if u.combiner == "max":

@@ -65,6 +65,8 @@ class KernelArtefact:
     param_order: tuple[str, ...]
     workload: Mapping[str, Any] = field(default_factory=dict, hash=False)
     cubin: str | None = None
+    #: code-generation flags the kernel was built with (e.g. -ftz=true): every compile path uses them
+    nvcc_flags: tuple[str, ...] = ()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -132,6 +134,9 @@ class KernelArtefact:
         cubin = meta.get("cubin")
         if cubin is not None and (not isinstance(cubin, str) or Path(cubin).name != cubin):
             raise ArtefactError(f"{where}: cubin must be a file name inside the artefact, got {cubin!r}")
+        flags = meta.get("nvcc_flags", [])
+        if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("-") for f in flags):
+            raise ArtefactError(f"{where}: nvcc_flags must be a list of '-flag' strings, got {flags!r}")
 
         return cls(
             folder=Path(folder),
@@ -144,6 +149,7 @@ class KernelArtefact:
             param_order=tuple(order),
             workload=workload,
             cubin=cubin,
+            nvcc_flags=tuple(flags),
         )
 
     @classmethod
@@ -219,6 +225,8 @@ class KernelArtefact:
         }
         if self.cubin is not None:
             meta["cubin"] = self.cubin
+        if self.nvcc_flags:
+            meta["nvcc_flags"] = list(self.nvcc_flags)
         return meta
 
 

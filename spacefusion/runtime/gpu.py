@@ -141,13 +141,10 @@ class CudaKernel:
         cubin = art.cubin_path
         if self.prefer_cubin and cubin is not None:
             out.append(("cubin", lambda: cupy.RawModule(path=str(cubin))))
-        out.append(("nvcc", lambda: cupy.RawModule(path=str(compile_cubin(art.source, art.arch, self.nvcc_options)))))
-        out.append(
-            (
-                "nvrtc",
-                lambda: cupy.RawModule(code=art.source, backend="nvrtc", options=(f"-arch={art.arch}", "-std=c++17")),
-            )
-        )
+        flags = (*self.nvcc_options, *art.nvcc_flags)
+        out.append(("nvcc", lambda: cupy.RawModule(path=str(compile_cubin(art.source, art.arch, flags)))))
+        nvrtc_flags = (f"-arch={art.arch}", "-std=c++17", *art.nvcc_flags)
+        out.append(("nvrtc", lambda: cupy.RawModule(code=art.source, backend="nvrtc", options=nvrtc_flags)))
         return out
 
     def _kernel(self, device: int) -> Any:

@@ -336,7 +336,7 @@ def spacefusion_system(w: hwl.Workload, x: Mapping[str, Any], folder: Path | Non
         artefact_mod, gpu = runtime_module("artefact"), runtime_module("gpu")
         art = artefact_mod.KernelArtefact.load(folder)
         want = {**w.inputs, **w.outputs}
-        got = {p.name: p.shape for p in art.params}
+        got = {p.name: p.shape for p in (*art.inputs, *art.outputs)}  # scratch: the launcher's
         if got != want:
             raise ValueError(f"{folder}: params {got} are not the workload's {want}")
         kernel = gpu.CudaKernel(art)

@@ -161,7 +161,8 @@ class Workload:
             return False
         if any(shape.get(d) != v for d, v in self.shape.items()):
             return False
-        params = {p.get("name"): p for p in meta.get("params", []) if isinstance(p, Mapping)}
+        params = {p.get("name"): p for p in meta.get("params", [])  # scratch: the launcher's workspaces
+                  if isinstance(p, Mapping) and p.get("role") != "scratch"}
         for pname, pshape in {**self.inputs, **self.outputs}.items():
             p = params.get(pname)
             if p is None or tuple(p.get("shape", ())) != pshape or p.get("dtype", self.dtype) != self.dtype:
@@ -198,6 +199,9 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("gemm_sigmoid", "sigmoid(A@B+bias)", "gemm_sigmoid", {"m": 8192, "n": 8192, "k": 1024}),
     Workload("gemm", "GEMM A@B (reference)", "gemm", {"m": 8192, "n": 8192, "k": 1024},
              reference_for="gemm_sigmoid", note="the plain GEMM under the sigmoid epilogue, for reference"),
+    # beyond the table: decoding-shaped attention (few queries, a long KV cache), where one
+    # block per row tile leaves most SMs idle unless blocks slice the KV steps
+    _attn("mha_decode", "MHA decode (64 queries, 8K KV)", 1, 32, 64, 8192, 128),
 )
 BY_KEY: dict[str, Workload] = {w.key: w for w in WORKLOADS}
 

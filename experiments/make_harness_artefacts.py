@@ -5,8 +5,9 @@ Usage:  python experiments/make_harness_artefacts.py OUT_DIR [--only KEY ...]
 
 One schedule per workload of ``experiments/harness_workloads.py``: the best of the tile sweeps
 measured on the H100 (``experiments/results_mma_sweep_h100.json``, ``results_sweep2_h100.json``;
-rows x step x stages x warps x split, lanes x vector).  Attention, Softmax-GEMM and the GEMM
-epilogue are tensor-core warp-tile programs (Softmax-GEMM with 4 warp groups splitting the steps);
+rows x step x stages x warps x split/slices, lanes x vector; ``results_slices_h100.json``).
+Attention, Softmax-GEMM and the GEMM epilogue are tensor-core warp-tile programs (BERT with two
+16-row tiles per warp; Softmax-GEMM and decoding attention with blocks slicing the steps);
 LayerNorm(x+r) is the CUDA-core kernel with the row on chip in one step, 256 lanes (8 warps) per
 row and 16-byte vector accesses.  Then, on the GPU machine:
 ``python experiments/harness.py OUT_DIR --out results.json --csv results.csv``.
@@ -30,16 +31,20 @@ H = "float16"
 TC = {"tensor_cores": True}
 #: harness key -> (graph, tiles, serial, step, make_schedule options)
 SCHEDULES = {
-    "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 64}, "l", 64, TC | {"stages": 2}),
+    "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 128}, "l", 64,
+                 TC | {"stages": 3, "warps": 4}),
     "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32, TC | {"stages": 2}),
     "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 64}, "l", 64, TC | {"stages": 2}),
     "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 64}, "l", 32,
                    TC | {"stages": 2}),
-    "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 32}, "l", 128,
-                     TC | {"stages": 2, "split": 4}),
+    "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 64}, "l", 128,
+                     TC | {"stages": 2, "slices": 4}),
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),
     "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 64,
                      TC | {"stages": 2}),
+    # 32 row tiles only: 8 blocks per row tile each take 1/8 of the KV steps, the last merges
+    "mha_decode": (lambda: P.attention(1, 32, 64, 8192, 128, dtype=H), {"m": 64}, "l", 64,
+                   TC | {"stages": 2, "slices": 8}),
 }
 
 

@@ -5,7 +5,8 @@ Usage (from the repo root):
     python experiments/run_artefacts_gpu.py ARTEFACT_DIR [ARTEFACT_DIR ...] --out results.json
 
 For each artefact: seeded random inputs, a float32 torch reference, one launch checked against it,
-and, only if it matches, timings of the kernel and of torch baselines measured in the same process.
+and, only if it matches, timings of the kernel and of torch baselines measured in the same process;
+after the timed launches, one more launch on fresh inputs is checked too (state kept between launches).
 
 The runtime is loaded from its file path as a private package (``_spacefusion_runtime``), so the
 top-level ``spacefusion`` package, and whatever heavy dependencies it imports, is never touched.
@@ -298,6 +299,18 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
         return row
 
     kern_t = timing.time_cuda(lambda: kernel.launch(case.inputs, outputs), warmup=warmup, iters=iters)
+    # after all those launches, fresh inputs must still come out right: state a kernel keeps between
+    # launches (a sliced kernel's arrival counts) has to be left as the first launch found it
+    again = WORKLOADS[name](art, seed + 1, False)
+    fresh = {p.name: torch.full(p.shape, math.nan, dtype=gpu.torch_dtype(p.dtype), device="cuda")
+             for p in art.outputs}
+    kernel.launch(again.inputs, fresh)
+    torch.cuda.synchronize()
+    err2 = max_abs_err(fresh[again.output], again.reference)
+    row["relaunch_max_abs_err"] = None if math.isnan(err2) else err2
+    if math.isnan(err2) or err2 > atol * max(1.0, float(again.reference.abs().max())):
+        row["ok"] = False
+        return row
     row["kernel"] = kern_t.as_dict()
     for bname, fn in case.baselines.items():
         entry: dict[str, Any] = {}

@@ -62,6 +62,10 @@ class Schedule:
     #: warp groups of a warp-tile program that divide the serial steps of a block among them
     #: (split-K inside the block); their partial states merge through the derived carries
     split: int = 1
+    #: blocks that divide one row tile's serial steps (split-K across the grid, for grids too small
+    #: to fill the GPU); each leaves its partial states in a global workspace and the last of them to
+    #: finish merges all through the derived carries and stores the outputs
+    slices: int = 1
 
     @cached_property
     def key(self) -> str:
@@ -96,7 +100,8 @@ class Schedule:
 
     @property
     def num_blocks(self) -> int:
-        return math.prod(self.grid().values())
+        """Thread blocks launched: one per tile of the cut dims, times the serial slices."""
+        return math.prod(self.grid().values()) * self.slices
 
     @property
     def num_steps(self) -> int:
@@ -127,7 +132,8 @@ class Schedule:
         } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid
             {"tensor_cores": True} if self.tensor_cores else {}) | (
             {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {}) | (
-            {"vector": self.vector} if self.vector != 1 else {}) | ({"split": self.split} if self.split != 1 else {})
+            {"vector": self.vector} if self.vector != 1 else {}) | (
+            {"split": self.split} if self.split != 1 else {}) | ({"slices": self.slices} if self.slices != 1 else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -172,6 +178,7 @@ class Schedule:
             warps=int(d.get("warps", 0)),
             vector=int(d.get("vector", 1)),
             split=int(d.get("split", 1)),
+            slices=int(d.get("slices", 1)),
         )
 
     def __str__(self) -> str:
@@ -255,7 +262,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
-                  vector: int = 1, split: int = 1) -> Schedule:
+                  vector: int = 1, split: int = 1, slices: int = 1) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -270,6 +277,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     elements, loaded and stored as one vector (CUDA-core kernels).  ``split`` > 1 divides a
     warp-tile block's serial steps among that many warp groups, whose partial states merge at
     the end through the derived update functions (more warps per block for few row tiles).
+    ``slices`` > 1 divides them among that many blocks instead (more blocks for a small grid);
+    the last block of a row tile to finish merges the others' partial states from global memory.
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -333,8 +342,12 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         raise ScheduleError(f"split {split} must be 1, 2, 4 or 8 warp groups")
     if stages not in (1, 2, 3, 4):
         raise ScheduleError(f"stages {stages} must be 1..4 (shared buffers per streamed tile)")
+    nsteps = math.ceil(sizes[serial] / step)
+    if not 1 <= slices <= min(32, nsteps):
+        raise ScheduleError(f"slices {slices} must be 1..32 blocks and at most the {nsteps} steps of {step} "
+                            f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
-                   bool(tensor_cores), int(stages), int(warps), int(vector), int(split))
+                   bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -345,13 +358,14 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             if wmma is not None:
                 raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
                                     f"as a warp-tile program: {warp}")
-            if stages != 1 or warps or split != 1:  # TVM's WMMA tensorizer picks its own tiles
-                raise ScheduleError(f"stages/warps/split need a warp-tile program, and {smg.name!r} is not one: "
-                                    f"{warp}")
+            if stages != 1 or warps or split != 1 or slices != 1:  # TVM's WMMA tensorizer picks its own tiles
+                raise ScheduleError(f"stages/warps/split/slices need a warp-tile program, and {smg.name!r} is not "
+                                    f"one: {warp}")
         if lanes != 1:
             raise ScheduleError("lanes apply to CUDA-core kernels; tensor-core kernels place threads by mma tiles")
-    elif stages != 1 or warps or split != 1:
-        raise ScheduleError("stages, warps and split apply to tensor-core warp-tile kernels (tensor_cores=True)")
+    elif stages != 1 or warps or split != 1 or slices != 1:
+        raise ScheduleError("stages, warps, split and slices apply to tensor-core warp-tile kernels "
+                            "(tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

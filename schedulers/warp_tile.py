@@ -70,6 +70,7 @@ class WarpTileProgram:
     outputs: tuple[tuple[str, str], ...]  # (output, finalize expression)
     warps: int  # each warp owns rows / warps rows: one K/V fragment feeds that many 16-row mma tiles
     split: int = 1  # warp groups, each taking every split-th serial step (own cp.async ring)
+    slices: int = 1  # blocks per row tile, each taking a contiguous range of serial steps
 
     @property
     def warp_mtiles(self) -> int:
@@ -165,14 +166,18 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     warps = s.warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
     if warps not in (1, 2, 4, 8) or rows % (16 * warps):
         raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
-    split = s.split
-    if split > 1:
-        for g in gemm_states:  # the merge rescales each group's accumulator by its row factor
+    split, slices = s.split, s.slices
+    if split > 1 and slices > 1:
+        raise ScheduleError(f"split {split} and slices {slices}: a block's steps are divided among warp groups "
+                            f"or among blocks, not both")
+    if split > 1 or slices > 1:
+        what = f"split {split}" if split > 1 else f"slices {slices}"
+        for g in gemm_states:  # the merge rescales each part's accumulator by its row factor
             if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:
-                raise ScheduleError(f"split {split}: the carry of {g.update.state!r} ({g.update.carry}) is not "
-                                    f"its old value times a per-row factor, so partial groups cannot merge")
+                raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not "
+                                    f"its old value times a per-row factor, so partial results cannot merge")
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
-                           tuple(row_states), tuple(gemm_states), tuple(outs), warps, split)
+                           tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices)
 
 
 def carry_factor(carry: str, state: str) -> sp.Expr | None:

@@ -9,9 +9,10 @@ tile is computed cooperatively or per thread, and -- on request -- cuts that
 recompute an intermediate.  For fp16/bf16 graphs whose plan is a warp-tile
 program (schedulers.warp_tile: attention, softmax-GEMM, GEMM + epilogue) the
 tensor-core variants add the cp.async pipeline depth (stages), the warps per
-block and the warp groups splitting the serial steps; their steps are multiples
-of 16.  On the GPU the CUDA-core kernels also choose a vector width
-(consecutive serial elements per load/store of a lane).
+block and the warp groups splitting the serial steps -- or, for grids too small
+to fill the SMs, blocks slicing them; their steps are multiples of 16.  On the
+GPU the CUDA-core kernels also choose a vector width (consecutive serial
+elements per load/store of a lane).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions 
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
+SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -64,6 +66,7 @@ class Knobs:
     warps: int = 0
     vector: int = 1
     split: int = 1
+    slices: int = 1
 
 
 @dataclass
@@ -139,9 +142,15 @@ class SearchSpace:
                     yield from self._level_variants(base)
                 if self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16:
                     steps16 = [s for s in steps if s % 16 == 0]
-                    for step, stages, warps, split in itertools.product(steps16, STAGES, WARPS, SPLITS):
+                    blocks = math.prod(-(-sizes[d] // t) for d, t in tiles.items())
+                    parts = [(sp, 1) for sp in SPLITS]
+                    if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
+                        parts += [(1, sl) for sl in SLICES]
+                    for step, stages, warps, (split, sl) in itertools.product(steps16, STAGES, WARPS, parts):
+                        if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
+                            continue
                         yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
-                                    stages, warps, split=split)
+                                    stages, warps, split=split, slices=sl)
 
     @cached_property
     def vectors(self) -> tuple[int, ...]:
@@ -171,7 +180,7 @@ class SearchSpace:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
                              recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
                              tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector,
-                             split=k.split)
+                             split=k.split, slices=k.slices)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
@@ -198,7 +207,8 @@ class SearchSpace:
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
                 f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
-                f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}) where the plan is one")
+                f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}, slices {list(SLICES)} for "
+                f"grids smaller than the SMs) where the plan is one")
 
 
 def _reason(msg: str) -> str:

@@ -49,6 +49,7 @@ def test_table_holds_the_issue_shapes(hwl: ModuleType) -> None:
         "layernorm": ("residual_layernorm", (16384, 4096), False, "float16"),
         "gemm_sigmoid": ("gemm_sigmoid", (8192, 8192, 1024), False, "float16"),
         "gemm": ("gemm", (8192, 8192, 1024), False, "float16"),
+        "mha_decode": ("attention", (1, 32, 64, 8192, 128), False, "float16"),
     }
     assert hwl.BY_KEY["gemm"].reference_for == "gemm_sigmoid"
     assert not hwl.BY_KEY["gemm"].wants_artefact
@@ -274,6 +275,16 @@ def test_match_checks_flags_and_params(hwl: ModuleType) -> None:
     assert gs.matches(gmeta)
     assert not gs.matches({**gmeta, "params": [p for p in gmeta["params"] if p["name"] != "bias"]})
     assert not hwl.BY_KEY["gemm"].matches(gmeta)
+    sg = hwl.BY_KEY["softmax_gemm"]
+    smeta = {"workload": {"name": "softmax_gemm", "shape": {"m": 4096, "l": 4096, "n": 64}},
+             "params": [{"name": "S", "shape": [4096, 4096]}, {"name": "V", "shape": [4096, 64]},
+                        {"name": "O", "shape": [4096, 64]}]}
+    assert sg.matches(smeta)
+    # a sliced kernel's workspaces (role scratch) are the launcher's, not the workload's
+    ws = [{"name": "sf_partials", "shape": [256, 40, 128], "dtype": "float32", "role": "scratch"},
+          {"name": "sf_arrivals", "shape": [64], "dtype": "int32", "role": "scratch"}]
+    assert sg.matches({**smeta, "params": smeta["params"] + ws})
+    assert not sg.matches({**smeta, "params": smeta["params"] + [{**ws[1], "role": "input"}]})
 
 
 # ---- the script on a machine without torch ---------------------------------------------------------

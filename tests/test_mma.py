@@ -31,6 +31,11 @@ CASES = {
     "causal_split4": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2, {"split": 4}),
     "mt2_split2": (lambda: patterns.attention(1, 2, 128, 256, 64), {"m": 128}, 32, 2, {"split": 2, "warps": 4}),
     "softmax_gemm_split4": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"split": 4}),
+    # blocks slicing the serial steps, the last of a row tile merging from the global workspace
+    "causal_slices4": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2,
+                       {"slices": 4}),
+    "softmax_gemm_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"slices": 3}),
+    "decode_slices8": (lambda: patterns.attention(1, 4, 16, 1024, 128), {"m": 16}, 64, 2, {"slices": 8}),
 }
 
 
@@ -99,16 +104,52 @@ def test_split_groups_threads_rings_and_merge() -> None:
     assert back.split == 4 and back.key == s.key and "split" not in _schedule("causal").to_dict()
 
 
+def test_slices_grid_workspace_and_merge() -> None:
+    """slices multiply the grid; the kernel takes a partials workspace and per-tile arrival counts
+    (scratch params), fences, counts itself done with atomicAdd and merges from L2 (__ldcg)."""
+    s = _schedule("softmax_gemm_slices3")
+    p = s.warp_tile
+    assert s.num_blocks == 4 * 3 and p.slices == 3 and p.threads == 64
+    art = build(s, "cuda")
+    params = {q["name"]: q for q in art.meta["params"]}
+    assert params["sf_partials"] == {"name": "sf_partials", "shape": [12, p.merge_floats(), 64],
+                                     "dtype": "float32", "role": "scratch"}
+    assert params["sf_arrivals"]["shape"] == [4] and params["sf_arrivals"]["role"] == "scratch"
+    src = art.source
+    assert "atomicAdd" in src and "__ldcg" in src and src.count("__threadfence()") == 2
+    assert art.meta["grid"] == [12, 1, 1]
+    back = Schedule.from_json(s.to_json())
+    assert back.slices == 3 and back.key == s.key
+    assert "slices" not in _schedule("softmax_gemm").to_dict()  # absent at the default: old keys hold
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"slices": 2, "split": 2}, "among warp groups or among blocks, not both"),
+    ({"slices": 40}, "slices 40 must be 1..32 blocks"),
+    ({"slices": 0}, "slices 0 must be"),
+])
+def test_slices_refusals(kwargs, match) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        schedule(softmax_gemm(128, 4096, 64), tiles={"m": 32}, step=64, tensor_cores=True, stages=2, **kwargs)
+
+
+def test_slices_need_tensor_cores_and_steps() -> None:
+    with pytest.raises(ScheduleError, match="slices apply to tensor-core"):
+        schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
+    with pytest.raises(ScheduleError, match="at most the 2 steps"):
+        schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
+
+
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="stages, warps and split apply"):
+    with pytest.raises(ScheduleError, match="stages, warps, split and slices apply"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
 def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
     g = patterns.gemm_epilogue(64, 64, 64, "relu", False, "float16")
-    with pytest.raises(ScheduleError, match="stages/warps/split need a warp-tile program.*multiple of 16"):
+    with pytest.raises(ScheduleError, match="stages/warps/split/slices need a warp-tile program.*multiple of 16"):
         schedule(g, tiles={"m": 8, "n": 64}, serial="k", step=32, tensor_cores=True, stages=2)
     assert schedule(g, tiles={"m": 8, "n": 64}, serial="k", step=32, tensor_cores=True).warp_tile is None
 
@@ -116,7 +157,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="stages, warps and split apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="stages, warps, split and slices apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 

@@ -87,6 +87,14 @@ def test_nvcc_flags_round_trip(tmp_path: Path) -> None:
     assert "nvcc_flags" not in KernelArtefact.load(_write(tmp_path / "g", _meta())).to_meta()
 
 
+def test_scratch_params_are_the_launchers(tmp_path: Path) -> None:
+    """A workspace param (role scratch) is neither an input nor an output: the launcher keeps it."""
+    params = [*_meta()["params"], {"name": "ws", "shape": [4, 8], "dtype": "int32", "role": "scratch"}]
+    art = KernelArtefact.load(_write(tmp_path / "s", _meta(params=params, param_order=["O", "S", "V", "ws"])))
+    assert [p.name for p in art.scratch] == ["ws"]
+    assert "ws" not in {p.name for p in (*art.inputs, *art.outputs)}
+
+
 def test_save_validates_before_writing(tmp_path: Path) -> None:
     with pytest.raises(ArtefactError, match="param_order"):
         KernelArtefact.save(tmp_path / "c", SOURCE, _meta(param_order=["S", "V"]))

@@ -32,7 +32,7 @@ from schedulers.temporal import parse
 from schedulers.warp_tile import GemmState, WarpTileProgram, carry_factor, smem_layout, warp_tile_program
 from smg.expr import body_expr
 from spacefusion.lower.exprs import F32, to_tir
-from spacefusion.lower.tir import signature
+from spacefusion.lower.tir import ARRIVALS, PARTIALS, signature
 
 NEG_INF = -3.0e38
 I32 = "int32"
@@ -106,8 +106,11 @@ class _Gen:
                 T.evaluate(_cp_async(self.half, self.smem[name], self.sbase[name] + dst, self.glob[name], src))
 
     def step_of(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        """The serial step of this warp group's ``j``-th iteration (groups interleave steps)."""
-        return j * self.p.split + self.grp if self.p.split > 1 else j
+        """The serial step of this warp group's ``j``-th iteration (groups interleave steps; a
+        slice's block starts at its first step)."""
+        if self.p.split > 1:
+            return j * self.p.split + self.grp
+        return self.first + j if self.p.slices > 1 else j
 
     def slot_for(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
         """Ring slot of iteration ``j``: the group's own ``stages`` copies."""
@@ -234,7 +237,7 @@ class _Gen:
     def build(self) -> tirx.PrimFunc:
         s, p = self.s, self.p
         grid = s.grid()
-        nblocks = math.prod(grid.values())
+        nblocks = s.num_blocks
         with IB.IRBuilder() as ib:
             with T.prim_func():
                 T.func_name("main")
@@ -252,6 +255,10 @@ class _Gen:
                         rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
                         rb = rest % grid[p.row]
                         rest = rest // grid[p.row]
+                        # then the slice: the row tiles of one slice read the same K/V steps together
+                        self.slice = rest % p.slices
+                        rest = rest // p.slices
+                        self.tile = rest * grid[p.row] + rb  # the row tile's index among all tiles
                         outer = [d for d, _ in s.block if d != p.row]
                         for d in reversed(outer):
                             self.coord[d] = rest % grid[d] if d != outer[0] else rest
@@ -331,6 +338,12 @@ class _Gen:
         nsteps = self._steps_for_block()
         # every group runs the same iteration count (the block-wide barriers), idle past the end
         iters = tirx.floordiv(nsteps + (p.split - 1), p.split) if p.split > 1 else nsteps
+        self.first = tirx.const(0, I32)
+        if p.slices > 1:  # this block's contiguous range of steps (empty past a causal bound)
+            per = -(-self.s.num_steps // p.slices)
+            self.first = self.slice * per
+            nsteps = tirx.min(nsteps, self.first + per)
+            iters = tirx.max(nsteps - self.first, 0)
         for pre in range(p.stages - 1):
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
         with T.serial(0, iters) as j:
@@ -346,10 +359,12 @@ class _Gen:
                     busy.enter_context(T.Then())
                 self._step(qf)
             T.evaluate(T.tvm_storage_sync("shared"))
-        if p.split == 1:
+        if p.split > 1:
+            self._merge()
+        elif p.slices > 1:
+            self._merge_slices()
+        else:
             self._finalize()
-            return
-        self._merge()
 
     def _step(self, qf: tirx.Buffer | None) -> None:
         p = self.p
@@ -517,20 +532,19 @@ class _Gen:
         self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)
         self.updated(u.state)
 
-    def _merge(self) -> None:
-        """Fold the other warp groups' partial states into group 0's, which then stores the outputs.
-
-        In plan order, a max state takes the max; a sum state is the sum over groups of its derived
-        carry with ``__old`` bound to that group's values and the new values to the states merged
-        so far: the carry rescales a partial result from its group's statistics to the final ones
-        (e.g. ``l * exp(m_g - m)``), exactly as it does from one step to the next."""
-        p, tg = self.p, 32 * self.p.warps
-        regs = [(u.state, self.rs[u.state]) for u in p.row_states] + list(self.acc.items())
-        nf = sum(int(b.shape[0]) for _, b in regs)
-        xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
+    def _parts(self) -> tuple[list[tuple[str, tirx.Buffer]], dict[str, int], int]:
+        """The registers a partial result is made of: (name, buffer) pairs, offsets, total floats."""
+        regs = [(u.state, self.rs[u.state]) for u in self.p.row_states] + list(self.acc.items())
         offset, f = {}, 0
         for name, b in regs:
             offset[name], f = f, f + int(b.shape[0])
+        return regs, offset, f
+
+    def _merge(self) -> None:
+        """Fold the other warp groups' partial states into group 0's, which then stores the outputs."""
+        p, tg = self.p, 32 * self.p.warps
+        regs, offset, nf = self._parts()
+        xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
         with T.If(self.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
             for name, b in regs:
                 for e in range(int(b.shape[0])):
@@ -542,52 +556,94 @@ class _Gen:
                     return dict(regs)[name][e]
                 return xchg[((g - 1) * nf + offset[name] + e) * tg + self.gtid]
 
-            merged: dict[str, tirx.Buffer] = {}
-
-            def loader(g: int, h: int) -> Callable[[str], tirx.PrimExpr]:
-                """Row values for group g's carry: ``__old`` its own, new ones as merged so far."""
-                def load(name: str) -> tirx.PrimExpr:
-                    base = name.removesuffix("__old").removesuffix("__new")
-                    if base in self.rs:
-                        now = base in merged and not name.endswith("__old")
-                        return merged[base][h] if now else src(g, base, h)
-                    return self._load_row(name, h)
-                return load
-
-            gemm_of = {gs.update.state: gs for gs in p.gemm_states}
-            for u in self.s.plan.states:
-                size = int(dict(regs)[u.state].shape[0])
-                out = merged[u.state] = T.alloc_buffer((size,), F32, scope="local")
-                gs = gemm_of.get(u.state)
-                rescale = u.combiner == "sum" and bool(u.carry)
-                if gs is not None:  # accumulators: one carry factor per group and row
-                    per = (gs.n_tile // 8) * 4
-                    if rescale:
-                        fac = T.alloc_buffer((p.split * 2 * self.mt,), F32, scope="local")
-                        factor = carry_factor(u.carry, u.state)
-                        for g in range(p.split):
-                            for h in range(2 * self.mt):
-                                T.buffer_store(fac, self.expr(factor, loader(g, h)), [g * 2 * self.mt + h])
-                    for e in range(size):
-                        h = self.slot_of(e, per)
-                        terms = [src(g, u.state, e) * fac[g * 2 * self.mt + h] if rescale else src(g, u.state, e)
-                                 for g in range(p.split)]
-                        T.buffer_store(out, _tree(terms, u.combiner), [e])
-                    continue
-                old = f"{u.state}__old"
-                for h in range(size):
-                    terms = []
-                    for g in range(p.split):
-                        ld = loader(g, h)
-                        v = src(g, u.state, h)
-                        terms.append(self.expr(u.carry, lambda n, ld=ld, v=v, old=old: v if n == old else ld(n))
-                                     if rescale else v)
-                    T.buffer_store(out, _tree(terms, u.combiner), [h])
-            for u in p.row_states:
-                self.rs[u.state] = merged[u.state]
-            for name in self.acc:
-                self.acc[name] = merged[name]
+            self._merged(p.split, src)
             self._finalize()  # group 0 stores the outputs
+
+    def _merge_slices(self) -> None:
+        """Blocks of one row tile: each leaves its partial states in the global workspace and counts
+        itself done (atomicAdd after a fence); the last one reads all of them back (``__ldcg``: from
+        L2, never a stale L1 line), merges them, resets the count for the next launch and stores."""
+        p = self.p
+        regs, offset, _ = self._parts()
+        part, arrivals = self.glob[PARTIALS], self.glob[ARRIVALS]
+        mine = self.tile * p.slices + self.slice
+        for name, b in regs:
+            for e in range(int(b.shape[0])):
+                T.buffer_store(part, b[e], [mine, offset[name] + e, self.tid])
+        T.evaluate(tirx.call_extern("void", "__threadfence"))
+        T.evaluate(T.tvm_storage_sync("shared"))
+        done = T.alloc_buffer((1,), I32, scope="shared")
+        with T.If(self.tid == 0), T.Then():
+            T.buffer_store(done, tirx.call_extern(I32, "atomicAdd", tirx.address_of(arrivals[self.tile]), 1), [0])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        last = T.alloc_buffer((1,), I32, scope="local")  # a branch condition may not read shared memory
+        T.buffer_store(last, done[0], [0])
+        with T.If(last[0] == p.slices - 1), T.Then():
+            T.evaluate(tirx.call_extern("void", "__threadfence"))
+
+            def src(g: int, name: str, e: int) -> tirx.PrimExpr:
+                at = part[self.tile * p.slices + g, offset[name] + e, self.tid]
+                return tirx.call_extern(F32, "__ldcg", tirx.address_of(at))
+
+            self._merged(p.slices, src)
+            with T.If(self.tid == 0), T.Then():
+                T.buffer_store(arrivals, tirx.const(0, I32), [self.tile])
+            self._finalize()
+
+    def _merged(self, parts: int, src: Callable[[int, str, int], tirx.PrimExpr]) -> None:
+        """Merge ``parts`` partial states (``src(g, name, e)``) into this thread's registers.
+
+        In plan order, a max state takes the max; a sum state is the sum over parts of its derived
+        carry with ``__old`` bound to that part's values and the new values to the states merged
+        so far: the carry rescales a partial result from its part's statistics to the final ones
+        (e.g. ``l * exp(m_g - m)``), exactly as it does from one step to the next."""
+        p = self.p
+        regs = dict(self._parts()[0])
+        merged: dict[str, tirx.Buffer] = {}
+
+        def loader(g: int, h: int) -> Callable[[str], tirx.PrimExpr]:
+            """Row values for part g's carry: ``__old`` its own, new ones as merged so far."""
+            def load(name: str) -> tirx.PrimExpr:
+                base = name.removesuffix("__old").removesuffix("__new")
+                if base in self.rs:
+                    now = base in merged and not name.endswith("__old")
+                    return merged[base][h] if now else src(g, base, h)
+                return self._load_row(name, h)
+            return load
+
+        gemm_of = {gs.update.state: gs for gs in p.gemm_states}
+        for u in self.s.plan.states:
+            size = int(regs[u.state].shape[0])
+            out = merged[u.state] = T.alloc_buffer((size,), F32, scope="local")
+            gs = gemm_of.get(u.state)
+            rescale = u.combiner == "sum" and bool(u.carry)
+            if gs is not None:  # accumulators: one carry factor per part and row
+                per = (gs.n_tile // 8) * 4
+                if rescale:
+                    fac = T.alloc_buffer((parts * 2 * self.mt,), F32, scope="local")
+                    factor = carry_factor(u.carry, u.state)
+                    for g in range(parts):
+                        for h in range(2 * self.mt):
+                            T.buffer_store(fac, self.expr(factor, loader(g, h)), [g * 2 * self.mt + h])
+                for e in range(size):
+                    h = self.slot_of(e, per)
+                    terms = [src(g, u.state, e) * fac[g * 2 * self.mt + h] if rescale else src(g, u.state, e)
+                             for g in range(parts)]
+                    T.buffer_store(out, _tree(terms, u.combiner), [e])
+                continue
+            old = f"{u.state}__old"
+            for h in range(size):
+                terms = []
+                for g in range(parts):
+                    ld = loader(g, h)
+                    v = src(g, u.state, h)
+                    terms.append(self.expr(u.carry, lambda n, ld=ld, v=v, old=old: v if n == old else ld(n))
+                                 if rescale else v)
+                T.buffer_store(out, _tree(terms, u.combiner), [h])
+        for u in p.row_states:
+            self.rs[u.state] = merged[u.state]
+        for name in self.acc:
+            self.acc[name] = merged[name]
 
     def _finalize(self) -> None:
         p = self.p

@@ -41,10 +41,20 @@ class KernelSignature:
     params: tuple[tuple[str, tuple[int, ...], str, str], ...]  # name, shape, dtype, role
 
 
+#: workspace params of a sliced warp-tile kernel: the blocks' partial states, and per row tile the
+#: number of its blocks done (the launcher zeroes it once; the merging block resets it)
+PARTIALS, ARRIVALS = "sf_partials", "sf_arrivals"
+
+
 def signature(s: Schedule) -> KernelSignature:
     smg = s.smg
     ps = [(n, smg.shape(n), smg.space(n).dtype, "input") for n in smg.inputs]
     ps += [(n, smg.shape(n), smg.space(n).dtype, "output") for n in smg.outputs]
+    if s.slices > 1:
+        p = s.warp_tile
+        tiles = s.num_blocks // s.slices
+        ps += [(PARTIALS, (tiles * s.slices, p.merge_floats(), p.threads), "float32", "scratch"),
+               (ARRIVALS, (tiles,), "int32", "scratch")]
     return KernelSignature(tuple(ps))
 
 

@@ -23,7 +23,8 @@ META_FILE = "kernel.json"
 SUPPORTED_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
 )
-ROLES = frozenset({"input", "output"})
+#: scratch params are workspaces the launcher allocates (zeroed once) and keeps: never passed or returned
+ROLES = frozenset({"input", "output", "scratch"})
 MAX_THREADS_PER_BLOCK = 1024
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -199,6 +200,10 @@ class KernelArtefact:
     def outputs(self) -> tuple[ParamSpec, ...]:
         return tuple(p for p in self.params if p.role == "output")
 
+    @property
+    def scratch(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p in self.params if p.role == "scratch")
+
     def param(self, name: str) -> ParamSpec:
         for p in self.params:
             if p.name == name:
@@ -260,7 +265,7 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
             raise ArtefactError(f"{where}: param {name!r} has unsupported dtype {dtype!r}")
         role = p.get("role")
         if role not in ROLES:
-            raise ArtefactError(f"{where}: param {name!r} has role {role!r}, expected 'input' or 'output'")
+            raise ArtefactError(f"{where}: param {name!r} has role {role!r}, expected one of {sorted(ROLES)}")
         out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role))
     names = [p.name for p in out]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -117,6 +117,7 @@ class CudaKernel:
         self.backend: str | None = None
         self.compile_errors: dict[str, str] = {}
         self._kernels: dict[int, Any] = {}  # device index -> cupy.RawKernel
+        self._scratch: dict[int, dict[str, Any]] = {}  # device index -> zeroed workspaces, kept
 
     def __repr__(self) -> str:
         art = self.artefact
@@ -214,6 +215,10 @@ class CudaKernel:
         tensors = self._bind(inputs, dict(outputs or {}))
         device = next(iter(tensors.values())).device
         kernel = self._kernel(device.index)
+        if art.scratch and device.index not in self._scratch:  # zeroed once: the kernel leaves them zeroed
+            self._scratch[device.index] = {
+                p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=device) for p in art.scratch}
+        tensors.update(self._scratch.get(device.index, {}))
         args = tuple(numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
         with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream):
             kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)

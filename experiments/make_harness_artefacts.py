@@ -42,9 +42,10 @@ SCHEDULES = {
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),
     "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 64,
                      TC | {"stages": 2}),
-    # 32 row tiles only: 8 blocks per row tile each take 1/8 of the KV steps, the last merges
-    "mha_decode": (lambda: P.attention(1, 32, 64, 8192, 128, dtype=H), {"m": 64}, "l", 64,
-                   TC | {"stages": 2, "slices": 8}),
+    # 32 row tiles only: 4 blocks per row tile each take 1/4 of the KV steps, the last merges; the
+    # tuner's best of 48 measured (experiments/tuning/raw/attention_decode_round*.json)
+    "mha_decode": (lambda: P.attention(1, 32, 64, 8192, 128, dtype=H), {"m": 64}, "l", 32,
+                   TC | {"stages": 3, "slices": 4}),
 }
 
 

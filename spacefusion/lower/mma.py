@@ -348,9 +348,16 @@ class _Gen:
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
         with T.serial(0, iters) as j:
             ahead = j + (p.stages - 1)
-            self.issue_step(ahead, self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None)
-            T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 1))
-            T.evaluate(T.tvm_storage_sync("shared"))
+            pred = self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None
+            if p.stages == 1:  # no ring: load, wait, compute, and every warp done before the next load
+                self.issue_step(ahead, pred)
+                T.evaluate(T.ptx.cp.async_.wait_group(0))
+                T.evaluate(T.tvm_storage_sync("shared"))
+            else:  # one barrier per step: it publishes tile j to every warp and frees the slot of
+                # tile j - 1 (all warps are past its compute), which the load of tile j + stages - 1 reuses
+                T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 2))
+                T.evaluate(T.tvm_storage_sync("shared"))
+                self.issue_step(ahead, pred)
             self.t0 = self.step_of(j) * p.step
             self.slot = self.slot_for(j)
             with ExitStack() as busy:
@@ -358,7 +365,9 @@ class _Gen:
                     busy.enter_context(T.If(self.step_of(j) < nsteps))
                     busy.enter_context(T.Then())
                 self._step(qf)
-            T.evaluate(T.tvm_storage_sync("shared"))
+            if p.stages == 1:
+                T.evaluate(T.tvm_storage_sync("shared"))
+        T.evaluate(T.tvm_storage_sync("shared"))  # the merge's hand-over lies over the ring
         if p.split > 1:
             self._merge()
         elif p.slices > 1:

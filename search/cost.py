@@ -158,7 +158,15 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         # every operand comes from shared memory or the L1/L2 path, not registers: those limit first
         compute_s = max(flops / peak, shared_b / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
                         cached_b / hw.l2_bandwidth_bytes_per_s) / util
-    nbytes = float(fused_kernel(s).read_bytes + fused_kernel(s).write_bytes) + _uncoalesced_bytes(s)
+    if s.warp_tile is not None:
+        # cp.async reads 16-byte chunks (coalesced), and the row tiles of one batch coordinate run
+        # side by side, so the tiles they all stream (K, V) come from L2 after the first: the device
+        # memory sees each tensor once (the L2 re-reads are in the compute term)
+        smg = s.smg
+        nbytes = float(sum(math.prod(smg.shape(n)) * np.dtype(smg.space(n).dtype).itemsize
+                           for n in (*smg.inputs, *smg.outputs)))
+    else:
+        nbytes = float(fused_kernel(s).read_bytes + fused_kernel(s).write_bytes) + _uncoalesced_bytes(s)
     if s.slices > 1:  # every block writes its partial states, the merging blocks read them all back
         nbytes += 2.0 * s.num_blocks * s.warp_tile.merge_floats() * res.threads * 4
     if res.spills:  # local buffers beyond the register file go to (cached) local memory each step

@@ -226,3 +226,24 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
     ref = evaluate(s.smg, {n: v.float().cpu().numpy().astype(np.float64) for n, v in xs.items()})
     for n, v in out.items():
         np.testing.assert_allclose(v.float().cpu().numpy(), ref[n], atol=3e-2 if dtype == "bfloat16" else 5e-3)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", ["attention", "gemm_sigmoid", "softmax_gemm_slices3"])
+def test_register_estimate_bounds_what_nvcc_allocates(name, tmp_path) -> None:
+    """The resource model's registers per thread (what occupancy and pruning use) are at least
+    nvcc's count for the kernel and not far above it: no false spills, no lost occupancy."""
+    import subprocess
+
+    from spacefusion.lower.build import NVCC_FLAGS
+
+    s = _schedule(name)
+    art = build(s, "cuda")
+    folder = art.save(tmp_path / name, compile_cubin=False)
+    out = subprocess.run(["nvcc", "-cubin", f"-arch={art.meta['arch']}", *NVCC_FLAGS, *art.meta["nvcc_flags"],
+                          "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(folder / "kernel.cu")],
+                         capture_output=True, text=True, check=True)
+    used = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+    est = block_resources(s).registers_per_thread
+    assert used <= est <= used + 80, (used, est)
+    assert not block_resources(s).spills

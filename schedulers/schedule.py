@@ -107,6 +107,11 @@ class Schedule:
     def num_steps(self) -> int:
         return math.ceil(self.smg.dim_sizes[self.serial] / self.step)
 
+    @property
+    def steps_per_block(self) -> int:
+        """Serial steps one block runs: all of them, or its slice's contiguous share."""
+        return -(-self.num_steps // self.slices)
+
     def level(self, space: str) -> str:
         return dict(self.memory)[space]
 

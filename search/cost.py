@@ -126,9 +126,8 @@ def _warp_tile_compute_s(s: Schedule, hw: HardwareModel, resident_warps: float) 
     simt = batch * rows * cols * 4.0 * (len(p.score_ops) + len(s.plan.states))
     tiles = {n: c for n, c in smem_layout(s, p).items() if not (p.gemm and n == p.gemm.a)}
     step_bytes = sum(r * (w - 8) * 2 for _, r, w in tiles.values())
-    steps = -(-s.num_steps // s.slices)  # a slice's block takes its share of the steps
-    smem = s.num_blocks * steps * p.warps * step_bytes
-    l2 = s.num_blocks * steps * step_bytes
+    smem = s.num_blocks * s.steps_per_block * p.warps * step_bytes
+    l2 = s.num_blocks * s.steps_per_block * step_bytes
     dtype = s.smg.space(s.smg.inputs[0]).dtype
     util = min(1.0, resident_warps / (4 * hw.num_sms))  # a few warps per scheduler hide mma latency
     secs = max(mma / (hw.peak_flops(dtype, tensor_core=True) * MMA_SYNC_FRACTION) + simt / hw.peak_flops(
@@ -174,7 +173,7 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
     memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     passes = 2 if s.plan.second_pass else 1
-    sync_s = waves * -(-s.num_steps // s.slices) * passes * BARRIER_CYCLES / hw.clock_hz
+    sync_s = waves * s.steps_per_block * passes * BARRIER_CYCLES / hw.clock_hz
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 

@@ -93,6 +93,10 @@ def test_scratch_params_are_the_launchers(tmp_path: Path) -> None:
     art = KernelArtefact.load(_write(tmp_path / "s", _meta(params=params, param_order=["O", "S", "V", "ws"])))
     assert [p.name for p in art.scratch] == ["ws"]
     assert "ws" not in {p.name for p in (*art.inputs, *art.outputs)}
+    from spacefusion.runtime.gpu import CudaKernel, KernelLaunchError
+
+    with pytest.raises(KernelLaunchError, match=r"\['ws'\] are workspaces the launcher allocates"):
+        CudaKernel(art)(S=None, V=None, ws=None)
 
 
 def test_save_validates_before_writing(tmp_path: Path) -> None:

@@ -340,7 +340,7 @@ class _Gen:
         iters = tirx.floordiv(nsteps + (p.split - 1), p.split) if p.split > 1 else nsteps
         self.first = tirx.const(0, I32)
         if p.slices > 1:  # this block's contiguous range of steps (empty past a causal bound)
-            per = -(-self.s.num_steps // p.slices)
+            per = self.s.steps_per_block
             self.first = self.slice * per
             nsteps = tirx.min(nsteps, self.first + per)
             iters = tirx.max(nsteps - self.first, 0)

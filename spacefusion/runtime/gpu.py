@@ -195,6 +195,12 @@ class CudaKernel:
             raise KernelLaunchError(
                 f"{self.artefact.kernel_name}: unknown params {unknown}; params are {sorted(roles)}"
             )
+        scratch = sorted(n for n in tensors if roles[n] == "scratch")
+        if scratch:
+            raise KernelLaunchError(
+                f"{self.artefact.kernel_name}: {scratch} are workspaces the launcher allocates and keeps; "
+                "pass only inputs and outputs"
+            )
         inputs = {n: t for n, t in tensors.items() if roles[n] == "input"}
         outputs = {n: t for n, t in tensors.items() if roles[n] == "output"}
         return self.launch(inputs, outputs)

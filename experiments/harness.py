@@ -15,7 +15,7 @@ Systems per workload: ``spacefusion`` (the artefact's kernel; "no artefact" when
 SDPA with each backend forced (``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``) and ``flash_attn``
 (``flash_attn_func``) when installed.  Every system is first checked against a float32 torch reference
 computed from the same inputs (spacefusion's outputs NaN-filled first), and only if it matches timed
-with the runtime's ``time_cuda`` (CUDA events, L2 flushed between runs, median).  ``--sf-budget-s``
+with the runtime's ``time_cuda`` (CUDA events, L2 flushed between runs by a read, median).  ``--sf-budget-s``
 caps the timing of the (slow) spacefusion kernels: fewer runs, at least 5; baselines always get
 ``--iters`` runs.  Rows report TFLOP/s or GB/s per the workload's roofline, the fraction of that roof
 (from the hardware model: tensor-core peak for the dtype, or DRAM bandwidth) and, in the spacefusion
@@ -421,6 +421,7 @@ class Settings:
     sf_budget_s: float | None = None
     seed: int = 0
     use_compile: bool = True
+    flush: str = "read"
 
 
 def _error(exc: BaseException) -> str:
@@ -465,7 +466,7 @@ def run_system(w: hwl.Workload, system: System, ref: Any, tol: float, cfg: Setti
     if system.budgeted:
         warmup, iters = budget_iters(row["first_call_s"], warmup, iters, cfg.sf_budget_s)
     try:
-        t = timing.time_cuda(fn, warmup=warmup, iters=iters)
+        t = timing.time_cuda(fn, warmup=warmup, iters=iters, flush=cfg.flush)
     except Exception as exc:
         row.update(status="error", error=f"timing: {_error(exc)}", traceback=traceback.format_exc())
         return row
@@ -549,6 +550,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds of timing per spacefusion kernel; slow kernels get fewer runs (at least "
                              f"{MIN_BUDGET_ITERS}); baselines always get --iters")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flush", choices=("read", "write"), default="read",
+                        help="L2 flush between timed runs: read a buffer twice the L2 (clean lines, default) "
+                             "or zero it (dirty lines whose write-back the timed kernel pays for)")
     parser.add_argument("--note", default=None, help="free text for the JSON (where the artefacts came from, ...)")
     return parser.parse_args(argv)
 
@@ -569,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
 
     cfg = Settings(warmup=args.warmup, iters=args.iters, sf_budget_s=args.sf_budget_s, seed=args.seed,
-                   use_compile=not args.no_compile)
+                   use_compile=not args.no_compile, flush=args.flush)
     hw = hardware_info("float16")
     env = environment()
     result: dict[str, Any] = {
@@ -579,8 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         **env,
         "hardware_model": hw,
         "timing": {"timer": "spacefusion.runtime.timing.time_cuda", "stat": "median of CUDA events",
-                   "flush_l2": True, "warmup": cfg.warmup, "iters": cfg.iters, "sf_budget_s": cfg.sf_budget_s,
-                   "sf_min_iters": MIN_BUDGET_ITERS},
+                   "flush_l2": True, "flush": cfg.flush, "warmup": cfg.warmup, "iters": cfg.iters,
+                   "sf_budget_s": cfg.sf_budget_s, "sf_min_iters": MIN_BUDGET_ITERS},
         "seed": cfg.seed,
         "note": args.note,
         "check": {"reference": "float32 torch on the same inputs, TF32 off", "atol": ATOL,

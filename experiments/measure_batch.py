@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch_cuda": torch.version.cuda,
             "cupy": cupy_version,
             "timing": {"warmup": args.warmup, "iters": args.iters, "flush_l2": not args.no_flush_l2,
+                       "flush": runtime_module("timing").DEFAULT_FLUSH,
                        "stat": "median of CUDA events"},
             "results": rows,
         }

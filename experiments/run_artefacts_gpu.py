@@ -250,7 +250,8 @@ def max_abs_err(out: Any, ref: Any) -> float:
     return float(diff.max())
 
 
-def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bool) -> dict[str, Any]:
+def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bool,
+            flush: str = "read") -> dict[str, Any]:
     """Check one artefact and, if it matches the reference, time it and its baselines."""
     import torch
 
@@ -298,7 +299,8 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
     if not row["ok"]:
         return row
 
-    kern_t = timing.time_cuda(lambda: kernel.launch(case.inputs, outputs), warmup=warmup, iters=iters)
+    kern_t = timing.time_cuda(lambda: kernel.launch(case.inputs, outputs), warmup=warmup, iters=iters,
+                               flush=flush)
     # after all those launches, fresh inputs must still come out right: state a kernel keeps between
     # launches (a sliced kernel's arrival counts) has to be left as the first launch found it
     again = WORKLOADS[name](art, seed + 1, False)
@@ -319,7 +321,7 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
             torch.cuda.synchronize()
             berr = max_abs_err(got, case.reference)
             entry["max_abs_err"] = None if math.isnan(berr) else berr
-            t = timing.time_cuda(fn, warmup=warmup, iters=iters)
+            t = timing.time_cuda(fn, warmup=warmup, iters=iters, flush=flush)
             entry.update(t.as_dict(), ratio=t.median_us / kern_t.median_us)
         except Exception as exc:  # a failing baseline must not hide the kernel's result
             entry["error"] = f"{type(exc).__name__}: {exc}"
@@ -369,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines (slow to build)")
+    parser.add_argument("--flush", choices=("read", "write"), default="read", help="L2 flush between runs")
     args = parser.parse_args(argv)
 
     import torch
@@ -383,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for folder in args.artefacts:
         try:
-            row = run_one(folder, seed=args.seed, warmup=args.warmup, iters=args.iters, use_compile=not args.no_compile)
+            row = run_one(folder, seed=args.seed, warmup=args.warmup, iters=args.iters, use_compile=not args.no_compile,
+                          flush=args.flush)
         except Exception as exc:  # record and go on: one bad artefact must not lose the others' numbers
             row = {"path": str(folder), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
             row["traceback"] = traceback.format_exc()
@@ -404,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "iters": args.iters,
             "flush_l2": True,
+            "flush": args.flush,
             "stat": "median of CUDA events",
         },
         "seed": args.seed,

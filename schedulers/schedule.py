@@ -66,6 +66,11 @@ class Schedule:
     #: to fill the GPU); each leaves its partial states in a global workspace and the last of them to
     #: finish merges all through the derived carries and stores the outputs
     slices: int = 1
+    #: re-read the first GEMM's A operand (attention's Q) from shared memory every step instead of
+    #: holding its fragments in registers for the whole loop: frees (16-row tiles per warp) x K / 4
+    #: registers a thread (64 for two tiles at d = 128), so two tiles per warp fit without spilling,
+    #: for K / 16 more ldmatrix per tile and step and an A tile of its own in shared memory
+    reload_a: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -138,7 +143,8 @@ class Schedule:
             {"tensor_cores": True} if self.tensor_cores else {}) | (
             {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {}) | (
             {"vector": self.vector} if self.vector != 1 else {}) | (
-            {"split": self.split} if self.split != 1 else {}) | ({"slices": self.slices} if self.slices != 1 else {})
+            {"split": self.split} if self.split != 1 else {}) | (
+            {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -184,6 +190,7 @@ class Schedule:
             vector=int(d.get("vector", 1)),
             split=int(d.get("split", 1)),
             slices=int(d.get("slices", 1)),
+            reload_a=bool(d.get("reload_a", False)),
         )
 
     def __str__(self) -> str:
@@ -267,7 +274,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
-                  vector: int = 1, split: int = 1, slices: int = 1) -> Schedule:
+                  vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -284,6 +291,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     the end through the derived update functions (more warps per block for few row tiles).
     ``slices`` > 1 divides them among that many blocks instead (more blocks for a small grid);
     the last block of a row tile to finish merges the others' partial states from global memory.
+    ``reload_a`` keeps the first GEMM's A operand in shared memory and re-reads its fragments every
+    step (fewer registers: two 16-row tiles per warp at head dim 128 without spilling).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -352,7 +361,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         raise ScheduleError(f"slices {slices} must be 1..32 blocks and at most the {nsteps} steps of {step} "
                             f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
-                   bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices))
+                   bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
+                   bool(reload_a))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -368,8 +378,11 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                                     f"one: {warp}")
         if lanes != 1:
             raise ScheduleError("lanes apply to CUDA-core kernels; tensor-core kernels place threads by mma tiles")
-    elif stages != 1 or warps or split != 1 or slices != 1:
-        raise ScheduleError("stages, warps, split and slices apply to tensor-core warp-tile kernels "
+        if reload_a and (out.warp_tile is None or out.warp_tile.gemm is None):
+            raise ScheduleError(f"reload_a re-reads the A operand of a warp-tile program's first GEMM (attention's "
+                                f"Q @ K^T); {smg.name!r} has no such GEMM")
+    elif stages != 1 or warps or split != 1 or slices != 1 or reload_a:
+        raise ScheduleError("stages, warps, split, slices and reload_a apply to tensor-core warp-tile kernels "
                             "(tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "

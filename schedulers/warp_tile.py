@@ -71,6 +71,7 @@ class WarpTileProgram:
     warps: int  # each warp owns rows / warps rows: one K/V fragment feeds that many 16-row mma tiles
     split: int = 1  # warp groups, each taking every split-th serial step (own cp.async ring)
     slices: int = 1  # blocks per row tile, each taking a contiguous range of serial steps
+    reload_a: bool = False  # the GEMM's A tile stays in shared memory, its fragments read every step
 
     @property
     def warp_mtiles(self) -> int:
@@ -177,7 +178,8 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                 raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not "
                                     f"its old value times a per-row factor, so partial results cannot merge")
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
-                           tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices)
+                           tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices,
+                           s.reload_a and gemm is not None)
 
 
 def carry_factor(carry: str, state: str) -> sp.Expr | None:
@@ -270,14 +272,15 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
 
 def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     """The kernel's arena: the ring tiles side by side, the A tile over them (it is read into
-    registers before the ring fills), and after the loop the groups' fp32 hand-over over it all."""
+    registers before the ring fills) or, with ``reload_a``, after them, and after the loop the
+    groups' fp32 hand-over over it all."""
     item = 2  # fp16 / bf16
     layout = smem_layout(s, p)
     a_tile = p.gemm.a if p.gemm is not None else None
     ring = sum(math.prod(v) for n, v in layout.items() if n != a_tile) * item
     a = math.prod(layout[a_tile]) * item if a_tile else 0
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4
-    return max(ring, a, merge)
+    return max(ring + a, merge) if p.reload_a else max(ring, a, merge)
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:
@@ -288,7 +291,9 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
     regs = 40
     if p.row_states or p.score_ops:  # fp32 score tile (+ live element-wise copies); a plain GEMM's A
         regs += mt * (p.step // 8) * 4 * (1 + len(p.score_ops) // 2)  # operand is only its fp16 fragments
-    if p.gemm is not None:
+    if p.gemm is not None and p.reload_a:
+        regs += 2 * mt * 4  # A fragments of two k slices (the current one and the one being read)
+    elif p.gemm is not None:
         regs += mt * sizes[p.gemm.k] // 4  # A fragments held for the whole loop (8 halfs per 16 columns)
     regs += mt * (p.step // 16) * 4  # P as fp16 A fragments
     regs += mt * (sum((g.n_tile // 8) * 4 for g in p.gemm_states) + 4 * len(p.row_states))

@@ -127,6 +127,8 @@ def _warp_tile_compute_s(s: Schedule, hw: HardwareModel, resident_warps: float) 
     tiles = {n: c for n, c in smem_layout(s, p).items() if not (p.gemm and n == p.gemm.a)}
     step_bytes = sum(r * (w - 8) * 2 for _, r, w in tiles.values())
     smem = s.num_blocks * s.steps_per_block * p.warps * step_bytes
+    if p.reload_a:  # every step each warp reads its own rows of the A tile again
+        smem += s.num_blocks * s.steps_per_block * p.rows * sizes[p.gemm.k] * 2
     l2 = s.num_blocks * s.steps_per_block * step_bytes
     dtype = s.smg.space(s.smg.inputs[0]).dtype
     util = min(1.0, resident_warps / (4 * hw.num_sms))  # a few warps per scheduler hide mma latency

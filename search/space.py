@@ -67,6 +67,7 @@ class Knobs:
     vector: int = 1
     split: int = 1
     slices: int = 1
+    reload_a: bool = False
 
 
 @dataclass
@@ -146,11 +147,22 @@ class SearchSpace:
                     parts = [(sp, 1) for sp in SPLITS]
                     if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
                         parts += [(1, sl) for sl in SLICES]
-                    for step, stages, warps, (split, sl) in itertools.product(steps16, STAGES, WARPS, parts):
+                    reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
+                    for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES, WARPS, parts,
+                                                                                  reloads):
                         if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
                             continue
                         yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
-                                    stages, warps, split=split, slices=sl)
+                                    stages, warps, split=split, slices=sl, reload_a=rl)
+
+    @cached_property
+    def first_gemm(self) -> tuple[str, ...]:
+        """The dims the first op reduces when it is a product of two inputs (attention's Q @ K^T):
+        ``reload_a`` applies when the serial dim is not one of them (a GEMM per step, not over steps)."""
+        op = self.smg.ops[0] if self.smg.ops else None
+        if op is None or op.combiner != "sum" or len(op.inputs) != 2 or not op.reduce:
+            return ()
+        return op.reduce if all(a.space in self.smg.inputs for a in op.inputs) else ()
 
     @cached_property
     def vectors(self) -> tuple[int, ...]:
@@ -180,7 +192,7 @@ class SearchSpace:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
                              recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
                              tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector,
-                             split=k.split, slices=k.slices)
+                             split=k.split, slices=k.slices, reload_a=k.reload_a)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
@@ -208,7 +220,7 @@ class SearchSpace:
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
                 f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
                 f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}, slices {list(SLICES)} for "
-                f"grids smaller than the SMs) where the plan is one")
+                f"grids smaller than the SMs, A fragments held or reloaded) where the plan is one")
 
 
 def _reason(msg: str) -> str:

@@ -36,6 +36,11 @@ CASES = {
                        {"slices": 4}),
     "softmax_gemm_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"slices": 3}),
     "decode_slices8": (lambda: patterns.attention(1, 4, 16, 1024, 128), {"m": 16}, 64, 2, {"slices": 8}),
+    # Q re-read from shared memory every step: two 16-row tiles per warp at d = 128; with a mask and tails
+    "mt2_reload_d128": (lambda: patterns.attention(1, 2, 128, 192, 128), {"m": 128}, 32, 2,
+                        {"warps": 4, "reload_a": True}),
+    "causal_reload": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 64}, 32, 3,
+                      {"warps": 2, "reload_a": True}),
 }
 
 
@@ -149,7 +154,7 @@ def test_slices_refusals(kwargs, match) -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="slices apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="slices and reload_a apply to tensor-core"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -158,8 +163,50 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="stages, warps, split and slices apply"):
+    with pytest.raises(ScheduleError, match="stages, warps, split, slices and reload_a apply"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
+
+
+def test_reload_a_keeps_q_in_shared_memory_and_frees_registers() -> None:
+    """Q gets a tile of its own next to the K/V ring (not over it), its fragments are read in the
+    loop next to K's, and the registers that held them for the whole loop are free."""
+    s = _schedule("mt2_reload_d128")
+    held = schedule(patterns.attention(1, 2, 128, 192, 128), tiles={"m": 128}, step=32, tensor_cores=True,
+                    stages=2, warps=4)
+    assert s.warp_tile.reload_a and not held.warp_tile.reload_a and s.warp_tile.warp_mtiles == 2
+    ring = 2 * 2 * (32 * (128 + 8)) * 2  # K and V, 2 stages of [32, 128+8] fp16
+    q = 128 * (128 + 8) * 2
+    assert block_resources(held).shared_bytes == max(ring, q)
+    assert block_resources(s).shared_bytes == ring + q
+    # 2 tiles x 128 / 4 = 64 registers of held Q fragments become 2 k slices x 2 tiles x 4: the
+    # model's spill (nvcc: 284 bytes at LLaMA's step 64) is gone
+    assert block_resources(held).local_floats - block_resources(s).local_floats == 64 - 16
+    assert block_resources(held).spills and not block_resources(s).spills
+    src = build(s, "cuda").source
+    loop = src[src.index("for (int"):]  # the A tile's fragments are read inside the step loop
+    assert loop.count("ldmatrix.sync.aligned.m8n8.x4.shared") > 0
+    back = Schedule.from_json(s.to_json())
+    assert back.reload_a and back.key == s.key and back.key != held.key
+    assert "reload_a" not in held.to_dict()
+
+
+def test_reload_a_refusals() -> None:
+    with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
+        schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
+    with pytest.raises(ScheduleError, match="reload_a apply to tensor-core"):
+        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
+
+
+def test_search_space_offers_reload_a_only_with_a_first_gemm() -> None:
+    from schedulers.hardware import H100
+    from search.space import SearchSpace
+
+    def reloads(g) -> set[bool]:
+        sp = SearchSpace(g, H100, max_step=64)
+        return {k.reload_a for k in sp.knobs() if k.tensor_cores}
+
+    assert reloads(patterns.attention(1, 2, 128, 128, 128, dtype="float16")) == {False, True}
+    assert reloads(softmax_gemm(128, 256, 64)) == {False}
 
 
 def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
@@ -172,7 +219,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="stages, warps, split and slices apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="stages, warps, split, slices and reload_a apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 
@@ -229,7 +276,7 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["attention", "gemm_sigmoid", "softmax_gemm_slices3"])
+@pytest.mark.parametrize("name", ["attention", "gemm_sigmoid", "softmax_gemm_slices3", "mt2_reload_d128"])
 def test_register_estimate_bounds_what_nvcc_allocates(name, tmp_path) -> None:
     """The resource model's registers per thread (what occupancy and pruning use) are at least
     nvcc's count for the kernel and not far above it: no false spills, no lost occupancy."""

@@ -182,6 +182,14 @@ def test_timing_summary_statistics() -> None:
     assert res.as_dict()["median_us"] == 50.5
 
 
+def test_timing_refuses_unknown_flush_mode_before_touching_a_gpu() -> None:
+    from spacefusion.runtime.timing import DEFAULT_FLUSH, FLUSH_MODES, time_cuda
+
+    assert DEFAULT_FLUSH == "read" and set(FLUSH_MODES) == {"read", "write"}
+    with pytest.raises(ValueError, match="unknown L2 flush mode 'dirty'.*read, write"):
+        time_cuda(lambda: None, flush="dirty")
+
+
 def _modules_after(code: str) -> dict[str, bool]:
     watched = HEAVY + ("torch", "cupy")
     probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {watched!r}}}))"

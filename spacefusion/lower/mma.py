@@ -61,6 +61,7 @@ class _Gen:
         self.fold_log2e = not any(body_expr(self.smg.producer(n)).has(sp.Piecewise) for n in p.score_ops)
         self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
+        self.reload_a = p.reload_a
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -278,7 +279,9 @@ class _Gen:
         for n in sizes:
             if n != a_tile:
                 offs[n], end = end, end + sizes[n]
-        if a_tile is not None:
+        if a_tile is not None and self.reload_a:  # read every step: a tile of its own
+            offs[a_tile], end = end, end + sizes[a_tile]
+        elif a_tile is not None:
             offs[a_tile], end = 0, max(end, sizes[a_tile])
         arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
         for n in sizes:
@@ -320,7 +323,11 @@ class _Gen:
             for i in range(int(buf.shape[0])):
                 T.buffer_store(buf, _f(0.0), [i])
         qf = None
-        if p.gemm is not None:  # the A operand stays in registers for the whole loop
+        if self.reload_a:  # the A tile stays in shared memory; its fragments are read every step
+            g = p.gemm
+            self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
+            T.evaluate(T.ptx.cp.async_.commit_group())
+        elif p.gemm is not None:  # the A operand stays in registers for the whole loop
             g = p.gemm
             kd = self.sizes[g.k]
             self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
@@ -390,18 +397,25 @@ class _Gen:
             base = self.slot * (rows * stride)
             kd = self.sizes[g.k]
 
+            nb = self.nt // 2 * 8  # B fragment halves per k slice; A's (when reloaded) follow them
+
             def load_k(kt: int, kf: tirx.Buffer) -> None:
                 for n2 in range(self.nt // 2):
                     self.ldsm(kf, n2 * 8, g.b, base + self.b_offset(stride, n2 * 16, kt * 16, g.b_trans), g.b_trans)
+                if self.reload_a:
+                    astride = self.layout[g.a][2]
+                    for mi in range(self.mt):
+                        r0 = self.warp * 16 * self.mt + mi * 16
+                        self.ldsm(kf, nb + mi * 8, g.a, self.a_offset(astride, r0, kt * 16), False)
 
             def mma_k(kt: int, kf: tirx.Buffer) -> None:
                 for n2 in range(self.nt // 2):
                     for mi in range(self.mt):  # one B fragment feeds every row tile of the warp
-                        a = mi * kd // 2 + kt * 8
-                        self.mma(sacc, mi * n4 + (2 * n2) * 4, qf, a, kf, n2 * 8)
-                        self.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, qf, a, kf, n2 * 8 + 4)
+                        af, a = (kf, nb + mi * 8) if self.reload_a else (qf, mi * kd // 2 + kt * 8)
+                        self.mma(sacc, mi * n4 + (2 * n2) * 4, af, a, kf, n2 * 8)
+                        self.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, af, a, kf, n2 * 8 + 4)
 
-            self._pipelined(kd // 16, self.nt // 2 * 8, load_k, mma_k)
+            self._pipelined(kd // 16, nb + (self.mt * 8 if self.reload_a else 0), load_k, mma_k)
             self.score[g.out] = sacc
         for n in p.tiles_in:
             copies, rows, stride = self.layout[n]

@@ -19,6 +19,8 @@ from schedulers.temporal import parse
 
 #: registers a thread needs besides its local buffers (indices, pointers, temporaries)
 BASE_REGISTERS = 32
+MAX_REGISTERS = 255  # per thread on every NVIDIA GPU since Kepler; beyond it values spill
+SPILL_SLACK = 40  # registers the estimate may exceed the limit by before the cost model charges spills
 
 
 def shared_bytes(s: Schedule, align: int = 1) -> int:
@@ -63,11 +65,18 @@ class BlockResources:
     @property
     def registers_per_thread(self) -> int:
         """Estimate; above the 255-register limit the buffers spill to local memory."""
-        return min(255, BASE_REGISTERS + self.local_floats)
+        return min(MAX_REGISTERS, BASE_REGISTERS + self.local_floats)
 
     @property
     def spills(self) -> bool:
-        return BASE_REGISTERS + self.local_floats > 255
+        return BASE_REGISTERS + self.local_floats > MAX_REGISTERS
+
+    @property
+    def likely_spilled_floats(self) -> int:
+        """Values per thread that surely go to local memory: the estimate runs up to ~55 registers
+        above what nvcc allocates (it adds fragments nvcc overlaps; 296 estimated for a kernel
+        nvcc fits in 255 without spilling), so only the part beyond the limit plus that slack counts."""
+        return max(0, BASE_REGISTERS + self.local_floats - MAX_REGISTERS - SPILL_SLACK)
 
 
 def block_resources(s: Schedule) -> BlockResources:

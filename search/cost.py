@@ -7,7 +7,7 @@ which schedule wins among those:
 - device-memory bytes are the exact islpy footprints (``schedulers.traffic``),
   with per-thread reads of an input whose fastest-varying index is not the
   thread dim charged a whole 32-byte sector per element (uncoalesced), and
-  spilled local buffers charged as extra traffic;
+  spilled local buffers charged as extra traffic every step;
 - FLOPs count every op once per element of its iteration domain, times the
   recomputation the schedule implies: streamed tiles computed per thread are
   recomputed by every thread along the cut dims they lack, and the second pass
@@ -170,8 +170,8 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         nbytes = float(fused_kernel(s).read_bytes + fused_kernel(s).write_bytes) + _uncoalesced_bytes(s)
     if s.slices > 1:  # every block writes its partial states, the merging blocks read them all back
         nbytes += 2.0 * s.num_blocks * s.warp_tile.merge_floats() * res.threads * 4
-    if res.spills:  # local buffers beyond the register file go to (cached) local memory each step
-        nbytes += (res.local_floats * 4) * res.threads * blocks * 2
+    # values beyond the register file are stored and reloaded (local memory) every step
+    nbytes += res.likely_spilled_floats * 4 * 2 * res.threads * blocks * s.steps_per_block
     mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
     memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     passes = 2 if s.plan.second_pass else 1

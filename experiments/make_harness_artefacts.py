@@ -37,8 +37,8 @@ SCHEDULES = {
     # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory
     "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 128}, "l", 64,
                   TC | {"stages": 2, "warps": 4, "reload_a": True}),
-    "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 128}, "l", 32,
-                   TC | {"stages": 3, "warps": 4, "reload_a": True}),
+    "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 128}, "l", 64,
+                   TC | {"stages": 2, "warps": 4, "reload_a": True}),
     "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 64}, "l", 128,
                      TC | {"stages": 2, "slices": 4}),
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),

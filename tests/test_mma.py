@@ -8,6 +8,8 @@ import shutil
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schedulers.errors import ScheduleError
 from schedulers.resources import block_resources
@@ -17,7 +19,7 @@ from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
-from spacefusion.lower.mma import _mask_bound
+from spacefusion.lower.mma import _mask_bound, tile_kept
 
 CASES = {
     "attention": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 32}, 32, 2),
@@ -238,6 +240,29 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
         assert (art.save(tmp_path / name) / "kernel.cubin").stat().st_size > 0
 
 
+@given(a=st.integers(1, 3), b=st.integers(-3, 3), c=st.integers(-6, 6), strict=st.booleans(),
+       l0=st.integers(0, 20), step=st.integers(1, 8), r_lo=st.integers(0, 20), rows=st.integers(1, 8))
+@settings(max_examples=300, deadline=None)
+def test_tile_kept_is_exact_on_every_element(a, b, c, strict, l0, step, r_lo, rows) -> None:
+    """The kept-tile test that lets a step skip the mask holds iff every element of the tile is kept."""
+    kept = all((a * L + b * R + c < 0) if strict else (a * L + b * R + c <= 0)
+               for L in range(l0, l0 + step) for R in range(r_lo, r_lo + rows))
+    assert tile_kept((a, b, c, strict), l0, step, r_lo, r_lo + rows - 1) == kept
+
+
+def test_kept_tiles_run_an_unmasked_step() -> None:
+    """Causal steps below the diagonal run a copy of the step without the mask's select, with the
+    score scaling folded into exp2 (log2 e * 0.125); diagonal steps keep the mask and (s - m) * log2 e."""
+    s = _schedule("causal")
+    src = build(s, "cuda").source
+    # step j of 16 columns is kept for rows 32*tile.. when 16*j + 15 <= 32*tile (row tile fastest)
+    kept = re.findall(r"if \(\(\(v_\d+ \* 16\) - \(\(\(\(int\)blockIdx\.x\) & 3\) \* 32\)\) < -15\)", src)
+    assert len(kept) == 1, re.findall(r"if \([^\n]*< -\d+\)", src)[:3]
+    head, tail = src.split(kept[0], 1)
+    assert "0x1.71547652b82fep-3" in tail  # 0.125 * log2(e), folded into the kept step's FFMA
+    assert "-0x1.93e5939a08ceap+99" in tail  # the masked step's -1e30 fill, in the other branch
+
+
 def test_score_scaling_folds_into_exp_and_max() -> None:
     """``s = 0.125 * qk`` is not materialised: the row max reduces qk and scales once per row,
     and exp(s - m) is exp2(qk * (0.125 log2 e) - m log2 e), one FFMA per element; the kernel is
@@ -250,7 +275,8 @@ def test_score_scaling_folds_into_exp_and_max() -> None:
     assert art.meta["nvcc_flags"] == ["-ftz=true"]
     # a mask's -1e30 fill can make s and m equal sentinels: then exp takes (s - m) first, exactly 0
     causal = build(_schedule("causal_split4"), "cuda").source
-    assert "0x1.71547652b82fep+0f" in causal and "0x1.71547652b82fep-3f" not in causal
+    # (folding comes back on the steps the mask keeps whole: test_kept_tiles_run_an_unmasked_step)
+    assert ") * 0x1.71547652b82fep+0f/*1.442695e+00*/))" in causal  # exp2((s - m) * log2 e)
 
 
 @pytest.mark.cuda

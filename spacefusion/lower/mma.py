@@ -59,6 +59,12 @@ class _Gen:
         # log2 e folds into exp's operands unless a mask can fill a whole row slice with a sentinel:
         # then m and s are both -1e30 and only s - m computed first is exactly 0
         self.fold_log2e = not any(body_expr(self.smg.producer(n)).has(sp.Piecewise) for n in p.score_ops)
+        # steps whose whole tile the killing mask keeps (below a causal diagonal) run a copy of the
+        # step without it: no per-element select, and the scalings fold into exp2 again
+        self.mask = _killing_mask(self.smg, p)
+        self.unmasked = False
+        self.fold_unmasked = self.mask is not None and not any(
+            body_expr(self.smg.producer(n)).has(sp.Piecewise) for n in p.score_ops if n != self.mask[0])
         self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
         self.reload_a = p.reload_a
@@ -178,7 +184,7 @@ class _Gen:
     # -- expressions -------------------------------------------------------------------
     def expr(self, text_or_expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
         e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
-        return to_tir(e, load, exp2=True, fold_log2e=self.fold_log2e)
+        return to_tir(e, load, exp2=True, fold_log2e=self.fold_log2e or (self.unmasked and self.fold_unmasked))
 
     def load_common(self, name: str, h: int, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr | None:
         """Row states (rows g + 8h), dims as indices, inputs from global memory."""
@@ -371,7 +377,17 @@ class _Gen:
                 if p.split > 1:
                     busy.enter_context(T.If(self.step_of(j) < nsteps))
                     busy.enter_context(T.Then())
-                self._step(qf)
+                kept = self._tile_kept()
+                if kept is None:
+                    self._step(qf)
+                else:
+                    with T.If(kept):
+                        with T.Then():
+                            self.unmasked = True
+                            self._step(qf)
+                            self.unmasked = False
+                        with T.Else():
+                            self._step(qf)
             if p.stages == 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
         T.evaluate(T.tvm_storage_sync("shared"))  # the merge's hand-over lies over the ring
@@ -381,6 +397,21 @@ class _Gen:
             self._merge_slices()
         else:
             self._finalize()
+
+    def _tile_kept(self) -> tirx.PrimExpr | None:
+        """Whether the killing mask keeps every element of this step's tile (None: no such mask):
+        ``a*L + b*R + c <= 0`` at the tile's largest L and its worst row."""
+        if self.mask is None:
+            return None
+        r_hi = tirx.min(self.row0 + self.p.rows, self.sizes[self.p.row]) - 1
+        return tile_kept(self.mask[1], self.t0, self.p.step, self.row0, r_hi)
+
+    def _score_body(self, name: str) -> sp.Expr:
+        """The body of score op ``name``; on a kept tile the killing mask is its kept branch."""
+        e = body_expr(self.smg.producer(name))
+        if self.unmasked and name == self.mask[0]:
+            return e.args[0][0]
+        return e
 
     def _step(self, qf: tirx.Buffer | None) -> None:
         p = self.p
@@ -428,7 +459,7 @@ class _Gen:
             self.tin[n] = buf
         self.inline = {}
         for name in p.score_ops:
-            e = self.inlined(body_expr(self.smg.producer(name)))
+            e = self.inlined(self._score_body(name))
             c, rest = e.as_coeff_Mul()
             if c.is_Number and rest.is_Symbol:  # c * s: folded into its readers (exp's FFMA, max's scale)
                 self.inline[name] = e
@@ -720,8 +751,23 @@ def _cp_async(dtype: str, dst: tirx.Buffer, doff: tirx.PrimExpr, src: tirx.Buffe
     return ptx_cp_async_legacy(dtype, dst.data, doff, src.data, soff, 16)
 
 
+def tile_kept(bound: tuple[int, int, int, bool], l0, step: int, r_lo, r_hi):
+    """Whether ``a*L + b*R + c <= 0`` (``< 0`` if strict) holds on all of the tile
+    [l0, l0 + step) x [r_lo, r_hi]: at its largest L (a > 0) and its worst row (ints or TIR)."""
+    a, b, c, strict = bound
+    f = a * (l0 + step - 1) + b * (r_lo if b < 0 else r_hi) + c
+    return f < 0 if strict else f <= 0
+
+
 def _mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:
     """(a, b, c, strict) of a killing mask ``a*L + b*R + c <= 0`` (``< 0`` if strict), a > 0."""
+    found = _killing_mask(smg, p)
+    return None if found is None else found[1]
+
+
+def _killing_mask(smg, p: WarpTileProgram) -> tuple[str, tuple[int, int, int, bool]] | None:
+    """The score op that is a killing mask (kept where ``a*L + b*R + c <= 0``, a > 0, else a fill
+    <= -1e30) and its (a, b, c, strict)."""
     L, R = sp.Symbol(p.serial, real=True), sp.Symbol(p.row, real=True)
     for name in p.score_ops:
         op = smg.producer(name)
@@ -742,7 +788,7 @@ def _mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:
             continue
         a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
         if all(x.is_Integer for x in (a, b, c)) and a > 0:
-            return int(a), int(b), int(c), strict
+            return name, (int(a), int(b), int(c), strict)
     return None
 
 

@@ -271,16 +271,12 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
 
 
 def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
-    """The kernel's arena: the ring tiles side by side, the A tile over them (it is read into
-    registers before the ring fills) or, with ``reload_a``, after them, and after the loop the
-    groups' fp32 hand-over over it all."""
+    """The kernel's arena: the ring tiles side by side, then the A tile (its load overlaps the
+    ring's first tiles'), and after the loop the groups' fp32 hand-over over it all."""
     item = 2  # fp16 / bf16
-    layout = smem_layout(s, p)
-    a_tile = p.gemm.a if p.gemm is not None else None
-    ring = sum(math.prod(v) for n, v in layout.items() if n != a_tile) * item
-    a = math.prod(layout[a_tile]) * item if a_tile else 0
+    tiles = sum(math.prod(v) for v in smem_layout(s, p).values()) * item
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4
-    return max(ring + a, merge) if p.reload_a else max(ring, a, merge)
+    return max(tiles, merge)
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:

@@ -81,8 +81,8 @@ def test_warp_tile_resources_and_json() -> None:
     s = _schedule("bf16")
     r = block_resources(s)
     assert s.threads == r.threads == 128  # 4 warps of 16 rows
-    # K and V [64, 64+8] in 3 stages, 2 bytes each; Q [64, 64+8] lies over them (read before they fill)
-    assert r.shared_bytes == 2 * (2 * 3 * 64 * 72)
+    # K and V [64, 64+8] in 3 stages, 2 bytes each, then Q [64, 64+8] (loaded alongside their first tiles)
+    assert r.shared_bytes == 2 * (2 * 3 * 64 * 72 + 64 * 72)
     back = Schedule.from_json(s.to_json())
     assert back.stages == 3 and back.tensor_cores and back.key == s.key
     assert "stages" not in schedule(patterns.attention(1, 1, 64, 64, 64), tiles={"m": 64}, step=32).to_dict()
@@ -103,10 +103,10 @@ def test_split_groups_threads_rings_and_merge() -> None:
     s = _schedule("causal_split4")
     p = s.warp_tile
     assert p.split == 4 and s.threads == 4 * 4 * 32  # 4 groups of 4 row warps
-    # each group its own K and V ring (2 stages of [32, 64+8]); the hand-over of 3 groups: P_max,
-    # P_sum (2 rows a thread) and O (8 column tiles x 4) per thread, fp32, is smaller
+    # each group its own K and V ring (2 stages of [32, 64+8]), then Q [64, 64+8]; the hand-over of
+    # 3 groups: P_max, P_sum (2 rows a thread) and O (8 column tiles x 4) per thread, fp32, is smaller
     assert p.merge_floats() == 2 + 2 + 32
-    assert block_resources(s).shared_bytes == max(2 * 2 * 4 * 2 * 32 * 72, 3 * 128 * 36 * 4)
+    assert block_resources(s).shared_bytes == max(2 * 2 * 4 * 2 * 32 * 72 + 2 * 64 * 72, 3 * 128 * 36 * 4)
     back = Schedule.from_json(s.to_json())
     assert back.split == 4 and back.key == s.key and "split" not in _schedule("causal").to_dict()
 
@@ -170,16 +170,15 @@ def test_split_refusals() -> None:
 
 
 def test_reload_a_keeps_q_in_shared_memory_and_frees_registers() -> None:
-    """Q gets a tile of its own next to the K/V ring (not over it), its fragments are read in the
-    loop next to K's, and the registers that held them for the whole loop are free."""
+    """Q's fragments are read in the loop next to K's, from its tile after the K/V ring, and the
+    registers that held them for the whole loop are free."""
     s = _schedule("mt2_reload_d128")
     held = schedule(patterns.attention(1, 2, 128, 192, 128), tiles={"m": 128}, step=32, tensor_cores=True,
                     stages=2, warps=4)
     assert s.warp_tile.reload_a and not held.warp_tile.reload_a and s.warp_tile.warp_mtiles == 2
     ring = 2 * 2 * (32 * (128 + 8)) * 2  # K and V, 2 stages of [32, 128+8] fp16
     q = 128 * (128 + 8) * 2
-    assert block_resources(held).shared_bytes == max(ring, q)
-    assert block_resources(s).shared_bytes == ring + q
+    assert block_resources(held).shared_bytes == block_resources(s).shared_bytes == ring + q
     # 2 tiles x 128 / 4 = 64 registers of held Q fragments become 2 k slices x 2 tiles x 4: the
     # model's spill (nvcc: 284 bytes at LLaMA's step 64) is gone
     assert block_resources(held).local_floats - block_resources(s).local_floats == 64 - 16

@@ -276,19 +276,18 @@ class _Gen:
 
     def _alloc(self) -> None:
         p = self.p
-        # one arena with explicit offsets: the ring tiles side by side, the A tile (read into registers
-        # before the ring is first filled) over their start.  TVM's allocation merging is left out:
-        # it overlapped live ring tiles whose reads sit under a warp group's branch.
+        # one arena with explicit offsets: the ring tiles side by side, then the A tile, so that its load
+        # overlaps the ring's first tiles' (a block of a few steps waited for them one after the other).
+        # TVM's allocation merging is left out: it overlapped live ring tiles whose reads sit under a
+        # warp group's branch.
         sizes = {n: math.prod(v) for n, v in self.layout.items()}
         a_tile = p.gemm.a if p.gemm is not None else None
         offs, end = {}, 0
         for n in sizes:
             if n != a_tile:
                 offs[n], end = end, end + sizes[n]
-        if a_tile is not None and self.reload_a:  # read every step: a tile of its own
+        if a_tile is not None:
             offs[a_tile], end = end, end + sizes[a_tile]
-        elif a_tile is not None:
-            offs[a_tile], end = 0, max(end, sizes[a_tile])
         arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
         for n in sizes:
             self.smem[n], self.sbase[n] = arena, offs[n]
@@ -329,25 +328,11 @@ class _Gen:
             for i in range(int(buf.shape[0])):
                 T.buffer_store(buf, _f(0.0), [i])
         qf = None
-        if self.reload_a:  # the A tile stays in shared memory; its fragments are read every step
-            g = p.gemm
+        held = p.gemm is not None and not self.reload_a
+        if p.gemm is not None:  # its load overlaps the ring's first tiles' (read into registers after
+            g = p.gemm  # them or, with reload_a, every step)
             self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
             T.evaluate(T.ptx.cp.async_.commit_group())
-        elif p.gemm is not None:  # the A operand stays in registers for the whole loop
-            g = p.gemm
-            kd = self.sizes[g.k]
-            self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
-            T.evaluate(T.ptx.cp.async_.commit_group())
-            T.evaluate(T.ptx.cp.async_.wait_group(0))
-            T.evaluate(T.tvm_storage_sync("shared"))
-            qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
-            stride = self.layout[g.a][2]
-            for mi in range(self.mt):
-                for kt in range(kd // 16):
-                    self.ldsm(qf, mi * kd // 2 + kt * 8, g.a,
-                              self.a_offset(stride, self.warp * 16 * self.mt + mi * 16, kt * 16), False)
-            # TVM reuses the dead A tile's shared memory for the ring: every warp must be done reading
-            T.evaluate(T.tvm_storage_sync("shared"))
         nsteps = self._steps_for_block()
         # every group runs the same iteration count (the block-wide barriers), idle past the end
         iters = tirx.floordiv(nsteps + (p.split - 1), p.split) if p.split > 1 else nsteps
@@ -359,6 +344,17 @@ class _Gen:
             iters = tirx.max(nsteps - self.first, 0)
         for pre in range(p.stages - 1):
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
+        if held:  # the A operand stays in registers for the whole loop; its group is the oldest
+            g = p.gemm
+            kd = self.sizes[g.k]
+            T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 1))
+            T.evaluate(T.tvm_storage_sync("shared"))
+            qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
+            stride = self.layout[g.a][2]
+            for mi in range(self.mt):
+                for kt in range(kd // 16):
+                    self.ldsm(qf, mi * kd // 2 + kt * 8, g.a,
+                              self.a_offset(stride, self.warp * 16 * self.mt + mi * 16, kt * 16), False)
         with T.serial(0, iters) as j:
             ahead = j + (p.stages - 1)
             pred = self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None

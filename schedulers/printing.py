@@ -28,4 +28,20 @@ def schedule_summary(s: Schedule) -> str:
     for out, expr in s.plan.finalize:
         lines.append(f"  finalize: {out} = {expr}")
     lines.append("  memory levels: " + ", ".join(f"{n}:{lvl}" for n, lvl in s.memory))
+    if s.warp_tile is not None:
+        lines.append("  tensor cores: " + warp_tile_summary(s))
     return "\n".join(lines)
+
+
+def warp_tile_summary(s: Schedule) -> str:
+    """The warp-tile program's knobs in words (what the memory levels above do not say)."""
+    p = s.warp_tile
+    parts = [f"{p.warps} warps x {p.warp_mtiles} 16-row mma tile{'s' if p.warp_mtiles > 1 else ''}",
+             f"{p.stages}-stage cp.async ring"]
+    if p.gemm is not None:
+        parts.append(f"{p.gemm.a} {'re-read from shared memory every step' if p.reload_a else 'held in registers'}")
+    if p.split > 1:
+        parts.append(f"{p.split} warp groups splitting the steps")
+    if p.slices > 1:
+        parts.append(f"{p.slices} blocks per row tile splitting the steps")
+    return ", ".join(parts)

@@ -191,6 +191,15 @@ def test_reload_a_keeps_q_in_shared_memory_and_frees_registers() -> None:
     assert "reload_a" not in held.to_dict()
 
 
+def test_summary_names_the_warp_tile_knobs() -> None:
+    """``str(schedule)`` (and so Jupyter's text view) says how the tensor-core kernel is laid out."""
+    text = str(_schedule("mt2_reload_d128"))
+    assert "tensor cores: 4 warps x 2 16-row mma tiles, 2-stage cp.async ring, Q re-read from shared memory" in text
+    text = str(_schedule("decode_slices8"))
+    assert "Q held in registers, 8 blocks per row tile splitting the steps" in text
+    assert "tensor cores" not in str(schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32))
+
+
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)

@@ -32,7 +32,7 @@ TC = {"tensor_cores": True}
 #: harness key -> (graph, tiles, serial, step, make_schedule options)
 SCHEDULES = {
     "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 128}, "l", 64,
-                 TC | {"stages": 3, "warps": 4}),
+                 TC | {"stages": 2, "warps": 4}),
     "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32, TC | {"stages": 2}),
     # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory
     "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 128}, "l", 64,

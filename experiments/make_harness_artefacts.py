@@ -60,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and key not in args.only:
             continue
         t0 = time.perf_counter()
-        s = make_schedule(mk(), tiles, serial=serial, step=step, **opts)
-        art = build(s, "cuda")
-        art.save(args.out / key)
-        print(f"{key}: {art.meta.get('lowering', 'cuda-core')}, grid {art.meta['grid'][0]} x {art.meta['block'][0]} "
-              f"threads, {s.num_steps} steps of {step}, {time.perf_counter() - t0:.1f}s")
+        lower_to(make_schedule(mk(), tiles, serial=serial, step=step, **opts), args.out / key, t0)
     return 0
+
+
+def lower_to(s, folder: Path, t0: float) -> None:
+    """Build ``s`` for CUDA into ``folder`` and say what came out (``t0``: when its work began)."""
+    art = build(s, "cuda")
+    art.save(folder)
+    print(f"{folder.name}: {art.meta.get('lowering', 'cuda-core')}, grid {art.meta['grid'][0]} x "
+          f"{art.meta['block'][0]} threads, {s.num_steps} steps of {s.step}, {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_harness_artefacts import SCHEDULES  # noqa: E402
+from make_harness_artefacts import SCHEDULES, lower_to  # noqa: E402
 
 from schedulers.schedule import make_schedule  # noqa: E402
-from spacefusion.api import build  # noqa: E402
 
 TILE_DIMS = ("m", "n")
 OPTIONS = ("stages", "warps", "lanes", "vector", "slices", "split", "reload_a")
@@ -71,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         s = variant(key, knobs)
         name = key + "".join(f"_{k}{''.join(v) if isinstance(v, tuple) else v}" for k, v in knobs.items())
-        art = build(s, "cuda")
-        art.save(args.out / name)
-        print(f"{name}: grid {art.meta['grid'][0]} x {art.meta['block'][0]} threads, "
-              f"{s.num_steps} steps of {s.step}, {time.perf_counter() - t0:.1f}s")
+        lower_to(s, args.out / name, t0)
     return 0
 
 

@@ -58,16 +58,15 @@ class _Gen:
         self.ns = self.mt * self.nt * 4  # score-tile elements per thread
         # log2 e folds into exp's operands unless a mask can fill a whole row slice with a sentinel:
         # then m and s are both -1e30 and only s - m computed first is exactly 0
-        self.fold_log2e = not any(body_expr(self.smg.producer(n)).has(sp.Piecewise) for n in p.score_ops)
+        piecewise = {n for n in p.score_ops if body_expr(self.smg.producer(n)).has(sp.Piecewise)}
+        self.fold_log2e = not piecewise
         # steps whose whole tile the killing mask keeps (below a causal diagonal) run a copy of the
         # step without it: no per-element select, and the scalings fold into exp2 again
         self.mask = _killing_mask(self.smg, p)
         self.unmasked = False
-        self.fold_unmasked = self.mask is not None and not any(
-            body_expr(self.smg.producer(n)).has(sp.Piecewise) for n in p.score_ops if n != self.mask[0])
+        self.fold_unmasked = self.mask is not None and piecewise <= {self.mask[0]}
         self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
-        self.reload_a = p.reload_a
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -283,11 +282,8 @@ class _Gen:
         sizes = {n: math.prod(v) for n, v in self.layout.items()}
         a_tile = p.gemm.a if p.gemm is not None else None
         offs, end = {}, 0
-        for n in sizes:
-            if n != a_tile:
-                offs[n], end = end, end + sizes[n]
-        if a_tile is not None:
-            offs[a_tile], end = end, end + sizes[a_tile]
+        for n in sorted(sizes, key=lambda n: n == a_tile):  # stable: the ring in layout order, A last
+            offs[n], end = end, end + sizes[n]
         arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
         for n in sizes:
             self.smem[n], self.sbase[n] = arena, offs[n]
@@ -328,7 +324,7 @@ class _Gen:
             for i in range(int(buf.shape[0])):
                 T.buffer_store(buf, _f(0.0), [i])
         qf = None
-        held = p.gemm is not None and not self.reload_a
+        held = p.gemm is not None and not self.p.reload_a
         if p.gemm is not None:  # its load overlaps the ring's first tiles' (read into registers after
             g = p.gemm  # them or, with reload_a, every step)
             self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
@@ -429,7 +425,7 @@ class _Gen:
             def load_k(kt: int, kf: tirx.Buffer) -> None:
                 for n2 in range(self.nt // 2):
                     self.ldsm(kf, n2 * 8, g.b, base + self.b_offset(stride, n2 * 16, kt * 16, g.b_trans), g.b_trans)
-                if self.reload_a:
+                if self.p.reload_a:
                     astride = self.layout[g.a][2]
                     for mi in range(self.mt):
                         r0 = self.warp * 16 * self.mt + mi * 16
@@ -438,11 +434,11 @@ class _Gen:
             def mma_k(kt: int, kf: tirx.Buffer) -> None:
                 for n2 in range(self.nt // 2):
                     for mi in range(self.mt):  # one B fragment feeds every row tile of the warp
-                        af, a = (kf, nb + mi * 8) if self.reload_a else (qf, mi * kd // 2 + kt * 8)
+                        af, a = (kf, nb + mi * 8) if self.p.reload_a else (qf, mi * kd // 2 + kt * 8)
                         self.mma(sacc, mi * n4 + (2 * n2) * 4, af, a, kf, n2 * 8)
                         self.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, af, a, kf, n2 * 8 + 4)
 
-            self._pipelined(kd // 16, nb + (self.mt * 8 if self.reload_a else 0), load_k, mma_k)
+            self._pipelined(kd // 16, nb + (self.mt * 8 if self.p.reload_a else 0), load_k, mma_k)
             self.score[g.out] = sacc
         for n in p.tiles_in:
             copies, rows, stride = self.layout[n]

@@ -29,6 +29,8 @@ from schedulers.temporal import UpdateFunction, parse
 
 #: shared-memory rows are padded by 8 halfs (16 B): ldmatrix row addresses then fall in distinct banks
 PAD = 8
+#: elements of a 16-byte chunk (fp16 / bf16): a cp.async copy, or a staged output's global store
+CHUNK = 8
 MMA_DTYPES = ("float16", "bfloat16")
 
 
@@ -270,13 +272,37 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def staged_output(s, p: WarpTileProgram, out: str) -> tuple[str, int] | None:
+    """(column dim, padded row length) when output ``out`` leaves through shared memory, else None.
+
+    An accumulator tile [.., R, N] (N contiguous, 2-byte elements) is written into the arena in
+    the mma layout, then copied out in 16-byte chunks along whole rows: full sectors, where each
+    thread's own pairs of columns would touch 8 rows per store instruction and use a quarter of
+    every sector (the sigmoid GEMM sent 4x its output's bytes to L2).  Not with warp groups
+    (``split``): only group 0 stores, and a block-wide barrier cannot sit in its branch."""
+    smg = s.smg
+    dims = smg.space(out).dims
+    by_n = {g.n: g for g in p.gemm_states}
+    if p.split > 1 or len(dims) < 2 or dims[-1] not in by_n or dims[-2] != p.row:
+        return None
+    if not set(dims[:-2]) <= set(p.batch) or smg.space(out).dtype not in MMA_DTYPES:
+        return None
+    n = dims[-1]
+    if by_n[n].n_tile % CHUNK or smg.dim_sizes[n] % CHUNK:
+        return None
+    return n, by_n[n].n_tile + PAD
+
+
 def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     """The kernel's arena: the ring tiles side by side, then the A tile (its load overlaps the
-    ring's first tiles'), and after the loop the groups' fp32 hand-over over it all."""
+    ring's first tiles'), and after the loop the groups' fp32 hand-over or the staged output
+    tiles over it all."""
     item = 2  # fp16 / bf16
     tiles = sum(math.prod(v) for v in smem_layout(s, p).values()) * item
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4
-    return max(tiles, merge)
+    staged = [staged_output(s, p, out) for out, _ in p.outputs]
+    stage = max((p.rows * st[1] * item for st in staged if st is not None), default=0)
+    return max(tiles, merge, stage)
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:

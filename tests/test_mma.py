@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from schedulers.errors import ScheduleError
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
-from schedulers.warp_tile import warp_tile_program
+from schedulers.warp_tile import staged_output, warp_tile_program
 from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
@@ -86,6 +86,23 @@ def test_warp_tile_resources_and_json() -> None:
     back = Schedule.from_json(s.to_json())
     assert back.stages == 3 and back.tensor_cores and back.key == s.key
     assert "stages" not in schedule(patterns.attention(1, 1, 64, 64, 64), tiles={"m": 64}, step=32).to_dict()
+
+
+@pytest.mark.parametrize("name, out, stride", [("gemm_sigmoid", "Y", 64 + 8), ("attention", "O", 64 + 8),
+                                               ("causal_slices4", "O", 64 + 8), ("mt2_split2", "O", None)])
+def test_output_tiles_leave_through_shared_memory_in_16_byte_chunks(name, out, stride) -> None:
+    """Accumulator outputs are written to the arena in the mma layout (half2 pairs), then stored as
+    whole 16-byte chunks of rows; warp groups (split) keep the per-thread stores (group 0 alone
+    stores, so no block-wide barrier); the arena is large enough for the staged tile."""
+    s = _schedule(name)
+    p = s.warp_tile
+    staged = staged_output(s, p, out)
+    src = build(s, "cuda").source
+    assert (staged[1] if staged else None) == stride
+    assert (f"*(uint4*)({out}_ptr" in src) == (stride is not None)
+    assert ("make_half2" in src) == (stride is not None)
+    if stride is not None:
+        assert block_resources(s).shared_bytes >= p.rows * stride * 2
 
 
 @pytest.mark.parametrize("kwargs, match", [

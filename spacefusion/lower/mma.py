@@ -29,7 +29,15 @@ from tvm.script.ir_builder import tirx as T
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
-from schedulers.warp_tile import GemmState, WarpTileProgram, carry_factor, smem_layout, warp_tile_program
+from schedulers.warp_tile import (
+    CHUNK,
+    GemmState,
+    WarpTileProgram,
+    carry_factor,
+    smem_layout,
+    staged_output,
+    warp_tile_program,
+)
 from smg.expr import body_expr
 from spacefusion.lower.exprs import F32, to_tir
 from spacefusion.lower.tir import ARRIVALS, PARTIALS, signature
@@ -284,7 +292,10 @@ class _Gen:
         offs, end = {}, 0
         for n in sorted(sizes, key=lambda n: n == a_tile):  # stable: the ring in layout order, A last
             offs[n], end = end, end + sizes[n]
+        stage = [staged_output(self.s, p, out) for out, _ in p.outputs]  # output tiles, after the loop
+        end = max([end] + [p.rows * st[1] for st in stage if st is not None])
         arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
+        self.arena = arena
         for n in sizes:
             self.smem[n], self.sbase[n] = arena, offs[n]
         self.rs = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
@@ -695,6 +706,7 @@ class _Gen:
         p = self.p
         M = self.sizes[p.row]
         by_n = {gs.n: gs for gs in p.gemm_states}
+        staged_before = False
         for out, text in p.outputs:
             dims = self.smg.space(out).dims
             buf = self.glob[out]
@@ -708,6 +720,13 @@ class _Gen:
                             T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
                 continue
             gs = by_n[n]
+            staged = staged_output(self.s, p, out)
+            if staged is not None:
+                if staged_before:  # the previous tile's copy-out still reads the arena
+                    T.evaluate(T.tvm_storage_sync("shared"))
+                self._store_staged(out, text, gs, staged[1])
+                staged_before = True
+                continue
             per = (gs.n_tile // 8) * 4
             tail = self.sizes[n] % gs.n_tile != 0
             for h in range(2 * self.mt):
@@ -723,6 +742,40 @@ class _Gen:
                                     guard.enter_context(T.If(pos[n] < self.sizes[n]))
                                     guard.enter_context(T.Then())
                                 T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+
+
+    def _store_staged(self, out: str, text: str, gs: GemmState, stride: int) -> None:
+        """Store output ``out`` through the arena (``staged_output``): each thread writes its column
+        pairs of the tile as 4-byte vectors (rows ``stride`` apart: a quad's 8 rows hit distinct
+        banks), then the block copies whole rows out in 16-byte chunks."""
+        p, n = self.p, gs.n
+        per = (gs.n_tile // 8) * 4
+        acc = self.acc[gs.update.state]
+        for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
+            h = self.slot_of(i, per)
+            off = (self.row_of(h) - self.row0) * stride + self.col_of(i, per)
+            pair = [_cast(self.expr(text, self._load_acc(gs, e)), self.half) for e in (i, i + 1)]
+            T.buffer_store(self.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
+                           [tirx.Ramp(off, 1, 2)])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        buf, dims = self.glob[out], self.smg.space(out).dims
+        per_row = gs.n_tile // CHUNK
+        total, th = p.rows * per_row, p.threads
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + self.tid
+            r, cc = c // per_row, (c % per_row) * CHUNK
+            row, col = self.row0 + r, self.col0(n) + cc
+            conds = [c < total] if total % th else []
+            if self.sizes[p.row] % p.rows:
+                conds.append(row < self.sizes[p.row])
+            if self.sizes[n] % gs.n_tile:
+                conds.append(col < self.sizes[n])
+            with ExitStack() as guard:
+                if conds:
+                    guard.enter_context(T.If(tirx.all(*conds)))
+                    guard.enter_context(T.Then())
+                idx = [self.coord[d] for d in dims[:-2]] + [row, tirx.Ramp(col, 1, CHUNK)]
+                T.buffer_store(buf, T.BufferLoad(self.arena, [tirx.Ramp(r * stride + cc, 1, CHUNK)]), idx)
 
 
 def _tree(terms: list[tirx.PrimExpr], combiner: str) -> tirx.PrimExpr:

@@ -105,6 +105,25 @@ def test_output_tiles_leave_through_shared_memory_in_16_byte_chunks(name, out, s
         assert block_resources(s).shared_bytes >= p.rows * stride * 2
 
 
+def test_fast_division_only_for_values_stored_in_half_precision() -> None:
+    """``__fdividef`` (2 ulp, no slow path) where the value is stored as fp16; IEEE division
+    elsewhere: fp32 row statistics, and every CUDA-core or LLVM kernel."""
+    import sympy as sp
+    from tvm import tirx
+
+    from spacefusion.lower.exprs import to_tir
+
+    a, b = sp.symbols("a b")
+    load = {"a": tirx.Var("a", "float32"), "b": tirx.Var("b", "float32")}.__getitem__
+    assert "__fdividef" in str(to_tir(a / b, load, fast_div=True))
+    assert "__fdividef" in str(to_tir(1 / (1 + b), load, fast_div=True))
+    assert "__fdividef" not in str(to_tir(a / b, load))
+    src = build(_schedule("gemm_sigmoid"), "cuda").source
+    assert src.count("__fdividef") == src.count("make_half2") * 2  # one per stored element, pairs
+    assert "__fdividef" not in build(schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32),
+                                     "cuda").source
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tiles={"m": 24}, step=16), "multiple of 16"),
     (dict(tiles={"m": 48}, step=16, warps=2), "divide the 48-row tile"),

@@ -19,14 +19,20 @@ LOG2E = 1.4426950408889634
 
 
 def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
-           fold_log2e: bool = False) -> tirx.PrimExpr:
+           fold_log2e: bool = False, fast_div: bool = False) -> tirx.PrimExpr:
     """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
     ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
     reduction).  With ``fold_log2e`` too, ``log2 e`` is distributed over the terms of ``x`` so
     that constant factors fold: ``exp(c*s - m)`` is ``exp2((c*log2e)*s + (-log2e)*m)``, one FFMA
     and one MUFU per element (``-log2e*m`` is the same for the whole row, computed once).  Only
     for finite, moderate operands: ``s - m`` is no longer exactly 0 when ``s == m``, so two equal
-    sentinels (a -1e30 mask fill) would give exp2 of the rounding residual, which overflows."""
+    sentinels (a -1e30 mask fill) would give exp2 of the rounding residual, which overflows.
+    With ``fast_div``, ``a / b`` is CUDA's ``__fdividef`` (a reciprocal and a multiply, 2 ulp,
+    no slow-path branch): for values stored in fp16 / bf16 only, whose rounding is far coarser;
+    where it differs from IEEE (|b| > 2**126, or an infinite a) the value is 0 or NaN."""
+
+    def div(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.call_pure_extern(F32, "__fdividef", a, b) if fast_div else a / b
 
     def go(e: sp.Expr) -> tirx.PrimExpr:
         if e.is_Symbol:
@@ -45,12 +51,12 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
             for a in num[1:]:
                 out = out * go(a)
             for a in den:
-                out = out / go(a)
+                out = div(out, go(a))
             return out
         if e.is_Pow:
             base, ex = e.args
             if ex == -1:
-                return _const(1.0) / go(base)
+                return div(_const(1.0), go(base))
             if ex == sp.Rational(1, 2):
                 return tirx.sqrt(go(base))
             if ex == sp.Rational(-1, 2):

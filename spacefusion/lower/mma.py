@@ -31,6 +31,7 @@ from schedulers.schedule import Schedule
 from schedulers.temporal import parse
 from schedulers.warp_tile import (
     CHUNK,
+    MMA_DTYPES,
     GemmState,
     WarpTileProgram,
     carry_factor,
@@ -189,9 +190,12 @@ class _Gen:
         return ((e % per) // 4) * 8 + 2 * self.t4 + e % 2
 
     # -- expressions -------------------------------------------------------------------
-    def expr(self, text_or_expr, load: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
+    def expr(self, text_or_expr, load: Callable[[str], tirx.PrimExpr], stored: str = F32) -> tirx.PrimExpr:
+        """``text`` as fp32 TIR; ``stored``: the dtype its value is stored in (a 2-byte one allows
+        the fast division)."""
         e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
-        return to_tir(e, load, exp2=True, fold_log2e=self.fold_log2e or (self.unmasked and self.fold_unmasked))
+        return to_tir(e, load, exp2=True, fold_log2e=self.fold_log2e or (self.unmasked and self.fold_unmasked),
+                      fast_div=stored in MMA_DTYPES)
 
     def load_common(self, name: str, h: int, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr | None:
         """Row states (rows g + 8h), dims as indices, inputs from global memory."""
@@ -736,7 +740,7 @@ class _Gen:
                             if self.slot_of(i, per) != h:
                                 continue
                             pos = {p.row: self.row_of(h), n: self.col0(n) + self.col_of(i, per)}
-                            v = self.expr(text, self._load_acc(gs, i))
+                            v = self.expr(text, self._load_acc(gs, i), buf.dtype)
                             with ExitStack() as guard:
                                 if tail:
                                     guard.enter_context(T.If(pos[n] < self.sizes[n]))
@@ -754,7 +758,7 @@ class _Gen:
         for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
             h = self.slot_of(i, per)
             off = (self.row_of(h) - self.row0) * stride + self.col_of(i, per)
-            pair = [_cast(self.expr(text, self._load_acc(gs, e)), self.half) for e in (i, i + 1)]
+            pair = [_cast(self.expr(text, self._load_acc(gs, e), self.half), self.half) for e in (i, i + 1)]
             T.buffer_store(self.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
                            [tirx.Ramp(off, 1, 2)])
         T.evaluate(T.tvm_storage_sync("shared"))

@@ -40,6 +40,8 @@ def warp_tile_summary(s: Schedule) -> str:
              f"{p.stages}-stage cp.async ring"]
     if p.gemm is not None:
         parts.append(f"{p.gemm.a} {'re-read from shared memory every step' if p.reload_a else 'held in registers'}")
+    if p.early_scores:
+        parts.append("score operands waited for before the second GEMM's")
     if p.split > 1:
         parts.append(f"{p.split} warp groups splitting the steps")
     if p.slices > 1:

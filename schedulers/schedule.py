@@ -71,6 +71,10 @@ class Schedule:
     #: registers a thread (64 for two tiles at d = 128), so two tiles per warp fit without spilling,
     #: for K / 16 more ldmatrix per tile and step and an A tile of its own in shared memory
     reload_a: bool = False
+    #: two cp.async groups per step, the score tile's operands (attention's K) before the second
+    #: GEMM's (V), each waited for where it is first read: the scores and the softmax start while V
+    #: still lands, for one more barrier per step (FlashAttention-2's order)
+    early_scores: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -144,7 +148,8 @@ class Schedule:
             {"stages": self.stages} if self.stages != 1 else {}) | ({"warps": self.warps} if self.warps else {}) | (
             {"vector": self.vector} if self.vector != 1 else {}) | (
             {"split": self.split} if self.split != 1 else {}) | (
-            {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {})
+            {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {}) | (
+            {"early_scores": True} if self.early_scores else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -191,6 +196,7 @@ class Schedule:
             split=int(d.get("split", 1)),
             slices=int(d.get("slices", 1)),
             reload_a=bool(d.get("reload_a", False)),
+            early_scores=bool(d.get("early_scores", False)),
         )
 
     def __str__(self) -> str:
@@ -274,7 +280,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
-                  vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False) -> Schedule:
+                  vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
+                  early_scores: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -293,6 +300,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     the last block of a row tile to finish merges the others' partial states from global memory.
     ``reload_a`` keeps the first GEMM's A operand in shared memory and re-reads its fragments every
     step (fewer registers: two 16-row tiles per warp at head dim 128 without spilling).
+    ``early_scores`` waits for the score tile's operands alone at the top of a step and for the
+    second GEMM's before that GEMM (a barrier more per step; a ring of 2+ stages, no warp groups).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -362,7 +371,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
-                   bool(reload_a))
+                   bool(reload_a), bool(early_scores))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -381,9 +390,17 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if reload_a and (out.warp_tile is None or out.warp_tile.gemm is None):
             raise ScheduleError(f"reload_a re-reads the A operand of a warp-tile program's first GEMM (attention's "
                                 f"Q @ K^T); {smg.name!r} has no such GEMM")
-    elif stages != 1 or warps or split != 1 or slices != 1 or reload_a:
-        raise ScheduleError("stages, warps, split, slices and reload_a apply to tensor-core warp-tile kernels "
-                            "(tensor_cores=True)")
+        if early_scores:
+            p = out.warp_tile
+            if p is None or not p.gemm_states or (p.gemm is None and not p.tiles_in):
+                raise ScheduleError(f"early_scores waits for a warp-tile program's score operands before its second "
+                                    f"GEMM's; {smg.name!r} has no score tile and second GEMM to wait for apart")
+            if stages < 2 or split != 1:
+                raise ScheduleError(f"early_scores needs a ring of 2+ stages and no warp groups (stages {stages}, "
+                                    f"split {split}): a mid-step barrier must be reached by the whole block")
+    elif stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores:
+        raise ScheduleError("stages, warps, split, slices, reload_a and early_scores apply to tensor-core warp-tile "
+                            "kernels (tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

@@ -74,6 +74,7 @@ class WarpTileProgram:
     split: int = 1  # warp groups, each taking every split-th serial step (own cp.async ring)
     slices: int = 1  # blocks per row tile, each taking a contiguous range of serial steps
     reload_a: bool = False  # the GEMM's A tile stays in shared memory, its fragments read every step
+    early_scores: bool = False  # two cp.async groups per step: score operands, then the second GEMM's
 
     @property
     def warp_mtiles(self) -> int:
@@ -181,7 +182,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                                     f"its old value times a per-row factor, so partial results cannot merge")
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
                            tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices,
-                           s.reload_a and gemm is not None)
+                           s.reload_a and gemm is not None, s.early_scores)
 
 
 def carry_factor(carry: str, state: str) -> sp.Expr | None:

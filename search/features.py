@@ -58,6 +58,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "stages",  # cp.async pipeline depth of a warp-tile program (1 otherwise)
     "warp_mtiles",  # 16-row mma tiles per warp of a warp-tile program (0 otherwise)
     "reload_a",  # 1 when the first GEMM's A fragments are re-read from shared memory every step
+    "early_scores",  # 1 when the score operands are waited for apart from the second GEMM's
     "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
@@ -202,6 +203,7 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "stages": s.stages,
         "warp_mtiles": s.warp_tile.warp_mtiles if s.warp_tile is not None else 0,
         "reload_a": float(s.reload_a),
+        "early_scores": float(s.early_scores),
         "log2_vector": math.log2(1 + s.vector),
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,

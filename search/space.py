@@ -68,6 +68,7 @@ class Knobs:
     split: int = 1
     slices: int = 1
     reload_a: bool = False
+    early_scores: bool = False
 
 
 @dataclass
@@ -152,8 +153,9 @@ class SearchSpace:
                                                                                   reloads):
                         if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
                             continue
-                        yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
-                                    stages, warps, split=split, slices=sl, reload_a=rl)
+                        for early in (False, True) if stages > 1 and split == 1 else (False,):
+                            yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
+                                        stages, warps, split=split, slices=sl, reload_a=rl, early_scores=early)
 
     @cached_property
     def first_gemm(self) -> tuple[str, ...]:
@@ -192,7 +194,7 @@ class SearchSpace:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
                              recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
                              tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector,
-                             split=k.split, slices=k.slices, reload_a=k.reload_a)
+                             split=k.split, slices=k.slices, reload_a=k.reload_a, early_scores=k.early_scores)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""

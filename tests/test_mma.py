@@ -43,6 +43,10 @@ CASES = {
                         {"warps": 4, "reload_a": True}),
     "causal_reload": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 64}, 32, 3,
                       {"warps": 2, "reload_a": True}),
+    # K waited for apart from V (two cp.async groups per step); with tails and a 3-stage ring
+    "causal_early": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 32}, 32, 3,
+                     {"early_scores": True}),
+    "softmax_gemm_early": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2, {"early_scores": True}),
 }
 
 
@@ -192,7 +196,7 @@ def test_slices_refusals(kwargs, match) -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="slices and reload_a apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="slices, reload_a and early_scores apply to tensor-core"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -201,7 +205,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="stages, warps, split, slices and reload_a apply"):
+    with pytest.raises(ScheduleError, match="stages, warps, split, slices, reload_a and early_scores apply"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -236,10 +240,48 @@ def test_summary_names_the_warp_tile_knobs() -> None:
     assert "tensor cores" not in str(schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32))
 
 
+@pytest.mark.parametrize("name, stages", [("causal_early", 3), ("softmax_gemm_early", 2)])
+def test_early_scores_waits_for_score_operands_then_the_second_gemms(name, stages) -> None:
+    """Two cp.async groups per step: the loop top waits until only V of this step and the later
+    steps' groups are pending; before P @ V all but the step just issued are done."""
+    s = _schedule(name)
+    plain = schedule(s.smg, tiles=s.tiles, serial=s.serial, step=s.step, tensor_cores=True, stages=stages)
+    src, before = build(s, "cuda").source, build(plain, "cuda").source
+    top, mid = f"wait_group_{2 * (stages - 1) - 1}();", f"wait_group_{2 * (stages - 1)}();"
+    assert mid in src[src.index(top):]  # in the step loop, the second after the first
+    assert f"wait_group_{stages - 2}();" in before and top not in before
+    assert src.count("__syncthreads") > before.count("__syncthreads")
+    assert src.count("commit_group();") == 2 * before.count("commit_group();") - (1 if "Q_ptr" in src else 0)
+    back = Schedule.from_json(s.to_json())
+    assert back.early_scores and back.key == s.key != plain.key and "early_scores" not in plain.to_dict()
+    assert "score operands waited for before the second GEMM's" in str(s)
+    assert block_resources(s) == block_resources(plain)
+
+
+def test_early_scores_refusals() -> None:
+    att = patterns.attention(1, 2, 64, 64, 64)
+    with pytest.raises(ScheduleError, match="early_scores needs a ring of 2.* stages and no warp groups"):
+        schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
+    with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
+        schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
+    with pytest.raises(ScheduleError, match="reload_a and early_scores apply to tensor-core"):
+        schedule(att, tiles={"m": 32}, step=32, early_scores=True)
+
+
+def test_search_space_offers_early_scores_with_a_ring_and_no_warp_groups() -> None:
+    from schedulers.hardware import H100
+    from search.space import SearchSpace
+
+    knobs = [k for k in SearchSpace(softmax_gemm(128, 256, 64), H100, max_step=64).knobs() if k.tensor_cores]
+    early = [k for k in knobs if k.early_scores]
+    assert early and all(k.stages > 1 and k.split == 1 for k in early)
+    assert any(k.stages > 1 and k.split == 1 and not k.early_scores for k in knobs)
+
+
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="reload_a apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="reload_a and early_scores apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -265,7 +307,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="stages, warps, split, slices and reload_a apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="split, slices, reload_a and early_scores apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 

@@ -146,6 +146,8 @@ class _Gen:
                 self.copy_tile(g.b, slot, L, t0, g.k, tirx.const(0, I32), pred)
         for n in p.tiles_in:
             self.copy_tile(n, slot, p.row, self.row0, L, t0, pred)
+        if self.groups == 2:  # the score tile's operands land first: it starts while the rest arrive
+            T.evaluate(T.ptx.cp.async_.commit_group())
         for x in dict.fromkeys(gs.x for gs in p.gemm_states):
             n = next(gs.n for gs in p.gemm_states if gs.x == x)
             self.copy_tile(x, slot, L, t0, n, self.col0(n), pred)
@@ -330,6 +332,9 @@ class _Gen:
 
     def _body(self) -> None:
         p = self.p
+        # cp.async groups per step: with early_scores the score tile's operands and the second GEMM's,
+        # waited for one after the other (FlashAttention-2's order)
+        self.groups = 2 if p.early_scores else 1
         self._alloc()
         zero = tirx.const(0, I32)
         for st in p.row_states:
@@ -358,7 +363,7 @@ class _Gen:
         if held:  # the A operand stays in registers for the whole loop; its group is the oldest
             g = p.gemm
             kd = self.sizes[g.k]
-            T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 1))
+            T.evaluate(T.ptx.cp.async_.wait_group(self.groups * (p.stages - 1)))
             T.evaluate(T.tvm_storage_sync("shared"))
             qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
             stride = self.layout[g.a][2]
@@ -375,7 +380,7 @@ class _Gen:
                 T.evaluate(T.tvm_storage_sync("shared"))
             else:  # one barrier per step: it publishes tile j to every warp and frees the slot of
                 # tile j - 1 (all warps are past its compute), which the load of tile j + stages - 1 reuses
-                T.evaluate(T.ptx.cp.async_.wait_group(p.stages - 2))
+                T.evaluate(T.ptx.cp.async_.wait_group(self.groups * (p.stages - 1) - 1))
                 T.evaluate(T.tvm_storage_sync("shared"))
                 self.issue_step(ahead, pred)
             self.t0 = self.step_of(j) * p.step
@@ -479,8 +484,13 @@ class _Gen:
             for h in range(2 * self.mt):
                 T.buffer_store(self.rs_old[u.state], self.rs[u.state][h], [h])
         gemm_of = {gs.update.state: gs for gs in p.gemm_states}
+        waited = self.groups == 1
         for u in self.s.plan.states:
             if u.state in gemm_of:
+                if not waited:  # this step's second-GEMM operands: all groups but the next step's
+                    T.evaluate(T.ptx.cp.async_.wait_group(self.groups * (p.stages - 1)))
+                    T.evaluate(T.tvm_storage_sync("shared"))
+                    waited = True
                 self._gemm_update(gemm_of[u.state])
             else:
                 self._row_update(u)

@@ -19,7 +19,7 @@ from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
-from spacefusion.lower.mma import _mask_bound, tile_kept
+from spacefusion.lower.mma import _mask_bound, row_tile_order, tile_kept
 
 CASES = {
     "attention": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 32}, 32, 2),
@@ -336,13 +336,32 @@ def test_tile_kept_is_exact_on_every_element(a, b, c, strict, l0, step, r_lo, ro
     assert tile_kept((a, b, c, strict), l0, step, r_lo, r_lo + rows - 1) == kept
 
 
+@given(st.integers(1, 40), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_row_tile_order_alternates_heavy_and_light(count, heavy_last) -> None:
+    """A permutation of the row tiles that starts at the heavy end and alternates ends."""
+    order = [row_tile_order(i, count, heavy_last) for i in range(count)]
+    assert sorted(order) == list(range(count))
+    heavy = count - 1 if heavy_last else 0
+    assert order[0] == heavy
+    work = [t if heavy_last else count - 1 - t for t in order]  # monotone stand-in for the steps
+    assert all(work[i] > work[i + 1] for i in range(0, count - 1, 2))  # heavy then light
+
+
+def test_causal_blocks_take_row_tiles_in_heavy_light_order() -> None:
+    """The row tile is picked by the block index's parity where a killing mask bounds the steps."""
+    causal = build(_schedule("causal"), "cuda").source
+    plain = build(_schedule("attention"), "cuda").source
+    assert "% 2) == 0) ? (3 - " in causal and "% 2) == 0) ?" not in plain  # 4 row tiles: 3, 0, 2, 1
+
+
 def test_kept_tiles_run_an_unmasked_step() -> None:
     """Causal steps below the diagonal run a copy of the step without the mask's select, with the
     score scaling folded into exp2 (log2 e * 0.125); diagonal steps keep the mask and (s - m) * log2 e."""
     s = _schedule("causal")
     src = build(s, "cuda").source
-    # step j of 16 columns is kept for rows 32*tile.. when 16*j + 15 <= 32*tile (row tile fastest)
-    kept = re.findall(r"if \(\(\(v_\d+ \* 16\) - \(\(\(\(int\)blockIdx\.x\) & 3\) \* 32\)\) < -15\)", src)
+    # step j of 16 columns is kept for rows 32*tile.. when 16*j + 15 <= 32*tile (the tile: heavy/light order)
+    kept = re.findall(r"if \(\(\(v_\d+ \* 16\) - \([^\n]*\) \* 32\)\) < -15\)", src)
     assert len(kept) == 1, re.findall(r"if \([^\n]*< -\d+\)", src)[:3]
     head, tail = src.split(kept[0], 1)
     assert "0x1.71547652b82fep-3" in tail  # 0.125 * log2(e), folded into the kept step's FFMA

@@ -274,6 +274,9 @@ class _Gen:
                         self.g, self.t4 = self.lane // 4, self.lane % 4
                         rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
                         rb = rest % grid[p.row]
+                        bound = _mask_bound(self.smg, p)
+                        if bound is not None:  # the killing mask makes the work grow (or shrink) with the row
+                            rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
                         rest = rest // grid[p.row]
                         # then the slice: the row tiles of one slice read the same K/V steps together
                         self.slice = rest % p.slices
@@ -816,6 +819,19 @@ def tile_kept(bound: tuple[int, int, int, bool], l0, step: int, r_lo, r_hi):
     a, b, c, strict = bound
     f = a * (l0 + step - 1) + b * (r_lo if b < 0 else r_hi) + c
     return f < 0 if strict else f <= 0
+
+
+def row_tile_order(i, count: int, heavy_last: bool):
+    """The row tile that the ``i``-th block of a batch coordinate takes when a killing mask makes
+    the row tiles' work monotone in their index (causal: tile ``count - 1`` has all the steps):
+    the heaviest, the lightest, the next heaviest, ... (ints or TIR).  Blocks start in index order,
+    so the grid's tail gets short blocks, and the blocks resident together mix long and short ones.
+    H100, causal (4, 32, 2048, 2048, 128): 489.5 against 499.2 us in index order."""
+    far = count - 1 - i // 2
+    near = i // 2
+    if isinstance(i, int):
+        return (far if i % 2 == 0 else near) if heavy_last else (near if i % 2 == 0 else far)
+    return tirx.Select(i % 2 == 0, far, near) if heavy_last else tirx.Select(i % 2 == 0, near, far)
 
 
 def _mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:

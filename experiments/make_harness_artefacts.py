@@ -37,15 +37,20 @@ SCHEDULES = {
     # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory
     "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 128}, "l", 64,
                   TC | {"stages": 2, "warps": 4, "reload_a": True}),
+    # the row max kept within ln 256 (lazy_rescale): 483-489 against 487-501 us, interleaved 3 times;
+    # BERT, LLaMA and decode lose with it (experiments/results_epilogue_h100.json, lazy_rescale_ab)
     "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 128}, "l", 64,
-                   TC | {"stages": 2, "warps": 4, "reload_a": True}),
+                   TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True}),
     # S waited for apart from V: 24.4 against 26.1 us, interleaved 4 times; a loss of 1-3% on the
-    # attention kernels (experiments/results_epilogue_h100.json, early_scores_*)
+    # attention kernels (experiments/results_epilogue_h100.json, early_scores_*); lazy_rescale: 24.9
+    # against 25.3 us
     "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 64}, "l", 128,
-                     TC | {"stages": 2, "slices": 4, "early_scores": True}),
+                     TC | {"stages": 2, "slices": 4, "early_scores": True, "lazy_rescale": True}),
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),
-    "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 64,
-                     TC | {"stages": 2}),
+    # step 32 in 4 stages: 441.8-446.8 against 451.7-460.8 us for step 64 in 2, interleaved 3 times
+    # (experiments/results_epilogue_h100.json, retune_ab)
+    "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 32,
+                     TC | {"stages": 4}),
     # 32 row tiles only: 4 blocks per row tile each take 1/4 of the KV steps, the last merges; the
     # tuner's best of 48 measured (experiments/tuning/raw/attention_decode_round*.json)
     "mha_decode": (lambda: P.attention(1, 32, 64, 8192, 128, dtype=H), {"m": 64}, "l", 32,

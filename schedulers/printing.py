@@ -42,6 +42,8 @@ def warp_tile_summary(s: Schedule) -> str:
         parts.append(f"{p.gemm.a} {'re-read from shared memory every step' if p.reload_a else 'held in registers'}")
     if p.early_scores:
         parts.append("score operands waited for before the second GEMM's")
+    if p.lazy:
+        parts.append(", ".join(f"{m} kept within {tau:.2f}" for m, tau in p.lazy))
     if p.split > 1:
         parts.append(f"{p.split} warp groups splitting the steps")
     if p.slices > 1:

@@ -75,6 +75,10 @@ class Schedule:
     #: GEMM's (V), each waited for where it is first read: the scores and the softmax start while V
     #: still lands, for one more barrier per step (FlashAttention-2's order)
     early_scores: bool = False
+    #: keep a running max that is only a reference (``warp_tile.lazy_references``: attention's row max)
+    #: while each step's max stays within ln(256) of it, so that a warp skips the accumulator rescale
+    #: (FlashAttention-4's conditional rescale); one warp vote per step
+    lazy_rescale: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -149,7 +153,7 @@ class Schedule:
             {"vector": self.vector} if self.vector != 1 else {}) | (
             {"split": self.split} if self.split != 1 else {}) | (
             {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {}) | (
-            {"early_scores": True} if self.early_scores else {})
+            {"early_scores": True} if self.early_scores else {}) | ({"lazy_rescale": True} if self.lazy_rescale else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -197,6 +201,7 @@ class Schedule:
             slices=int(d.get("slices", 1)),
             reload_a=bool(d.get("reload_a", False)),
             early_scores=bool(d.get("early_scores", False)),
+            lazy_rescale=bool(d.get("lazy_rescale", False)),
         )
 
     def __str__(self) -> str:
@@ -281,7 +286,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
-                  early_scores: bool = False) -> Schedule:
+                  early_scores: bool = False, lazy_rescale: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -302,6 +307,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     step (fewer registers: two 16-row tiles per warp at head dim 128 without spilling).
     ``early_scores`` waits for the score tile's operands alone at the top of a step and for the
     second GEMM's before that GEMM (a barrier more per step; a ring of 2+ stages, no warp groups).
+    ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -371,7 +377,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
-                   bool(reload_a), bool(early_scores))
+                   bool(reload_a), bool(early_scores), bool(lazy_rescale))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -398,9 +404,13 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             if stages < 2 or split != 1:
                 raise ScheduleError(f"early_scores needs a ring of 2+ stages and no warp groups (stages {stages}, "
                                     f"split {split}): a mid-step barrier must be reached by the whole block")
-    elif stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores:
-        raise ScheduleError("stages, warps, split, slices, reload_a and early_scores apply to tensor-core warp-tile "
-                            "kernels (tensor_cores=True)")
+        if lazy_rescale and (out.warp_tile is None or not out.warp_tile.lazy):
+            raise ScheduleError(f"lazy_rescale keeps a running max that only references the carried states; "
+                                f"{smg.name!r} has none (a max state whose readers rescale exponentially in its change "
+                                f"and whose outputs do not change with it)")
+    elif stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale:
+        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores and lazy_rescale apply to "
+                            "tensor-core warp-tile kernels (tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

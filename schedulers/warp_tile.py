@@ -75,6 +75,7 @@ class WarpTileProgram:
     slices: int = 1  # blocks per row tile, each taking a contiguous range of serial steps
     reload_a: bool = False  # the GEMM's A tile stays in shared memory, its fragments read every step
     early_scores: bool = False  # two cp.async groups per step: score operands, then the second GEMM's
+    lazy: tuple[tuple[str, float], ...] = ()  # max states kept while within their lag (lazy_rescale)
 
     @property
     def warp_mtiles(self) -> int:
@@ -182,7 +183,55 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                                     f"its old value times a per-row factor, so partial results cannot merge")
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
                            tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices,
-                           s.reload_a and gemm is not None, s.early_scores)
+                           s.reload_a and gemm is not None, s.early_scores,
+                           tuple(lazy_references(plan).items()) if s.lazy_rescale else ())
+
+
+#: how far a lazily kept reference may lag the true running max: values grow by at most this factor
+LAZY_GROWTH = 256.0
+
+
+def lazy_references(plan) -> dict[str, float]:
+    """Max states that may lag behind the true running max, with the lag allowed (in their units).
+
+    A max state ``m`` is only a reference when every state that reads it is carried by a factor
+    ``f(m__old, m__new) = exp(k * (m__old - m__new))`` (k > 0), its body rescales by that factor
+    when ``m`` is replaced by another value ``mu`` (``body(mu) = body(m) * f(m, mu)``), and every
+    output is unchanged when those states are rescaled so and ``m`` is ``mu`` (attention's
+    ``O / l``).  Then a step whose new max exceeds the kept one by less than ``ln(256) / k`` may keep
+    it: the carried states are unchanged (f = 1) and no accumulator is rescaled, while the values
+    summed stay below 256x their true-max-referenced size (FlashAttention-4's conditional rescale).
+    Derived with sympy; nothing names softmax."""
+    out: dict[str, float] = {}
+    mu = sp.Symbol("lazy__mu", real=True)
+    for m in plan.states:
+        if m.combiner != "max" or m.carry:
+            continue
+        ms, old, new = (sp.Symbol(f"{m.state}{x}", real=True) for x in ("", "__old", "__new"))
+        names = {m.state, f"{m.state}__old", f"{m.state}__new"}
+        readers = [u for u in plan.states if u is not m and names & {
+            x.name for x in parse(u.body).free_symbols | parse(u.carry or "0").free_symbols}]
+        if not readers:
+            continue
+        ks, scaled = set(), {}
+        for u in readers:
+            f = carry_factor(u.carry, u.state) if u.carry else None
+            if f is None or f.free_symbols - {old, new}:
+                break
+            logf = sp.expand(sp.expand_log(sp.log(f), force=True))
+            k = sp.simplify(logf.diff(old))
+            if not k.is_Number or k <= 0 or sp.simplify(logf - k * (old - new)) != 0:
+                break
+            body = parse(u.body)
+            if sp.simplify(body.subs(ms, mu) - body * f.subs({old: ms, new: mu})) != 0:
+                break
+            ks.add(k)
+            scaled[sp.Symbol(u.state, real=True)] = sp.Symbol(u.state, real=True) * f.subs({old: ms, new: mu})
+        else:
+            outs = [parse(text) for _, text in plan.finalize]
+            if len(ks) == 1 and all(sp.simplify(e.xreplace({**scaled, ms: mu}) - e) == 0 for e in outs):
+                out[m.state] = math.log(LAZY_GROWTH) / float(ks.pop())
+    return out
 
 
 def carry_factor(carry: str, state: str) -> sp.Expr | None:

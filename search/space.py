@@ -69,6 +69,7 @@ class Knobs:
     slices: int = 1
     reload_a: bool = False
     early_scores: bool = False
+    lazy_rescale: bool = False
 
 
 @dataclass
@@ -153,9 +154,18 @@ class SearchSpace:
                                                                                   reloads):
                         if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
                             continue
-                        for early in (False, True) if stages > 1 and split == 1 else (False,):
+                        earlies = (False, True) if stages > 1 and split == 1 else (False,)
+                        lazies = (False, True) if self.running_max else (False,)
+                        for early, lazy in itertools.product(earlies, lazies):
                             yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
-                                        stages, warps, split=split, slices=sl, reload_a=rl, early_scores=early)
+                                        stages, warps, split=split, slices=sl, reload_a=rl, early_scores=early,
+                                        lazy_rescale=lazy)
+
+    @cached_property
+    def running_max(self) -> bool:
+        """Whether an op is a max reduction (a candidate reference for ``lazy_rescale``; make_schedule
+        decides with the derived update functions)."""
+        return any(op.combiner == "max" and op.reduce for op in self.smg.ops)
 
     @cached_property
     def first_gemm(self) -> tuple[str, ...]:
@@ -194,7 +204,8 @@ class SearchSpace:
         return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
                              recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
                              tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector,
-                             split=k.split, slices=k.slices, reload_a=k.reload_a, early_scores=k.early_scores)
+                             split=k.split, slices=k.slices, reload_a=k.reload_a, early_scores=k.early_scores,
+                             lazy_rescale=k.lazy_rescale)
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""

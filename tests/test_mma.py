@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from schedulers.errors import ScheduleError
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
-from schedulers.warp_tile import staged_output, warp_tile_program
+from schedulers.warp_tile import lazy_references, staged_output, warp_tile_program
 from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
@@ -47,6 +47,11 @@ CASES = {
     "causal_early": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 32}, 32, 3,
                      {"early_scores": True}),
     "softmax_gemm_early": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2, {"early_scores": True}),
+    # the row max kept as a reference while within ln 256 (no rescale that step); split merges too
+    "causal_lazy": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 64}, 32, 2,
+                    {"warps": 2, "reload_a": True, "lazy_rescale": True}),
+    "softmax_gemm_lazy_split2": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
+                                 {"split": 2, "lazy_rescale": True}),
 }
 
 
@@ -196,7 +201,7 @@ def test_slices_refusals(kwargs, match) -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="slices, reload_a and early_scores apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="slices, reload_a, early_scores and lazy_rescale apply to"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -205,7 +210,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="stages, warps, split, slices, reload_a and early_scores apply"):
+    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores and lazy_rescale apply"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -264,7 +269,7 @@ def test_early_scores_refusals() -> None:
         schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
     with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
         schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
-    with pytest.raises(ScheduleError, match="reload_a and early_scores apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to"):
         schedule(att, tiles={"m": 32}, step=32, early_scores=True)
 
 
@@ -278,10 +283,40 @@ def test_search_space_offers_early_scores_with_a_ring_and_no_warp_groups() -> No
     assert any(k.stages > 1 and k.split == 1 and not k.early_scores for k in knobs)
 
 
+def test_lazy_references_are_derived_from_the_carries_and_outputs() -> None:
+    """The row max is a reference: its readers rescale by exp(m_old - m_new) and O / l does not
+    change with it; with the output O alone (no normalisation) it would, so nothing is lazy."""
+    import dataclasses
+    import math
+
+    s = _schedule("attention")
+    assert lazy_references(s.plan) == {"P_max": pytest.approx(math.log(256))}
+    assert lazy_references(_schedule("softmax_gemm").plan) == {"P_max": pytest.approx(math.log(256))}
+    assert lazy_references(dataclasses.replace(s.plan, finalize=(("O", "O"),))) == {}
+    assert lazy_references(_schedule("gemm_sigmoid").plan) == {}
+
+
+def test_lazy_rescale_votes_and_skips_the_accumulator_rescale() -> None:
+    s = _schedule("causal_lazy")
+    plain = schedule(s.smg, tiles=s.tiles, serial=s.serial, step=s.step, tensor_cores=True, stages=2, warps=2,
+                     reload_a=True)
+    src, before = build(s, "cuda").source, build(plain, "cuda").source
+    assert "__any_sync" in src and "__any_sync" not in before
+    assert src.count("0x1.62e42fefa39efp+2f") == 2 * 2 * 2  # ln 256, per row (2 tiles x 2) and step copy
+    back = Schedule.from_json(s.to_json())
+    assert back.lazy_rescale and back.key == s.key != plain.key and "lazy_rescale" not in plain.to_dict()
+    assert "P_max kept within 5.55" in str(s)
+    with pytest.raises(ScheduleError, match="lazy_rescale keeps a running max.*'gemm_sigmoid' has none"):
+        schedule(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), tiles={"m": 64, "n": 64},
+                 serial="k", step=32, tensor_cores=True, stages=2, lazy_rescale=True)
+    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to tensor-core"):
+        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, lazy_rescale=True)
+
+
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="reload_a and early_scores apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -307,7 +342,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="split, slices, reload_a and early_scores apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 

@@ -75,6 +75,10 @@ class _Gen:
         self.unmasked = False
         self.fold_unmasked = self.mask is not None and piecewise <= {self.mask[0]}
         self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
+        # max states that are only references (lazy_references): kept while the new max is within
+        # the lag; ``moved`` holds this step's warp-uniform flag of each (0: kept, nothing to rescale)
+        self.lazy = dict(p.lazy)
+        self.moved: dict[str, tirx.Buffer] = {}
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
 
     # -- addressing -----------------------------------------------------------------
@@ -535,9 +539,17 @@ class _Gen:
             if scale:
                 T.buffer_store(part, part[h] * _f(float(c)), [h])
         buf = self.rs[u.state]
+        moved = None
+        if u.state in self.lazy:  # the warp keeps its reference unless a row's max outgrew it by the lag
+            need = tirx.any(*[part[h] > buf[h] + _f(self.lazy[u.state]) for h in range(2 * self.mt)])
+            moved = T.alloc_buffer((1,), I32, scope="local")
+            T.buffer_store(moved, tirx.call_extern(I32, "__any_sync", tirx.const(0xFFFFFFFF, "uint32"),
+                                                   tirx.Cast(I32, need)), [0])
+            self.moved[u.state] = moved
         for h in range(2 * self.mt):
             if u.combiner == "max":
-                T.buffer_store(buf, tirx.max(buf[h], part[h]), [h])
+                new = tirx.max(buf[h], part[h])
+                T.buffer_store(buf, new if moved is None else tirx.Select(moved[0] != 0, new, buf[h]), [h])
             else:
                 carry = buf[h] if not u.carry else self.expr(u.carry, lambda n, h=h: self._load_row(n, h))
                 T.buffer_store(buf, carry + part[h], [h])
@@ -571,14 +583,21 @@ class _Gen:
         if u.carry:
             factor = carry_factor(u.carry, u.state)
             per = (gs.n_tile // 8) * 4
-            if factor is not None:  # carry = X__old * (a per-row factor): one evaluation per row
-                rows = T.alloc_buffer((2 * self.mt,), F32, scope="local")
-                for h in range(2 * self.mt):
-                    T.buffer_store(rows, self.expr(factor, lambda n, h=h: self._load_row(n, h)), [h])
-            for i in range(int(acc.shape[0])):
-                v = acc[i] * rows[self.slot_of(i, per)] if factor is not None else \
-                    self.expr(u.carry, self._load_acc(gs, i))
-                T.buffer_store(acc, v, [i])
+            # a kept reference leaves the factor 1 for the whole warp: the rescale is skipped
+            refs = {x.name.removesuffix("__old").removesuffix("__new") for x in parse(u.carry).free_symbols}
+            moved = next((self.moved[r] for r in refs if r in self.moved), None) if factor is not None else None
+            with ExitStack() as guard:
+                if moved is not None:
+                    guard.enter_context(T.If(moved[0] != 0))
+                    guard.enter_context(T.Then())
+                if factor is not None:  # carry = X__old * (a per-row factor): one evaluation per row
+                    rows = T.alloc_buffer((2 * self.mt,), F32, scope="local")
+                    for h in range(2 * self.mt):
+                        T.buffer_store(rows, self.expr(factor, lambda n, h=h: self._load_row(n, h)), [h])
+                for i in range(int(acc.shape[0])):
+                    v = acc[i] * rows[self.slot_of(i, per)] if factor is not None else \
+                        self.expr(u.carry, self._load_acc(gs, i))
+                    T.buffer_store(acc, v, [i])
         if gs.factor in self.tin and self.valid(0) is None:
             pf = self.tin[gs.factor]  # a plain GEMM operand: its ldmatrix fragments are the A operand
         else:

@@ -61,16 +61,32 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+#: ``build`` flags that are make_schedule options, with their defaults (only changed ones are passed)
+KNOBS = {"stages": 1, "warps": 0, "split": 1, "slices": 1, "reload_a": False, "early_scores": False,
+         "lazy_rescale": False}
+
+
 def build_cmd(args: argparse.Namespace) -> int:
+    from schedulers.schedule import Schedule
     from spacefusion.api import build, schedule
 
-    g = _workload(args.workload, args.shape, args.dtype)
-    tiles = {"m": args.tile_m} if args.tile_m else None
-    s = schedule(g, tiles=tiles, step=args.step)
+    if args.schedule:  # e.g. a tuning database's best, or Schedule.to_json() from a notebook
+        path = Path(args.schedule)
+        if not path.is_file():
+            raise SpaceFusionError(f"--schedule {path}: no such file")
+        s = Schedule.from_json(path.read_text())
+    else:
+        if not args.workload or not args.shape:
+            raise SpaceFusionError("build needs a workload and --shape, or --schedule FILE")
+        g = _workload(args.workload, args.shape, args.dtype)
+        tiles = {d: t for d, t in (("m", args.tile_m), ("n", args.tile_n)) if t} or None
+        opts = {k: getattr(args, k) for k, default in KNOBS.items() if getattr(args, k) != default}
+        s = schedule(g, tiles=tiles, serial=args.serial, step=args.step, tensor_cores=args.tensor_cores, **opts)
     if args.verify:
         print(f"llvm check: max abs error {verify_llvm(s):.3e}")
     art = build(s, args.target)
     path = art.save(args.out)
+    print(s)
     print(f"wrote {path}/kernel.cu and kernel.json (grid {art.meta['grid']}, block {art.meta['block']})")
     return 0
 
@@ -125,12 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--step", type=int, default=32)
     d.add_argument("--out", default="spacefusion_out")
     b = sub.add_parser("build", help="build one workload for a target")
-    b.add_argument("workload")
-    b.add_argument("--shape", type=int, nargs="+", required=True)
+    b.add_argument("workload", nargs="?", help="a pattern or workload name (not with --schedule)")
+    b.add_argument("--shape", type=int, nargs="+", default=None)
     b.add_argument("--dtype", default="float16", choices=sorted(TOL))
     b.add_argument("--target", default="cuda:sm_90a")
-    b.add_argument("--tile-m", type=int, default=0)
+    b.add_argument("--tile-m", type=int, default=0, help="rows per block")
+    b.add_argument("--tile-n", type=int, default=0, help="a GEMM's output columns per block")
+    b.add_argument("--serial", default=None, help="the dim sliced into serial steps (default: derived)")
     b.add_argument("--step", type=int, default=32)
+    b.add_argument("--tensor-cores", action="store_true", help="the warp-tile kernel: mma.sync, ldmatrix, cp.async")
+    b.add_argument("--stages", type=int, default=1, help="cp.async ring depth (tensor cores)")
+    b.add_argument("--warps", type=int, default=0, help="warps per block (tensor cores; 0: up to 4)")
+    b.add_argument("--split", type=int, default=1, help="warp groups dividing a block's steps")
+    b.add_argument("--slices", type=int, default=1, help="blocks dividing a row tile's steps")
+    b.add_argument("--reload-a", action="store_true", help="re-read the first GEMM's A operand every step")
+    b.add_argument("--early-scores", action="store_true", help="wait for K apart from V")
+    b.add_argument("--lazy-rescale", action="store_true", help="keep a reference max within ln 256")
+    b.add_argument("--schedule", default=None, help="a Schedule JSON file instead of the shape and knobs")
     b.add_argument("--verify", action="store_true")
     b.add_argument("--out", required=True)
     t = sub.add_parser("tune", help="search schedules of a workload, measure them, remember the best")

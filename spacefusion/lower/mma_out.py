@@ -1,0 +1,229 @@
+"""After the warp-tile step loop: partial states merged, outputs stored.
+
+Warp groups (``split``) hand their partial states over through the arena and blocks slicing the
+steps (``slices``) through a global workspace; either merges them with the derived carries.  The
+outputs are then evaluated on the accumulator registers and stored, through the arena in whole
+16-byte chunks of rows where ``staged_output`` allows.  A mixin of ``mma._Gen``: it reads the
+generator's registers, arena and coordinates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from schedulers.warp_tile import CHUNK, GemmState, carry_factor, staged_output
+from spacefusion.lower.exprs import F32
+from spacefusion.lower.tir import ARRIVALS, PARTIALS
+
+NEG_INF = -3.0e38
+I32 = "int32"
+
+
+def _f(v: float) -> tirx.PrimExpr:
+    return tirx.FloatImm(F32, float(v))
+
+
+class _Outputs:
+    def _parts(self) -> tuple[list[tuple[str, tirx.Buffer]], dict[str, int], int]:
+        """The registers a partial result is made of: (name, buffer) pairs, offsets, total floats."""
+        regs = [(u.state, self.rs[u.state]) for u in self.p.row_states] + list(self.acc.items())
+        offset, f = {}, 0
+        for name, b in regs:
+            offset[name], f = f, f + int(b.shape[0])
+        return regs, offset, f
+
+    def _merge(self) -> None:
+        """Fold the other warp groups' partial states into group 0's, which then stores the outputs."""
+        p, tg = self.p, 32 * self.p.warps
+        regs, offset, nf = self._parts()
+        xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
+        with T.If(self.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
+            for name, b in regs:
+                for e in range(int(b.shape[0])):
+                    T.buffer_store(xchg, b[e], [((self.grp - 1) * nf + offset[name] + e) * tg + self.gtid])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        with T.If(self.grp == 0), T.Then():
+            def src(g: int, name: str, e: int) -> tirx.PrimExpr:
+                if g == 0:
+                    return dict(regs)[name][e]
+                return xchg[((g - 1) * nf + offset[name] + e) * tg + self.gtid]
+
+            self._merged(p.split, src)
+            self._finalize()  # group 0 stores the outputs
+
+    def _merge_slices(self) -> None:
+        """Blocks of one row tile: each leaves its partial states in the global workspace and counts
+        itself done (atomicAdd after a fence); the last one reads all of them back (``__ldcg``: from
+        L2, never a stale L1 line), merges them, resets the count for the next launch and stores."""
+        p = self.p
+        regs, offset, _ = self._parts()
+        part, arrivals = self.glob[PARTIALS], self.glob[ARRIVALS]
+        mine = self.tile * p.slices + self.slice
+        for name, b in regs:
+            for e in range(int(b.shape[0])):
+                T.buffer_store(part, b[e], [mine, offset[name] + e, self.tid])
+        T.evaluate(tirx.call_extern("void", "__threadfence"))
+        T.evaluate(T.tvm_storage_sync("shared"))
+        done = T.alloc_buffer((1,), I32, scope="shared")
+        with T.If(self.tid == 0), T.Then():
+            T.buffer_store(done, tirx.call_extern(I32, "atomicAdd", tirx.address_of(arrivals[self.tile]), 1), [0])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        last = T.alloc_buffer((1,), I32, scope="local")  # a branch condition may not read shared memory
+        T.buffer_store(last, done[0], [0])
+        with T.If(last[0] == p.slices - 1), T.Then():
+            T.evaluate(tirx.call_extern("void", "__threadfence"))
+
+            def src(g: int, name: str, e: int) -> tirx.PrimExpr:
+                at = part[self.tile * p.slices + g, offset[name] + e, self.tid]
+                return tirx.call_extern(F32, "__ldcg", tirx.address_of(at))
+
+            self._merged(p.slices, src)
+            with T.If(self.tid == 0), T.Then():
+                T.buffer_store(arrivals, tirx.const(0, I32), [self.tile])
+            self._finalize()
+
+    def _merged(self, parts: int, src: Callable[[int, str, int], tirx.PrimExpr]) -> None:
+        """Merge ``parts`` partial states (``src(g, name, e)``) into this thread's registers.
+
+        In plan order, a max state takes the max; a sum state is the sum over parts of its derived
+        carry with ``__old`` bound to that part's values and the new values to the states merged
+        so far: the carry rescales a partial result from its part's statistics to the final ones
+        (e.g. ``l * exp(m_g - m)``), exactly as it does from one step to the next."""
+        p = self.p
+        regs = dict(self._parts()[0])
+        merged: dict[str, tirx.Buffer] = {}
+
+        def loader(g: int, h: int) -> Callable[[str], tirx.PrimExpr]:
+            """Row values for part g's carry: ``__old`` its own, new ones as merged so far."""
+            def load(name: str) -> tirx.PrimExpr:
+                base = name.removesuffix("__old").removesuffix("__new")
+                if base in self.rs:
+                    now = base in merged and not name.endswith("__old")
+                    return merged[base][h] if now else src(g, base, h)
+                return self._load_row(name, h)
+            return load
+
+        gemm_of = {gs.update.state: gs for gs in p.gemm_states}
+        for u in self.s.plan.states:
+            size = int(regs[u.state].shape[0])
+            out = merged[u.state] = T.alloc_buffer((size,), F32, scope="local")
+            gs = gemm_of.get(u.state)
+            rescale = u.combiner == "sum" and bool(u.carry)
+            if gs is not None:  # accumulators: one carry factor per part and row
+                per = (gs.n_tile // 8) * 4
+                if rescale:
+                    fac = T.alloc_buffer((parts * 2 * self.mt,), F32, scope="local")
+                    factor = carry_factor(u.carry, u.state)
+                    for g in range(parts):
+                        for h in range(2 * self.mt):
+                            T.buffer_store(fac, self.expr(factor, loader(g, h)), [g * 2 * self.mt + h])
+                for e in range(size):
+                    h = self.slot_of(e, per)
+                    terms = [src(g, u.state, e) * fac[g * 2 * self.mt + h] if rescale else src(g, u.state, e)
+                             for g in range(parts)]
+                    T.buffer_store(out, _tree(terms, u.combiner), [e])
+                continue
+            old = f"{u.state}__old"
+            for h in range(size):
+                terms = []
+                for g in range(parts):
+                    ld = loader(g, h)
+                    v = src(g, u.state, h)
+                    terms.append(self.expr(u.carry, lambda n, ld=ld, v=v, old=old: v if n == old else ld(n))
+                                 if rescale else v)
+                T.buffer_store(out, _tree(terms, u.combiner), [h])
+        for u in p.row_states:
+            self.rs[u.state] = merged[u.state]
+        for name in self.acc:
+            self.acc[name] = merged[name]
+
+    def _finalize(self) -> None:
+        p = self.p
+        M = self.sizes[p.row]
+        by_n = {gs.n: gs for gs in p.gemm_states}
+        staged_before = False
+        for out, text in p.outputs:
+            dims = self.smg.space(out).dims
+            buf = self.glob[out]
+            n = next((d for d in dims if d in by_n), None)
+            if n is None:  # a row output: one thread of each quad writes it
+                for h in range(2 * self.mt):
+                    pos = {p.row: self.row_of(h)}
+                    with T.If(tirx.all(self.row_of(h) < M, self.t4 == 0)):
+                        with T.Then():
+                            v = self.expr(text, lambda nm, h=h: self._load_row(nm, h))
+                            T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+                continue
+            gs = by_n[n]
+            staged = staged_output(self.s, p, out)
+            if staged is not None:
+                if staged_before:  # the previous tile's copy-out still reads the arena
+                    T.evaluate(T.tvm_storage_sync("shared"))
+                self._store_staged(out, text, gs, staged[1])
+                staged_before = True
+                continue
+            per = (gs.n_tile // 8) * 4
+            tail = self.sizes[n] % gs.n_tile != 0
+            for h in range(2 * self.mt):
+                with T.If(self.row_of(h) < M):
+                    with T.Then():
+                        for i in range(int(self.acc[gs.update.state].shape[0])):
+                            if self.slot_of(i, per) != h:
+                                continue
+                            pos = {p.row: self.row_of(h), n: self.col0(n) + self.col_of(i, per)}
+                            v = self.expr(text, self._load_acc(gs, i), buf.dtype)
+                            with ExitStack() as guard:
+                                if tail:
+                                    guard.enter_context(T.If(pos[n] < self.sizes[n]))
+                                    guard.enter_context(T.Then())
+                                T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+
+
+    def _store_staged(self, out: str, text: str, gs: GemmState, stride: int) -> None:
+        """Store output ``out`` through the arena (``staged_output``): each thread writes its column
+        pairs of the tile as 4-byte vectors (rows ``stride`` apart: a quad's 8 rows hit distinct
+        banks), then the block copies whole rows out in 16-byte chunks."""
+        p, n = self.p, gs.n
+        per = (gs.n_tile // 8) * 4
+        acc = self.acc[gs.update.state]
+        for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
+            h = self.slot_of(i, per)
+            off = (self.row_of(h) - self.row0) * stride + self.col_of(i, per)
+            pair = [_cast(self.expr(text, self._load_acc(gs, e), self.half), self.half) for e in (i, i + 1)]
+            T.buffer_store(self.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
+                           [tirx.Ramp(off, 1, 2)])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        buf, dims = self.glob[out], self.smg.space(out).dims
+        per_row = gs.n_tile // CHUNK
+        total, th = p.rows * per_row, p.threads
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + self.tid
+            r, cc = c // per_row, (c % per_row) * CHUNK
+            row, col = self.row0 + r, self.col0(n) + cc
+            conds = [c < total] if total % th else []
+            if self.sizes[p.row] % p.rows:
+                conds.append(row < self.sizes[p.row])
+            if self.sizes[n] % gs.n_tile:
+                conds.append(col < self.sizes[n])
+            with ExitStack() as guard:
+                if conds:
+                    guard.enter_context(T.If(tirx.all(*conds)))
+                    guard.enter_context(T.Then())
+                idx = [self.coord[d] for d in dims[:-2]] + [row, tirx.Ramp(col, 1, CHUNK)]
+                T.buffer_store(buf, T.BufferLoad(self.arena, [tirx.Ramp(r * stride + cc, 1, CHUNK)]), idx)
+
+
+def _tree(terms: list[tirx.PrimExpr], combiner: str) -> tirx.PrimExpr:
+    """A balanced reduction tree (independent partial results: instruction-level parallelism)."""
+    while len(terms) > 1:
+        nxt = [tirx.max(a, b) if combiner == "max" else a + b for a, b in zip(terms[::2], terms[1::2])]
+        terms = nxt + ([terms[-1]] if len(terms) % 2 else [])
+    return terms[0]
+
+
+def _cast(v: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    return v if dtype == F32 else tirx.Cast(dtype, v)

@@ -4,7 +4,7 @@ Import-light on purpose: the GPU runtime (``spacefusion.runtime``) must load
 on a machine without TVM, islpy or xgboost, so nothing heavy is imported here.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):

@@ -350,9 +350,13 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     item = 2  # fp16 / bf16
     tiles = sum(math.prod(v) for v in smem_layout(s, p).values()) * item
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4
+    return max(tiles, merge, staged_elements(s, p) * item)
+
+
+def staged_elements(s, p: WarpTileProgram) -> int:
+    """Arena elements the largest staged output tile needs after the loop (0: none is staged)."""
     staged = [staged_output(s, p, out) for out, _ in p.outputs]
-    stage = max((p.rows * st[1] * item for st in staged if st is not None), default=0)
-    return max(tiles, merge, stage)
+    return max((p.rows * st[1] for st in staged if st is not None), default=0)
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -61,13 +62,12 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-#: ``build`` flags that are make_schedule options, with their defaults (only changed ones are passed)
-KNOBS = {"stages": 1, "warps": 0, "split": 1, "slices": 1, "reload_a": False, "early_scores": False,
-         "lazy_rescale": False}
+#: ``build`` flags that are make_schedule options of the same name (only changed ones are passed)
+KNOBS = ("stages", "warps", "split", "slices", "reload_a", "early_scores", "lazy_rescale")
 
 
 def build_cmd(args: argparse.Namespace) -> int:
-    from schedulers.schedule import Schedule
+    from schedulers.schedule import Schedule, make_schedule
     from spacefusion.api import build, schedule
 
     if args.schedule:  # e.g. a tuning database's best, or Schedule.to_json() from a notebook
@@ -80,7 +80,8 @@ def build_cmd(args: argparse.Namespace) -> int:
             raise SpaceFusionError("build needs a workload and --shape, or --schedule FILE")
         g = _workload(args.workload, args.shape, args.dtype)
         tiles = {d: t for d, t in (("m", args.tile_m), ("n", args.tile_n)) if t} or None
-        opts = {k: getattr(args, k) for k, default in KNOBS.items() if getattr(args, k) != default}
+        defaults = inspect.signature(make_schedule).parameters
+        opts = {k: getattr(args, k) for k in KNOBS if getattr(args, k) != defaults[k].default}
         s = schedule(g, tiles=tiles, serial=args.serial, step=args.step, tensor_cores=args.tensor_cores, **opts)
     if args.verify:
         print(f"llvm check: max abs error {verify_llvm(s):.3e}")
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--dtype", default="float16", choices=sorted(TOL))
     d.add_argument("--step", type=int, default=32)
     d.add_argument("--out", default="spacefusion_out")
+    from schedulers.schedule import make_schedule
+
+    knob = {k: v.default for k, v in inspect.signature(make_schedule).parameters.items()}  # one source of defaults
     b = sub.add_parser("build", help="build one workload for a target")
     b.add_argument("workload", nargs="?", help="a pattern or workload name (not with --schedule)")
     b.add_argument("--shape", type=int, nargs="+", default=None)
@@ -150,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--serial", default=None, help="the dim sliced into serial steps (default: derived)")
     b.add_argument("--step", type=int, default=32)
     b.add_argument("--tensor-cores", action="store_true", help="the warp-tile kernel: mma.sync, ldmatrix, cp.async")
-    b.add_argument("--stages", type=int, default=1, help="cp.async ring depth (tensor cores)")
-    b.add_argument("--warps", type=int, default=0, help="warps per block (tensor cores; 0: up to 4)")
-    b.add_argument("--split", type=int, default=1, help="warp groups dividing a block's steps")
-    b.add_argument("--slices", type=int, default=1, help="blocks dividing a row tile's steps")
+    b.add_argument("--stages", type=int, default=knob["stages"], help="cp.async ring depth (tensor cores)")
+    b.add_argument("--warps", type=int, default=knob["warps"], help="warps per block (tensor cores; 0: up to 4)")
+    b.add_argument("--split", type=int, default=knob["split"], help="warp groups dividing a block's steps")
+    b.add_argument("--slices", type=int, default=knob["slices"], help="blocks dividing a row tile's steps")
     b.add_argument("--reload-a", action="store_true", help="re-read the first GEMM's A operand every step")
     b.add_argument("--early-scores", action="store_true", help="wait for K apart from V")
     b.add_argument("--lazy-rescale", action="store_true", help="keep a reference max within ln 256")

@@ -35,7 +35,7 @@ from schedulers.warp_tile import (
     WarpTileProgram,
     carry_factor,
     smem_layout,
-    staged_output,
+    staged_elements,
     warp_tile_program,
 )
 from smg.expr import body_expr
@@ -298,8 +298,7 @@ class _Gen(_Outputs):
         offs, end = {}, 0
         for n in sorted(sizes, key=lambda n: n == a_tile):  # stable: the ring in layout order, A last
             offs[n], end = end, end + sizes[n]
-        stage = [staged_output(self.s, p, out) for out, _ in p.outputs]  # output tiles, after the loop
-        end = max([end] + [p.rows * st[1] for st in stage if st is not None])
+        end = max(end, staged_elements(self.s, p))  # the output tiles reuse it after the loop
         arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
         self.arena = arena
         for n in sizes:

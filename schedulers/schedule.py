@@ -79,6 +79,11 @@ class Schedule:
     #: while each step's max stays within ln(256) of it, so that a warp skips the accumulator rescale
     #: (FlashAttention-4's conditional rescale); one warp vote per step
     lazy_rescale: bool = False
+    #: sum row statistics whose body is a second GEMM's factor tile (attention's row sum of P) on the
+    #: tensor cores, as ``P @ 1`` over the fp16 fragments that GEMM multiplies (``warp_tile.mma_row_sums``):
+    #: one n8 mma per k slice in place of an fp32 add per element and the quad's shuffles; the sum is
+    #: then over the fp16-rounded P that multiplies V, accumulated in fp32
+    mma_row_sums: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -153,7 +158,8 @@ class Schedule:
             {"vector": self.vector} if self.vector != 1 else {}) | (
             {"split": self.split} if self.split != 1 else {}) | (
             {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {}) | (
-            {"early_scores": True} if self.early_scores else {}) | ({"lazy_rescale": True} if self.lazy_rescale else {})
+            {"early_scores": True} if self.early_scores else {}) | (
+            {"lazy_rescale": True} if self.lazy_rescale else {}) | ({"mma_row_sums": True} if self.mma_row_sums else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -202,6 +208,7 @@ class Schedule:
             reload_a=bool(d.get("reload_a", False)),
             early_scores=bool(d.get("early_scores", False)),
             lazy_rescale=bool(d.get("lazy_rescale", False)),
+            mma_row_sums=bool(d.get("mma_row_sums", False)),
         )
 
     def __str__(self) -> str:
@@ -286,7 +293,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
-                  early_scores: bool = False, lazy_rescale: bool = False) -> Schedule:
+                  early_scores: bool = False, lazy_rescale: bool = False,
+                  mma_row_sums: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -308,6 +316,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``early_scores`` waits for the score tile's operands alone at the top of a step and for the
     second GEMM's before that GEMM (a barrier more per step; a ring of 2+ stages, no warp groups).
     ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
+    ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -377,7 +386,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
-                   bool(reload_a), bool(early_scores), bool(lazy_rescale))
+                   bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -408,9 +417,14 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             raise ScheduleError(f"lazy_rescale keeps a running max that only references the carried states; "
                                 f"{smg.name!r} has none (a max state whose readers rescale exponentially in its change "
                                 f"and whose outputs do not change with it)")
-    elif stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale:
-        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores and lazy_rescale apply to "
-                            "tensor-core warp-tile kernels (tensor_cores=True)")
+        if mma_row_sums and (out.warp_tile is None or not out.warp_tile.row_sums):
+            raise ScheduleError(f"mma_row_sums sums a row statistic on tensor cores as a second GEMM's factor tile "
+                                f"times ones; {smg.name!r} has no sum state whose body is such a factor (with a "
+                                f"per-row carry, and read by no GEMM state)")
+    elif (stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale
+          or mma_row_sums):
+        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale and mma_row_sums "
+                            "apply to tensor-core warp-tile kernels (tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

@@ -353,9 +353,11 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?!\s*\()")
 
 
+@lru_cache(maxsize=8192)
 def parse(text: str) -> sp.Expr:
     """Parse an update-function expression: identifiers followed by ``(`` are
-    sympy functions, every other identifier is a real space/state symbol."""
+    sympy functions, every other identifier is a real space/state symbol.  Cached: sympy
+    expressions are immutable, and a search space parses the same few texts for every point."""
     names = set(_IDENT.findall(text))
     return sp.sympify(text, locals={n: sp.Symbol(n, real=True) for n in names})
 

@@ -19,7 +19,9 @@ threads and shared memory before anything is built.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sympy as sp
@@ -76,6 +78,7 @@ class WarpTileProgram:
     reload_a: bool = False  # the GEMM's A tile stays in shared memory, its fragments read every step
     early_scores: bool = False  # two cp.async groups per step: score operands, then the second GEMM's
     lazy: tuple[tuple[str, float], ...] = ()  # max states kept while within their lag (lazy_rescale)
+    row_sums: tuple[tuple[str, str], ...] = ()  # (sum state, GEMM state) summed on tensor cores (mma_row_sums)
 
     @property
     def warp_mtiles(self) -> int:
@@ -184,7 +187,8 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
                            tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices,
                            s.reload_a and gemm is not None, s.early_scores,
-                           tuple(lazy_references(plan).items()) if s.lazy_rescale else ())
+                           tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
+                           tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else ())
 
 
 #: how far a lazily kept reference may lag the true running max: values grow by at most this factor
@@ -202,6 +206,11 @@ def lazy_references(plan) -> dict[str, float]:
     it: the carried states are unchanged (f = 1) and no accumulator is rescaled, while the values
     summed stay below 256x their true-max-referenced size (FlashAttention-4's conditional rescale).
     Derived with sympy; nothing names softmax."""
+    return dict(_lazy_references(plan))
+
+
+@functools.lru_cache(maxsize=256)  # a search space asks for the same plan's at every point
+def _lazy_references(plan) -> tuple[tuple[str, float], ...]:
     out: dict[str, float] = {}
     mu = sp.Symbol("lazy__mu", real=True)
     for m in plan.states:
@@ -231,9 +240,10 @@ def lazy_references(plan) -> dict[str, float]:
             outs = [parse(text) for _, text in plan.finalize]
             if len(ks) == 1 and all(sp.simplify(e.xreplace({**scaled, ms: mu}) - e) == 0 for e in outs):
                 out[m.state] = math.log(LAZY_GROWTH) / float(ks.pop())
-    return out
+    return tuple(out.items())
 
 
+@functools.lru_cache(maxsize=1024)
 def carry_factor(carry: str, state: str) -> sp.Expr | None:
     """``c`` when ``carry == state__old * c`` with ``c`` free of the accumulator (else None)."""
     e, old = parse(carry), sp.Symbol(f"{state}__old", real=True)
@@ -284,7 +294,7 @@ def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, b
     if len(xs) != 1:
         raise ScheduleError(f"state {u.state!r} body {u.body!r} is not (input over {n!r}) * factor")
     x = xs[0]
-    factor = sp.simplify(body / x)
+    factor = _quotient(u.body, x.name)
     if x in factor.free_symbols or sp.Symbol(n) in factor.free_symbols:
         raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}")
     xd = smg.space(x.name).dims
@@ -366,11 +376,64 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
     mt = p.warp_mtiles
     regs = 40
     if p.row_states or p.score_ops:  # fp32 score tile (+ live element-wise copies); a plain GEMM's A
-        regs += mt * (p.step // 8) * 4 * (1 + len(p.score_ops) // 2)  # operand is only its fp16 fragments
+        regs += mt * (p.step // 8) * 4 * (1 + _held_score_ops(s, p))  # operand is only its fp16 fragments
     if p.gemm is not None and p.reload_a:
         regs += 2 * mt * 4  # A fragments of two k slices (the current one and the one being read)
     elif p.gemm is not None:
         regs += mt * sizes[p.gemm.k] // 4  # A fragments held for the whole loop (8 halfs per 16 columns)
     regs += mt * (p.step // 16) * 4  # P as fp16 A fragments
     regs += mt * (sum((g.n_tile // 8) * 4 for g in p.gemm_states) + 4 * len(p.row_states))
+    # the n8 accumulator of a row sum on tensor cores takes the place of its fp32 partials and
+    # shuffle temporaries; the ones fragment stays (nvcc: BERT +1, LLaMA, ViT and decode +0)
+    regs += 2 * len(p.row_sums)
     return regs
+
+
+def _held_score_ops(s, p: WarpTileProgram) -> int:
+    """Score ops whose tile stays live beside a later one: read by two or more of the later score
+    ops and the states.  One read by its successor alone (causal's scaled scores, read only by the
+    mask) is overwritten element by element in place: nvcc gives causal MHA 255 registers and
+    44 spilled bytes against LLaMA's 255 and none, not the 64 registers a second copy would take."""
+    readers = [parse(s.smg.producer(n).body).free_symbols for n in p.score_ops]
+    readers += [parse(u.body).free_symbols for u in s.plan.states]
+    held = 0
+    for i, name in enumerate(p.score_ops[:-1]):
+        if sum(any(x.name == name for x in r) for r in readers[i + 1:]) > 1:
+            held += 1
+    return held
+
+
+
+def mma_row_sums(row_states: Sequence[UpdateFunction], gemm_states: Sequence[GemmState]) -> dict[str, str]:
+    """Sum row states that the tensor cores can compute with a GEMM state: state -> GEMM state.
+
+    A sum over the serial dim whose body is the factor tile ``f`` of a GEMM state
+    ``X = sum f * x`` is ``f @ 1``: one more n8 mma per k slice on the fp16 fragments that GEMM
+    already holds (every column of the result is the row's sum), in place of an fp32 add per
+    element and the quad's shuffles.  Its carry must rescale it by a per-row factor, and no GEMM
+    state may read it: it is now updated after that GEMM, not before."""
+    return dict(_mma_row_sums(tuple(row_states), tuple(gemm_states)))
+
+
+@functools.lru_cache(maxsize=256)  # a search space asks for the same program's at every point
+def _mma_row_sums(row_states: tuple[UpdateFunction, ...], gemm_states: tuple[GemmState, ...]
+                  ) -> tuple[tuple[str, str], ...]:
+    readers: set[str] = set()
+    for g in gemm_states:
+        names = parse(g.factor).free_symbols | (parse(g.update.carry).free_symbols if g.update.carry else set())
+        readers |= {x.name.removesuffix("__old").removesuffix("__new") for x in names}
+    found: dict[str, str] = {}
+    for u in row_states:
+        if u.combiner != "sum" or u.state in readers or (u.carry and carry_factor(u.carry, u.state) is None):
+            continue
+        body = parse(u.body)
+        g = next((g for g in gemm_states if sp.simplify(parse(g.factor) - body) == 0), None)
+        if g is not None:
+            found[u.state] = g.update.state
+    return tuple(found.items())
+
+
+@functools.lru_cache(maxsize=256)  # a search space asks for the same body's at every point
+def _quotient(body: str, x: str) -> sp.Expr:
+    """``body / x`` simplified: the factor tile of a GEMM state's body ``x * factor``."""
+    return sp.simplify(parse(body) / sp.Symbol(x, real=True))

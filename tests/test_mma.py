@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from schedulers.errors import ScheduleError
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
-from schedulers.warp_tile import lazy_references, staged_output, warp_tile_program
+from schedulers.warp_tile import lazy_references, mma_row_sums, staged_output, warp_tile_program
 from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
@@ -52,6 +52,11 @@ CASES = {
                     {"warps": 2, "reload_a": True, "lazy_rescale": True}),
     "softmax_gemm_lazy_split2": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
                                  {"split": 2, "lazy_rescale": True}),
+    # the row sum of P as P @ 1 on tensor cores: with a mask and tails, two tiles per warp, slices
+    "causal_rowsums": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 64}, 32, 2,
+                       {"warps": 2, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True}),
+    "softmax_gemm_rowsums_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
+                                     {"slices": 3, "mma_row_sums": True}),
 }
 
 
@@ -201,7 +206,7 @@ def test_slices_refusals(kwargs, match) -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="slices, reload_a, early_scores and lazy_rescale apply to"):
+    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -210,7 +215,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores and lazy_rescale apply"):
+    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale and mma"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -269,7 +274,7 @@ def test_early_scores_refusals() -> None:
         schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
     with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
         schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
-    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to"):
+    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
         schedule(att, tiles={"m": 32}, step=32, early_scores=True)
 
 
@@ -303,20 +308,69 @@ def test_lazy_rescale_votes_and_skips_the_accumulator_rescale() -> None:
     src, before = build(s, "cuda").source, build(plain, "cuda").source
     assert "__any_sync" in src and "__any_sync" not in before
     assert src.count("0x1.62e42fefa39efp+2f") == 2 * 2 * 2  # ln 256, per row (2 tiles x 2) and step copy
-    back = Schedule.from_json(s.to_json())
-    assert back.lazy_rescale and back.key == s.key != plain.key and "lazy_rescale" not in plain.to_dict()
     assert "P_max kept within 5.55" in str(s)
-    with pytest.raises(ScheduleError, match="lazy_rescale keeps a running max.*'gemm_sigmoid' has none"):
+    _check_knob(s, plain, "lazy_rescale", "lazy_rescale keeps a running max.*'gemm_sigmoid' has none")
+
+
+def _check_knob(s: Schedule, plain: Schedule, knob: str, refusal: str) -> None:
+    """A boolean knob's schedule reads back from its JSON with its own key, the knob absent from the
+    plain schedule's JSON; the sigmoid GEMM (no such state) and CUDA cores refuse it, naming why."""
+    back = Schedule.from_json(s.to_json())
+    assert getattr(back, knob) and back.key == s.key != plain.key and knob not in plain.to_dict()
+    with pytest.raises(ScheduleError, match=refusal):
         schedule(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), tiles={"m": 64, "n": 64},
-                 serial="k", step=32, tensor_cores=True, stages=2, lazy_rescale=True)
-    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to tensor-core"):
-        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, lazy_rescale=True)
+                 serial="k", step=32, tensor_cores=True, stages=2, **{knob: True})
+    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to tensor-core"):
+        schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, **{knob: True})
+
+
+def test_mma_row_sums_are_derived_from_the_gemm_factor() -> None:
+    """The row sum whose body is the second GEMM's factor tile (attention's l = sum P) is P @ 1;
+    a sum that a GEMM state reads, or one over another tile, is not."""
+    import dataclasses
+
+    p = warp_tile_program(_schedule("attention"))
+    assert mma_row_sums(p.row_states, p.gemm_states) == {"P_sum": "O"}
+    assert p.row_sums == ()  # derived always, used on request
+    (u_max, u_sum), (gs,) = p.row_states, p.gemm_states
+    other = dataclasses.replace(u_sum, body=f"2*({u_sum.body})")
+    assert mma_row_sums((u_max, other), p.gemm_states) == {}
+    reads = dataclasses.replace(gs, update=dataclasses.replace(gs.update, carry=f"{gs.update.carry}*P_sum__old"))
+    assert mma_row_sums(p.row_states, (reads,)) == {}
+    r = warp_tile_program(_schedule("gemm_sigmoid"))
+    assert mma_row_sums(r.row_states, r.gemm_states) == {}
+
+
+def test_mma_row_sums_replace_the_adds_and_shuffles() -> None:
+    s = _schedule("causal_rowsums")
+    plain = schedule(s.smg, tiles=s.tiles, serial=s.serial, step=s.step, tensor_cores=True, stages=2, warps=2,
+                     reload_a=True, lazy_rescale=True)
+    src, before = build(s, "cuda").source, build(plain, "cuda").source
+    mt, kslices = s.warp_tile.warp_mtiles, s.step // 16
+    # one n8 mma per k slice and 16-row tile, in both copies of the step (masked and kept)
+    assert src.count("mma.sync.aligned") - before.count("mma.sync.aligned") == 2 * mt * kslices
+    # the row sums' quad shuffles are gone; the row max keeps its two per row
+    assert src.count("__shfl_xor_sync") == before.count("__shfl_xor_sync") // 2
+    assert "P_sum summed on tensor cores with O" in str(s)
+    _check_knob(s, plain, "mma_row_sums", "mma_row_sums sums a row statistic.*'gemm_sigmoid' has no sum state")
+
+
+def test_search_space_offers_mma_row_sums_where_a_row_sum_exists() -> None:
+    from schedulers.hardware import H100
+    from search.space import SearchSpace
+
+    sp = SearchSpace(softmax_gemm(128, 256, 64), H100, max_step=64)
+    knobs = [k for k in sp.knobs() if k.tensor_cores]
+    assert knobs and all(k.mma_row_sums for k in knobs)
+    assert all(s.mma_row_sums for s in sp.candidates() if s.tensor_cores)
+    g = SearchSpace(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), H100, max_step=64)
+    assert not any(k.mma_row_sums for k in g.knobs())
 
 
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to"):
+    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -342,7 +396,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="early_scores and lazy_rescale apply to"):
+    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 

@@ -73,6 +73,7 @@ class _Gen(_Outputs):
         self.lazy = dict(p.lazy)
         self.moved: dict[str, tirx.Buffer] = {}
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
+        self.row_sums = dict(p.row_sums)  # sum states computed with a GEMM on tensor cores (mma_row_sums)
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -513,6 +514,8 @@ class _Gen(_Outputs):
             T.buffer_store(part, tirx.max(v, other) if combiner == "max" else v + other, [h])
 
     def _row_update(self, u) -> None:
+        if u.state in self.row_sums:  # summed on the tensor cores with the GEMM that multiplies the same tile
+            return
         body = self.inlined(u.body)
         # a constant factor leaves the reduction: max(c*x) = c*max(x) for c > 0, sum(c*x) = c*sum(x)
         c, rest = body.as_coeff_Mul()
@@ -616,6 +619,28 @@ class _Gen(_Outputs):
 
         self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)
         self.updated(u.state)
+        for st, of in self.row_sums.items():
+            if of == u.state:
+                self._row_sum_mma(st, pf)
+
+    def _row_sum_mma(self, state: str, pf: tirx.Buffer) -> None:
+        """Row sums of the fp16 factor tile ``pf`` (the values the GEMM multiplies) as ``pf @ 1`` on
+        the tensor cores: every column of the n8 result holds its row's sum, nothing to shuffle."""
+        u = next(x for x in self.p.row_states if x.state == state)
+        ones = T.alloc_buffer((4,), self.half, scope="local")
+        for i in range(4):
+            T.buffer_store(ones, tirx.Cast(self.half, _f(1.0)), [i])
+        part = T.alloc_buffer((4 * self.mt,), F32, scope="local")
+        for i in range(4 * self.mt):
+            T.buffer_store(part, _f(0.0), [i])
+        for kt in range(self.p.step // 16):
+            for mi in range(self.mt):
+                self.mma(part, mi * 4, pf, mi * self.nt * 4 + kt * 8, ones, 0)
+        buf = self.rs[state]
+        for h in range(2 * self.mt):
+            carry = buf[h] if not u.carry else self.expr(u.carry, lambda n, h=h: self._load_row(n, h))
+            T.buffer_store(buf, carry + part[(h // 2) * 4 + 2 * (h % 2)], [h])
+        self.updated(state)
 
 def _cp_async(dtype: str, dst: tirx.Buffer, doff: tirx.PrimExpr, src: tirx.Buffer, soff: tirx.PrimExpr):
     from tvm.backend.cuda.op import ptx_cp_async_legacy

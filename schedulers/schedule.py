@@ -309,8 +309,10 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     elements, loaded and stored as one vector (CUDA-core kernels).  ``split`` > 1 divides a
     warp-tile block's serial steps among that many warp groups, whose partial states merge at
     the end through the derived update functions (more warps per block for few row tiles).
-    ``slices`` > 1 divides them among that many blocks instead (more blocks for a small grid);
-    the last block of a row tile to finish merges the others' partial states from global memory.
+    ``slices`` > 1 divides them among that many blocks (more blocks for a small grid); the last
+    block of a row tile to finish merges the others' partial states from global memory (with
+    ``split`` too, every warp group's: both at once measured slower on the H100 harness shapes,
+    so the search does not offer the pair).
     ``reload_a`` keeps the first GEMM's A operand in shared memory and re-reads its fragments every
     step (fewer registers: two 16-row tiles per warp at head dim 128 without spilling).
     ``early_scores`` waits for the score tile's operands alone at the top of a step and for the

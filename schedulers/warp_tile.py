@@ -175,11 +175,8 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     if warps not in (1, 2, 4, 8) or rows % (16 * warps):
         raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
     split, slices = s.split, s.slices
-    if split > 1 and slices > 1:
-        raise ScheduleError(f"split {split} and slices {slices}: a block's steps are divided among warp groups "
-                            f"or among blocks, not both")
     if split > 1 or slices > 1:
-        what = f"split {split}" if split > 1 else f"slices {slices}"
+        what = " and ".join(f"{k} {v}" for k, v in (("split", split), ("slices", slices)) if v > 1)
         for g in gemm_states:  # the merge rescales each part's accumulator by its row factor
             if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:
                 raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not "
@@ -359,7 +356,9 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     tiles over it all."""
     item = 2  # fp16 / bf16
     tiles = sum(math.prod(v) for v in smem_layout(s, p).values()) * item
-    merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4
+    # the groups hand over through the arena, unless blocks slice the steps too (then every group's
+    # part goes to the global workspace)
+    merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4 if p.slices == 1 else 0
     return max(tiles, merge, staged_elements(s, p) * item)
 
 

@@ -57,6 +57,11 @@ CASES = {
                        {"warps": 2, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True}),
     "softmax_gemm_rowsums_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
                                      {"slices": 3, "mma_row_sums": True}),
+    # warp groups inside blocks that slice the steps: every group's part goes to the workspace
+    "softmax_gemm_split2_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
+                                    {"split": 2, "slices": 3, "lazy_rescale": True, "mma_row_sums": True}),
+    "causal_split2_slices2": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2,
+                              {"split": 2, "slices": 2}),
 }
 
 
@@ -196,13 +201,27 @@ def test_cost_model_prefers_slices_only_for_small_grids() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"slices": 2, "split": 2}, "among warp groups or among blocks, not both"),
     ({"slices": 40}, "slices 40 must be 1..32 blocks"),
     ({"slices": 0}, "slices 0 must be"),
 ])
 def test_slices_refusals(kwargs, match) -> None:
     with pytest.raises(ScheduleError, match=match):
         schedule(softmax_gemm(128, 4096, 64), tiles={"m": 32}, step=64, tensor_cores=True, stages=2, **kwargs)
+
+
+def test_split_and_slices_leave_every_groups_part_in_the_workspace() -> None:
+    """Warp groups in blocks that slice the steps: each group's part goes to the global workspace
+    (none through the arena), and group 0 of the last block merges slices x groups parts."""
+    s = _schedule("softmax_gemm_split2_slices3")
+    p = s.warp_tile
+    art = build(s, "cuda")
+    shapes = {q["name"]: q["shape"] for q in art.meta["params"]}
+    tiles = -(-100 // 32)
+    assert shapes["sf_partials"] == [tiles * 3 * 2, p.merge_floats(), 32 * p.warps]
+    assert art.meta["block"] == [64 * 2, 1, 1] and art.meta["grid"] == [tiles * 3, 1, 1]
+    plain = schedule(s.smg, tiles=s.tiles, serial=s.serial, step=s.step, tensor_cores=True, stages=2, slices=3,
+                     lazy_rescale=True, mma_row_sums=True)
+    assert art.meta["dynamic_smem_bytes"] == 2 * build(plain, "cuda").meta["dynamic_smem_bytes"]  # two rings
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:

@@ -121,9 +121,10 @@ class _Gen(_Outputs):
     def step_of(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
         """The serial step of this warp group's ``j``-th iteration (groups interleave steps; a
         slice's block starts at its first step)."""
+        first = self.first if self.p.slices > 1 else 0
         if self.p.split > 1:
-            return j * self.p.split + self.grp
-        return self.first + j if self.p.slices > 1 else j
+            return first + j * self.p.split + self.grp
+        return first + j
 
     def slot_for(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
         """Ring slot of iteration ``j``: the group's own ``stages`` copies."""
@@ -353,11 +354,13 @@ class _Gen(_Outputs):
         # every group runs the same iteration count (the block-wide barriers), idle past the end
         iters = tirx.floordiv(nsteps + (p.split - 1), p.split) if p.split > 1 else nsteps
         self.first = tirx.const(0, I32)
-        if p.slices > 1:  # this block's contiguous range of steps (empty past a causal bound)
-            per = self.s.steps_per_block
+        if p.slices > 1:  # this block's contiguous range of steps (empty past a causal bound), which
+            per = self.s.steps_per_block  # its warp groups (split) interleave
             self.first = self.slice * per
             nsteps = tirx.min(nsteps, self.first + per)
             iters = tirx.max(nsteps - self.first, 0)
+            if p.split > 1:
+                iters = tirx.floordiv(iters + (p.split - 1), p.split)
         for pre in range(p.stages - 1):
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
         if held:  # the A operand stays in registers for the whole loop; its group is the oldest
@@ -403,10 +406,10 @@ class _Gen(_Outputs):
             if p.stages == 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
         T.evaluate(T.tvm_storage_sync("shared"))  # the merge's hand-over lies over the ring
-        if p.split > 1:
-            self._merge()
-        elif p.slices > 1:
+        if p.slices > 1:  # warp groups too (split) leave their parts in the workspace
             self._merge_slices()
+        elif p.split > 1:
+            self._merge()
         else:
             self._finalize()
 

@@ -58,14 +58,17 @@ class _Outputs:
     def _merge_slices(self) -> None:
         """Blocks of one row tile: each leaves its partial states in the global workspace and counts
         itself done (atomicAdd after a fence); the last one reads all of them back (``__ldcg``: from
-        L2, never a stale L1 line), merges them, resets the count for the next launch and stores."""
+        L2, never a stale L1 line), merges them, resets the count for the next launch and stores.
+        With warp groups (split) every group leaves its own part, and group 0 of the last block
+        merges the blocks' and groups' parts alike (no barrier sits in a group's branch)."""
         p = self.p
         regs, offset, _ = self._parts()
         part, arrivals = self.glob[PARTIALS], self.glob[ARRIVALS]
-        mine = self.tile * p.slices + self.slice
+        parts = p.slices * p.split
+        mine = (self.tile * p.slices + self.slice) * p.split + self.grp
         for name, b in regs:
             for e in range(int(b.shape[0])):
-                T.buffer_store(part, b[e], [mine, offset[name] + e, self.tid])
+                T.buffer_store(part, b[e], [mine, offset[name] + e, self.gtid])
         T.evaluate(tirx.call_extern("void", "__threadfence"))
         T.evaluate(T.tvm_storage_sync("shared"))
         done = T.alloc_buffer((1,), I32, scope="shared")
@@ -74,14 +77,17 @@ class _Outputs:
         T.evaluate(T.tvm_storage_sync("shared"))
         last = T.alloc_buffer((1,), I32, scope="local")  # a branch condition may not read shared memory
         T.buffer_store(last, done[0], [0])
-        with T.If(last[0] == p.slices - 1), T.Then():
+        with T.If(last[0] == p.slices - 1), T.Then(), ExitStack() as group0:
+            if p.split > 1:
+                group0.enter_context(T.If(self.grp == 0))
+                group0.enter_context(T.Then())
             T.evaluate(tirx.call_extern("void", "__threadfence"))
 
             def src(g: int, name: str, e: int) -> tirx.PrimExpr:
-                at = part[self.tile * p.slices + g, offset[name] + e, self.tid]
+                at = part[self.tile * parts + g, offset[name] + e, self.gtid]
                 return tirx.call_extern(F32, "__ldcg", tirx.address_of(at))
 
-            self._merged(p.slices, src)
+            self._merged(parts, src)
             with T.If(self.tid == 0), T.Then():
                 T.buffer_store(arrivals, tirx.const(0, I32), [self.tile])
             self._finalize()

@@ -53,7 +53,8 @@ def signature(s: Schedule) -> KernelSignature:
     if s.slices > 1:
         p = s.warp_tile
         tiles = s.num_blocks // s.slices
-        ps += [(PARTIALS, (tiles * s.slices, p.merge_floats(), p.threads), "float32", "scratch"),
+        # one part per block of a row tile and warp group of the block (split x slices)
+        ps += [(PARTIALS, (tiles * s.slices * p.split, p.merge_floats(), 32 * p.warps), "float32", "scratch"),
                (ARRIVALS, (tiles,), "int32", "scratch")]
     return KernelSignature(tuple(ps))
 

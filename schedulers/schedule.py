@@ -84,6 +84,10 @@ class Schedule:
     #: one n8 mma per k slice in place of an fp32 add per element and the quad's shuffles; the sum is
     #: then over the fp16-rounded P that multiplies V, accumulated in fp32
     mma_row_sums: bool = False
+    #: a plain GEMM (+ epilogue) on Hopper's warpgroup MMA: ``wgmma.mma_async`` m64nNk16 reading both
+    #: operands from shared memory (core-matrix layouts, 64-bit descriptors) into one warpgroup's
+    #: accumulators, instead of ldmatrix fragments and mma.sync (sm_90a)
+    wgmma: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -159,7 +163,8 @@ class Schedule:
             {"split": self.split} if self.split != 1 else {}) | (
             {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {}) | (
             {"early_scores": True} if self.early_scores else {}) | (
-            {"lazy_rescale": True} if self.lazy_rescale else {}) | ({"mma_row_sums": True} if self.mma_row_sums else {})
+            {"lazy_rescale": True} if self.lazy_rescale else {}) | (
+            {"mma_row_sums": True} if self.mma_row_sums else {}) | ({"wgmma": True} if self.wgmma else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -209,6 +214,7 @@ class Schedule:
             early_scores=bool(d.get("early_scores", False)),
             lazy_rescale=bool(d.get("lazy_rescale", False)),
             mma_row_sums=bool(d.get("mma_row_sums", False)),
+            wgmma=bool(d.get("wgmma", False)),
         )
 
     def __str__(self) -> str:
@@ -294,7 +300,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
                   early_scores: bool = False, lazy_rescale: bool = False,
-                  mma_row_sums: bool = False) -> Schedule:
+                  mma_row_sums: bool = False, wgmma: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -319,6 +325,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     second GEMM's before that GEMM (a barrier more per step; a ring of 2+ stages, no warp groups).
     ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
     ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
+    ``wgmma`` runs a plain GEMM (+ epilogue) on Hopper's warpgroup MMA from shared memory.
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -388,7 +395,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
-                   bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums))
+                   bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums), bool(wgmma))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -423,10 +430,13 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             raise ScheduleError(f"mma_row_sums sums a row statistic on tensor cores as a second GEMM's factor tile "
                                 f"times ones; {smg.name!r} has no sum state whose body is such a factor (with a "
                                 f"per-row carry, and read by no GEMM state)")
+        if wgmma and out.warp_tile is None:
+            raise ScheduleError(f"wgmma runs a warp-tile program's plain GEMM on warpgroup MMA: "
+                                f"{warp_tile_reason(out)}")
     elif (stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale
-          or mma_row_sums):
-        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale and mma_row_sums "
-                            "apply to tensor-core warp-tile kernels (tensor_cores=True)")
+          or mma_row_sums or wgmma):
+        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums and "
+                            "wgmma apply to tensor-core warp-tile kernels (tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ class WarpTileProgram:
     early_scores: bool = False  # two cp.async groups per step: score operands, then the second GEMM's
     lazy: tuple[tuple[str, float], ...] = ()  # max states kept while within their lag (lazy_rescale)
     row_sums: tuple[tuple[str, str], ...] = ()  # (sum state, GEMM state) summed on tensor cores (mma_row_sums)
+    wgmma: bool = False  # the plain GEMM on warpgroup MMA (wgmma.mma_async from shared memory)
 
     @property
     def warp_mtiles(self) -> int:
@@ -181,11 +183,43 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
             if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:
                 raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not "
                                     f"its old value times a per-row factor, so partial results cannot merge")
+    if s.wgmma:
+        _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows, warps, L)
     return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
                            tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices,
                            s.reload_a and gemm is not None, s.early_scores,
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
-                           tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else ())
+                           tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
+                           s.wgmma)
+
+
+#: the N of wgmma.mma_async m64nNk16 (a multiple of 8 up to 256; here of the 64-column swizzle atoms)
+WGMMA_MAX_N = 256
+#: K elements per step: A's rows are one 128-byte swizzle atom
+WGMMA_STEP = 64
+
+
+def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: int, warps: int, L: str) -> None:
+    """Refuse ``wgmma`` unless the program is a plain GEMM (+ epilogue) that one warpgroup's
+    ``wgmma.mma_async`` can take whole: A (a staged input) and B straight from shared memory."""
+    if gemm is not None or score_ops or row_states or len(gemm_states) != 1:
+        raise ScheduleError("wgmma takes a plain GEMM (+ epilogue): no score GEMM, element-wise score ops or row "
+                            "statistics")
+    (g,) = gemm_states
+    if tiles_in != (g.factor,) or g.update.carry:
+        raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} has "
+                            f"factor {g.factor!r} and carry {g.update.carry!r}")
+    if warps not in (4, 8):
+        raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
+                            f"{warps} warps")
+    if g.n_tile % 64 or g.n_tile > WGMMA_MAX_N:
+        raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of 64 (128 B swizzle "
+                            f"atoms) up to {WGMMA_MAX_N}")
+    if s.step != WGMMA_STEP or s.smg.dim_sizes[L] % s.step:
+        raise ScheduleError(f"wgmma: the step {s.step} must be {WGMMA_STEP} (an A row is one 128 B swizzle atom) "
+                            f"and divide {L!r} = {s.smg.dim_sizes[L]} (no tail to mask in shared memory)")
+    if s.split != 1 or s.slices != 1 or s.early_scores:
+        raise ScheduleError("wgmma: no split, slices or early_scores")
 
 
 #: how far a lazily kept reference may lag the true running max: values grow by at most this factor
@@ -318,6 +352,9 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     sizes = s.smg.dim_sizes
     out: dict[str, tuple[int, int, int]] = {}
     ring = p.stages * p.split
+    if p.wgmma:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding
+        (g,) = p.gemm_states
+        return {p.tiles_in[0]: (ring, p.rows, p.step), g.x: (ring, p.step, g.n_tile)}
     if p.gemm is not None:
         out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + PAD)
         out[p.gemm.b] = ((ring, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
@@ -436,3 +473,13 @@ def _mma_row_sums(row_states: tuple[UpdateFunction, ...], gemm_states: tuple[Gem
 def _quotient(body: str, x: str) -> sp.Expr:
     """``body / x`` simplified: the factor tile of a GEMM state's body ``x * factor``."""
     return sp.simplify(parse(body) / sp.Symbol(x, real=True))
+
+
+def swizzled_128b(r, j, rows: int, xor=operator.xor):
+    """Element offset of 16-byte chunk ``j`` of row ``r`` in a tile that wgmma reads with the
+    128-byte swizzle: 1 KB atoms of 8 rows x 128 B (64 halfs), a chunk's index XORed with its row's
+    within the atom (conflict-free cp.async writes and wgmma reads); atoms run down the ``rows``
+    first, then across the 64-column bands.  K-major A [rows, 64] is one band; B [k, n] has n / 64.
+    Ints or TIR (``xor``: the XOR to use)."""
+    band, jj = j // 8, j % 8
+    return (band * (rows // 8) + r // 8) * 512 + (r % 8) * 64 + xor(jj, r % 8) * 8

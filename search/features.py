@@ -61,6 +61,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "early_scores",  # 1 when the score operands are waited for apart from the second GEMM's
     "lazy_rescale",  # 1 when a reference max is kept within its lag (the rescale skipped)
     "mma_row_sums",  # 1 when row sums run on tensor cores with the second GEMM
+    "wgmma",  # 1 when the GEMM runs on warpgroup MMA (wgmma.mma_async) instead of mma.sync
     "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
@@ -208,6 +209,7 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "early_scores": float(s.early_scores),
         "lazy_rescale": float(s.lazy_rescale),
         "mma_row_sums": float(s.mma_row_sums),
+        "wgmma": float(s.wgmma),
         "log2_vector": math.log2(1 + s.vector),
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,

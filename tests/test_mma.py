@@ -62,6 +62,13 @@ CASES = {
                                     {"split": 2, "slices": 3, "lazy_rescale": True, "mma_row_sums": True}),
     "causal_split2_slices2": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2,
                               {"split": 2, "slices": 2}),
+    # the plain GEMM on warpgroup MMA from core-matrix layouts: row and column tails, bf16 at N = 256
+    "gemm_sigmoid_wgmma": (lambda: patterns.gemm_epilogue(200, 200, 128, "sigmoid", True, "float16"),
+                           {"m": 128, "n": 64}, 64, 2, {"wgmma": True}),
+    "gemm_relu_wgmma_bf16": (lambda: patterns.gemm_epilogue(192, 256, 128, "relu", False, "bfloat16"),
+                             {"m": 64, "n": 256}, 64, 3, {"wgmma": True}),
+    "gemm_sigmoid_wgmma_2wg": (lambda: patterns.gemm_epilogue(200, 320, 192, "sigmoid", True, "float16"),
+                               {"m": 128, "n": 256}, 64, 4, {"wgmma": True, "warps": 8}),
 }
 
 
@@ -225,7 +232,7 @@ def test_split_and_slices_leave_every_groups_part_in_the_workspace() -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -234,7 +241,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale and mma"):
+    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums and wg"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -293,7 +300,7 @@ def test_early_scores_refusals() -> None:
         schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
     with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
         schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
-    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
         schedule(att, tiles={"m": 32}, step=32, early_scores=True)
 
 
@@ -339,7 +346,7 @@ def _check_knob(s: Schedule, plain: Schedule, knob: str, refusal: str) -> None:
     with pytest.raises(ScheduleError, match=refusal):
         schedule(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=32, tensor_cores=True, stages=2, **{knob: True})
-    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, **{knob: True})
 
 
@@ -386,10 +393,63 @@ def test_search_space_offers_mma_row_sums_where_a_row_sum_exists() -> None:
     assert not any(k.mma_row_sums for k in g.knobs())
 
 
+def test_wgmma_reads_both_operands_from_swizzled_shared_tiles() -> None:
+    """The GEMM on warpgroup MMA: one wgmma.mma_async m64nNk16 per k16 slice and 64-row half, the
+    descriptors naming 128 B-swizzled tiles (layout type 1 in bits 62-63), the cp.async writes
+    fenced for the async proxy, and rows owned per warpgroup; a ring of 3+ leaves one group in
+    flight (wait_group 1), a ring of 2 waits for each step's."""
+    s = _schedule("gemm_sigmoid_wgmma")
+    art = build(s, "cuda")
+    src = art.source
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in src and "ldmatrix" not in src
+    assert "fence.proxy.async.shared::cta" in src and "wgmma.commit_group.sync.aligned" in src
+    calls = re.findall(r"tvm_builtin_ptx_wgmma_f16_ss_mma_async\w*\(_ptr", src)
+    assert len(calls) == (s.step // 16) * (128 // 64)
+    assert art.meta["lowering"].startswith("tensorcore-wgmma")
+    assert "wgmma.wait_group.sync.aligned 0" in src and "wgmma.wait_group.sync.aligned 1" not in src
+    lag = build(_schedule("gemm_sigmoid_wgmma_2wg"), "cuda").source
+    assert "wgmma.wait_group.sync.aligned 1" in lag and "m64n256k16" in lag
+    back = Schedule.from_json(s.to_json())
+    assert back.wgmma and back.key == s.key and "wgmma" not in _schedule("gemm_sigmoid").to_dict()
+    assert s.warp_tile.wgmma and "wgmma" in s.to_dict()
+
+
+@given(rows=st.sampled_from([64, 128, 256]), bands=st.integers(1, 4))
+@settings(max_examples=30, deadline=None)
+def test_swizzled_128b_is_a_permutation_of_the_tile_chunks(rows, bands) -> None:
+    """Every 16-byte chunk of a [rows, 64 * bands] tile lands on its own chunk of the tile, and the
+    8 chunks of a row within an atom cover its 128 B (the XOR only permutes inside the row)."""
+    from schedulers.warp_tile import swizzled_128b
+
+    offs = [swizzled_128b(r, j, rows) for r in range(rows) for j in range(8 * bands)]
+    assert sorted(offs) == [8 * i for i in range(rows * 8 * bands)]
+    for r in range(rows):
+        row = sorted(swizzled_128b(r, j, rows) for j in range(8))
+        assert row == list(range(row[0], row[0] + 64, 8))
+
+
+@pytest.mark.parametrize(("graph", "kwargs", "match"), [
+    ("attention", {}, "wgmma takes a plain GEMM"),
+    ("gemm", {"step": 32}, "the step 32 must be 64"),
+    ("gemm", {"tiles": {"m": 128, "n": 96}}, "96 columns per block must be a multiple of 64"),
+    ("gemm", {"warps": 2}, "one or two warpgroups"),
+    ("gemm", {"split": 2}, "no split, slices or early_scores"),
+    ("gemm_tail", {}, "divide 'k' = 200"),
+])
+def test_wgmma_refusals(graph, kwargs, match) -> None:
+    g = {"attention": lambda: patterns.attention(1, 2, 128, 128, 64),
+         "gemm": lambda: patterns.gemm_epilogue(256, 256, 256, "sigmoid", True, "float16"),
+         "gemm_tail": lambda: patterns.gemm_epilogue(256, 256, 200, "sigmoid", True, "float16")}[graph]()
+    opts = {"tiles": {"m": 128, "n": 128} if graph != "attention" else {"m": 64}, "step": 64,
+            "serial": "k" if graph != "attention" else "l"} | kwargs
+    with pytest.raises(ScheduleError, match=match):
+        schedule(g, tensor_cores=True, stages=2, wgmma=True, **opts)
+
+
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -415,7 +475,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="early_scores, lazy_rescale and mma_row_sums apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 
@@ -424,9 +484,12 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
     s = _schedule(name)
     art = build(s, "cuda")
     src = art.source
-    assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
+    if s.wgmma:  # both operands read from shared memory by the warpgroup MMA
+        assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix" not in src
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
+        assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
     assert "cp.async.cg.shared.global" in src and "cp.async.wait_group" in src
-    assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
     assert len(re.findall(r"__global__ void[^;]*\{", src)) == 1
     assert art.meta["block"] == [s.threads, 1, 1] and art.meta["grid"] == [s.num_blocks, 1, 1]
     assert art.meta["dynamic_smem_bytes"] > 0

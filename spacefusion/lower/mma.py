@@ -36,6 +36,7 @@ from schedulers.warp_tile import (
     carry_factor,
     smem_layout,
     staged_elements,
+    swizzled_128b,
     warp_tile_program,
 )
 from smg.expr import body_expr
@@ -98,7 +99,7 @@ class _Gen(_Outputs):
         block's with ``block``); rows/chunks past the end are clamped (their values are masked or
         multiplied by zero downstream)."""
         copies, rows, stride = self.layout[name]
-        cols = stride - 8
+        cols = stride if self.p.wgmma else stride - 8  # rows padded by 8 halfs, unless core-matrix laid
         per_row = cols // 8
         total = rows * per_row
         th = self.p.threads if block else 32 * self.p.warps
@@ -111,7 +112,8 @@ class _Gen(_Outputs):
             if pred is not None:
                 conds.append(pred)
             src = self.flat(name, {rdim: grow, cdim: gcol})
-            dst = slot * (rows * stride) + r * stride + cc
+            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if self.p.wgmma
+                                           else r * stride + cc)
             with ExitStack() as guard:
                 if conds:
                     guard.enter_context(T.If(tirx.all(*conds)))
@@ -181,6 +183,9 @@ class _Gen(_Outputs):
     # in a fragment array of `per` elements per tile, element E is tile E // per, column tile
     # (E % per) // 4, and within it c0..c3 = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
     def row_of(self, r: int) -> tirx.PrimExpr:
+        if self.p.wgmma:  # warpgroup MMA: warpgroup G takes 64-row halves G * mt.., its warp w rows 16w..
+            half = (self.warp // 4) * self.mt + r // 2
+            return self.row0 + half * 64 + (self.warp % 4) * 16 + self.g + 8 * (r % 2)
         return self.row0 + self.warp * (16 * self.mt) + (r // 2) * 16 + self.g + 8 * (r % 2)
 
     @staticmethod
@@ -305,6 +310,10 @@ class _Gen(_Outputs):
         self.arena = arena
         for n in sizes:
             self.smem[n], self.sbase[n] = arena, offs[n]
+        if p.wgmma:  # the arena's shared-window address, for the wgmma descriptors
+            self.arena_addr = T.alloc_buffer((1,), "uint32", scope="local")
+            T.buffer_store(self.arena_addr, tirx.call_extern("uint32", "__cvta_generic_to_shared",
+                                                             arena.access_ptr("r")), [0])
         self.rs = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
         self.rs_old = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
         self.acc = {gs.update.state: T.alloc_buffer((self.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
@@ -361,7 +370,11 @@ class _Gen(_Outputs):
             iters = tirx.max(nsteps - self.first, 0)
             if p.split > 1:
                 iters = tirx.floordiv(iters + (p.split - 1), p.split)
-        for pre in range(p.stages - 1):
+        # warpgroup MMA in a ring of 3+ leaves one step's wgmma group in flight while the next step
+        # waits and loads: the load then reuses the slot of two steps back, one step less ahead
+        self.lag = 1 if p.wgmma and p.stages >= 3 else 0
+        dist = p.stages - 1 - self.lag
+        for pre in range(dist):
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
         if held:  # the A operand stays in registers for the whole loop; its group is the oldest
             g = p.gemm
@@ -375,15 +388,21 @@ class _Gen(_Outputs):
                     self.ldsm(qf, mi * kd // 2 + kt * 8, g.a,
                               self.a_offset(stride, self.warp * 16 * self.mt + mi * 16, kt * 16), False)
         with T.serial(0, iters) as j:
-            ahead = j + (p.stages - 1)
+            ahead = j + dist
             pred = self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None
             if p.stages == 1:  # no ring: load, wait, compute, and every warp done before the next load
                 self.issue_step(ahead, pred)
                 T.evaluate(T.ptx.cp.async_.wait_group(0))
+                if p.wgmma:
+                    T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
                 T.evaluate(T.tvm_storage_sync("shared"))
             else:  # one barrier per step: it publishes tile j to every warp and frees the slot of
                 # tile j - 1 (all warps are past its compute), which the load of tile j + stages - 1 reuses
-                T.evaluate(T.ptx.cp.async_.wait_group(self.groups * (p.stages - 1) - 1))
+                T.evaluate(T.ptx.cp.async_.wait_group(self.groups * dist - 1))
+                if self.lag:  # the wgmma of two steps back is done (its slot is reloaded below)
+                    T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(self.lag))
+                if p.wgmma:  # this thread's cp.async writes, visible to the async proxy that wgmma reads by
+                    T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
                 T.evaluate(T.tvm_storage_sync("shared"))
                 self.issue_step(ahead, pred)
             self.t0 = self.step_of(j) * p.step
@@ -405,6 +424,8 @@ class _Gen(_Outputs):
                             self._step(qf)
             if p.stages == 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
+        if self.lag:  # the last steps' accumulators
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         T.evaluate(T.tvm_storage_sync("shared"))  # the merge's hand-over lies over the ring
         if p.slices > 1:  # warp groups too (split) leave their parts in the workspace
             self._merge_slices()
@@ -430,6 +451,9 @@ class _Gen(_Outputs):
 
     def _step(self, qf: tirx.Buffer | None) -> None:
         p = self.p
+        if p.wgmma:
+            self._wgmma_step()
+            return
         self.cache = {}
         self.score: dict[str, tirx.Buffer] = {}
         self.tin: dict[str, tirx.Buffer] = {}
@@ -497,6 +521,42 @@ class _Gen(_Outputs):
                 self._gemm_update(gemm_of[u.state])
             else:
                 self._row_update(u)
+
+    def _wgmma_step(self) -> None:
+        """``acc += A @ B`` for this step on warpgroup MMA: per k16 slice and 64-row half one
+        ``wgmma.mma_async.m64nNk16`` reading both tiles from their 128 B-swizzled layouts in shared
+        memory (A K-major, B N-contiguous and transposed by the instruction), then one commit and
+        a wait, so the ring slot is free when the next step's barrier lets its copy in."""
+        p = self.p
+        (gs,) = p.gemm_states
+        a, x = p.tiles_in[0], gs.x
+        per = (gs.n_tile // 8) * 4  # accumulator floats per 64-row half: N / 2
+        acc = self.acc[gs.update.state]
+        a_tile = self.sbase[a] + self.slot * (p.rows * p.step)
+        b_tile = self.sbase[x] + self.slot * (p.step * gs.n_tile)
+        shape = f"m64n{gs.n_tile}k16"
+        ab = "f16" if self.ab == "fp16" else "bf16"
+        T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+        for kt in range(p.step // 16):
+            # B [k, n] N-contiguous (transposed by the instruction): the k16 slice is 2 atoms down;
+            # 64-column bands step * 128 B apart (LBO), 8-row atoms 1 KB apart (SBO)
+            bdesc = self._desc(b_tile + kt * 2 * 512, lbo=p.step * 128, sbo=1024)
+            for h in range(self.mt):  # this warpgroup's 64-row halves
+                # A [r, 64 k] K-major: a 64-row half is 8 atoms on; the k16 slice 32 B into the rows
+                half = (self.warp // 4) * self.mt + h
+                adesc = self._desc(a_tile + half * 8 * 512 + kt * 16, lbo=16, sbo=1024)
+                op = getattr(T.ptx.wgmma.mma_async.sync.aligned, shape).f32
+                T.evaluate(getattr(getattr(op, ab), ab)(
+                    *[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 1))
+        T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+        if not self.lag:  # else waited for at the top of the step after next, before its slot is reloaded
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+
+    def _desc(self, elem: tirx.PrimExpr, lbo: int, sbo: int) -> tirx.PrimExpr:
+        """The 64-bit wgmma matrix descriptor of a 128-byte-swizzled tile at arena element ``elem``:
+        start address, leading and stride byte offsets (16 B units), layout type 1 (128 B swizzle)."""
+        addr = tirx.Cast("uint64", ((self.arena_addr[0] + elem * 2) >> 4) & 0x3FFF)
+        return addr | tirx.const(((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62), "uint64")
 
     def _pipelined(self, kts: int, size: int, load, mma) -> None:
         """Register double buffering over the k slices of a GEMM: the B fragments of slice kt+1

@@ -32,22 +32,26 @@ TC = {"tensor_cores": True}
 #: harness key -> (graph, tiles, serial, step, make_schedule options)
 # mma_row_sums (the row sum of P as P @ 1 on tensor cores), interleaved 3-4 times on the H100: causal
 # 486 -> 447 us, BERT 98.5 -> 96.4, ViT 26.8 -> 24.8, Softmax-GEMM 25.2 -> 24.0; LLaMA and decode tie
-# (experiments/results_rowsums_h100.json); it is on wherever the graph has such a row sum
+# (experiments/results_rowsums_h100.json); it is on wherever the graph has such a row sum.
+# wgmma (P @ V on warpgroup MMA, P in registers), interleaved twice: causal 448 -> 421 us, LLaMA 786
+# -> 736, ViT 26.5 -> 23.7, BERT 94.4 -> 93.4 (experiments/results_wgmma_h100.json); not with slices
 SCHEDULES = {
     # lazy_rescale lost on BERT without the row sums on tensor cores (96 -> 104 us) and wins with
     # them: 95.1 against 96.7 us, 5 of 5 interleaved pairs (experiments/results_rowsums_h100.json)
     "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 128}, "l", 64,
-                 TC | {"stages": 2, "warps": 4, "lazy_rescale": True, "mma_row_sums": True}),
+                 TC | {"stages": 2, "warps": 4, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
     "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32,
-                TC | {"stages": 2, "mma_row_sums": True}),
+                TC | {"stages": 2, "mma_row_sums": True, "wgmma": True}),
     # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory;
     # lazy_rescale: 803.5 against 828.5 us (6 pairs, all better; 11 of 14 pairs over three A/Bs)
     "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 128}, "l", 64,
-                  TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True}),
+                  TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True,
+                         "wgmma": True}),
     # the row max kept within ln 256 (lazy_rescale): 483-489 against 487-501 us, interleaved 3 times;
     # BERT and decode lose with it (experiments/results_epilogue_h100.json, lazy_rescale_*)
     "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 128}, "l", 64,
-                   TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True}),
+                   TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True,
+                         "wgmma": True}),
     # S waited for apart from V: 24.4 against 26.1 us, interleaved 4 times; a loss of 1-3% on the
     # attention kernels (experiments/results_epilogue_h100.json, early_scores_*); lazy_rescale: 24.9
     # against 25.3 us

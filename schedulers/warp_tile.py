@@ -83,6 +83,11 @@ class WarpTileProgram:
     wgmma: bool = False  # the plain GEMM on warpgroup MMA (wgmma.mma_async from shared memory)
 
     @property
+    def wgmma_ss(self) -> bool:
+        """wgmma with both operands from shared memory: the plain GEMM (+ epilogue) form."""
+        return self.wgmma and self.gemm is None and not self.row_states and not self.score_ops
+
+    @property
     def warp_mtiles(self) -> int:
         return self.rows // 16 // self.warps
 
@@ -197,29 +202,45 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
 WGMMA_MAX_N = 256
 #: K elements per step: A's rows are one 128-byte swizzle atom
 WGMMA_STEP = 64
+#: elements (fp16/bf16) of a 1 KB swizzle atom: swizzled tiles start on one
+SWIZZLE_ATOM = 512
 
 
 def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: int, warps: int, L: str) -> None:
-    """Refuse ``wgmma`` unless the program is a plain GEMM (+ epilogue) that one warpgroup's
-    ``wgmma.mma_async`` can take whole: A (a staged input) and B straight from shared memory."""
-    if gemm is not None or score_ops or row_states or len(gemm_states) != 1:
-        raise ScheduleError("wgmma takes a plain GEMM (+ epilogue): no score GEMM, element-wise score ops or row "
-                            "statistics")
-    (g,) = gemm_states
-    if tiles_in != (g.factor,) or g.update.carry:
-        raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} has "
-                            f"factor {g.factor!r} and carry {g.update.carry!r}")
+    """Refuse ``wgmma`` unless its GEMMs fit warpgroup MMA.  A plain GEMM (+ epilogue) takes A (a
+    staged input) and B straight from shared memory; otherwise (attention) each GEMM state's factor
+    tile (P) stays in registers as the A operand and its ``x`` (V) is read from shared memory."""
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps")
-    if g.n_tile % 64 or g.n_tile > WGMMA_MAX_N:
-        raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of 64 (128 B swizzle "
-                            f"atoms) up to {WGMMA_MAX_N}")
-    if s.step != WGMMA_STEP or s.smg.dim_sizes[L] % s.step:
-        raise ScheduleError(f"wgmma: the step {s.step} must be {WGMMA_STEP} (an A row is one 128 B swizzle atom) "
-                            f"and divide {L!r} = {s.smg.dim_sizes[L]} (no tail to mask in shared memory)")
+    # slices: the merge's arrival flag is static shared memory, which moves the dynamic arena off the
+    # 1 KB alignment the swizzle's address bits need (measured wrong on the H100: decode, Softmax-GEMM)
     if s.split != 1 or s.slices != 1 or s.early_scores:
         raise ScheduleError("wgmma: no split, slices or early_scores")
+    for g in gemm_states:
+        if g.n_tile % 64 or g.n_tile > WGMMA_MAX_N:
+            raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of 64 (128 B swizzle "
+                                f"atoms) up to {WGMMA_MAX_N}")
+    if gemm is None and not score_ops and not row_states:  # a plain GEMM: both operands from shared memory
+        (g,) = gemm_states
+        if tiles_in != (g.factor,) or g.update.carry:
+            raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} has "
+                                f"factor {g.factor!r} and carry {g.update.carry!r}")
+        if s.step != WGMMA_STEP or s.smg.dim_sizes[L] % s.step:
+            raise ScheduleError(f"wgmma: the step {s.step} must be {WGMMA_STEP} (an A row is one 128 B swizzle "
+                                f"atom) and divide {L!r} = {s.smg.dim_sizes[L]} (no tail to mask in shared memory)")
+    elif not gemm_states or any(g.factor in tiles_in for g in gemm_states):
+        raise ScheduleError("wgmma takes a plain GEMM (+ epilogue), or GEMM states whose factor tile is computed "
+                            "in registers (attention's P @ V)")
+
+
+def wgmma_swizzled(p: WarpTileProgram) -> tuple[str, ...]:
+    """The shared tiles that wgmma reads through descriptors (128 B-swizzled, unpadded): a plain
+    GEMM's A and B, or the GEMM states' ``x`` (V) whose A operand (P) stays in registers."""
+    if not p.wgmma:
+        return ()
+    xs = tuple(dict.fromkeys(g.x for g in p.gemm_states))
+    return (p.tiles_in[0], *xs) if p.wgmma_ss else xs
 
 
 #: how far a lazily kept reference may lag the true running max: values grow by at most this factor
@@ -352,7 +373,7 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     sizes = s.smg.dim_sizes
     out: dict[str, tuple[int, int, int]] = {}
     ring = p.stages * p.split
-    if p.wgmma:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding
+    if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding
         (g,) = p.gemm_states
         return {p.tiles_in[0]: (ring, p.rows, p.step), g.x: (ring, p.step, g.n_tile)}
     if p.gemm is not None:
@@ -361,8 +382,8 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
                          else (ring, p.step, sizes[p.gemm.k] + PAD))
     for n in p.tiles_in:
         out[n] = (ring, p.rows, p.step + PAD)
-    for g in p.gemm_states:
-        out.setdefault(g.x, (ring, p.step, g.n_tile + PAD))
+    for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, unpadded
+        out.setdefault(g.x, (ring, p.step, g.n_tile + (0 if p.wgmma else PAD)))
     return out
 
 
@@ -395,6 +416,7 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     tiles = sum(math.prod(v) for v in smem_layout(s, p).values()) * item
     # the groups hand over through the arena, unless blocks slice the steps too (then every group's
     # part goes to the global workspace)
+    tiles += SWIZZLE_ATOM * item * len(wgmma_swizzled(p))  # each swizzled tile aligned to its atoms
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4 if p.slices == 1 else 0
     return max(tiles, merge, staged_elements(s, p) * item)
 

@@ -69,6 +69,10 @@ CASES = {
                              {"m": 64, "n": 256}, 64, 3, {"wgmma": True}),
     "gemm_sigmoid_wgmma_2wg": (lambda: patterns.gemm_epilogue(200, 320, 192, "sigmoid", True, "float16"),
                                {"m": 128, "n": 256}, 64, 4, {"wgmma": True, "warps": 8}),
+    # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
+    "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
+    "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
+                         {"warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
 }
 
 
@@ -414,6 +418,22 @@ def test_wgmma_reads_both_operands_from_swizzled_shared_tiles() -> None:
     assert s.warp_tile.wgmma and "wgmma" in s.to_dict()
 
 
+def test_wgmma_takes_attentions_p_from_registers() -> None:
+    """Attention's P @ V on warpgroup MMA: the rs form, P's mma.sync A fragments packed into its 4
+    registers per k16 slice and 16-row tile, V read swizzled from shared memory (no ldmatrix.trans);
+    the score GEMM stays on mma.sync, and rows follow the warpgroup's 64-row halves."""
+    s = _schedule("causal_wgmma_mt2")
+    p = s.warp_tile
+    src = build(s, "cuda").source
+    assert not p.wgmma_ss and "wgmma_f16_rs_mma_async" in src and "__pack_half2" in src
+    assert "mma.sync.aligned.m16n8k16" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
+    calls = re.findall(r"tvm_builtin_ptx_wgmma_f16_rs_mma_async\w*\(_ptr", src)
+    assert len(calls) == 2 * (s.step // 16) * p.warp_mtiles  # masked and kept copies of the step
+    from schedulers.warp_tile import smem_layout, wgmma_swizzled
+
+    assert wgmma_swizzled(p) == ("V",) and smem_layout(s, p)["V"] == (2, 64, 128)
+
+
 @given(rows=st.sampled_from([64, 128, 256]), bands=st.integers(1, 4))
 @settings(max_examples=30, deadline=None)
 def test_swizzled_128b_is_a_permutation_of_the_tile_chunks(rows, bands) -> None:
@@ -429,11 +449,11 @@ def test_swizzled_128b_is_a_permutation_of_the_tile_chunks(rows, bands) -> None:
 
 
 @pytest.mark.parametrize(("graph", "kwargs", "match"), [
-    ("attention", {}, "wgmma takes a plain GEMM"),
     ("gemm", {"step": 32}, "the step 32 must be 64"),
     ("gemm", {"tiles": {"m": 128, "n": 96}}, "96 columns per block must be a multiple of 64"),
     ("gemm", {"warps": 2}, "one or two warpgroups"),
     ("gemm", {"split": 2}, "no split, slices or early_scores"),
+    ("attention", {"slices": 2}, "no split, slices or early_scores"),
     ("gemm_tail", {}, "divide 'k' = 200"),
 ])
 def test_wgmma_refusals(graph, kwargs, match) -> None:
@@ -484,8 +504,9 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
     s = _schedule(name)
     art = build(s, "cuda")
     src = art.source
-    if s.wgmma:  # both operands read from shared memory by the warpgroup MMA
-        assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix" not in src
+    if s.wgmma:  # the second GEMM's x (or a plain GEMM's both operands) read by the warpgroup MMA
+        assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
+        assert ("ldmatrix" in src) == (not s.warp_tile.wgmma_ss)
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)

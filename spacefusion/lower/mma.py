@@ -31,6 +31,7 @@ from schedulers.schedule import Schedule
 from schedulers.temporal import parse
 from schedulers.warp_tile import (
     MMA_DTYPES,
+    SWIZZLE_ATOM,
     GemmState,
     WarpTileProgram,
     carry_factor,
@@ -38,6 +39,7 @@ from schedulers.warp_tile import (
     staged_elements,
     swizzled_128b,
     warp_tile_program,
+    wgmma_swizzled,
 )
 from smg.expr import body_expr
 from spacefusion.lower.exprs import F32, to_tir
@@ -75,6 +77,7 @@ class _Gen(_Outputs):
         self.moved: dict[str, tirx.Buffer] = {}
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
         self.row_sums = dict(p.row_sums)  # sum states computed with a GEMM on tensor cores (mma_row_sums)
+        self.swizzled = set(wgmma_swizzled(p))  # tiles wgmma reads through descriptors
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -99,7 +102,8 @@ class _Gen(_Outputs):
         block's with ``block``); rows/chunks past the end are clamped (their values are masked or
         multiplied by zero downstream)."""
         copies, rows, stride = self.layout[name]
-        cols = stride if self.p.wgmma else stride - 8  # rows padded by 8 halfs, unless core-matrix laid
+        swz = name in self.swizzled  # read by wgmma: 128 B-swizzled and unpadded; else rows padded by 8
+        cols = stride if swz else stride - 8
         per_row = cols // 8
         total = rows * per_row
         th = self.p.threads if block else 32 * self.p.warps
@@ -112,7 +116,7 @@ class _Gen(_Outputs):
             if pred is not None:
                 conds.append(pred)
             src = self.flat(name, {rdim: grow, cdim: gcol})
-            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if self.p.wgmma
+            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if swz
                                            else r * stride + cc)
             with ExitStack() as guard:
                 if conds:
@@ -182,11 +186,15 @@ class _Gen(_Outputs):
     # a thread owns 2 rows per 16-row mma tile: row slot r = 2 * tile + (0 for g, 1 for g + 8);
     # in a fragment array of `per` elements per tile, element E is tile E // per, column tile
     # (E % per) // 4, and within it c0..c3 = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+    def mtile_row(self, mi: int) -> tirx.PrimExpr:
+        """First row (in the block's tile) of this warp's 16-row mma tile ``mi``: the warp's own
+        16 * mt rows, or with warpgroup MMA the warp's 16 rows of each of its warpgroup's 64-row halves."""
+        if self.p.wgmma:
+            return ((self.warp // 4) * self.mt + mi) * 64 + (self.warp % 4) * 16
+        return self.warp * (16 * self.mt) + mi * 16
+
     def row_of(self, r: int) -> tirx.PrimExpr:
-        if self.p.wgmma:  # warpgroup MMA: warpgroup G takes 64-row halves G * mt.., its warp w rows 16w..
-            half = (self.warp // 4) * self.mt + r // 2
-            return self.row0 + half * 64 + (self.warp % 4) * 16 + self.g + 8 * (r % 2)
-        return self.row0 + self.warp * (16 * self.mt) + (r // 2) * 16 + self.g + 8 * (r % 2)
+        return self.row0 + self.mtile_row(r // 2) + self.g + 8 * (r % 2)
 
     @staticmethod
     def slot_of(e: int, per: int) -> int:
@@ -304,6 +312,8 @@ class _Gen(_Outputs):
         a_tile = p.gemm.a if p.gemm is not None else None
         offs, end = {}, 0
         for n in sorted(sizes, key=lambda n: n == a_tile):  # stable: the ring in layout order, A last
+            if n in self.swizzled:  # the 128 B swizzle XORs address bits: its atoms start on 1 KB
+                end = -(-end // SWIZZLE_ATOM) * SWIZZLE_ATOM
             offs[n], end = end, end + sizes[n]
         end = max(end, staged_elements(self.s, p))  # the output tiles reuse it after the loop
         arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
@@ -372,7 +382,7 @@ class _Gen(_Outputs):
                 iters = tirx.floordiv(iters + (p.split - 1), p.split)
         # warpgroup MMA in a ring of 3+ leaves one step's wgmma group in flight while the next step
         # waits and loads: the load then reuses the slot of two steps back, one step less ahead
-        self.lag = 1 if p.wgmma and p.stages >= 3 else 0
+        self.lag = 1 if p.wgmma_ss and p.stages >= 3 else 0
         dist = p.stages - 1 - self.lag
         for pre in range(dist):
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
@@ -386,7 +396,7 @@ class _Gen(_Outputs):
             for mi in range(self.mt):
                 for kt in range(kd // 16):
                     self.ldsm(qf, mi * kd // 2 + kt * 8, g.a,
-                              self.a_offset(stride, self.warp * 16 * self.mt + mi * 16, kt * 16), False)
+                              self.a_offset(stride, self.mtile_row(mi), kt * 16), False)
         with T.serial(0, iters) as j:
             ahead = j + dist
             pred = self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None
@@ -451,7 +461,7 @@ class _Gen(_Outputs):
 
     def _step(self, qf: tirx.Buffer | None) -> None:
         p = self.p
-        if p.wgmma:
+        if p.wgmma_ss:
             self._wgmma_step()
             return
         self.cache = {}
@@ -475,7 +485,7 @@ class _Gen(_Outputs):
                 if self.p.reload_a:
                     astride = self.layout[g.a][2]
                     for mi in range(self.mt):
-                        r0 = self.warp * 16 * self.mt + mi * 16
+                        r0 = self.mtile_row(mi)
                         self.ldsm(kf, nb + mi * 8, g.a, self.a_offset(astride, r0, kt * 16), False)
 
             def mma_k(kt: int, kf: tirx.Buffer) -> None:
@@ -492,7 +502,7 @@ class _Gen(_Outputs):
             buf = T.alloc_buffer((ns,), self.half, scope="local")
             for mi in range(self.mt):
                 for ct in range(self.nt // 2):
-                    r0 = self.warp * 16 * self.mt + mi * 16
+                    r0 = self.mtile_row(mi)
                     soff = self.slot * (rows * stride) + self.a_offset(stride, r0, ct * 16)
                     self.ldsm(buf, mi * n4 + ct * 8, n, soff, False)
             self.tin[n] = buf
@@ -551,6 +561,30 @@ class _Gen(_Outputs):
         T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
         if not self.lag:  # else waited for at the top of the step after next, before its slot is reloaded
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+
+    def _wgmma_rs(self, acc: tirx.Buffer, pf: tirx.Buffer, gs: GemmState, base: tirx.PrimExpr) -> None:
+        """``acc += P @ x`` on warpgroup MMA with P in registers: per k16 slice and 64-row half of
+        this warpgroup one ``wgmma.mma_async.m64nNk16`` whose A operand is the 4 registers of P that
+        mma.sync would take (the layouts agree) and whose B is the swizzled ``x`` tile (N-contiguous,
+        transposed by the instruction); then a wait, before P's registers change."""
+        p = self.p
+        per = (gs.n_tile // 8) * 4
+        n4 = self.nt * 4
+        words = T.alloc_buffer((self.ns // 2,), "uint32", scope="local")  # P as packed pairs
+        for i in range(self.ns // 2):
+            T.buffer_store(words, tirx.call_extern("uint32", "__pack_half2", pf[2 * i], pf[2 * i + 1]), [i])
+        ab = "f16" if self.ab == "fp16" else "bf16"
+        op = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{gs.n_tile}k16").f32
+        T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+        for kt in range(p.step // 16):
+            bdesc = self._desc(self.sbase[gs.x] + base + kt * 2 * 512, lbo=p.step * 128, sbo=1024)
+            for mi in range(self.mt):
+                a = (mi * n4 + kt * 8) // 2
+                T.evaluate(getattr(getattr(op, ab), ab)(
+                    *[acc[mi * per + i] for i in range(per)], *[words[a + w] for w in range(4)], bdesc,
+                    T.ptx.pred(1), 1, 1, 1))
+        T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
 
     def _desc(self, elem: tirx.PrimExpr, lbo: int, sbo: int) -> tirx.PrimExpr:
         """The 64-bit wgmma matrix descriptor of a 128-byte-swizzled tile at arena element ``elem``:
@@ -668,6 +702,13 @@ class _Gen(_Outputs):
         copies, rows, stride = self.layout[gs.x]
         base = self.slot * (rows * stride)
         per = (gs.n_tile // 8) * 4
+        if p.wgmma:
+            self._wgmma_rs(acc, pf, gs, base)
+            self.updated(u.state)
+            for st, of in self.row_sums.items():
+                if of == u.state:
+                    self._row_sum_mma(st, pf)
+            return
 
         def load_v(kt: int, vf: tirx.Buffer) -> None:
             for n2 in range(gs.n_tile // 16):

@@ -33,8 +33,9 @@ TC = {"tensor_cores": True}
 # mma_row_sums (the row sum of P as P @ 1 on tensor cores), interleaved 3-4 times on the H100: causal
 # 486 -> 447 us, BERT 98.5 -> 96.4, ViT 26.8 -> 24.8, Softmax-GEMM 25.2 -> 24.0; LLaMA and decode tie
 # (experiments/results_rowsums_h100.json); it is on wherever the graph has such a row sum.
-# wgmma (P @ V on warpgroup MMA, P in registers), interleaved twice: causal 448 -> 421 us, LLaMA 786
-# -> 736, ViT 26.5 -> 23.7, BERT 94.4 -> 93.4 (experiments/results_wgmma_h100.json); not with slices
+# wgmma, interleaved twice (experiments/results_wgmma_h100.json): P @ V alone on warpgroup MMA (P in
+# registers): causal 448 -> 421 us, LLaMA 786 -> 736, ViT 26.5 -> 23.7, BERT 94.4 -> 93.4; then the
+# score GEMM too: causal 423 -> 321, LLaMA 700 -> 551, ViT 23.0 -> 20.7, BERT 93.2 -> 85.7; not with slices
 SCHEDULES = {
     # lazy_rescale lost on BERT without the row sums on tensor cores (96 -> 104 us) and wins with
     # them: 95.1 against 96.7 us, 5 of 5 interleaved pairs (experiments/results_rowsums_h100.json)

@@ -84,9 +84,9 @@ class Schedule:
     #: one n8 mma per k slice in place of an fp32 add per element and the quad's shuffles; the sum is
     #: then over the fp16-rounded P that multiplies V, accumulated in fp32
     mma_row_sums: bool = False
-    #: a plain GEMM (+ epilogue) on Hopper's warpgroup MMA: ``wgmma.mma_async`` m64nNk16 reading both
-    #: operands from shared memory (core-matrix layouts, 64-bit descriptors) into one warpgroup's
-    #: accumulators, instead of ldmatrix fragments and mma.sync (sm_90a)
+    #: the GEMMs on Hopper's warpgroup MMA (``wgmma.mma_async`` m64nNk16, sm_90a): operands read from
+    #: 128 B-swizzled shared tiles through descriptors, or from registers where a tile is computed
+    #: (attention's P) or held (Q), instead of ldmatrix fragments and mma.sync
     wgmma: bool = False
 
     @cached_property
@@ -325,7 +325,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     second GEMM's before that GEMM (a barrier more per step; a ring of 2+ stages, no warp groups).
     ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
     ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
-    ``wgmma`` runs a plain GEMM (+ epilogue) on Hopper's warpgroup MMA from shared memory.
+    ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -431,7 +431,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                                 f"times ones; {smg.name!r} has no sum state whose body is such a factor (with a "
                                 f"per-row carry, and read by no GEMM state)")
         if wgmma and out.warp_tile is None:
-            raise ScheduleError(f"wgmma runs a warp-tile program's plain GEMM on warpgroup MMA: "
+            raise ScheduleError(f"wgmma runs a warp-tile program's GEMMs on warpgroup MMA: "
                                 f"{warp_tile_reason(out)}")
     elif (stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale
           or mma_row_sums or wgmma):

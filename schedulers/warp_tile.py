@@ -209,7 +209,8 @@ SWIZZLE_ATOM = 512
 def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: int, warps: int, L: str) -> None:
     """Refuse ``wgmma`` unless its GEMMs fit warpgroup MMA.  A plain GEMM (+ epilogue) takes A (a
     staged input) and B straight from shared memory; otherwise (attention) each GEMM state's factor
-    tile (P) stays in registers as the A operand and its ``x`` (V) is read from shared memory."""
+    tile (P) stays in registers as the A operand and its ``x`` (V) is read from shared memory, and
+    the score GEMM reads K from shared memory and Q from there (reload_a) or from registers."""
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps")
@@ -232,15 +233,24 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
     elif not gemm_states or any(g.factor in tiles_in for g in gemm_states):
         raise ScheduleError("wgmma takes a plain GEMM (+ epilogue), or GEMM states whose factor tile is computed "
                             "in registers (attention's P @ V)")
+    if gemm is not None:  # the score GEMM too: its B (K) read K-major from 64-wide bands of swizzle atoms
+        kd = s.smg.dim_sizes[gemm.k]
+        if gemm.b_trans or kd % 64 or s.step % 8 or s.step > WGMMA_MAX_N:
+            raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous, {gemm.k!r} = "
+                                f"{kd} a multiple of 64 and a step (its N) a multiple of 8 up to {WGMMA_MAX_N}")
 
 
 def wgmma_swizzled(p: WarpTileProgram) -> tuple[str, ...]:
     """The shared tiles that wgmma reads through descriptors (128 B-swizzled, unpadded): a plain
-    GEMM's A and B, or the GEMM states' ``x`` (V) whose A operand (P) stays in registers."""
+    GEMM's A and B; or the score GEMM's B (K), its A (Q) when re-read, and the GEMM states' ``x`` (V)."""
     if not p.wgmma:
         return ()
     xs = tuple(dict.fromkeys(g.x for g in p.gemm_states))
-    return (p.tiles_in[0], *xs) if p.wgmma_ss else xs
+    if p.wgmma_ss:
+        return (p.tiles_in[0], *xs)
+    if p.gemm is not None:  # the score GEMM's B (K), and its A (Q) when re-read from shared memory
+        xs = (p.gemm.b, *((p.gemm.a,) if p.reload_a else ()), *xs)
+    return xs
 
 
 #: how far a lazily kept reference may lag the true running max: values grow by at most this factor
@@ -376,10 +386,11 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding
         (g,) = p.gemm_states
         return {p.tiles_in[0]: (ring, p.rows, p.step), g.x: (ring, p.step, g.n_tile)}
-    if p.gemm is not None:
-        out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + PAD)
+    if p.gemm is not None:  # read by wgmma (swizzled): unpadded
+        pad_a = 0 if p.wgmma and p.reload_a else PAD
+        out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + pad_a)
         out[p.gemm.b] = ((ring, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
-                         else (ring, p.step, sizes[p.gemm.k] + PAD))
+                         else (ring, p.step, sizes[p.gemm.k] + (0 if p.wgmma else PAD)))
     for n in p.tiles_in:
         out[n] = (ring, p.rows, p.step + PAD)
     for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, unpadded

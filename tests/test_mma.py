@@ -415,23 +415,27 @@ def test_wgmma_reads_both_operands_from_swizzled_shared_tiles() -> None:
     assert "wgmma.wait_group.sync.aligned 1" in lag and "m64n256k16" in lag
     back = Schedule.from_json(s.to_json())
     assert back.wgmma and back.key == s.key and "wgmma" not in _schedule("gemm_sigmoid").to_dict()
-    assert s.warp_tile.wgmma and "wgmma" in s.to_dict()
+    assert s.warp_tile.wgmma and "wgmma" in s.to_dict() and "GEMMs on warpgroup MMA" in str(s)
 
 
-def test_wgmma_takes_attentions_p_from_registers() -> None:
-    """Attention's P @ V on warpgroup MMA: the rs form, P's mma.sync A fragments packed into its 4
-    registers per k16 slice and 16-row tile, V read swizzled from shared memory (no ldmatrix.trans);
-    the score GEMM stays on mma.sync, and rows follow the warpgroup's 64-row halves."""
+def test_wgmma_runs_both_attention_gemms() -> None:
+    """Attention on warpgroup MMA: P @ V in the rs form (P's mma.sync A fragments packed into its 4
+    registers per k16 slice and 16-row tile, V swizzled in shared memory, no ldmatrix.trans), and
+    the score GEMM with K swizzled in 64-wide bands of d and Q from its swizzled tile (reload_a, the
+    ss form) or from registers (held, the rs form); the row sums' ones-mma stays on mma.sync."""
     s = _schedule("causal_wgmma_mt2")
     p = s.warp_tile
     src = build(s, "cuda").source
-    assert not p.wgmma_ss and "wgmma_f16_rs_mma_async" in src and "__pack_half2" in src
-    assert "mma.sync.aligned.m16n8k16" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
-    calls = re.findall(r"tvm_builtin_ptx_wgmma_f16_rs_mma_async\w*\(_ptr", src)
-    assert len(calls) == 2 * (s.step // 16) * p.warp_mtiles  # masked and kept copies of the step
+    assert not p.wgmma_ss and "__pack_half2" in src and "ldmatrix" not in src
+    kslices = s.step // 16  # P @ V: one per k16 slice of the step, 16-row tile and copy of the step
+    assert len(re.findall(r"wgmma_f16_rs_mma_async\w*\(_ptr", src)) == 2 * kslices * p.warp_mtiles
+    assert len(re.findall(r"wgmma_f16_ss_mma_async\w*m64n64k16\w*\(_ptr", src)) == 2 * (128 // 16) * p.warp_mtiles
+    assert "mma.sync.aligned.m16n8k16" in src  # the row sums
     from schedulers.warp_tile import smem_layout, wgmma_swizzled
 
-    assert wgmma_swizzled(p) == ("V",) and smem_layout(s, p)["V"] == (2, 64, 128)
+    assert wgmma_swizzled(p) == ("K", "Q", "V") and smem_layout(s, p)["V"] == (2, 64, 128)
+    held = build(_schedule("attention_wgmma"), "cuda").source  # Q held: ldmatrix once, rs scores
+    assert "ldmatrix" in held and "wgmma_f16_ss" not in held
 
 
 @given(rows=st.sampled_from([64, 128, 256]), bands=st.integers(1, 4))
@@ -504,9 +508,10 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
     s = _schedule(name)
     art = build(s, "cuda")
     src = art.source
-    if s.wgmma:  # the second GEMM's x (or a plain GEMM's both operands) read by the warpgroup MMA
+    if s.wgmma:  # every GEMM on the warpgroup MMA; ldmatrix only for a Q held in registers
+        p = s.warp_tile
         assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
-        assert ("ldmatrix" in src) == (not s.warp_tile.wgmma_ss)
+        assert ("ldmatrix" in src) == (p.gemm is not None and not p.reload_a)
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)

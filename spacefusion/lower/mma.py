@@ -495,7 +495,10 @@ class _Gen(_Outputs):
                         self.mma(sacc, mi * n4 + (2 * n2) * 4, af, a, kf, n2 * 8)
                         self.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, af, a, kf, n2 * 8 + 4)
 
-            self._pipelined(kd // 16, nb + (self.mt * 8 if self.p.reload_a else 0), load_k, mma_k)
+            if p.wgmma:
+                self._wgmma_scores(sacc, qf, base)
+            else:
+                self._pipelined(kd // 16, nb + (self.mt * 8 if self.p.reload_a else 0), load_k, mma_k)
             self.score[g.out] = sacc
         for n in p.tiles_in:
             copies, rows, stride = self.layout[n]
@@ -583,6 +586,37 @@ class _Gen(_Outputs):
                 T.evaluate(getattr(getattr(op, ab), ab)(
                     *[acc[mi * per + i] for i in range(per)], *[words[a + w] for w in range(4)], bdesc,
                     T.ptx.pred(1), 1, 1, 1))
+        T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+
+    def _wgmma_scores(self, sacc: tirx.Buffer, qf: tirx.Buffer | None, base: tirx.PrimExpr) -> None:
+        """The score tile ``A @ B^T`` on warpgroup MMA: B (K, [L, d] with d contiguous) from its
+        swizzled ring slot, K-major, d in 64-wide bands of atoms; A (Q) from its swizzled tile
+        (``reload_a``) or from the fragments held in registers (the rs form)."""
+        p, g = self.p, self.p.gemm
+        kd, n4 = self.sizes[g.k], self.nt * 4
+        ab = "f16" if self.ab == "fp16" else "bf16"
+        op = getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{p.step}k16").f32, ab), ab)
+        words = None
+        if not p.reload_a:
+            words = T.alloc_buffer((self.mt * kd // 4,), "uint32", scope="local")
+            for i in range(self.mt * kd // 4):
+                T.buffer_store(words, tirx.call_extern("uint32", "__pack_half2", qf[2 * i], qf[2 * i + 1]), [i])
+        T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+        for kt in range(kd // 16):
+            band, within = kt // 4, (kt % 4) * 16  # a 64-wide band of d, then 16 elements (32 B) into it
+            bdesc = self._desc(self.sbase[g.b] + base + band * (p.step // 8) * SWIZZLE_ATOM + within, lbo=16,
+                               sbo=1024)
+            for mi in range(self.mt):
+                acc = [sacc[mi * n4 + i] for i in range(n4)]
+                if words is None:
+                    half = (self.warp // 4) * self.mt + mi
+                    adesc = self._desc(self.sbase[g.a] + (band * (p.rows // 8) + half * 8) * SWIZZLE_ATOM + within,
+                                       lbo=16, sbo=1024)
+                    T.evaluate(op(*acc, adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 0))
+                else:
+                    a = (mi * kd // 2 + kt * 8) // 2
+                    T.evaluate(op(*acc, *[words[a + w] for w in range(4)], bdesc, T.ptx.pred(1), 1, 1, 0))
         T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
 

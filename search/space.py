@@ -38,6 +38,8 @@ STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streame
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
+#: largest tensor-core tile per dim the search tries (wgmma's N; two 64-row halves per warpgroup)
+TC_MAX_TILE = 256
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -71,6 +73,7 @@ class Knobs:
     early_scores: bool = False
     lazy_rescale: bool = False
     mma_row_sums: bool = False
+    wgmma: bool = False
 
 
 @dataclass
@@ -145,22 +148,47 @@ class SearchSpace:
                                  vector=vec)
                     yield from self._level_variants(base)
                 if self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16:
-                    steps16 = [s for s in steps if s % 16 == 0]
-                    blocks = math.prod(-(-sizes[d] // t) for d, t in tiles.items())
-                    parts = [(sp, 1) for sp in SPLITS]
-                    if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
-                        parts += [(1, sl) for sl in SLICES]
-                    reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
-                    for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES, WARPS, parts,
-                                                                                  reloads):
-                        if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
-                            continue
-                        earlies = (False, True) if stages > 1 and split == 1 else (False,)
-                        lazies = (False, True) if self.running_max else (False,)
-                        for early, lazy in itertools.product(earlies, lazies):
-                            yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True,
-                                        stages, warps, split=split, slices=sl, reload_a=rl, early_scores=early,
-                                        lazy_rescale=lazy, mma_row_sums=self.row_sum)
+                    yield from self._tc_knobs(serial, steps, tiles, movers)
+            if self.tensor_cores and self.tensor_core_dtypes:  # warp-tile blocks larger than a thread each
+                for tiles in self.tc_tilings():
+                    yield from self._tc_knobs(serial, steps, tiles, [d for d, t in tiles.items() if t > 1])
+
+    def tc_tilings(self) -> Iterator[dict[str, int]]:
+        """Tensor-core tiles that the thread-per-element tilings miss: one or two cut dims of 16..256
+        (the rest 1) whose product is above the thread limit (a warp-tile block has 32 threads per
+        warp whatever its tile: the GEMM's 128 x 128)."""
+        sizes, limit = self.smg.dim_sizes, self.hw.max_threads_per_block
+        for movers in itertools.chain(itertools.combinations(self.cut_dims, 1),
+                                      itertools.combinations(self.cut_dims, 2)):
+            opts = [[t for t in _pow2_upto(min(sizes[d], TC_MAX_TILE)) if t >= 16] for d in movers]
+            for combo in itertools.product(*opts):
+                if math.prod(combo) > limit:
+                    yield {d: dict(zip(movers, combo)).get(d, 1) for d in self.cut_dims}
+
+    def _tc_knobs(self, serial: str, steps: list[int], tiles: dict[str, int], movers: list[str]) -> Iterator[Knobs]:
+        sizes = self.smg.dim_sizes
+        steps16 = [s for s in steps if s % 16 == 0]
+        blocks = math.prod(-(-sizes[d] // t) for d, t in tiles.items())
+        parts = [(sp, 1) for sp in SPLITS]
+        if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
+            parts += [(1, sl) for sl in SLICES]
+        reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
+        for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES, WARPS, parts, reloads):
+            if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
+                continue
+            earlies = (False, True) if stages > 1 and split == 1 else (False,)
+            lazies = (False, True) if self.running_max else (False,)
+            for early, lazy in itertools.product(earlies, lazies):
+                yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True, stages,
+                            warps, split=split, slices=sl, reload_a=rl, early_scores=early, lazy_rescale=lazy,
+                            mma_row_sums=self.row_sum, wgmma=self.hopper and not early)
+
+    @cached_property
+    def hopper(self) -> bool:
+        """Whether the target has warpgroup MMA (sm_90): ``wgmma`` is then offered on, not searched
+        both ways (it won on every harness workload it applies to: causal 448 -> 321 us, LLaMA 786 ->
+        551, the sigmoid GEMM 442 -> 261); where make_schedule refuses it the candidate goes without."""
+        return self.hw.arch.startswith("sm_90")
 
     @cached_property
     def running_max(self) -> bool:
@@ -210,19 +238,22 @@ class SearchSpace:
             yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, k.lanes, vector=k.vector)
 
     def _schedule(self, k: Knobs) -> Schedule:
-        def make(row_sums: bool) -> Schedule:
-            return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step, thread_dim=k.thread_dim,
-                                 recompute=k.recompute, hw=self.hw, levels=dict(k.levels), lanes=k.lanes,
-                                 tensor_cores=k.tensor_cores, stages=k.stages, warps=k.warps, vector=k.vector,
-                                 split=k.split, slices=k.slices, reload_a=k.reload_a, early_scores=k.early_scores,
-                                 lazy_rescale=k.lazy_rescale, mma_row_sums=row_sums)
-
-        try:
-            return make(k.mma_row_sums)
-        except ScheduleError as e:  # no sum state equals a GEMM's factor tile: the plain row sum
-            if not k.mma_row_sums or "mma_row_sums" not in str(e):
-                raise
-            return make(False)
+        """The schedule of ``k``; the knobs offered on where they may apply (``mma_row_sums``,
+        ``wgmma``) are dropped, one at a time, where make_schedule refuses them."""
+        opts = {"mma_row_sums": k.mma_row_sums, "wgmma": k.wgmma}
+        while True:
+            try:
+                return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step,
+                                     thread_dim=k.thread_dim, recompute=k.recompute, hw=self.hw,
+                                     levels=dict(k.levels), lanes=k.lanes, tensor_cores=k.tensor_cores,
+                                     stages=k.stages, warps=k.warps, vector=k.vector, split=k.split, slices=k.slices,
+                                     reload_a=k.reload_a, early_scores=k.early_scores, lazy_rescale=k.lazy_rescale,
+                                     **opts)
+            except ScheduleError as e:
+                knob = next((n for n, on in opts.items() if on and str(e).startswith(n)), None)
+                if knob is None:
+                    raise
+                opts[knob] = False
 
     def candidates(self) -> list[Schedule]:
         """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""

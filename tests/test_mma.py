@@ -470,6 +470,19 @@ def test_wgmma_refusals(graph, kwargs, match) -> None:
         schedule(g, tensor_cores=True, stages=2, wgmma=True, **opts)
 
 
+def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_hopper() -> None:
+    """The GEMM's 128 x 128 tile (16384 elements, 128 threads) is in the space, on warpgroup MMA
+    where make_schedule takes it, and on mma.sync for a target without it (A100)."""
+    from schedulers.hardware import A100, H100
+    from search.space import SearchSpace
+
+    g = patterns.gemm_epilogue(1024, 1024, 256, "sigmoid", True, "float16")
+    tiles = {(s.tiles["m"], s.tiles["n"], s.step, s.wgmma) for s in SearchSpace(g, H100).candidates()
+             if s.tensor_cores}
+    assert (128, 128, 64, True) in tiles and not any(w and step != 64 for _, _, step, w in tiles)
+    assert not any(s.wgmma for s in SearchSpace(g, A100).candidates())
+
+
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)

@@ -56,9 +56,10 @@ SCHEDULES = {
     # S waited for apart from V: 24.4 against 26.1 us, interleaved 4 times; a loss of 1-3% on the
     # attention kernels (experiments/results_epilogue_h100.json, early_scores_*); lazy_rescale: 24.9
     # against 25.3 us
+    # P @ V on wgmma (which has no early_scores): 21.1/21.7 against 23.8-24.0 us, interleaved 3 times
+    # (one glitched pair; experiments/results_wgmma_h100.json, slices_skew_ab3)
     "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 64}, "l", 128,
-                     TC | {"stages": 2, "slices": 4, "early_scores": True, "lazy_rescale": True,
-                           "mma_row_sums": True}),
+                     TC | {"stages": 2, "slices": 4, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),
     # warpgroup MMA (wgmma) from 128 B-swizzled tiles: 262.5-263.7 us against 442-452 for mma.sync (step
     # 32, 4 stages); 128 x 256 tiles on two warpgroups 268.5-269.8 (experiments/results_wgmma_h100.json)

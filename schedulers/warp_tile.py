@@ -214,10 +214,8 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps")
-    # slices: the merge's arrival flag is static shared memory, which moves the dynamic arena off the
-    # 1 KB alignment the swizzle's address bits need (measured wrong on the H100: decode, Softmax-GEMM)
-    if s.split != 1 or s.slices != 1 or s.early_scores:
-        raise ScheduleError("wgmma: no split, slices or early_scores")
+    if s.split != 1 or s.early_scores:
+        raise ScheduleError("wgmma: no split or early_scores")
     for g in gemm_states:
         if g.n_tile % 64 or g.n_tile > WGMMA_MAX_N:
             raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of 64 (128 B swizzle "

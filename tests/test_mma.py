@@ -73,6 +73,11 @@ CASES = {
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
                          {"warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
+    # with slices: the arrival flag's static shared memory moves the arena, the swizzled tiles skew to 1 KB
+    "decode_wgmma_slices4": (lambda: patterns.attention(1, 4, 70, 1000, 128), {"m": 64}, 64, 3,
+                             {"slices": 4, "mma_row_sums": True, "wgmma": True}),
+    "softmax_gemm_wgmma_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 64}, 32, 2,
+                                   {"slices": 3, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
 }
 
 
@@ -456,8 +461,8 @@ def test_swizzled_128b_is_a_permutation_of_the_tile_chunks(rows, bands) -> None:
     ("gemm", {"step": 32}, "the step 32 must be 64"),
     ("gemm", {"tiles": {"m": 128, "n": 96}}, "96 columns per block must be a multiple of 64"),
     ("gemm", {"warps": 2}, "one or two warpgroups"),
-    ("gemm", {"split": 2}, "no split, slices or early_scores"),
-    ("attention", {"slices": 2}, "no split, slices or early_scores"),
+    ("gemm", {"split": 2}, "no split or early_scores"),
+    ("attention", {"early_scores": True}, "no split or early_scores"),
     ("gemm_tail", {}, "divide 'k' = 200"),
 ])
 def test_wgmma_refusals(graph, kwargs, match) -> None:
@@ -524,7 +529,8 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
     if s.wgmma:  # every GEMM on the warpgroup MMA; ldmatrix only for a Q held in registers
         p = s.warp_tile
         assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
-        assert ("ldmatrix" in src) == (p.gemm is not None and not p.reload_a)
+        # ldmatrix only for a Q held in registers or a staged score tile (Softmax-GEMM's S)
+        assert ("ldmatrix" in src) == ((p.gemm is not None and not p.reload_a) or (bool(p.tiles_in) and not p.wgmma_ss))
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)

@@ -316,14 +316,21 @@ class _Gen(_Outputs):
                 end = -(-end // SWIZZLE_ATOM) * SWIZZLE_ATOM
             offs[n], end = end, end + sizes[n]
         end = max(end, staged_elements(self.s, p))  # the output tiles reuse it after the loop
-        arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
+        # the slices' arrival flag is static shared memory, which puts the dynamic arena after it: then
+        # the swizzled tiles move up to the next 1 KB of the shared window, found at run time
+        skewed = p.wgmma and p.slices > 1
+        arena = T.alloc_buffer((end + (SWIZZLE_ATOM if skewed else 0),), self.half, scope="shared.dyn")
         self.arena = arena
-        for n in sizes:
-            self.smem[n], self.sbase[n] = arena, offs[n]
+        skew = tirx.const(0, I32)
         if p.wgmma:  # the arena's shared-window address, for the wgmma descriptors
             self.arena_addr = T.alloc_buffer((1,), "uint32", scope="local")
             T.buffer_store(self.arena_addr, tirx.call_extern("uint32", "__cvta_generic_to_shared",
                                                              arena.access_ptr("r")), [0])
+            if skewed:
+                atom = SWIZZLE_ATOM * 2  # bytes
+                skew = tirx.Cast(I32, ((atom - (self.arena_addr[0] & (atom - 1))) & (atom - 1)) >> 1)
+        for n in sizes:
+            self.smem[n], self.sbase[n] = arena, offs[n] + (skew if n in self.swizzled else 0)
         self.rs = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
         self.rs_old = {u.state: T.alloc_buffer((2 * self.mt,), F32, scope="local") for u in p.row_states}
         self.acc = {gs.update.state: T.alloc_buffer((self.mt * (gs.n_tile // 8) * 4,), F32, scope="local")

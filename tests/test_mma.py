@@ -423,6 +423,11 @@ def test_wgmma_reads_both_operands_from_swizzled_shared_tiles() -> None:
     assert s.warp_tile.wgmma and "wgmma" in s.to_dict() and "GEMMs on warpgroup MMA" in str(s)
 
 
+def test_wgmma_is_refused_for_a_target_without_it() -> None:
+    with pytest.raises(ScheduleError, match="wgmma .* sm_90a only; the target is sm_80"):
+        build(_schedule("attention_wgmma"), "cuda:sm_80")
+
+
 def test_wgmma_runs_both_attention_gemms() -> None:
     """Attention on warpgroup MMA: P @ V in the rs form (P's mma.sync A fragments packed into its 4
     registers per k16 slice and 16-row tile, V swizzled in shared memory, no ldmatrix.trans), and

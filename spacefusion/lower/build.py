@@ -204,6 +204,10 @@ def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
     if s.warp_tile is not None:
         from spacefusion.lower.mma import build_warp_tile
 
+        if s.warp_tile.wgmma and not arch.startswith("sm_90"):
+            raise ScheduleError(f"wgmma (warpgroup MMA) exists on sm_90a only; the target is {arch}: build without "
+                                f"wgmma for it")
+
         mod = tvm.IRModule({"main": build_warp_tile(s)})
         what = ("tensorcore-wgmma (warp-tile program: wgmma.mma_async on 128 B-swizzled tiles, cp.async)"
                 if s.warp_tile.wgmma else "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")

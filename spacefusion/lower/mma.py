@@ -190,7 +190,7 @@ class _Gen(_Outputs):
         """First row (in the block's tile) of this warp's 16-row mma tile ``mi``: the warp's own
         16 * mt rows, or with warpgroup MMA the warp's 16 rows of each of its warpgroup's 64-row halves."""
         if self.p.wgmma:
-            return ((self.warp // 4) * self.mt + mi) * 64 + (self.warp % 4) * 16
+            return self._half(mi) * 64 + (self.warp % 4) * 16
         return self.warp * (16 * self.mt) + mi * 16
 
     def row_of(self, r: int) -> tirx.PrimExpr:
@@ -549,52 +549,38 @@ class _Gen(_Outputs):
         a wait, so the ring slot is free when the next step's barrier lets its copy in."""
         p = self.p
         (gs,) = p.gemm_states
-        a, x = p.tiles_in[0], gs.x
+        a = p.tiles_in[0]
         per = (gs.n_tile // 8) * 4  # accumulator floats per 64-row half: N / 2
         acc = self.acc[gs.update.state]
         a_tile = self.sbase[a] + self.slot * (p.rows * p.step)
-        b_tile = self.sbase[x] + self.slot * (p.step * gs.n_tile)
-        shape = f"m64n{gs.n_tile}k16"
-        ab = "f16" if self.ab == "fp16" else "bf16"
+        op = self._wgmma(gs.n_tile)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())
         for kt in range(p.step // 16):
-            # B [k, n] N-contiguous (transposed by the instruction): the k16 slice is 2 atoms down;
-            # 64-column bands step * 128 B apart (LBO), 8-row atoms 1 KB apart (SBO)
-            bdesc = self._desc(b_tile + kt * 2 * 512, lbo=p.step * 128, sbo=1024)
+            bdesc = self._mn_desc(gs, kt)
             for h in range(self.mt):  # this warpgroup's 64-row halves
                 # A [r, 64 k] K-major: a 64-row half is 8 atoms on; the k16 slice 32 B into the rows
-                half = (self.warp // 4) * self.mt + h
-                adesc = self._desc(a_tile + half * 8 * 512 + kt * 16, lbo=16, sbo=1024)
-                op = getattr(T.ptx.wgmma.mma_async.sync.aligned, shape).f32
-                T.evaluate(getattr(getattr(op, ab), ab)(
-                    *[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 1))
-        T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
-        if not self.lag:  # else waited for at the top of the step after next, before its slot is reloaded
-            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+                adesc = self._k_desc(a_tile + self._half(h) * 8 * SWIZZLE_ATOM + kt * 16)
+                T.evaluate(op(*[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 1))
+        # with a lag, waited for at the top of the step after next, before its slot is reloaded
+        self._wgmma_commit(wait=not self.lag)
 
-    def _wgmma_rs(self, acc: tirx.Buffer, pf: tirx.Buffer, gs: GemmState, base: tirx.PrimExpr) -> None:
+    def _wgmma_rs(self, acc: tirx.Buffer, pf: tirx.Buffer, gs: GemmState) -> None:
         """``acc += P @ x`` on warpgroup MMA with P in registers: per k16 slice and 64-row half of
         this warpgroup one ``wgmma.mma_async.m64nNk16`` whose A operand is the 4 registers of P that
         mma.sync would take (the layouts agree) and whose B is the swizzled ``x`` tile (N-contiguous,
         transposed by the instruction); then a wait, before P's registers change."""
-        p = self.p
         per = (gs.n_tile // 8) * 4
         n4 = self.nt * 4
-        words = T.alloc_buffer((self.ns // 2,), "uint32", scope="local")  # P as packed pairs
-        for i in range(self.ns // 2):
-            T.buffer_store(words, tirx.call_extern("uint32", "__pack_half2", pf[2 * i], pf[2 * i + 1]), [i])
-        ab = "f16" if self.ab == "fp16" else "bf16"
-        op = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{gs.n_tile}k16").f32
+        words = self._words(pf, self.ns)  # P as packed pairs
+        op = self._wgmma(gs.n_tile)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())
-        for kt in range(p.step // 16):
-            bdesc = self._desc(self.sbase[gs.x] + base + kt * 2 * 512, lbo=p.step * 128, sbo=1024)
+        for kt in range(self.p.step // 16):
+            bdesc = self._mn_desc(gs, kt)
             for mi in range(self.mt):
                 a = (mi * n4 + kt * 8) // 2
-                T.evaluate(getattr(getattr(op, ab), ab)(
-                    *[acc[mi * per + i] for i in range(per)], *[words[a + w] for w in range(4)], bdesc,
-                    T.ptx.pred(1), 1, 1, 1))
-        T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
-        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+                T.evaluate(op(*[acc[mi * per + i] for i in range(per)], *[words[a + w] for w in range(4)], bdesc,
+                              T.ptx.pred(1), 1, 1, 1))
+        self._wgmma_commit(wait=True)
 
     def _wgmma_scores(self, sacc: tirx.Buffer, qf: tirx.Buffer | None, base: tirx.PrimExpr) -> None:
         """The score tile ``A @ B^T`` on warpgroup MMA: B (K, [L, d] with d contiguous) from its
@@ -602,30 +588,56 @@ class _Gen(_Outputs):
         (``reload_a``) or from the fragments held in registers (the rs form)."""
         p, g = self.p, self.p.gemm
         kd, n4 = self.sizes[g.k], self.nt * 4
-        ab = "f16" if self.ab == "fp16" else "bf16"
-        op = getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{p.step}k16").f32, ab), ab)
-        words = None
-        if not p.reload_a:
-            words = T.alloc_buffer((self.mt * kd // 4,), "uint32", scope="local")
-            for i in range(self.mt * kd // 4):
-                T.buffer_store(words, tirx.call_extern("uint32", "__pack_half2", qf[2 * i], qf[2 * i + 1]), [i])
+        op = self._wgmma(p.step)
+        words = None if p.reload_a else self._words(qf, self.mt * kd // 2)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())
         for kt in range(kd // 16):
             band, within = kt // 4, (kt % 4) * 16  # a 64-wide band of d, then 16 elements (32 B) into it
-            bdesc = self._desc(self.sbase[g.b] + base + band * (p.step // 8) * SWIZZLE_ATOM + within, lbo=16,
-                               sbo=1024)
+            bdesc = self._k_desc(self.sbase[g.b] + base + band * (p.step // 8) * SWIZZLE_ATOM + within)
             for mi in range(self.mt):
                 acc = [sacc[mi * n4 + i] for i in range(n4)]
                 if words is None:
-                    half = (self.warp // 4) * self.mt + mi
-                    adesc = self._desc(self.sbase[g.a] + (band * (p.rows // 8) + half * 8) * SWIZZLE_ATOM + within,
-                                       lbo=16, sbo=1024)
+                    atom = band * (p.rows // 8) + self._half(mi) * 8
+                    adesc = self._k_desc(self.sbase[g.a] + atom * SWIZZLE_ATOM + within)
                     T.evaluate(op(*acc, adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 0))
                 else:
                     a = (mi * kd // 2 + kt * 8) // 2
                     T.evaluate(op(*acc, *[words[a + w] for w in range(4)], bdesc, T.ptx.pred(1), 1, 1, 0))
+        self._wgmma_commit(wait=True)
+
+    def _wgmma(self, n: int):
+        """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32`` with this kernel's input type (ss or rs
+        form by the operands given)."""
+        ab = "f16" if self.ab == "fp16" else "bf16"
+        return getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{n}k16").f32, ab), ab)
+
+    def _wgmma_commit(self, wait: bool) -> None:
         T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
-        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+        if wait:
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+
+    def _words(self, frag: tirx.Buffer, halves: int) -> tirx.Buffer:
+        """An fp16/bf16 fragment as packed 32-bit pairs: the registers of a wgmma rs-form A operand."""
+        words = T.alloc_buffer((halves // 2,), "uint32", scope="local")
+        for i in range(halves // 2):
+            T.buffer_store(words, tirx.call_extern("uint32", "__pack_half2", frag[2 * i], frag[2 * i + 1]), [i])
+        return words
+
+    def _half(self, mi: int) -> tirx.PrimExpr:
+        """The block's 64-row half that this warp's 16-row tile ``mi`` lies in (its warpgroup's)."""
+        return (self.warp // 4) * self.mt + mi
+
+    def _mn_desc(self, gs: GemmState, kt: int) -> tirx.PrimExpr:
+        """Descriptor of k16 slice ``kt`` of a GEMM state's swizzled ``x`` tile [k, n], N-contiguous
+        (transposed by the instruction): 2 atoms down per slice, 64-column bands step * 128 B apart
+        (LBO), 8-row atoms 1 KB apart (SBO)."""
+        rows, stride = self.layout[gs.x][1:]
+        tile = self.sbase[gs.x] + self.slot * (rows * stride)
+        return self._desc(tile + kt * 2 * SWIZZLE_ATOM, lbo=self.p.step * 128, sbo=2 * SWIZZLE_ATOM)
+
+    def _k_desc(self, elem: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Descriptor of a K-major swizzled operand (K within one 128 B atom row: LBO unused)."""
+        return self._desc(elem, lbo=16, sbo=2 * SWIZZLE_ATOM)
 
     def _desc(self, elem: tirx.PrimExpr, lbo: int, sbo: int) -> tirx.PrimExpr:
         """The 64-bit wgmma matrix descriptor of a 128-byte-swizzled tile at arena element ``elem``:
@@ -743,13 +755,6 @@ class _Gen(_Outputs):
         copies, rows, stride = self.layout[gs.x]
         base = self.slot * (rows * stride)
         per = (gs.n_tile // 8) * 4
-        if p.wgmma:
-            self._wgmma_rs(acc, pf, gs, base)
-            self.updated(u.state)
-            for st, of in self.row_sums.items():
-                if of == u.state:
-                    self._row_sum_mma(st, pf)
-            return
 
         def load_v(kt: int, vf: tirx.Buffer) -> None:
             for n2 in range(gs.n_tile // 16):
@@ -762,7 +767,10 @@ class _Gen(_Outputs):
                     self.mma(acc, mi * per + (2 * n2) * 4, pf, a, vf, n2 * 8)
                     self.mma(acc, mi * per + (2 * n2 + 1) * 4, pf, a, vf, n2 * 8 + 4)
 
-        self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)
+        if p.wgmma:
+            self._wgmma_rs(acc, pf, gs)
+        else:
+            self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)
         self.updated(u.state)
         for st, of in self.row_sums.items():
             if of == u.state:

@@ -159,7 +159,8 @@ def build_gemm_epilogue(art: Any, seed: int, use_compile: bool) -> Case:
     """``act(A @ Bw [+ bias])`` with torch's own GEMM and activation."""
     import torch.nn.functional as F
 
-    act = getattr(F, _ACTS[art.workload["name"].removeprefix("gemm_")])
+    name = art.workload["name"].removeprefix("gemm_")
+    act = (lambda x: x) if name == "none" else getattr(F, _ACTS[name])
     if "bias" in _params(art):
         return _case(art, seed, use_compile, ("A", "Bw", "bias"), "Y", lambda a, b, c: act(a @ b + c))
     return _case(art, seed, use_compile, ("A", "Bw"), "Y", lambda a, b: act(a @ b))
@@ -232,6 +233,8 @@ WORKLOADS: dict[str, Callable[[Any, int, bool], Case]] = {
     "softmax": build_norm,
     "gemm_sigmoid": build_gemm_epilogue,
     "gemm_relu": build_gemm_epilogue,
+    "gemm_none": build_gemm_epilogue,
+    "gemm_tanh": build_gemm_epilogue,
     "gemm_gelu": build_gemm_epilogue,
     "gemm_silu": build_gemm_epilogue,
     "gemm_layernorm": build_gemm_layernorm,

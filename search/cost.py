@@ -15,6 +15,8 @@ which schedule wins among those:
 - the machine is only busy if there are enough threads: occupancy from the
   hardware model, waves of blocks, partial last waves;
 - each serial step costs a barrier.
+
+Tensor-core warp-tile programs have their own per-step model (``search.warp_tile_cost``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,12 @@ from schedulers.hardware import HardwareModel
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
 from schedulers.traffic import fused_kernel
-from schedulers.warp_tile import smem_layout
 from smg.expr import body_expr
 from smg.ir import Op
 
+from .warp_tile_cost import warp_tile_time_s
+
 SECTOR_BYTES = 32
-#: fraction of the dense tensor-core peak that mma.sync (not wgmma) kernels reach on Hopper
-MMA_SYNC_FRACTION = 0.6
 BARRIER_CYCLES = 200
 LAUNCH_US = 2.0
 
@@ -114,30 +115,6 @@ def _uncoalesced_bytes(s: Schedule) -> float:
     return extra
 
 
-def _warp_tile_compute_s(s: Schedule, hw: HardwareModel, resident_warps: float) -> tuple[float, float]:
-    """(seconds, FLOPs) of a tensor-core warp-tile program: mma FLOPs at the mma.sync share of the
-    tensor peak, the element-wise work per score element on the SIMT cores, ldmatrix traffic (every
-    warp reads each streamed tile) and the L2 traffic of tiles re-read by every row block."""
-    p, sizes = s.warp_tile, s.smg.dim_sizes
-    batch = math.prod(sizes[d] for d in p.batch) * math.prod(s.grid()[g.n] for g in p.gemm_states if g.n in s.tiles)
-    rows, cols = s.grid()[p.row] * p.rows, s.num_steps * p.step
-    mma = 2.0 * batch * rows * cols * (sizes[p.gemm.k] if p.gemm else 0)
-    mma += sum(2.0 * batch * rows * cols * g.n_tile for g in p.gemm_states)
-    simt = batch * rows * cols * 4.0 * (len(p.score_ops) + len(s.plan.states))
-    tiles = {n: c for n, c in smem_layout(s, p).items() if not (p.gemm and n == p.gemm.a)}
-    step_bytes = sum(r * (w - 8) * 2 for _, r, w in tiles.values())
-    smem = s.num_blocks * s.steps_per_block * p.warps * step_bytes
-    if p.reload_a:  # every step each warp reads its own rows of the A tile again
-        smem += s.num_blocks * s.steps_per_block * p.rows * sizes[p.gemm.k] * 2
-    l2 = s.num_blocks * s.steps_per_block * step_bytes
-    dtype = s.smg.space(s.smg.inputs[0]).dtype
-    util = min(1.0, resident_warps / (4 * hw.num_sms))  # a few warps per scheduler hide mma latency
-    secs = max(mma / (hw.peak_flops(dtype, tensor_core=True) * MMA_SYNC_FRACTION) + simt / hw.peak_flops(
-        "float32", tensor_core=False), smem / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
-        l2 / hw.l2_bandwidth_bytes_per_s) / max(util, 1e-3)
-    return secs, mma + simt
-
-
 def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     """The analytical time estimate of ``s`` on ``hw``."""
     res = block_resources(s)
@@ -152,7 +129,7 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     wave_util = blocks / (waves * slots) if waves > 1 else 1.0
     peak = hw.peak_flops("float32", tensor_core=False)
     if s.warp_tile is not None:
-        compute_s, flops = _warp_tile_compute_s(s, hw, min(blocks, slots) * res.threads / 32 * wave_util)
+        compute_s, flops = warp_tile_time_s(s, hw, occ)
     else:
         flops, shared_b, cached_b = _work(s)
         util = max(thread_util * wave_util, 1e-6)
@@ -175,7 +152,8 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
     memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     passes = 2 if s.plan.second_pass else 1
-    sync_s = waves * s.steps_per_block * passes * BARRIER_CYCLES / hw.clock_hz
+    # the warp-tile model has each step's barrier in its chain
+    sync_s = 0.0 if s.warp_tile is not None else waves * s.steps_per_block * passes * BARRIER_CYCLES / hw.clock_hz
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 

@@ -1,0 +1,176 @@
+"""Analytical time of a tensor-core warp-tile program: a per-step throughput/latency model.
+
+A block runs the same step ``steps_per_block`` times: load the next K/V (or A/B) tiles, multiply
+on the tensor cores, do the element-wise work of the score tile on the SIMT cores and the
+special-function unit (exp), update the running states.  The SM interleaves its resident blocks:
+
+- *throughput*: each unit (tensor cores, SFU, FP32 pipes, shared-memory port, the SM's share of
+  L2 bandwidth) serves every resident block's demand of a step; the busiest unit, plus part of
+  the others' (one warp's phases do not overlap each other), bounds a round of steps;
+- *latency*: one block's own chain of a step, its phases one after another plus the barrier and
+  the load latency the ring does not cover (``stages - 1`` steps ahead; none with one stage),
+  bounds it too when too few blocks share the SM to hide it.
+
+Blocks run in waves of ``occupancy x SMs``; a partial last wave has fewer blocks per SM.  Each
+block also pays its prologue (the A tile) and its epilogue (the outputs, their element-wise ops).
+The constants are per-SM rates of the hardware model, the SFU rate of the CUDA Programming
+Guide's throughput table, and five fitted on 104 H100 kernels (``experiments/tuning/
+warp_tile_calibration.json``, a coarse grid, not a regression): the fractions of the tensor peak
+that wgmma and mma.sync reach, the load latency, the barrier, and how much the non-bound units
+add.  Each of them scaled by 0.6 or 1.5 alone keeps Spearman >= 0.37 per workload (>= 0.53
+except ViT with wgmma at 0.36 of the peak); the rankings, not the constants, are the point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from schedulers.hardware import HardwareModel
+from schedulers.schedule import Schedule
+from schedulers.temporal import parse
+from schedulers.warp_tile import WarpTileProgram, _quotient, smem_layout
+from smg.expr import body_expr
+
+#: exp2 / rcp results per SM per clock (CUDA Programming Guide, arithmetic throughput, cc 5.x-9.0)
+SFU_PER_CLK = 16
+#: fractions of the dense tensor peak reached by warpgroup MMA and by mma.sync (fitted)
+WGMMA_FRACTION = 0.6
+MMA_SYNC_FRACTION = 0.35
+#: a cp.async tile's latency from L2 before its first byte lands (fitted), and a step's barrier
+LOAD_LATENCY_S = 0.5e-6
+BARRIER_S = 0.05e-6
+#: share of the non-bound units' demand that adds to the bound one in a round (fitted)
+OVERLAP_LOSS = 0.3
+
+
+def _ops(exprs: list[sp.Expr]) -> tuple[int, int]:
+    """(SIMT, SFU) operations of ``exprs`` with shared subexpressions counted once (the lowering
+    computes attention's ``exp(Ss - m)`` once for the row sum and P @ V): exp and reciprocals go
+    to the special-function unit."""
+    nodes = {a for e in exprs for a in sp.preorder_traversal(e) if not a.is_Atom}
+    sfu = sum(1 for a in nodes if isinstance(a, sp.exp) or (isinstance(a, sp.Pow) and a.exp.is_negative))
+    return len(nodes) - sfu, sfu
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One block's demand per step (seconds on one SM's units) and its per-block fixed costs."""
+
+    tensor_s: float
+    sfu_s: float
+    simt_s: float
+    smem_s: float
+    l2_s: float
+    latency_s: float  # the chain beyond the units' work: barrier and uncovered load latency
+    fixed_s: float  # prologue + epilogue of a block
+
+    @property
+    def units(self) -> tuple[float, ...]:
+        return self.tensor_s, self.sfu_s, self.simt_s, self.smem_s, self.l2_s
+
+    def round_s(self, blocks: float) -> float:
+        """Time for each of ``blocks`` resident blocks to run one step."""
+        per_unit = [blocks * u for u in self.units]
+        bound = max(per_unit)
+        throughput = bound + OVERLAP_LOSS * (sum(per_unit) - bound)
+        chain = self.tensor_s + self.sfu_s + self.simt_s + self.latency_s
+        return max(throughput, chain)
+
+
+def _elementwise(s: Schedule, p: WarpTileProgram) -> tuple[float, float, float, float]:
+    """(SIMT, SFU) ops per score element per step -- the score ops, the running states' bodies,
+    the GEMM states' factors (packed to 16 bits for the tensor cores) and one combine per state
+    not summed on the tensor cores -- and per output element in the epilogue."""
+    bodies = [body_expr(s.smg.producer(n)) for n in p.score_ops]
+    bodies += [parse(u.body) for u in p.row_states]
+    bodies += [_quotient(g.update.body, g.x) for g in p.gemm_states if p.gemm is not None or p.score_ops]
+    simt, sfu = _ops(bodies)
+    simt += len(p.row_states) - len(p.row_sums) + (len(p.gemm_states) if p.score_ops else 0)
+    out_simt, out_sfu = _ops([parse(v) for _, v in p.outputs])
+    return float(simt), float(sfu), float(out_simt + 1), float(out_sfu)
+
+
+def _carries(s: Schedule, p: WarpTileProgram) -> tuple[float, float]:
+    """(SIMT ops, SFU ops) per row per step of the derived update functions: each state's carry
+    applied to every accumulator element of the row (O's rescale touches all of its columns), the
+    distinct exps of the carries once per row."""
+    cols = {g.update.state: g.n_tile for g in p.gemm_states}
+    simt, exps = 0.0, set()
+    for u in p.row_states + tuple(g.update for g in p.gemm_states):
+        if not u.carry:
+            continue
+        e = parse(u.carry)
+        simt += int(sp.count_ops(e)) * cols.get(u.state, 1)
+        exps |= {a for a in sp.preorder_traversal(e) if isinstance(a, sp.exp)}
+    return simt, float(len(exps))
+
+
+def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
+    """The per-step demand of one block of the warp-tile program of ``s`` on ``hw``."""
+    p, sizes = s.warp_tile, s.smg.dim_sizes
+    dtype = s.smg.space(s.smg.inputs[0]).dtype
+    sms = hw.num_sms
+    tc_rate = hw.peak_flops(dtype, tensor_core=True) / 2 / sms * (WGMMA_FRACTION if p.wgmma else MMA_SYNC_FRACTION)
+    fp32_rate = hw.peak_flops("float32", tensor_core=False) / sms
+    sfu_rate = SFU_PER_CLK * hw.clock_hz
+    smem_rate = hw.smem_bandwidth_bytes_per_s_per_sm
+    l2_rate = hw.l2_bandwidth_bytes_per_s / sms
+
+    rows, step = p.rows, p.step
+    kd = sizes[p.gemm.k] if p.gemm else 0
+    n_total = sum(g.n_tile for g in p.gemm_states)
+    elems = rows * step
+    macs = elems * (kd + n_total + 8 * len(p.row_sums))
+    step_simt, step_sfu, out_simt, out_sfu = _elementwise(s, p)
+
+    # shared memory: the fill of this step's tiles, then the tensor cores' operand reads
+    layout = smem_layout(s, p)
+    streamed = {n: (r, w) for n, (c, r, w) in layout.items() if not (p.gemm and n == p.gemm.a)}
+    fill = sum(r * w * 2 for r, w in streamed.values())
+    halves = max(1, rows // 64)
+    if p.wgmma_ss:  # the A tile once, the B tile by each 64-row half
+        a_fill = rows * step * 2
+        reads = a_fill + halves * (fill - a_fill)
+    elif p.wgmma:  # each 64-row half reads the whole K and V tiles; Q once with reload_a
+        reads = halves * fill + (rows * kd * 2 if p.reload_a else 0)
+    else:  # ldmatrix: every warp reads the whole streamed tiles; A's fragments again with reload_a
+        reads = p.warps * fill + (rows * kd * 2 if p.reload_a else 0)
+    smem_s = (fill + reads) / smem_rate
+    l2_s = fill / l2_rate
+    tensor_s = macs / tc_rate
+    carry_simt, carry_sfu = _carries(s, p)
+    sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
+    simt_s = (elems * step_simt + rows * carry_simt) / fp32_rate
+    load = LOAD_LATENCY_S + l2_s
+    if p.stages <= 1:
+        latency = load
+    else:
+        latency = max(0.0, load / (p.stages - 1) - (tensor_s + sfu_s + simt_s))
+    latency += BARRIER_S
+
+    # prologue (the A tile) and epilogue (outputs through the arena, their element-wise ops)
+    a_bytes = rows * kd * 2 if p.gemm else 0
+    out_elems = rows * max(n_total, 1)
+    fixed = (a_bytes / l2_rate + LOAD_LATENCY_S + out_elems * (out_simt / fp32_rate + out_sfu / sfu_rate)
+             + out_elems * 2 * 2 / smem_rate + out_elems * 2 / l2_rate)
+    return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed)
+
+
+def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[float, float]:
+    """(seconds, FLOPs) of the warp-tile program of ``s`` with ``occupancy`` blocks per SM."""
+    p = s.warp_tile
+    c = step_cost(s, hw)
+    groups = s.num_blocks * p.split  # warp groups of a block (split) run like blocks of their own
+    steps = -(-s.steps_per_block // p.split)
+    slots = max(1, occupancy) * p.split * hw.num_sms
+    full, rest = divmod(groups, slots)
+    total = full * (steps * c.round_s(max(1, occupancy) * p.split) + c.fixed_s)
+    if rest:
+        per_sm = -(-rest // hw.num_sms)
+        total += steps * c.round_s(per_sm) + c.fixed_s
+    sizes = s.smg.dim_sizes
+    kd = sizes[p.gemm.k] if p.gemm else 0
+    flops = 2.0 * groups * steps * p.rows * p.step * (kd + sum(g.n_tile for g in p.gemm_states))
+    return total, flops

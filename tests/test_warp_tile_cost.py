@@ -1,0 +1,53 @@
+"""The per-step model of tensor-core warp-tile programs (``search.warp_tile_cost``) on its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedulers.hardware import H100
+from schedulers.schedule import make_schedule
+from search.cost import estimate_us
+from search.warp_tile_cost import step_cost
+from smg import patterns as P
+
+H = "float16"
+
+
+def _attn(b: int = 8, stages: int = 2, **opts):
+    return make_schedule(P.attention(b, 12, 512, 512, 64, dtype=H), {"m": 128}, serial="l", step=64,
+                         tensor_cores=True, stages=stages, warps=4, **opts)
+
+
+def test_one_stage_exposes_the_load_latency() -> None:
+    one, two = step_cost(_attn(stages=1), H100), step_cost(_attn(stages=2), H100)
+    assert one.latency_s > two.latency_s
+    assert one.units == two.units  # the same work per step
+
+
+def test_wgmma_runs_the_tensor_work_faster() -> None:
+    sync, wg = step_cost(_attn(), H100), step_cost(_attn(wgmma=True), H100)
+    assert wg.tensor_s < sync.tensor_s
+    assert wg.smem_s < sync.smem_s  # a 64-row half reads each tile once, not every warp
+    assert estimate_us(_attn(wgmma=True), H100) < estimate_us(_attn(), H100)
+
+
+def test_row_sums_move_the_sum_to_the_tensor_cores() -> None:
+    plain, rs = step_cost(_attn(), H100), step_cost(_attn(mma_row_sums=True), H100)
+    assert rs.simt_s < plain.simt_s and rs.tensor_s > plain.tensor_s
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_more_batches_take_longer(b: int) -> None:
+    """Never faster with twice the blocks; as fast while both fit one wave (48 and 96 blocks)."""
+    one, two = estimate_us(_attn(b), H100), estimate_us(_attn(2 * b), H100)
+    assert one == two if b == 1 else one < two
+
+
+def test_the_gemm_epilogue_pays_its_exps_once_per_output() -> None:
+    g = P.gemm_epilogue(4096, 4096, 1024, "sigmoid", True, H)
+    s = make_schedule(g, {"m": 128, "n": 128}, serial="k", step=64, tensor_cores=True, stages=2, wgmma=True)
+    c = step_cost(s, H100)
+    assert c.sfu_s == 0 and c.simt_s == 0  # nothing element-wise inside the K loop
+    plain = make_schedule(P.gemm_epilogue(4096, 4096, 1024, "none", False, H), {"m": 128, "n": 128},
+                          serial="k", step=64, tensor_cores=True, stages=2, wgmma=True)
+    assert step_cost(plain, H100).fixed_s < c.fixed_s

@@ -159,7 +159,7 @@ def budget_iters(first_launch_s: float, warmup: int, iters: int, budget_s: float
 # ---- rows, CSV, JSON -------------------------------------------------------------------------------
 
 CSV_COLUMNS = ("workload", "label", "shape", "dtype", "system", "status", "max_abs_err", "tol", "median_us",
-               "p10_us", "p90_us", "iters", "warmup", "roofline", "perf", "perf_unit", "tflops", "gbps",
+               "p10_us", "p90_us", "spread", "iters", "warmup", "roofline", "perf", "perf_unit", "tflops", "gbps",
                "roofline_fraction", "flops", "bytes", "first_call_s", "backend", "artefact", "error")
 
 
@@ -422,17 +422,19 @@ class Settings:
     seed: int = 0
     use_compile: bool = True
     flush: str = "read"
+    repeats: int = 1
 
 
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def run_system(w: hwl.Workload, system: System, ref: Any, tol: float, cfg: Settings) -> dict[str, Any]:
-    """Check ``system`` against the reference, then (only if it matches) time it; never raises."""
+def check_system(w: hwl.Workload, system: System, ref: Any, tol: float,
+                 cfg: Settings) -> tuple[dict[str, Any], Callable[[], Any] | None]:
+    """Build ``system`` and check one run against the reference; its row, and the function to time
+    only if it matched (None otherwise: the row says why).  Never raises."""
     import torch
 
-    timing = runtime_module("timing")
     row = new_row(w, system.name)
     row["tol"] = tol
     try:
@@ -440,10 +442,10 @@ def run_system(w: hwl.Workload, system: System, ref: Any, tol: float, cfg: Setti
         row.update(info)
     except Unavailable as u:
         row.update(status=u.status, error=str(u))
-        return row
+        return row, None
     except Exception as exc:
         row.update(status="error", error=f"setup: {_error(exc)}", traceback=traceback.format_exc())
-        return row
+        return row, None
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -456,22 +458,46 @@ def run_system(w: hwl.Workload, system: System, ref: Any, tol: float, cfg: Setti
         del out, got, diff
     except Exception as exc:
         row.update(status="error", error=f"run: {_error(exc)}", traceback=traceback.format_exc())
-        return row
+        return row, None
     row["max_abs_err"] = None if math.isnan(err) else err
     if math.isnan(err) or err > tol:
         why = "non-finite output" if math.isnan(err) else f"max abs err {err:.3g} > tol {tol:.3g}"
         row.update(status="failed", error=f"numerics: {why}")
-        return row
-    warmup, iters = cfg.warmup, cfg.iters
+        return row, None
+    row["warmup"], row["iters"] = cfg.warmup, cfg.iters
     if system.budgeted:
-        warmup, iters = budget_iters(row["first_call_s"], warmup, iters, cfg.sf_budget_s)
+        row["warmup"], row["iters"] = budget_iters(row["first_call_s"], cfg.warmup, cfg.iters, cfg.sf_budget_s)
+    return row, fn
+
+
+def time_system(row: dict[str, Any], fn: Callable[[], Any], cfg: Settings) -> None:
+    """One timing of a checked system (``row["warmup"]`` + ``row["iters"]`` runs) added to its row."""
+    timing = runtime_module("timing")
     try:
-        t = timing.time_cuda(fn, warmup=warmup, iters=iters, flush=cfg.flush)
+        t = timing.time_cuda(fn, warmup=row["warmup"], iters=row["iters"], flush=cfg.flush)
     except Exception as exc:
         row.update(status="error", error=f"timing: {_error(exc)}", traceback=traceback.format_exc())
-        return row
-    row.update(status="ok", warmup=warmup, **t.as_dict())
-    return row
+        return
+    row.setdefault("repeats", []).append(t.as_dict())
+
+
+def summarize_repeats(row: dict[str, Any]) -> None:
+    """The row's time from its repeats: the median of their medians (and of their 10th/90th
+    percentiles); ``spread`` is the slowest repeat's median over the fastest's."""
+    reps = row.get("repeats")
+    if row.get("status") not in (None, "ok") or not reps:
+        return
+    med = sorted(r["median_us"] for r in reps)
+
+    def mid(key: str) -> float:
+        v = sorted(r[key] for r in reps)
+        return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+    row.update(status="ok", median_us=mid("median_us"), p10_us=mid("p10_us"), p90_us=mid("p90_us"),
+               spread=med[-1] / med[0])
+    if len(reps) == 1:
+        row.pop("repeats")
+        row.pop("spread")
 
 
 def run_workload(w: hwl.Workload, folder: Path | None, cfg: Settings, hw: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -496,12 +522,18 @@ def run_workload(w: hwl.Workload, folder: Path | None, cfg: Settings, hw: Mappin
         row.update(status="error", error=f"setup: {_error(exc)}", traceback=traceback.format_exc())
         return [row]
     with torch.no_grad():
-        for system in systems:
-            row = run_system(w, system, ref, tol, cfg)
+        checked = [check_system(w, system, ref, tol, cfg) for system in systems]
+        for _ in range(cfg.repeats):  # the systems take turns, so a slow spell hits one repeat of each
+            for row, fn in checked:
+                if fn is not None and row.get("status") != "error":
+                    time_system(row, fn, cfg)
+        for row, _ in checked:
+            summarize_repeats(row)
             rows.append(add_metrics(row, w, hw.get("peak_flops_per_s"), hw.get("dram_bandwidth_bytes_per_s")))
             status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('error')}"
             us = "" if row.get("median_us") is None else f" {row['median_us']:.1f} us"
-            print(f"  {w.key:<13} {system.name:<14} {status}{us}", flush=True)
+            print(f"  {w.key:<13} {row['system']:<14} {status}{us}", flush=True)
+        del checked
     del x, ref
     gc.collect()
     torch.cuda.empty_cache()
@@ -549,12 +581,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sf-budget-s", type=float, default=None,
                         help="seconds of timing per spacefusion kernel; slow kernels get fewer runs (at least "
                              f"{MIN_BUDGET_ITERS}); baselines always get --iters")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time every system this many times, the systems of a workload taking turns; rows "
+                             "report the median of the repeats' medians and their spread (slowest/fastest)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--flush", choices=("read", "write"), default="read",
                         help="L2 flush between timed runs: read a buffer twice the L2 (clean lines, default) "
                              "or zero it (dirty lines whose write-back the timed kernel pays for)")
     parser.add_argument("--note", default=None, help="free text for the JSON (where the artefacts came from, ...)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
 
     cfg = Settings(warmup=args.warmup, iters=args.iters, sf_budget_s=args.sf_budget_s, seed=args.seed,
-                   use_compile=not args.no_compile, flush=args.flush)
+                   use_compile=not args.no_compile, flush=args.flush, repeats=args.repeats)
     hw = hardware_info("float16")
     env = environment()
     result: dict[str, Any] = {
@@ -584,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware_model": hw,
         "timing": {"timer": "spacefusion.runtime.timing.time_cuda", "stat": "median of CUDA events",
                    "flush_l2": True, "flush": cfg.flush, "warmup": cfg.warmup, "iters": cfg.iters,
-                   "sf_budget_s": cfg.sf_budget_s, "sf_min_iters": MIN_BUDGET_ITERS},
+                   "sf_budget_s": cfg.sf_budget_s, "sf_min_iters": MIN_BUDGET_ITERS, "repeats": cfg.repeats},
         "seed": cfg.seed,
         "note": args.note,
         "check": {"reference": "float32 torch on the same inputs, TF32 off", "atol": ATOL,

@@ -37,10 +37,12 @@ TC = {"tensor_cores": True}
 # registers): causal 448 -> 421 us, LLaMA 786 -> 736, ViT 26.5 -> 23.7, BERT 94.4 -> 93.4; then the
 # score GEMM too: causal 423 -> 321, LLaMA 700 -> 551, ViT 23.0 -> 20.7, BERT 93.2 -> 85.7; not with slices
 SCHEDULES = {
-    # lazy_rescale lost on BERT without the row sums on tensor cores (96 -> 104 us) and wins with
-    # them: 95.1 against 96.7 us, 5 of 5 interleaved pairs (experiments/results_rowsums_h100.json)
-    "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 128}, "l", 64,
-                 TC | {"stages": 2, "warps": 4, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
+    # 64-row blocks (one 16-row tile per warp, twice the blocks): found by the calibration sweep
+    # (experiments/tuning/warp_tile_calibration.json), then interleaved 3 times: 71.7-72.9 us against
+    # 86.4-96.4 for 128 rows with lazy_rescale (the schedule before); lazy_rescale on 73.0-74.0
+    # (experiments/results_bert_rows_h100.json)
+    "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 64}, "l", 64,
+                 TC | {"stages": 2, "warps": 4, "mma_row_sums": True, "wgmma": True}),
     "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32,
                 TC | {"stages": 2, "mma_row_sums": True, "wgmma": True}),
     # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory;

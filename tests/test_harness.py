@@ -318,3 +318,22 @@ def test_hardware_model_falls_back_to_h100(harness: ModuleType) -> None:
         assert info["name"] == "H100"
         assert info["peak_flops_per_s"] == pytest.approx(989.4e12)
         assert info["dram_bandwidth_bytes_per_s"] == pytest.approx(3.35e12)
+
+
+def test_repeats_take_the_median_of_medians(harness: ModuleType) -> None:
+    row = {"status": None, "repeats": [{"median_us": m, "p10_us": m - 1, "p90_us": m + 1, "iters": 100}
+                                       for m in (10.0, 30.0, 12.0)]}
+    harness.summarize_repeats(row)
+    assert row["status"] == "ok" and row["median_us"] == 12.0 and row["p10_us"] == 11.0 and row["p90_us"] == 13.0
+    assert row["spread"] == 3.0 and len(row["repeats"]) == 3
+    one = {"status": None, "repeats": [{"median_us": 5.0, "p10_us": 4.0, "p90_us": 6.0, "iters": 100}]}
+    harness.summarize_repeats(one)
+    assert one["median_us"] == 5.0 and "repeats" not in one and "spread" not in one
+    failed = {"status": "failed", "repeats": None}
+    harness.summarize_repeats(failed)
+    assert failed["status"] == "failed" and failed.get("median_us") is None
+
+
+def test_repeats_below_one_are_refused() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--repeats must be at least 1" in r.stderr

@@ -29,6 +29,7 @@ import sympy as sp
 
 from schedulers.errors import ScheduleError
 from schedulers.temporal import UpdateFunction, parse
+from smg.expr import body_expr
 
 #: shared-memory rows are padded by 8 halfs (16 B): ldmatrix row addresses then fall in distinct banks
 PAD = 8
@@ -438,7 +439,7 @@ def staged_elements(s, p: WarpTileProgram) -> int:
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:
     """Estimate of 32-bit registers per thread: fragments plus accumulators plus 40 for addressing.
-    Above nvcc's count by 20-65 for the harness kernels (the sigmoid GEMM: 200 against 166)."""
+    Above nvcc's count by up to 65 for the harness kernels (the sigmoid GEMM: 168 against 166)."""
     sizes = s.smg.dim_sizes
     mt = p.warp_mtiles
     regs = 40
@@ -448,7 +449,8 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
         regs += 2 * mt * 4  # A fragments of two k slices (the current one and the one being read)
     elif p.gemm is not None:
         regs += mt * sizes[p.gemm.k] // 4  # A fragments held for the whole loop (8 halfs per 16 columns)
-    regs += mt * (p.step // 16) * 4  # P as fp16 A fragments
+    if not p.wgmma_ss:  # P as fp16 A fragments (wgmma's ss form reads A from shared memory)
+        regs += mt * (p.step // 16) * 4
     regs += mt * (sum((g.n_tile // 8) * 4 for g in p.gemm_states) + 4 * len(p.row_states))
     # the n8 accumulator of a row sum on tensor cores takes the place of its fp32 partials and
     # shuffle temporaries; the ones fragment stays (nvcc: BERT +1, LLaMA, ViT and decode +0)
@@ -514,3 +516,55 @@ def swizzled_128b(r, j, rows: int, xor=operator.xor):
     Ints or TIR (``xor``: the XOR to use)."""
     band, jj = j // 8, j % 8
     return (band * (rows // 8) + r // 8) * 512 + (r % 8) * 64 + xor(jj, r % 8) * 8
+
+
+def mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:
+    """(a, b, c, strict) of a killing mask ``a*L + b*R + c <= 0`` (``< 0`` if strict), a > 0."""
+    found = killing_mask(smg, p)
+    return None if found is None else found[1]
+
+
+def killing_mask(smg, p: WarpTileProgram) -> tuple[str, tuple[int, int, int, bool]] | None:
+    """The score op that is a killing mask (kept where ``a*L + b*R + c <= 0``, a > 0, else a fill
+    <= -1e30) and its (a, b, c, strict)."""
+    L, R = sp.Symbol(p.serial, real=True), sp.Symbol(p.row, real=True)
+    for name in p.score_ops:
+        op = smg.producer(name)
+        e = body_expr(op)
+        if op.kind != "mask" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
+            continue
+        (_, cond), (fill, _) = e.args
+        if not fill.is_Number or float(fill) > -1e30:
+            continue
+        if isinstance(cond, (sp.GreaterThan, sp.StrictGreaterThan)):
+            f, strict = cond.rhs - cond.lhs, isinstance(cond, sp.StrictGreaterThan)
+        elif isinstance(cond, (sp.LessThan, sp.StrictLessThan)):
+            f, strict = cond.lhs - cond.rhs, isinstance(cond, sp.StrictLessThan)
+        else:
+            continue
+        f = sp.expand(f)
+        if not f.free_symbols <= {L, R} or not f.is_polynomial(L, R) or sp.Poly(f, L, R).total_degree() > 1:
+            continue
+        a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
+        if all(x.is_Integer for x in (a, b, c)) and a > 0:
+            return name, (int(a), int(b), int(c), strict)
+    return None
+
+
+def steps_per_row_tile(s, p: WarpTileProgram) -> list[int]:
+    """Serial steps each row tile runs (as the lowering's ``_steps_for_block``): all of them, or,
+    under a killing mask, up to the last step that keeps an element of the tile's best row (a row
+    with nothing kept averages over all L, so a tile with such a row runs every step)."""
+    sizes = s.smg.dim_sizes
+    total, tiles = s.num_steps, -(-sizes[p.row] // p.rows)
+    bound = mask_bound(s.smg, p)
+    if bound is None:
+        return [total] * tiles
+    a, b, c, strict = bound
+    out = []
+    for i in range(tiles):
+        r_lo, r_hi = i * p.rows, min((i + 1) * p.rows, sizes[p.row]) - 1
+        best, worst = (r_hi, r_lo) if b < 0 else (r_lo, r_hi)
+        lmax = lambda r: (-b * r - c - (1 if strict else 0)) // a  # noqa: E731  largest kept L of row r
+        out.append(max(min(total, lmax(best) // p.step + 1), 1) if lmax(worst) >= 0 else total)
+    return out

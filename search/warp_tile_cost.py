@@ -11,7 +11,8 @@ special-function unit (exp), update the running states.  The SM interleaves its 
   the load latency the ring does not cover (``stages - 1`` steps ahead; none with one stage),
   bounds it too when too few blocks share the SM to hide it.
 
-Blocks run in waves of ``occupancy x SMs``; a partial last wave has fewer blocks per SM.  Each
+Blocks run in waves of ``occupancy x SMs``; a partial last wave has fewer blocks per SM; under a
+causal mask a block runs its row tile's average share of the steps.  Each
 block also pays its prologue (the A tile) and its epilogue (the outputs, their element-wise ops).
 The constants are per-SM rates of the hardware model, the SFU rate of the CUDA Programming
 Guide's throughput table, and five fitted on 104 H100 kernels (``experiments/tuning/
@@ -30,7 +31,7 @@ import sympy as sp
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
-from schedulers.warp_tile import WarpTileProgram, _quotient, smem_layout
+from schedulers.warp_tile import WarpTileProgram, _quotient, smem_layout, steps_per_row_tile
 from smg.expr import body_expr
 
 #: exp2 / rcp results per SM per clock (CUDA Programming Guide, arithmetic throughput, cc 5.x-9.0)
@@ -163,7 +164,8 @@ def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[fl
     p = s.warp_tile
     c = step_cost(s, hw)
     groups = s.num_blocks * p.split  # warp groups of a block (split) run like blocks of their own
-    steps = -(-s.steps_per_block // p.split)
+    per_tile = steps_per_row_tile(s, p)  # a killing mask (causal) skips whole steps
+    steps = sum(per_tile) / len(per_tile) / s.slices / p.split
     slots = max(1, occupancy) * p.split * hw.num_sms
     full, rest = divmod(groups, slots)
     total = full * (steps * c.round_s(max(1, occupancy) * p.split) + c.fixed_s)

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from schedulers.errors import ScheduleError
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
-from schedulers.warp_tile import lazy_references, mma_row_sums, staged_output, warp_tile_program
+from schedulers.warp_tile import lazy_references, mask_bound, mma_row_sums, staged_output, warp_tile_program
 from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
-from spacefusion.lower.mma import _mask_bound, row_tile_order, tile_kept
+from spacefusion.lower.mma import row_tile_order, tile_kept
 
 CASES = {
     "attention": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 32}, 32, 2),
@@ -108,8 +108,8 @@ def test_attention_reads_as_a_warp_tile_program() -> None:
 
 def test_causal_mask_bound_is_derived_from_the_condition() -> None:
     s = _schedule("causal")
-    assert _mask_bound(s.smg, s.warp_tile) == (1, -1, 0, False)  # l - m <= 0
-    assert _mask_bound(_schedule("attention").smg, _schedule("attention").warp_tile) is None
+    assert mask_bound(s.smg, s.warp_tile) == (1, -1, 0, False)  # l - m <= 0
+    assert mask_bound(_schedule("attention").smg, _schedule("attention").warp_tile) is None
 
 
 def test_warp_tile_resources_and_json() -> None:

@@ -51,3 +51,18 @@ def test_the_gemm_epilogue_pays_its_exps_once_per_output() -> None:
     plain = make_schedule(P.gemm_epilogue(4096, 4096, 1024, "none", False, H), {"m": 128, "n": 128},
                           serial="k", step=64, tensor_cores=True, stages=2, wgmma=True)
     assert step_cost(plain, H100).fixed_s < c.fixed_s
+
+
+def test_causal_blocks_run_half_the_steps() -> None:
+    """Row tiles of a causal mask stop at their diagonal: 1..32 steps of 64 for 32 row tiles of 64."""
+    from schedulers.warp_tile import steps_per_row_tile
+
+    def mk(causal: bool):
+        return make_schedule(P.attention(4, 32, 2048, 2048, 128, causal=causal, dtype=H), {"m": 64}, serial="l",
+                             step=64, tensor_cores=True, stages=2, warps=4, wgmma=True, reload_a=True)
+
+    causal, full = mk(True), mk(False)
+    assert steps_per_row_tile(causal, causal.warp_tile) == list(range(1, 33))
+    assert steps_per_row_tile(full, full.warp_tile) == [32] * 32
+    ratio = estimate_us(causal, H100) / estimate_us(full, H100)
+    assert 0.45 < ratio < 0.6  # half the steps, plus the per-block prologue and epilogue

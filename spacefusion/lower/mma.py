@@ -35,6 +35,8 @@ from schedulers.warp_tile import (
     GemmState,
     WarpTileProgram,
     carry_factor,
+    killing_mask,
+    mask_bound,
     smem_layout,
     staged_elements,
     swizzled_128b,
@@ -67,7 +69,7 @@ class _Gen(_Outputs):
         self.fold_log2e = not piecewise
         # steps whose whole tile the killing mask keeps (below a causal diagonal) run a copy of the
         # step without it: no per-element select, and the scalings fold into exp2 again
-        self.mask = _killing_mask(self.smg, p)
+        self.mask = killing_mask(self.smg, p)
         self.unmasked = False
         self.fold_unmasked = self.mask is not None and piecewise <= {self.mask[0]}
         self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
@@ -286,7 +288,7 @@ class _Gen(_Outputs):
                         self.g, self.t4 = self.lane // 4, self.lane % 4
                         rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
                         rb = rest % grid[p.row]
-                        bound = _mask_bound(self.smg, p)
+                        bound = mask_bound(self.smg, p)
                         if bound is not None:  # the killing mask makes the work grow (or shrink) with the row
                             rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
                         rest = rest // grid[p.row]
@@ -341,7 +343,7 @@ class _Gen(_Outputs):
         ``a*L + b*R + c <= 0`` with a > 0) leaves whole trailing steps masked for every row."""
         p = self.p
         total = tirx.const(self.s.num_steps, I32)
-        bound = _mask_bound(self.smg, p)
+        bound = mask_bound(self.smg, p)
         if bound is None:
             return total
         a, b, c, strict = bound
@@ -820,39 +822,6 @@ def row_tile_order(i, count: int, heavy_last: bool):
     if isinstance(i, int):
         return (far if i % 2 == 0 else near) if heavy_last else (near if i % 2 == 0 else far)
     return tirx.Select(i % 2 == 0, far, near) if heavy_last else tirx.Select(i % 2 == 0, near, far)
-
-
-def _mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:
-    """(a, b, c, strict) of a killing mask ``a*L + b*R + c <= 0`` (``< 0`` if strict), a > 0."""
-    found = _killing_mask(smg, p)
-    return None if found is None else found[1]
-
-
-def _killing_mask(smg, p: WarpTileProgram) -> tuple[str, tuple[int, int, int, bool]] | None:
-    """The score op that is a killing mask (kept where ``a*L + b*R + c <= 0``, a > 0, else a fill
-    <= -1e30) and its (a, b, c, strict)."""
-    L, R = sp.Symbol(p.serial, real=True), sp.Symbol(p.row, real=True)
-    for name in p.score_ops:
-        op = smg.producer(name)
-        e = body_expr(op)
-        if op.kind != "mask" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
-            continue
-        (_, cond), (fill, _) = e.args
-        if not fill.is_Number or float(fill) > -1e30:
-            continue
-        if isinstance(cond, (sp.GreaterThan, sp.StrictGreaterThan)):
-            f, strict = cond.rhs - cond.lhs, isinstance(cond, sp.StrictGreaterThan)
-        elif isinstance(cond, (sp.LessThan, sp.StrictLessThan)):
-            f, strict = cond.lhs - cond.rhs, isinstance(cond, sp.StrictLessThan)
-        else:
-            continue
-        f = sp.expand(f)
-        if not f.free_symbols <= {L, R} or not f.is_polynomial(L, R) or sp.Poly(f, L, R).total_degree() > 1:
-            continue
-        a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
-        if all(x.is_Integer for x in (a, b, c)) and a > 0:
-            return name, (int(a), int(b), int(c), strict)
-    return None
 
 
 def build_warp_tile(s: Schedule) -> tirx.PrimFunc:

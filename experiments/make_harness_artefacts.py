@@ -40,9 +40,10 @@ SCHEDULES = {
     # 64-row blocks (one 16-row tile per warp, twice the blocks): found by the calibration sweep
     # (experiments/tuning/warp_tile_calibration.json), then interleaved 3 times: 71.7-72.9 us against
     # 86.4-96.4 for 128 rows with lazy_rescale (the schedule before); lazy_rescale on 73.0-74.0
-    # (experiments/results_bert_rows_h100.json)
+    # (experiments/results_bert_rows_h100.json); Q re-read from shared memory (reload_a, the tuner's
+    # pick): 71.0-72.0 against 71.8-73.5 us, 4 of 4 interleaved pairs
     "mha_bert": (lambda: P.attention(32, 12, 512, 512, 64, dtype=H), {"m": 64}, "l", 64,
-                 TC | {"stages": 2, "warps": 4, "mma_row_sums": True, "wgmma": True}),
+                 TC | {"stages": 2, "warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True}),
     "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32,
                 TC | {"stages": 2, "mma_row_sums": True, "wgmma": True}),
     # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory;

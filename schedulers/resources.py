@@ -68,6 +68,11 @@ class BlockResources:
         return min(MAX_REGISTERS, BASE_REGISTERS + self.local_floats)
 
     @property
+    def registers_estimate(self) -> int:
+        """The estimate before the 255-register cap."""
+        return BASE_REGISTERS + self.local_floats
+
+    @property
     def spills(self) -> bool:
         return BASE_REGISTERS + self.local_floats > MAX_REGISTERS
 

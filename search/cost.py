@@ -29,7 +29,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.hardware import HardwareModel
-from schedulers.resources import block_resources
+from schedulers.resources import MAX_REGISTERS, block_resources
 from schedulers.schedule import Schedule
 from schedulers.traffic import fused_kernel
 from smg.expr import body_expr
@@ -115,6 +115,17 @@ def _uncoalesced_bytes(s: Schedule) -> float:
     return extra
 
 
+def _wgmma_spill_bytes(s: Schedule, res) -> float:
+    """Accumulators beyond the register file in wgmma's ss form, stored and reloaded around every
+    wgmma (each k16 slice of each 64-row half).  Its register estimate is exact there (168 against
+    nvcc's 166), so no slack: the 128 x 256 and 256 x 128 tiles on one warpgroup (296) ran 8-16x
+    slower on the H100 (experiments/tuning/raw/gemm_sigmoid_round_wt1.json)."""
+    p = s.warp_tile
+    over = max(0, res.registers_estimate - MAX_REGISTERS)
+    per_step = (p.step // 16) * max(1, p.rows // 64 // max(1, p.warps // 4))
+    return over * 4 * 2 * res.threads * s.num_blocks * s.steps_per_block * per_step
+
+
 def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     """The analytical time estimate of ``s`` on ``hw``."""
     res = block_resources(s)
@@ -149,6 +160,8 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         nbytes += 2.0 * s.num_blocks * s.warp_tile.merge_floats() * res.threads * 4
     # values beyond the register file are stored and reloaded (local memory) every step
     nbytes += res.likely_spilled_floats * 4 * 2 * res.threads * blocks * s.steps_per_block
+    if s.warp_tile is not None and s.warp_tile.wgmma_ss:
+        nbytes += _wgmma_spill_bytes(s, res)
     mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
     memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     passes = 2 if s.plan.second_pass else 1

@@ -16,7 +16,7 @@ Blocks run in waves of ``occupancy x SMs``; a partial last wave has fewer blocks
 causal mask a block runs its row tile's average share of the steps.  Each
 block also pays its prologue (the A tile) and its epilogue (the outputs, their element-wise ops).
 The constants are per-SM rates of the hardware model, the SFU rate of the CUDA Programming
-Guide's throughput table, and five fitted on 104 H100 kernels (``experiments/tuning/
+Guide's throughput table, and five fitted on the first 104 of the 128 H100 kernels (``experiments/tuning/
 warp_tile_calibration.json``, a coarse grid, not a regression): the fractions of the tensor peak
 that wgmma and mma.sync reach, the load latency, the barrier, and how much the non-bound units
 add.  Each of them scaled by 0.6 or 1.5 alone keeps Spearman >= 0.47 per workload (>= 0.56

@@ -482,20 +482,20 @@ def time_system(row: dict[str, Any], fn: Callable[[], Any], cfg: Settings) -> No
 
 
 def summarize_repeats(row: dict[str, Any]) -> None:
-    """The row's time from its repeats: the median of their medians (and of their 10th/90th
-    percentiles); ``spread`` is the slowest repeat's median over the fastest's."""
+    """The row's time from its repeats: the median of their medians, with the 10th/90th
+    percentiles of the middle repeat (a slow spell in another repeat stays out of them);
+    ``spread`` is the slowest repeat's median over the fastest's."""
     reps = row.get("repeats")
     if row.get("status") not in (None, "ok") or not reps:
         return
-    med = sorted(r["median_us"] for r in reps)
-
-    def mid(key: str) -> float:
-        v = sorted(r[key] for r in reps)
-        return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-    row.update(status="ok", median_us=mid("median_us"), p10_us=mid("p10_us"), p90_us=mid("p90_us"),
-               spread=med[-1] / med[0])
-    if len(reps) == 1:
+    ranked = sorted(reps, key=lambda r: r["median_us"])
+    n = len(ranked)
+    mids = ranked[(n - 1) // 2: n // 2 + 1]  # one repeat, or the two middle ones
+    median = sum(r["median_us"] for r in mids) / len(mids)
+    middle = ranked[(n - 1) // 2]
+    row.update(status="ok", median_us=median, p10_us=middle["p10_us"], p90_us=middle["p90_us"],
+               spread=ranked[-1]["median_us"] / ranked[0]["median_us"])
+    if n == 1:
         row.pop("repeats")
         row.pop("spread")
 

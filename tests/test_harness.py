@@ -321,11 +321,16 @@ def test_hardware_model_falls_back_to_h100(harness: ModuleType) -> None:
 
 
 def test_repeats_take_the_median_of_medians(harness: ModuleType) -> None:
-    row = {"status": None, "repeats": [{"median_us": m, "p10_us": m - 1, "p90_us": m + 1, "iters": 100}
-                                       for m in (10.0, 30.0, 12.0)]}
+    row = {"status": None, "repeats": [{"median_us": m, "p10_us": m - 1, "p90_us": m + p90, "iters": 100}
+                                       for m, p90 in ((10.0, 1.0), (30.0, 300.0), (12.0, 2.0))]}
     harness.summarize_repeats(row)
-    assert row["status"] == "ok" and row["median_us"] == 12.0 and row["p10_us"] == 11.0 and row["p90_us"] == 13.0
+    assert row["status"] == "ok" and row["median_us"] == 12.0
+    assert (row["p10_us"], row["p90_us"]) == (11.0, 14.0)  # the middle repeat's, not the slow one's
     assert row["spread"] == 3.0 and len(row["repeats"]) == 3
+    even = {"status": None, "repeats": [{"median_us": m, "p10_us": m - 1, "p90_us": m + 1, "iters": 100}
+                                        for m in (10.0, 14.0)]}
+    harness.summarize_repeats(even)
+    assert even["median_us"] == 12.0 and even["p90_us"] == 11.0
     one = {"status": None, "repeats": [{"median_us": 5.0, "p10_us": 4.0, "p90_us": 6.0, "iters": 100}]}
     harness.summarize_repeats(one)
     assert one["median_us"] == 5.0 and "repeats" not in one and "spread" not in one

@@ -74,7 +74,7 @@ class BlockResources:
 
     @property
     def spills(self) -> bool:
-        return BASE_REGISTERS + self.local_floats > MAX_REGISTERS
+        return self.registers_estimate > MAX_REGISTERS
 
     @property
     def likely_spilled_floats(self) -> int:

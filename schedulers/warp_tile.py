@@ -561,10 +561,13 @@ def steps_per_row_tile(s, p: WarpTileProgram) -> list[int]:
     if bound is None:
         return [total] * tiles
     a, b, c, strict = bound
+
+    def lmax(r: int) -> int:  # the largest kept L of row r
+        return (-b * r - c - (1 if strict else 0)) // a
+
     out = []
     for i in range(tiles):
         r_lo, r_hi = i * p.rows, min((i + 1) * p.rows, sizes[p.row]) - 1
         best, worst = (r_hi, r_lo) if b < 0 else (r_lo, r_hi)
-        lmax = lambda r: (-b * r - c - (1 if strict else 0)) // a  # noqa: E731  largest kept L of row r
         out.append(max(min(total, lmax(best) // p.step + 1), 1) if lmax(worst) >= 0 else total)
     return out

@@ -27,6 +27,12 @@ from schedulers.traffic import traffic
 from smg.expr import body_expr
 from smg.ir import SMG, Op
 
+from .cost import estimate_us
+from .warp_tile_cost import step_cost
+
+#: the per-step units of the warp-tile cost model whose shares of the slowest are features
+STEP_UNITS = ("tensor", "sfu", "simt", "smem", "l2", "latency")
+
 FEATURE_NAMES: tuple[str, ...] = (
     # -- workload
     "log2_iter_points",  # sum over ops of the iteration-domain size
@@ -84,6 +90,9 @@ FEATURE_NAMES: tuple[str, ...] = (
     "sm_utilization",  # busy SMs at one block per SM, averaged over rounds
     "log2_arith_intensity",
     "log2_roofline_us",
+    # -- the analytical cost model's estimate, and for tensor-core kernels what bounds a step
+    "log2_analytical_us",
+    *(f"step_{u}_share" for u in STEP_UNITS),
 )
 
 _REG_BASE = 32  # registers per thread before any accumulator (indices, pointers, loop state)
@@ -135,6 +144,17 @@ def _carry_flops(s: Schedule) -> float:
         n = int(sp.count_ops(parse(u.carry)))
         total += n * _domain(s.smg, s.smg.space(u.base).dims) * s.num_steps
     return total
+
+
+def _step_shares(s: Schedule, hw: HardwareModel) -> dict[str, float]:
+    """Each unit's per-step time over the slowest unit's (warp-tile programs; zeros otherwise): which
+    resource bounds a step, in a form that carries across workloads."""
+    if s.warp_tile is None or hw.kind != "gpu":
+        return {f"step_{u}_share": 0.0 for u in STEP_UNITS}
+    c = step_cost(s, hw)
+    times = (*c.units, c.latency_s)
+    top = max(times) or 1.0
+    return {f"step_{u}_share": t / top for u, t in zip(STEP_UNITS, times, strict=True)}
 
 
 def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
@@ -231,6 +251,8 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "sm_utilization": blocks / (rounds * hw.num_sms) if rounds else 1.0,
         "log2_arith_intensity": _log2(total_flops / max(1, fused)),
         "log2_roofline_us": _log2(roofline_s * 1e6),
+        "log2_analytical_us": _log2(estimate_us(s, hw)) if occ > 0 else _log2(roofline_s * 1e6),
+        **_step_shares(s, hw),
     }
     assert tuple(row) == FEATURE_NAMES, "FEATURE_NAMES and the computed row drifted apart"
     return np.array([float(row[n]) for n in FEATURE_NAMES], dtype=np.float64)

@@ -108,3 +108,23 @@ def test_warp_tile_model_ranks_the_h100_sweeps(workload: str) -> None:
     assert spearman(est, meas) > 0.6
     top5 = np.argsort(est)[:5]
     assert meas[top5].min() < 1.05 * meas.min()
+
+
+def test_learned_model_carries_across_workloads_with_the_analytical_features() -> None:
+    """Leave one workload out of the 128 calibration kernels, train on the other three, rank it: with
+    the per-step model's estimate and unit shares among the features the mean Spearman is 0.55
+    (GEMM 0.70, BERT 0.46, LLaMA 0.37, ViT 0.67); without them 0.46 (LLaMA 0.08). The analytical
+    model alone still ranks better (0.70-0.97), so the tuner starts from it."""
+    rows = json.loads(CALIBRATION.read_text())["rows"]
+    scheds = [Schedule.from_json(json.dumps(r["schedule"])) for r in rows]
+    res = [MeasureResult(schedule_key=s.key, target="cuda:sm_90a", latencies_us=(r["median_us"],))
+           for s, r in zip(scheds, rows, strict=True)]
+    work = [r["workload"] for r in rows]
+    rhos = []
+    for held in sorted(set(work)):
+        train = [i for i, w in enumerate(work) if w != held]
+        test = [i for i, w in enumerate(work) if w == held]
+        model = LearnedCostModel(H100)
+        model.fit([scheds[i] for i in train], [res[i] for i in train], [work[i] for i in train])
+        rhos.append(spearman(model.predict([scheds[i] for i in test]), np.array([rows[i]["median_us"] for i in test])))
+    assert np.mean(rhos) > 0.5 and min(rhos) > 0.25

@@ -161,8 +161,8 @@ class Workload:
             return False
         if any(shape.get(d) != v for d, v in self.shape.items()):
             return False
-        params = {p.get("name"): p for p in meta.get("params", [])  # scratch: the launcher's workspaces
-                  if isinstance(p, Mapping) and p.get("role") != "scratch"}
+        params = {p.get("name"): p for p in meta.get("params", [])  # scratch, tensor maps: the launcher's
+                  if isinstance(p, Mapping) and p.get("role") not in ("scratch", "tensormap")}
         for pname, pshape in {**self.inputs, **self.outputs}.items():
             p = params.get(pname)
             if p is None or tuple(p.get("shape", ())) != pshape or p.get("dtype", self.dtype) != self.dtype:

@@ -66,8 +66,10 @@ SCHEDULES = {
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),
     # warpgroup MMA (wgmma) from 128 B-swizzled tiles: 262.5-263.7 us against 442-452 for mma.sync (step
     # 32, 4 stages); 128 x 256 tiles on two warpgroups 268.5-269.8 (experiments/results_wgmma_h100.json)
+    # its tiles loaded by TMA (tensor maps, mbarriers): 253.2 us against 265.6-269.5 with cp.async, twice
+    # interleaved (experiments/results_tma_h100.json)
     "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 64,
-                     TC | {"stages": 2, "wgmma": True}),
+                     TC | {"stages": 2, "wgmma": True, "tma": True}),
     # 32 row tiles only: 4 blocks per row tile each take 1/4 of the KV steps, the last merges; the
     # tuner's best of 48 measured (experiments/tuning/raw/attention_decode_round*.json)
     "mha_decode": (lambda: P.attention(1, 32, 64, 8192, 128, dtype=H), {"m": 64}, "l", 32,

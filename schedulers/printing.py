@@ -46,6 +46,8 @@ def warp_tile_summary(s: Schedule) -> str:
         parts.append(", ".join(f"{m} kept within {tau:.2f}" for m, tau in p.lazy))
     if p.wgmma:
         parts.append("GEMMs on warpgroup MMA (wgmma.mma_async, 128 B-swizzled tiles)")
+    if p.tma:
+        parts.append("tiles loaded by TMA (tensor maps, an mbarrier per ring slot)")
     if p.row_sums:
         parts.append(", ".join(f"{r} summed on tensor cores with {g}" for r, g in p.row_sums))
     if p.split > 1:

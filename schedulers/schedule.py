@@ -88,6 +88,10 @@ class Schedule:
     #: 128 B-swizzled shared tiles through descriptors, or from registers where a tile is computed
     #: (attention's P) or held (Q), instead of ldmatrix fragments and mma.sync
     wgmma: bool = False
+    #: the plain GEMM's tiles loaded by the Tensor Memory Accelerator (``cp.async.bulk.tensor``, sm_90a):
+    #: one thread per block issues each tile against a tensor map the launcher builds, an mbarrier per
+    #: ring slot counts the bytes in, instead of every thread's 16-byte cp.async and its wait
+    tma: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -164,7 +168,8 @@ class Schedule:
             {"slices": self.slices} if self.slices != 1 else {}) | ({"reload_a": True} if self.reload_a else {}) | (
             {"early_scores": True} if self.early_scores else {}) | (
             {"lazy_rescale": True} if self.lazy_rescale else {}) | (
-            {"mma_row_sums": True} if self.mma_row_sums else {}) | ({"wgmma": True} if self.wgmma else {})
+            {"mma_row_sums": True} if self.mma_row_sums else {}) | ({"wgmma": True} if self.wgmma else {}) | (
+            {"tma": True} if self.tma else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -215,6 +220,7 @@ class Schedule:
             lazy_rescale=bool(d.get("lazy_rescale", False)),
             mma_row_sums=bool(d.get("mma_row_sums", False)),
             wgmma=bool(d.get("wgmma", False)),
+            tma=bool(d.get("tma", False)),
         )
 
     def __str__(self) -> str:
@@ -300,7 +306,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
                   early_scores: bool = False, lazy_rescale: bool = False,
-                  mma_row_sums: bool = False, wgmma: bool = False) -> Schedule:
+                  mma_row_sums: bool = False, wgmma: bool = False, tma: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -326,6 +332,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
     ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
     ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
+    ``tma`` loads a wgmma GEMM's tiles with the Tensor Memory Accelerator (tensor maps, mbarriers).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -395,7 +402,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"along {serial!r}")
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
-                   bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums), bool(wgmma))
+                   bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums), bool(wgmma),
+                   bool(tma))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -433,10 +441,13 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if wgmma and out.warp_tile is None:
             raise ScheduleError(f"wgmma runs a warp-tile program's GEMMs on warpgroup MMA: "
                                 f"{warp_tile_reason(out)}")
+        if tma and (out.warp_tile is None or not out.warp_tile.wgmma_ss or slices != 1):
+            raise ScheduleError(f"tma loads the tiles of a plain GEMM (+ epilogue) on warpgroup MMA (wgmma=True), "
+                                f"one block per tile (no slices); {smg.name!r} with these options is not one")
     elif (stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale
-          or mma_row_sums or wgmma):
-        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums and "
-                            "wgmma apply to tensor-core warp-tile kernels (tensor_cores=True)")
+          or mma_row_sums or wgmma or tma):
+        raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums, "
+                            "wgmma and tma apply to tensor-core warp-tile kernels (tensor_cores=True)")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

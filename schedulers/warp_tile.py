@@ -82,6 +82,7 @@ class WarpTileProgram:
     lazy: tuple[tuple[str, float], ...] = ()  # max states kept while within their lag (lazy_rescale)
     row_sums: tuple[tuple[str, str], ...] = ()  # (sum state, GEMM state) summed on tensor cores (mma_row_sums)
     wgmma: bool = False  # the plain GEMM on warpgroup MMA (wgmma.mma_async from shared memory)
+    tma: bool = False  # the plain GEMM's tiles loaded by TMA (tensor maps, an mbarrier per ring slot)
 
     @property
     def wgmma_ss(self) -> bool:
@@ -196,7 +197,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                            s.reload_a and gemm is not None, s.early_scores,
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
                            tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
-                           s.wgmma)
+                           s.wgmma, s.tma)
 
 
 #: the N of wgmma.mma_async m64nNk16 (a multiple of 8 up to 256; here of the 64-column swizzle atoms)
@@ -428,7 +429,8 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     # part goes to the global workspace)
     tiles += SWIZZLE_ATOM * item * len(wgmma_swizzled(p))  # each swizzled tile aligned to its atoms
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4 if p.slices == 1 else 0
-    return max(tiles, merge, staged_elements(s, p) * item)
+    mbarriers = 8 * p.stages if p.tma else 0  # one per ring slot, after everything else
+    return max(tiles, merge, staged_elements(s, p) * item) + mbarriers
 
 
 def staged_elements(s, p: WarpTileProgram) -> int:
@@ -571,3 +573,15 @@ def steps_per_row_tile(s, p: WarpTileProgram) -> list[int]:
         best, worst = (r_hi, r_lo) if b < 0 else (r_lo, r_hi)
         out.append(max(min(total, lmax(best) // p.step + 1), 1) if lmax(worst) >= 0 else total)
     return out
+
+
+def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
+    """The tensor maps a ``tma`` kernel takes, as kernel param -> {tensor, box (innermost first),
+    swizzle (bytes)}: A's [rows, step] tile (K innermost, one 128 B row per 64 halves) and B's
+    [step, 64] column bands; the launcher encodes them for the tensors it binds."""
+    if not p.tma:
+        return {}
+    (g,) = p.gemm_states
+    a = p.tiles_in[0]
+    return {f"{a}__tmap": {"tensor": a, "box": [p.step, p.rows], "swizzle": 128},
+            f"{g.x}__tmap": {"tensor": g.x, "box": [64, p.step], "swizzle": 128}}

@@ -68,6 +68,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "lazy_rescale",  # 1 when a reference max is kept within its lag (the rescale skipped)
     "mma_row_sums",  # 1 when row sums run on tensor cores with the second GEMM
     "wgmma",  # 1 when the GEMM runs on warpgroup MMA (wgmma.mma_async) instead of mma.sync
+    "tma",  # 1 when the GEMM's tiles are loaded by TMA (tensor maps, mbarriers) instead of cp.async
     "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
@@ -230,6 +231,7 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "lazy_rescale": float(s.lazy_rescale),
         "mma_row_sums": float(s.mma_row_sums),
         "wgmma": float(s.wgmma),
+        "tma": float(s.tma),
         "log2_vector": math.log2(1 + s.vector),
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,

@@ -63,7 +63,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 #: ``build`` flags that are make_schedule options of the same name (only changed ones are passed)
-KNOBS = ("stages", "warps", "split", "slices", "reload_a", "early_scores", "lazy_rescale", "mma_row_sums", "wgmma")
+KNOBS = ("stages", "warps", "split", "slices", "reload_a", "early_scores", "lazy_rescale", "mma_row_sums", "wgmma",
+         "tma")
 
 
 def build_cmd(args: argparse.Namespace) -> int:
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lazy-rescale", action="store_true", help="keep a reference max within ln 256")
     b.add_argument("--mma-row-sums", action="store_true", help="row sums on tensor cores with the second GEMM")
     b.add_argument("--wgmma", action="store_true", help="a plain GEMM on Hopper's warpgroup MMA (sm_90a)")
+    b.add_argument("--tma", action="store_true", help="with --wgmma: load the GEMM's tiles by TMA (sm_90a)")
     b.add_argument("--schedule", default=None, help="a Schedule JSON file instead of the shape and knobs")
     b.add_argument("--verify", action="store_true")
     b.add_argument("--out", required=True)

@@ -285,6 +285,10 @@ def test_match_checks_flags_and_params(hwl: ModuleType) -> None:
           {"name": "sf_arrivals", "shape": [64], "dtype": "int32", "role": "scratch"}]
     assert sg.matches({**smeta, "params": smeta["params"] + ws})
     assert not sg.matches({**smeta, "params": smeta["params"] + [{**ws[1], "role": "input"}]})
+    # so are a TMA kernel's tensor maps
+    tm = {"name": "S__tmap", "shape": [128], "dtype": "uint8", "role": "tensormap",
+          "tensor_map": {"tensor": "S", "box": [64, 64], "swizzle": 128}}
+    assert sg.matches({**smeta, "params": smeta["params"] + [tm]})
 
 
 # ---- the script on a machine without torch ---------------------------------------------------------

@@ -69,6 +69,11 @@ CASES = {
                              {"m": 64, "n": 256}, 64, 3, {"wgmma": True}),
     "gemm_sigmoid_wgmma_2wg": (lambda: patterns.gemm_epilogue(200, 320, 192, "sigmoid", True, "float16"),
                                {"m": 128, "n": 256}, 64, 4, {"wgmma": True, "warps": 8}),
+    # the same loaded by TMA: row and column tails (zero-filled boxes), bf16 on two warpgroups in a 3-ring
+    "gemm_sigmoid_wgmma_tma": (lambda: patterns.gemm_epilogue(200, 200, 128, "sigmoid", True, "float16"),
+                               {"m": 128, "n": 64}, 64, 2, {"wgmma": True, "tma": True}),
+    "gemm_relu_wgmma_tma_bf16_2wg": (lambda: patterns.gemm_epilogue(200, 320, 192, "relu", True, "bfloat16"),
+                                     {"m": 128, "n": 256}, 64, 3, {"wgmma": True, "tma": True, "warps": 8}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
@@ -241,7 +246,7 @@ def test_split_and_slices_leave_every_groups_part_in_the_workspace() -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -250,7 +255,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums and wg"):
+    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums, wg"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -309,7 +314,7 @@ def test_early_scores_refusals() -> None:
         schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
     with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
         schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
         schedule(att, tiles={"m": 32}, step=32, early_scores=True)
 
 
@@ -355,7 +360,7 @@ def _check_knob(s: Schedule, plain: Schedule, knob: str, refusal: str) -> None:
     with pytest.raises(ScheduleError, match=refusal):
         schedule(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=32, tensor_cores=True, stages=2, **{knob: True})
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to tensor-core"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, **{knob: True})
 
 
@@ -491,12 +496,17 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
              if s.tensor_cores}
     assert (128, 128, 64, True) in tiles and not any(w and step != 64 for _, _, step, w in tiles)
     assert not any(s.wgmma for s in SearchSpace(g, A100).candidates())
+    # TMA loads come with every wgmma GEMM candidate on sm_90 (one block per tile), and nowhere else
+    cands = [s for s in SearchSpace(g, H100).candidates() if s.tensor_cores]
+    assert all(s.tma == (s.wgmma and s.slices == 1) for s in cands) and any(s.tma for s in cands)
+    att = SearchSpace(patterns.attention(1, 2, 128, 128, 64), H100, max_step=64)
+    assert not any(k.tma for k in att.knobs())
 
 
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -522,7 +532,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums and wgmma apply to"):
+    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 
@@ -539,7 +549,10 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
-    assert "cp.async.cg.shared.global" in src and "cp.async.wait_group" in src
+    if s.tma:  # the ring by TMA (the A tile and B's bands), waited for on mbarriers
+        assert "cp.async.bulk.tensor.2d" in src and "mbarrier.try_wait.parity" in src
+    else:
+        assert "cp.async.cg.shared.global" in src and "cp.async.wait_group" in src
     assert len(re.findall(r"__global__ void[^;]*\{", src)) == 1
     assert art.meta["block"] == [s.threads, 1, 1] and art.meta["grid"] == [s.num_blocks, 1, 1]
     assert art.meta["dynamic_smem_bytes"] > 0
@@ -646,3 +659,38 @@ def test_register_estimate_bounds_what_nvcc_allocates(name, tmp_path) -> None:
     est = block_resources(s).registers_per_thread
     assert used <= est <= used + 80, (used, est)
     assert not block_resources(s).spills
+
+
+def test_tma_loads_the_gemm_tiles() -> None:
+    """With ``tma`` thread 0 loads each step's A tile and B's 64-column bands by cp.async.bulk.tensor
+    against tensor maps the launcher builds (uint8[128] params naming their tensor, box and swizzle),
+    an mbarrier per ring slot counting the bytes: no cp.async for the ring; A and B are passed only
+    through their maps."""
+    s = _schedule("gemm_sigmoid_wgmma_tma")
+    art = build(s, "cuda")
+    src, meta = art.source, art.meta
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in src
+    assert src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") == 1 + s.stages  # definition + slots
+    assert "cp.async.cg.shared.global" not in src and "mbarrier.try_wait.parity" in src
+    maps = {p["name"]: p["tensor_map"] for p in meta["params"] if p["role"] == "tensormap"}
+    assert maps == {"A__tmap": {"tensor": "A", "box": [64, 128], "swizzle": 128},
+                    "Bw__tmap": {"tensor": "Bw", "box": [64, 64], "swizzle": 128}}
+    assert sorted(meta["param_order"]) == ["A__tmap", "Bw__tmap", "Y", "bias"]
+    assert "TMA" in meta["lowering"] and "tiles loaded by TMA" in str(s)
+    plain = _schedule("gemm_sigmoid_wgmma")
+    assert meta["dynamic_smem_bytes"] == build(plain, "cuda").meta["dynamic_smem_bytes"] + 8 * s.stages
+    back = Schedule.from_json(s.to_json())
+    assert back.tma and back.key == s.key != plain.key and "tma" not in plain.to_dict()
+    bands = build(_schedule("gemm_relu_wgmma_tma_bf16_2wg"), "cuda").source
+    loads = re.findall(r"complete_tx__bytes\([^;]*?(A|Bw)__tmap_ptr", bands)
+    assert loads.count("Bw") == 4 * 2 and loads.count("A") == 2  # 4 bands of N = 256, prologue + loop
+    assert "m64n256k16.f32.bf16.bf16" in bands
+
+
+def test_tma_is_refused_outside_a_plain_wgmma_gemm() -> None:
+    with pytest.raises(ScheduleError, match="tma loads the tiles of a plain GEMM"):
+        _ = schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 64}, step=32, tensor_cores=True, stages=2,
+                     wgmma=True, tma=True)
+    with pytest.raises(ScheduleError, match="tma loads the tiles of a plain GEMM"):  # mma.sync
+        _ = schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
+                     serial="k", step=64, tensor_cores=True, stages=2, tma=True)

@@ -95,8 +95,47 @@ def test_scratch_params_are_the_launchers(tmp_path: Path) -> None:
     assert "ws" not in {p.name for p in (*art.inputs, *art.outputs)}
     from spacefusion.runtime.gpu import CudaKernel, KernelLaunchError
 
-    with pytest.raises(KernelLaunchError, match=r"\['ws'\] are workspaces the launcher allocates"):
+    with pytest.raises(KernelLaunchError, match=r"\['ws'\] are workspaces or tensor maps the launcher builds"):
         CudaKernel(art)(S=None, V=None, ws=None)
+
+
+def _tmap(**override: Any) -> dict[str, Any]:
+    return {"name": "S__tmap", "shape": [128], "dtype": "uint8", "role": "tensormap",
+            "tensor_map": {"tensor": "S", "box": [64, 32], "swizzle": 128}} | override
+
+
+def test_tensormap_params_name_their_tensor(tmp_path: Path) -> None:
+    """A tensormap param is a uint8[128] descriptor of an input the launcher encodes; the input it
+    maps may be absent from the kernel's params (read only through the map)."""
+    params = [*_meta()["params"], _tmap()]
+    art = KernelArtefact.load(_write(tmp_path / "t", _meta(params=params, param_order=["O", "S__tmap", "V"])))
+    (m,) = [p for p in art.params if p.role == "tensormap"]
+    assert m.tensor_map == ("S", (64, 32), 128) and m.to_json()["tensor_map"]["box"] == [64, 32]
+    assert [p.name for p in art.inputs] == ["S", "V"]
+    for bad, match in [(_tmap(tensor_map=None), "needs tensor_map"),
+                       (_tmap(tensor_map={"tensor": "X", "box": [64, 32], "swizzle": 128}), "describes 'X'"),
+                       (_tmap(tensor_map={"tensor": "S", "box": [64, 512], "swizzle": 128}), "1..256"),
+                       (_tmap(tensor_map={"tensor": "S", "box": [64, 32], "swizzle": 96}), "swizzle 96"),
+                       (_tmap(shape=[64]), "uint8\\[128\\]")]:
+        with pytest.raises(ArtefactError, match=match):
+            KernelArtefact.load(_write(tmp_path / "b", _meta(params=[*_meta()["params"], bad],
+                                                             param_order=["O", "S__tmap", "V"])))
+    with pytest.raises(ArtefactError, match="has a tensor_map; only tensormap params"):
+        KernelArtefact.load(_write(tmp_path / "c", _meta(params=_param("S", tensor_map={"tensor": "S"}))))
+
+
+def test_tensor_map_arguments_follow_the_driver_rules() -> None:
+    """Dims and strides innermost first; the driver's rules checked before it is called."""
+    from spacefusion.runtime.tensormap import TensorMapError, tiled_args
+
+    assert tiled_args((8192, 1024), (1024, 1), 2, (64, 128), 128) == ([1024, 8192], [2048], [64, 128])
+    for args, match in [(((64, 64), (1, 64), 2, (64, 64), 128), "innermost dim has stride 64"),
+                        (((64, 60), (60, 1), 2, (32, 64), 128), "multiples of 16"),
+                        (((64, 64), (64, 1), 2, (128, 64), 128), "wider than the 128 B swizzle"),
+                        (((64, 64), (64, 1), 2, (64, 300), 128), "1..256"),
+                        (((64, 64), (64, 1), 2, (64,), 128), "one box size per dim")]:
+        with pytest.raises(TensorMapError, match=match):
+            tiled_args(*args)
 
 
 def test_save_validates_before_writing(tmp_path: Path) -> None:

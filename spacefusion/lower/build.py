@@ -17,6 +17,7 @@ from schedulers.errors import ScheduleError
 from schedulers.hardware import H100, PRESETS, HardwareModel
 from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
+from schedulers.warp_tile import tma_maps
 from smg.errors import ShapeError, SpaceFusionError
 from spacefusion.lower.tir import build_primfunc, signature
 
@@ -179,7 +180,9 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
-    if sorted(order) != sorted(p[0] for p in sig.params):
+    maps = tma_maps(s, s.warp_tile) if s.warp_tile is not None else {}
+    passed = [p[0] for p in sig.params if p[0] in order or p[0] not in {m["tensor"] for m in maps.values()}]
+    if sorted(order) != sorted(passed):  # a tensor read only through its tensor map is not passed itself
         raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
     dyn = sum(int(n) * tvm.runtime.DataType(dt).bits // 8 for n, dt in _DYN.findall(text))
     hw = hardware_for(arch)
@@ -191,7 +194,8 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         "grid": [dims.get(f"blockIdx.{a}", 1) for a in "xyz"],
         "block": [dims.get(f"threadIdx.{a}", 1) for a in "xyz"],
         "dynamic_smem_bytes": dyn, "static_smem_bytes": 0, "param_order": order, "lowering": lowering,
-        "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
+        "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} | (
+            {"tensor_map": maps[n]} if n in maps else {}) for n, sh, dt, r in sig.params],
         "schedule_key": s.key,
         "workload": dict(s.smg.attrs) | {"name": s.smg.name, "shape": s.smg.dim_sizes,
                                         "dtype": s.smg.space(s.smg.outputs[0]).dtype},
@@ -209,7 +213,8 @@ def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
                                 f"wgmma for it")
 
         mod = tvm.IRModule({"main": build_warp_tile(s)})
-        what = ("tensorcore-wgmma (warp-tile program: wgmma.mma_async on 128 B-swizzled tiles, cp.async)"
+        loads = "TMA (cp.async.bulk.tensor, mbarriers)" if s.warp_tile.tma else "cp.async"
+        what = (f"tensorcore-wgmma (warp-tile program: wgmma.mma_async on 128 B-swizzled tiles, {loads})"
                 if s.warp_tile.wgmma else "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
         art = _compile_lowered(s, mod, arch, what)
         return CudaArtefact(art.source, art.meta | {"nvcc_flags": list(WARP_TILE_FLAGS)})
@@ -255,7 +260,9 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     bounds, kname, plist = m.groups()
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
     sig = signature(s)
-    if sorted(order) != sorted(p[0] for p in sig.params):
+    maps = tma_maps(s, s.warp_tile) if s.warp_tile is not None else {}
+    passed = [p[0] for p in sig.params if p[0] in order or p[0] not in {m["tensor"] for m in maps.values()}]
+    if sorted(order) != sorted(passed):  # a tensor read only through its tensor map is not passed itself
         raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
     if bounds is not None and int(bounds) != s.threads:
         raise RuntimeError(f"kernel launch bounds {bounds} != schedule threads {s.threads}")

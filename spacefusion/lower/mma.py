@@ -145,6 +145,9 @@ class _Gen(_Outputs):
         p, L = self.p, self.p.serial
         slot = self.slot_for(j)
         t0 = self.step_of(j) * p.step
+        if p.tma:
+            self._tma_step(slot, t0, pred)
+            return
         if p.gemm is not None:
             g = p.gemm
             if g.b_trans:
@@ -159,6 +162,51 @@ class _Gen(_Outputs):
             n = next(gs.n for gs in p.gemm_states if gs.x == x)
             self.copy_tile(x, slot, L, t0, n, self.col0(n), pred)
         T.evaluate(T.ptx.cp.async_.commit_group())
+
+    def _wait_tiles(self, j: tirx.PrimExpr, pending: int) -> None:
+        """Wait for iteration ``j``'s tiles: its slot's mbarrier phase (TMA), or this thread's
+        cp.async groups but ``pending``, then (wgmma) a proxy fence, since wgmma reads through the async
+        proxy what cp.async wrote through the generic one."""
+        p = self.p
+        if p.tma:
+            T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot_for(j)), tirx.floordiv(j, p.stages) % 2))
+            return
+        T.evaluate(T.ptx.cp.async_.wait_group(pending))
+        if p.wgmma:
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
+
+    def _mbar(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
+        """Address of ring slot ``slot``'s mbarrier (8 bytes, after the arena's tiles)."""
+        return self.arena.ptr_to([self.mbar_base + slot * 4])
+
+    def _tma_init(self) -> None:
+        """One arrival (thread 0's expect_tx) per phase of every slot's mbarrier, visible to all."""
+        with T.If(self.tid == 0):
+            with T.Then():
+                for i in range(self.p.stages):
+                    T.evaluate(T.ptx.mbarrier.init.shared.b64(self._mbar(i), T.uint32(1)))
+                T.evaluate(T.ptx.fence.mbarrier_init.release.cluster())
+        T.evaluate(T.tvm_storage_sync("shared"))
+
+    def _tma_step(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+        """Thread 0 loads iteration's A [rows, step] tile and B's [step, 64] column bands by TMA into
+        ``slot``, their bytes counted by the slot's mbarrier (out-of-range rows and columns read as
+        zeros and count too)."""
+        p = self.p
+        (g,) = p.gemm_states
+        a = p.tiles_in[0]
+        op = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
+        cond = self.tid == 0 if pred is None else tirx.all(self.tid == 0, pred)
+        with T.If(cond):
+            with T.Then():
+                bar = self._mbar(slot)
+                T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                    bar, T.uint32((p.rows * p.step + p.step * g.n_tile) * 2)))
+                a_dst = self.arena.ptr_to([self.sbase[a] + slot * (p.rows * p.step)])
+                T.evaluate(op(a_dst, self.glob[f"{a}__tmap"].data, t0, self.row0, bar))
+                for band in range(g.n_tile // 64):
+                    b_dst = self.arena.ptr_to([self.sbase[g.x] + slot * (p.step * g.n_tile) + band * p.step * 64])
+                    T.evaluate(op(b_dst, self.glob[f"{g.x}__tmap"].data, self.col0(g.n) + band * 64, t0, bar))
 
     def col0(self, n: str) -> tirx.PrimExpr:
         """First column of this block along a GEMM state's column dim (0 unless it is cut)."""
@@ -318,6 +366,9 @@ class _Gen(_Outputs):
                 end = -(-end // SWIZZLE_ATOM) * SWIZZLE_ATOM
             offs[n], end = end, end + sizes[n]
         end = max(end, staged_elements(self.s, p))  # the output tiles reuse it after the loop
+        if p.tma:  # a ring slot's mbarrier each, 8-byte aligned, past everything the loop and outputs use
+            self.mbar_base = -(-end // 4) * 4
+            end = self.mbar_base + 4 * p.stages
         # the slices' arrival flag is static shared memory, which puts the dynamic arena after it: then
         # the swizzled tiles move up to the next 1 KB of the shared window, found at run time
         skewed = p.wgmma and p.slices > 1
@@ -365,6 +416,8 @@ class _Gen(_Outputs):
         # waited for one after the other (FlashAttention-2's order)
         self.groups = 2 if p.early_scores else 1
         self._alloc()
+        if p.tma:
+            self._tma_init()
         zero = tirx.const(0, I32)
         for st in p.row_states:
             for h in range(2 * self.mt):
@@ -411,17 +464,13 @@ class _Gen(_Outputs):
             pred = self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None
             if p.stages == 1:  # no ring: load, wait, compute, and every warp done before the next load
                 self.issue_step(ahead, pred)
-                T.evaluate(T.ptx.cp.async_.wait_group(0))
-                if p.wgmma:
-                    T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
+                self._wait_tiles(j, 0)
                 T.evaluate(T.tvm_storage_sync("shared"))
             else:  # one barrier per step: it publishes tile j to every warp and frees the slot of
                 # tile j - 1 (all warps are past its compute), which the load of tile j + stages - 1 reuses
-                T.evaluate(T.ptx.cp.async_.wait_group(self.groups * dist - 1))
+                self._wait_tiles(j, self.groups * dist - 1)
                 if self.lag:  # the wgmma of two steps back is done (its slot is reloaded below)
                     T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(self.lag))
-                if p.wgmma:  # this thread's cp.async writes, visible to the async proxy that wgmma reads by
-                    T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
                 T.evaluate(T.tvm_storage_sync("shared"))
                 self.issue_step(ahead, pred)
             self.t0 = self.step_of(j) * p.step

@@ -50,6 +50,10 @@ def signature(s: Schedule) -> KernelSignature:
     smg = s.smg
     ps = [(n, smg.shape(n), smg.space(n).dtype, "input") for n in smg.inputs]
     ps += [(n, smg.shape(n), smg.space(n).dtype, "output") for n in smg.outputs]
+    if s.tma:  # the launcher encodes them from the tensors it binds
+        from schedulers.warp_tile import tma_maps
+
+        ps += [(name, (128,), "uint8", "tensormap") for name in tma_maps(s, s.warp_tile)]
     if s.slices > 1:
         p = s.warp_tile
         tiles = s.num_blocks // s.slices

@@ -23,8 +23,11 @@ META_FILE = "kernel.json"
 SUPPORTED_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
 )
-#: scratch params are workspaces the launcher allocates (zeroed once) and keeps: never passed or returned
-ROLES = frozenset({"input", "output", "scratch"})
+#: scratch params are workspaces the launcher allocates (zeroed once) and keeps: never passed or returned;
+#: tensormap params are 128-byte TMA descriptors the launcher encodes for the tensor it binds (``tensor_map``)
+ROLES = frozenset({"input", "output", "scratch", "tensormap"})
+#: the swizzles a TMA descriptor can name, in bytes (CU_TENSOR_MAP_SWIZZLE_NONE/32B/64B/128B)
+TMA_SWIZZLES = (0, 32, 64, 128)
 MAX_THREADS_PER_BLOCK = 1024
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -43,13 +46,19 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: str
     role: str
+    #: a tensormap param's (tensor, box innermost first, swizzle bytes); None for every other role
+    tensor_map: tuple[str, tuple[int, ...], int] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "role": self.role}
+        d: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "role": self.role}
+        if self.tensor_map is not None:
+            tensor, box, swizzle = self.tensor_map
+            d["tensor_map"] = {"tensor": tensor, "box": list(box), "swizzle": swizzle}
+        return d
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,9 @@ class KernelArtefact:
         order = meta["param_order"]
         if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
             raise ArtefactError(f"{where}: param_order must be a list of names, got {order!r}")
-        names = [p.name for p in params]
+        # an input read only through its tensor map is bound (the map is built from it) but not passed
+        mapped = {p.tensor_map[0] for p in params if p.tensor_map is not None}
+        names = [p.name for p in params if not (p.name in mapped and p.name not in order)]
         if len(set(order)) != len(order) or sorted(order) != sorted(names):
             raise ArtefactError(
                 f"{where}: param_order {order} does not match params {names} "
@@ -266,11 +277,39 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
         role = p.get("role")
         if role not in ROLES:
             raise ArtefactError(f"{where}: param {name!r} has role {role!r}, expected one of {sorted(ROLES)}")
-        out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role))
+        out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role,
+                             tensor_map=_tensor_map(p, name, role, where)))
     names = [p.name for p in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ArtefactError(f"{where}: duplicate param names {dupes}")
+    tensors = {p.name: p for p in out if p.role in ("input", "output")}
+    for p in out:
+        if p.tensor_map is not None:
+            t = tensors.get(p.tensor_map[0])
+            if t is None or len(t.shape) != len(p.tensor_map[1]):
+                raise ArtefactError(f"{where}: tensormap {p.name!r} describes {p.tensor_map[0]!r}, which is not a "
+                                    f"{len(p.tensor_map[1])}-d input or output of the kernel")
     if not any(p.role == "output" for p in out):
         raise ArtefactError(f"{where}: no param has role 'output'")
     return tuple(out)
+
+
+def _tensor_map(p: Mapping[str, Any], name: str, role: str, where: str) -> tuple[str, tuple[int, ...], int] | None:
+    """A tensormap param's description: the tensor it maps, the box (1-256 elements per dim,
+    innermost first) and the swizzle; a 128-byte uint8 buffer in the kernel signature."""
+    spec = p.get("tensor_map")
+    if role != "tensormap":
+        if spec is not None:
+            raise ArtefactError(f"{where}: param {name!r} ({role}) has a tensor_map; only tensormap params do")
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("tensor"), str):
+        raise ArtefactError(f"{where}: tensormap {name!r} needs tensor_map {{tensor, box, swizzle}}, got {spec!r}")
+    box, swizzle = spec.get("box"), spec.get("swizzle")
+    if not isinstance(box, list) or not 1 <= len(box) <= 5 or not all(_is_int(b) and 1 <= b <= 256 for b in box):
+        raise ArtefactError(f"{where}: tensormap {name!r} box {box!r} must be 1-5 ints in 1..256")
+    if swizzle not in TMA_SWIZZLES:
+        raise ArtefactError(f"{where}: tensormap {name!r} swizzle {swizzle!r} must be one of {TMA_SWIZZLES}")
+    if list(p.get("shape", [])) != [128] or p.get("dtype") != "uint8":
+        raise ArtefactError(f"{where}: tensormap {name!r} must be a uint8[128] param (a CUtensorMap)")
+    return spec["tensor"], tuple(box), int(swizzle)

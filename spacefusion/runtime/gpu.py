@@ -118,6 +118,7 @@ class CudaKernel:
         self.compile_errors: dict[str, str] = {}
         self._kernels: dict[int, Any] = {}  # device index -> cupy.RawKernel
         self._scratch: dict[int, dict[str, Any]] = {}  # device index -> zeroed workspaces, kept
+        self._maps: dict[tuple[str, int, int], Any] = {}  # (param, tensor address, device) -> tensor map
 
     def __repr__(self) -> str:
         art = self.artefact
@@ -195,11 +196,11 @@ class CudaKernel:
             raise KernelLaunchError(
                 f"{self.artefact.kernel_name}: unknown params {unknown}; params are {sorted(roles)}"
             )
-        scratch = sorted(n for n in tensors if roles[n] == "scratch")
+        scratch = sorted(n for n in tensors if roles[n] in ("scratch", "tensormap"))
         if scratch:
             raise KernelLaunchError(
-                f"{self.artefact.kernel_name}: {scratch} are workspaces the launcher allocates and keeps; "
-                "pass only inputs and outputs"
+                f"{self.artefact.kernel_name}: {scratch} are workspaces or tensor maps the launcher builds and "
+                "keeps; pass only inputs and outputs"
             )
         inputs = {n: t for n, t in tensors.items() if roles[n] == "input"}
         outputs = {n: t for n, t in tensors.items() if roles[n] == "output"}
@@ -225,10 +226,29 @@ class CudaKernel:
             self._scratch[device.index] = {
                 p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=device) for p in art.scratch}
         tensors.update(self._scratch.get(device.index, {}))
+        for p in art.params:
+            if p.tensor_map is not None:
+                tensors[p.name] = self._tensor_map(p, tensors[p.tensor_map[0]], device.index)
         args = tuple(numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
         with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream):
             kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
         return {p.name: tensors[p.name] for p in art.outputs}
+
+    def _tensor_map(self, p: ParamSpec, t: torch.Tensor, device: int) -> torch.Tensor:
+        """``p``'s tensor map of ``t``, encoded once per tensor address (a few kept per kernel)."""
+        from .tensormap import TensorMapError, encode_tiled
+
+        key = (p.name, t.data_ptr(), device)
+        if key not in self._maps:
+            if len(self._maps) >= 64:
+                self._maps.clear()
+            _, box, swizzle = p.tensor_map
+            try:
+                self._maps[key] = encode_tiled(t, box, swizzle)
+            except TensorMapError as e:
+                raise KernelLaunchError(f"{self.artefact.kernel_name}: tensor map {p.name!r} of "
+                                        f"{p.tensor_map[0]!r}: {e}") from None
+        return self._maps[key]
 
     def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Match tensors to params by name, allocate missing outputs, and check every tensor."""

@@ -1,0 +1,87 @@
+"""TMA tensor maps (``CUtensorMap``) for a kernel's ``tensormap`` params, through the CUDA driver.
+
+A TMA load names its global tensor by a 128-byte descriptor that only the host can encode
+(``cuTensorMapEncodeTiled``).  The launcher builds one per mapped tensor and launch address, copies
+it to device memory, and passes its pointer; the kernel hands that generic address to
+``cp.async.bulk.tensor``.  libcuda is reached through ctypes: neither torch nor cupy wraps the call.
+The checks here run before the driver sees anything, so a bad tensor gets a message naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: CUtensorMapDataType for the dtypes the lowering maps
+DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}
+#: CUtensorMapSwizzle by swizzle width in bytes
+SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
+_L2_PROMOTION_128B = 2
+TENSOR_MAP_BYTES = 128
+
+
+class TensorMapError(ValueError):
+    """A tensor cannot be described by the tensor map a kernel asks for; the message says why."""
+
+
+def tiled_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, box: Sequence[int],
+               swizzle: int) -> tuple[list[int], list[int], list[int]]:
+    """(dims, byte strides of dims 1.., box), innermost first, for a row-major tensor view, after
+    the driver's rules: a contiguous innermost dim, 16-byte strides, boxes of 1..256 elements, and
+    an innermost box of at most ``swizzle`` bytes when swizzled."""
+    rank = len(shape)
+    if not 1 <= rank <= 5 or len(box) != rank:
+        raise TensorMapError(f"a {rank}-d tensor with a {len(box)}-d box: need 1-5 dims and one box size per dim")
+    if strides[-1] != 1:
+        raise TensorMapError(f"the innermost dim has stride {strides[-1]}; a tensor map needs it contiguous")
+    dims = [int(d) for d in reversed(shape)]
+    byte_strides = [int(s) * itemsize for s in reversed(strides[:-1])]
+    if any(b % 16 for b in byte_strides):
+        raise TensorMapError(f"row strides {byte_strides} B must be multiples of 16 for a tensor map")
+    box = [int(b) for b in box]
+    if any(not 1 <= b <= 256 for b in box):
+        raise TensorMapError(f"box {box} must be 1..256 elements per dim")
+    if swizzle not in SWIZZLES:
+        raise TensorMapError(f"swizzle {swizzle} must be one of {sorted(SWIZZLES)} bytes")
+    if swizzle and box[0] * itemsize > swizzle:
+        raise TensorMapError(f"an innermost box of {box[0] * itemsize} B is wider than the {swizzle} B swizzle")
+    return dims, byte_strides, box
+
+
+@lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise TensorMapError(f"the CUDA driver (libcuda.so.1) is not loadable: {e}") from None
+
+
+def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int) -> torch.Tensor:
+    """The tensor map of ``t`` (a CUDA tensor) with ``box`` (innermost first) and ``swizzle``, as a
+    uint8[128] tensor on ``t``'s device."""
+    import torch
+
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DATA_TYPES:
+        raise TensorMapError(f"dtype {name} has no tensor-map type here; known: {sorted(DATA_TYPES)}")
+    if t.data_ptr() % 16:
+        raise TensorMapError(f"the tensor's address {t.data_ptr():#x} is not 16-byte aligned")
+    dims, strides, box = tiled_args(t.shape, t.stride(), t.element_size(), box, swizzle)
+    rank = len(dims)
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    raw = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + 64))()
+    addr = -(-ctypes.addressof(raw) // 64) * 64  # CUtensorMap is 64-byte aligned
+    rc = _libcuda().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(addr), DATA_TYPES[name], rank, ctypes.c_void_p(t.data_ptr()), (u64 * rank)(*dims),
+        (u64 * max(1, rank - 1))(*strides), (u32 * rank)(*box), (u32 * rank)(*([1] * rank)),
+        0, SWIZZLES[swizzle], _L2_PROMOTION_128B, 0)
+    if rc != 0:
+        raise TensorMapError(f"cuTensorMapEncodeTiled refused dims {dims}, strides {strides} B, box {box}, "
+                             f"swizzle {swizzle}: CUresult {rc}")
+    blob = bytes((ctypes.c_ubyte * TENSOR_MAP_BYTES).from_address(addr))
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(t.device)

@@ -37,7 +37,7 @@ def warp_tile_summary(s: Schedule) -> str:
     """The warp-tile program's knobs in words (what the memory levels above do not say)."""
     p = s.warp_tile
     parts = [f"{p.warps} warps x {p.warp_mtiles} 16-row mma tile{'s' if p.warp_mtiles > 1 else ''}",
-             f"{p.stages}-stage cp.async ring"]
+             f"{p.stages}-stage {'TMA' if p.tma else 'cp.async'} ring"]
     if p.gemm is not None:
         parts.append(f"{p.gemm.a} {'re-read from shared memory every step' if p.reload_a else 'held in registers'}")
     if p.early_scores:

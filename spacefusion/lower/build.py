@@ -159,6 +159,16 @@ _LAUNCH = re.compile(r'launch_thread\("((?:blockIdx|threadIdx)\.[xyz])", (\d+)\)
 _DYN = re.compile(r'alloc_buffer\(\((\d+),\), "(\w+)", scope="shared\.dyn"')  # merged (uint8) or one buffer
 
 
+def _check_params(s: Schedule, sig, order: list[str]) -> dict[str, dict]:
+    """The kernel's parameters (``order``, from TVM's source) are the schedule's tensors, less any
+    read only through its tensor map; returns the tensor maps by param."""
+    maps = tma_maps(s, s.warp_tile) if s.warp_tile is not None else {}
+    mapped = {m["tensor"] for m in maps.values()}
+    if sorted(order) != sorted(p[0] for p in sig.params if p[0] in order or p[0] not in mapped):
+        raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
+    return maps
+
+
 def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact:
     """Compile a scheduled IRModule; grid, block and dynamic shared memory are read from the
     lowered device function, so the metadata is what TVM emitted, not what we meant."""
@@ -180,10 +190,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
-    maps = tma_maps(s, s.warp_tile) if s.warp_tile is not None else {}
-    passed = [p[0] for p in sig.params if p[0] in order or p[0] not in {m["tensor"] for m in maps.values()}]
-    if sorted(order) != sorted(passed):  # a tensor read only through its tensor map is not passed itself
-        raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
+    maps = _check_params(s, sig, order)
     dyn = sum(int(n) * tvm.runtime.DataType(dt).bits // 8 for n, dt in _DYN.findall(text))
     hw = hardware_for(arch)
     if dyn > hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes:
@@ -260,10 +267,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     bounds, kname, plist = m.groups()
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
     sig = signature(s)
-    maps = tma_maps(s, s.warp_tile) if s.warp_tile is not None else {}
-    passed = [p[0] for p in sig.params if p[0] in order or p[0] not in {m["tensor"] for m in maps.values()}]
-    if sorted(order) != sorted(passed):  # a tensor read only through its tensor map is not passed itself
-        raise RuntimeError(f"kernel parameters {order} do not match the schedule's tensors")
+    _check_params(s, sig, order)
     if bounds is not None and int(bounds) != s.threads:
         raise RuntimeError(f"kernel launch bounds {bounds} != schedule threads {s.threads}")
     meta = {

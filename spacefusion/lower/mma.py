@@ -202,11 +202,16 @@ class _Gen(_Outputs):
                 bar = self._mbar(slot)
                 T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(
                     bar, T.uint32((p.rows * p.step + p.step * g.n_tile) * 2)))
-                a_dst = self.arena.ptr_to([self.sbase[a] + slot * (p.rows * p.step)])
+                a_dst = self.arena.ptr_to([self._slot_tile(a, slot)])
                 T.evaluate(op(a_dst, self.glob[f"{a}__tmap"].data, t0, self.row0, bar))
                 for band in range(g.n_tile // 64):
-                    b_dst = self.arena.ptr_to([self.sbase[g.x] + slot * (p.step * g.n_tile) + band * p.step * 64])
+                    b_dst = self.arena.ptr_to([self._slot_tile(g.x, slot) + band * p.step * 64])
                     T.evaluate(op(b_dst, self.glob[f"{g.x}__tmap"].data, self.col0(g.n) + band * 64, t0, bar))
+
+    def _slot_tile(self, name: str, slot: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Arena element where ring slot ``slot`` of the shared tile ``name`` starts."""
+        _, rows, stride = self.layout[name]
+        return self.sbase[name] + slot * (rows * stride)
 
     def col0(self, n: str) -> tirx.PrimExpr:
         """First column of this block along a GEMM state's column dim (0 unless it is cut)."""
@@ -603,7 +608,7 @@ class _Gen(_Outputs):
         a = p.tiles_in[0]
         per = (gs.n_tile // 8) * 4  # accumulator floats per 64-row half: N / 2
         acc = self.acc[gs.update.state]
-        a_tile = self.sbase[a] + self.slot * (p.rows * p.step)
+        a_tile = self._slot_tile(a, self.slot)
         op = self._wgmma(gs.n_tile)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())
         for kt in range(p.step // 16):
@@ -682,8 +687,7 @@ class _Gen(_Outputs):
         """Descriptor of k16 slice ``kt`` of a GEMM state's swizzled ``x`` tile [k, n], N-contiguous
         (transposed by the instruction): 2 atoms down per slice, 64-column bands step * 128 B apart
         (LBO), 8-row atoms 1 KB apart (SBO)."""
-        rows, stride = self.layout[gs.x][1:]
-        tile = self.sbase[gs.x] + self.slot * (rows * stride)
+        tile = self._slot_tile(gs.x, self.slot)
         return self._desc(tile + kt * 2 * SWIZZLE_ATOM, lbo=self.p.step * 128, sbo=2 * SWIZZLE_ATOM)
 
     def _k_desc(self, elem: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -68,8 +68,11 @@ SCHEDULES = {
     # 32, 4 stages); 128 x 256 tiles on two warpgroups 268.5-269.8 (experiments/results_wgmma_h100.json)
     # its tiles loaded by TMA (tensor maps, mbarriers): 253.2 us against 265.6-269.5 with cp.async, twice
     # interleaved (experiments/results_tma_h100.json)
-    "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 128}, "k", 64,
-                     TC | {"stages": 2, "wgmma": True, "tma": True}),
+    # a producer warpgroup feeding a 4-slot TMA ring, 128 x 256 tiles on two MMA warpgroups, one persistent
+    # block per SM (the H100's 132): 220.2/221.2 us against 249.0/250.1 for the 128 x 128 TMA schedule,
+    # interleaved twice; the plain GEMM 202.8 against 243.4 (experiments/results_producer_h100.json)
+    "gemm_sigmoid": (lambda: P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H), {"m": 128, "n": 256}, "k", 64,
+                     TC | {"stages": 4, "warps": 8, "wgmma": True, "tma": True, "producer": True, "persistent": 132}),
     # 32 row tiles only: 4 blocks per row tile each take 1/4 of the KV steps, the last merges; the
     # tuner's best of 48 measured (experiments/tuning/raw/attention_decode_round*.json)
     "mha_decode": (lambda: P.attention(1, 32, 64, 8192, 128, dtype=H), {"m": 64}, "l", 32,

@@ -48,6 +48,10 @@ def warp_tile_summary(s: Schedule) -> str:
         parts.append("GEMMs on warpgroup MMA (wgmma.mma_async, 128 B-swizzled tiles)")
     if p.tma:
         parts.append("tiles loaded by TMA (tensor maps, an mbarrier per ring slot)")
+    if p.producer:
+        parts.append("loads issued by a producer warpgroup (slots handed back by mbarriers, no block barrier)")
+    if p.persistent:
+        parts.append(f"persistent: {p.persistent} blocks looping over {s.num_tiles} tiles")
     if p.row_sums:
         parts.append(", ".join(f"{r} summed on tensor cores with {g}" for r, g in p.row_sums))
     if p.split > 1:

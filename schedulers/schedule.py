@@ -92,6 +92,13 @@ class Schedule:
     #: one thread per block issues each tile against a tensor map the launcher builds, an mbarrier per
     #: ring slot counts the bytes in, instead of every thread's 16-byte cp.async and its wait
     tma: bool = False
+    #: warp specialisation of a TMA GEMM: a producer warpgroup (128 more threads, 40 registers each)
+    #: issues the loads ``stages - 1`` steps ahead and the MMA warpgroups hand each ring slot back
+    #: through its own mbarrier, so no block-wide barrier sits in the main loop (CUTLASS's sm90 kernels)
+    producer: bool = False
+    #: a persistent grid of this many blocks (0: one block per tile), each looping over the tiles
+    #: ``bid, bid + persistent, ...``: the producer loads the next tile's steps during the epilogue
+    persistent: int = 0
 
     @cached_property
     def key(self) -> str:
@@ -125,9 +132,14 @@ class Schedule:
         return {d: math.ceil(sizes[d] / t) for d, t in self.block}
 
     @property
-    def num_blocks(self) -> int:
-        """Thread blocks launched: one per tile of the cut dims, times the serial slices."""
+    def num_tiles(self) -> int:
+        """Work tiles: one per tile of the cut dims, times the serial slices."""
         return math.prod(self.grid().values()) * self.slices
+
+    @property
+    def num_blocks(self) -> int:
+        """Thread blocks launched: one per work tile, or the persistent grid that loops over them."""
+        return self.persistent or self.num_tiles
 
     @property
     def num_steps(self) -> int:
@@ -169,7 +181,8 @@ class Schedule:
             {"early_scores": True} if self.early_scores else {}) | (
             {"lazy_rescale": True} if self.lazy_rescale else {}) | (
             {"mma_row_sums": True} if self.mma_row_sums else {}) | ({"wgmma": True} if self.wgmma else {}) | (
-            {"tma": True} if self.tma else {})
+            {"tma": True} if self.tma else {}) | ({"producer": True} if self.producer else {}) | (
+            {"persistent": self.persistent} if self.persistent else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -221,6 +234,8 @@ class Schedule:
             mma_row_sums=bool(d.get("mma_row_sums", False)),
             wgmma=bool(d.get("wgmma", False)),
             tma=bool(d.get("tma", False)),
+            producer=bool(d.get("producer", False)),
+            persistent=int(d.get("persistent", 0)),
         )
 
     def __str__(self) -> str:
@@ -306,7 +321,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
                   early_scores: bool = False, lazy_rescale: bool = False,
-                  mma_row_sums: bool = False, wgmma: bool = False, tma: bool = False) -> Schedule:
+                  mma_row_sums: bool = False, wgmma: bool = False, tma: bool = False,
+                  producer: bool = False, persistent: int = 0) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -333,6 +349,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
     ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
     ``tma`` loads a wgmma GEMM's tiles with the Tensor Memory Accelerator (tensor maps, mbarriers).
+    ``producer`` gives those loads a warpgroup of their own (warp specialisation); ``persistent`` > 0
+    launches that many blocks, each looping over the tiles (with ``producer``).
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -403,7 +421,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
                    bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums), bool(wgmma),
-                   bool(tma))
+                   bool(tma), bool(producer), int(persistent))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -444,10 +462,21 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if tma and (out.warp_tile is None or not out.warp_tile.wgmma_ss or slices != 1):
             raise ScheduleError(f"tma loads the tiles of a plain GEMM (+ epilogue) on warpgroup MMA (wgmma=True), "
                                 f"one block per tile (no slices); {smg.name!r} with these options is not one")
+        if producer and (not tma or stages < 2):
+            raise ScheduleError(f"producer gives the TMA loads of a wgmma GEMM a warpgroup of their own; it needs "
+                                f"tma=True and a ring of 2+ stages (one slot stays with the wgmma in flight); got "
+                                f"tma={bool(tma)}, stages {stages}")
+        if persistent and not producer:
+            raise ScheduleError("persistent blocks loop over the tiles with the loads in a producer warpgroup; it "
+                                "needs producer=True")
+        if persistent and not 1 <= persistent < out.num_tiles:
+            raise ScheduleError(f"persistent {persistent} blocks must be fewer than the {out.num_tiles} tiles "
+                                f"(and at least 1)")
     elif (stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale
-          or mma_row_sums or wgmma or tma):
+          or mma_row_sums or wgmma or tma or producer or persistent):
         raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums, "
-                            "wgmma and tma apply to tensor-core warp-tile kernels (tensor_cores=True)")
+                            "wgmma and tma apply to tensor-core warp-tile kernels (tensor_cores=True), as do producer "
+                            "and persistent")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

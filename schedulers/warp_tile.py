@@ -36,6 +36,10 @@ PAD = 8
 #: elements of a 16-byte chunk (fp16 / bf16): a cp.async copy, or a staged output's global store
 CHUNK = 8
 MMA_DTYPES = ("float16", "bfloat16")
+#: the producer warpgroup of a warp-specialised kernel (``producer``): thread 0 issues the TMA loads
+PRODUCER_THREADS = 128
+#: columns of an output band that a warp-specialised kernel's warpgroups stage at a time
+BAND = 64
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class WarpTileProgram:
     row_sums: tuple[tuple[str, str], ...] = ()  # (sum state, GEMM state) summed on tensor cores (mma_row_sums)
     wgmma: bool = False  # the plain GEMM on warpgroup MMA (wgmma.mma_async from shared memory)
     tma: bool = False  # the plain GEMM's tiles loaded by TMA (tensor maps, an mbarrier per ring slot)
+    producer: bool = False  # a producer warpgroup issues the TMA loads; slots come back through mbarriers
+    persistent: int = 0  # blocks launched, each looping over the tiles (0: one block per tile)
 
     @property
     def wgmma_ss(self) -> bool:
@@ -95,7 +101,7 @@ class WarpTileProgram:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps * self.split
+        return 32 * self.warps * self.split + (PRODUCER_THREADS if self.producer else 0)
 
     def merge_floats(self) -> int:
         """fp32 registers per thread that a warp group hands over when the groups merge."""
@@ -197,7 +203,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                            s.reload_a and gemm is not None, s.early_scores,
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
                            tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
-                           s.wgmma, s.tma)
+                           s.wgmma, s.tma, s.producer, s.persistent)
 
 
 #: the N of wgmma.mma_async m64nNk16 (a multiple of 8 up to 256; here of the 64-column swizzle atoms)
@@ -429,14 +435,23 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     # part goes to the global workspace)
     tiles += SWIZZLE_ATOM * item * len(wgmma_swizzled(p))  # each swizzled tile aligned to its atoms
     merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4 if p.slices == 1 else 0
-    mbarriers = 8 * p.stages if p.tma else 0  # one per ring slot, after everything else
-    return max(tiles, merge, staged_elements(s, p) * item) + mbarriers
+    if p.producer:  # the loads run on through the epilogue: its bands are staged beside the ring
+        return tiles + staged_elements(s, p) * item + mbarrier_bytes(p)
+    return max(tiles, merge, staged_elements(s, p) * item) + mbarrier_bytes(p)
+
+
+def mbarrier_bytes(p: WarpTileProgram) -> int:
+    """A TMA ring's mbarriers, after everything else in the arena: one per slot counting its bytes
+    in, and with a producer warpgroup one more per slot counting the MMA warpgroups done with it."""
+    return 8 * p.stages * (2 if p.producer else 1) if p.tma else 0
 
 
 def staged_elements(s, p: WarpTileProgram) -> int:
-    """Arena elements the largest staged output tile needs after the loop (0: none is staged)."""
+    """Arena elements the largest staged output tile needs after the loop (0: none is staged); with a
+    producer warpgroup each MMA warpgroup stages one ``BAND``-column band of its rows at a time."""
     staged = [staged_output(s, p, out) for out, _ in p.outputs]
-    return max((p.rows * st[1] for st in staged if st is not None), default=0)
+    widths = [BAND + PAD if p.producer else st[1] for st in staged if st is not None]
+    return max((p.rows * w for w in widths), default=0)
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:

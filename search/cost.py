@@ -123,7 +123,7 @@ def _wgmma_spill_bytes(s: Schedule, res) -> float:
     p = s.warp_tile
     over = max(0, res.registers_estimate - MAX_REGISTERS)
     per_step = (p.step // 16) * max(1, p.rows // 64 // max(1, p.warps // 4))
-    return over * 4 * 2 * res.threads * s.num_blocks * s.steps_per_block * per_step
+    return over * 4 * 2 * res.threads * s.num_tiles * s.steps_per_block * per_step
 
 
 def estimate(s: Schedule, hw: HardwareModel) -> Estimate:

@@ -69,6 +69,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "mma_row_sums",  # 1 when row sums run on tensor cores with the second GEMM
     "wgmma",  # 1 when the GEMM runs on warpgroup MMA (wgmma.mma_async) instead of mma.sync
     "tma",  # 1 when the GEMM's tiles are loaded by TMA (tensor maps, mbarriers) instead of cp.async
+    "producer",  # 1 when a producer warpgroup issues those loads (warp specialisation)
+    "persistent",  # 1 when a persistent grid loops over the tiles
     "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
@@ -232,6 +234,8 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "mma_row_sums": float(s.mma_row_sums),
         "wgmma": float(s.wgmma),
         "tma": float(s.tma),
+        "producer": float(s.producer),
+        "persistent": float(s.persistent > 0),
         "log2_vector": math.log2(1 + s.vector),
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,

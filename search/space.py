@@ -35,6 +35,7 @@ from smg.ir import SMG
 
 LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
+PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
@@ -75,6 +76,8 @@ class Knobs:
     mma_row_sums: bool = False
     wgmma: bool = False
     tma: bool = False
+    producer: bool = False
+    persistent: int = 0
 
 
 @dataclass
@@ -184,6 +187,18 @@ class SearchSpace:
                             warps, split=split, slices=sl, reload_a=rl, early_scores=early, lazy_rescale=lazy,
                             mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
                             tma=self.hopper and not early and self.one_reduction)
+            if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
+                yield from self._producer_knobs(tiles, serial, step, movers[-1], warps)
+
+    def _producer_knobs(self, tiles: dict[str, int], serial: str, step: int, thread_dim: str,
+                        warps: int) -> Iterator[Knobs]:
+        """A TMA GEMM's warp-specialised variants: a producer warpgroup, rings of 2..4 slots (it keeps
+        the deeper rings fed: 4 stages were the fastest of 2..4 on the H100's 128 x 256 tiles), one block
+        per tile or a persistent grid of one block per SM (204.7 against 212.2 us estimated, 202.8
+        measured for the persistent 8192^2 x 1024 GEMM)."""
+        for stages, persistent in itertools.product(PRODUCER_STAGES, (0, self.hw.num_sms)):
+            yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, 1, True, stages, warps,
+                        wgmma=True, tma=True, producer=True, persistent=persistent)
 
     @cached_property
     def hopper(self) -> bool:
@@ -248,8 +263,10 @@ class SearchSpace:
 
     def _schedule(self, k: Knobs) -> Schedule:
         """The schedule of ``k``; the knobs offered on where they may apply (``mma_row_sums``,
-        ``wgmma``, ``tma``) are dropped, one at a time, where make_schedule refuses them."""
-        opts = {"mma_row_sums": k.mma_row_sums, "wgmma": k.wgmma, "tma": k.tma}
+        ``wgmma``, ``tma``, ``producer``, ``persistent``) are dropped, one at a time, where make_schedule
+        refuses them."""
+        opts = {"mma_row_sums": k.mma_row_sums, "wgmma": k.wgmma, "tma": k.tma, "producer": k.producer,
+                "persistent": k.persistent}
         while True:
             try:
                 return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step,

@@ -64,7 +64,7 @@ def demo(args: argparse.Namespace) -> int:
 
 #: ``build`` flags that are make_schedule options of the same name (only changed ones are passed)
 KNOBS = ("stages", "warps", "split", "slices", "reload_a", "early_scores", "lazy_rescale", "mma_row_sums", "wgmma",
-         "tma")
+         "tma", "producer", "persistent")
 
 
 def build_cmd(args: argparse.Namespace) -> int:
@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--mma-row-sums", action="store_true", help="row sums on tensor cores with the second GEMM")
     b.add_argument("--wgmma", action="store_true", help="a plain GEMM on Hopper's warpgroup MMA (sm_90a)")
     b.add_argument("--tma", action="store_true", help="with --wgmma: load the GEMM's tiles by TMA (sm_90a)")
+    b.add_argument("--producer", action="store_true", help="with --tma: a producer warpgroup issues the loads")
+    b.add_argument("--persistent", type=int, default=knob["persistent"],
+                   help="with --producer: launch this many blocks, each looping over the tiles (0: one per tile)")
     b.add_argument("--schedule", default=None, help="a Schedule JSON file instead of the shape and knobs")
     b.add_argument("--verify", action="store_true")
     b.add_argument("--out", required=True)

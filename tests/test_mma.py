@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 from schedulers.errors import ScheduleError
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
-from schedulers.warp_tile import lazy_references, mask_bound, mma_row_sums, staged_output, warp_tile_program
+from schedulers.warp_tile import (
+    BAND,
+    SWIZZLE_ATOM,
+    lazy_references,
+    mask_bound,
+    mma_row_sums,
+    staged_output,
+    warp_tile_program,
+    warp_tile_smem_bytes,
+)
 from smg import patterns
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
@@ -74,6 +83,13 @@ CASES = {
                                {"m": 128, "n": 64}, 64, 2, {"wgmma": True, "tma": True}),
     "gemm_relu_wgmma_tma_bf16_2wg": (lambda: patterns.gemm_epilogue(200, 320, 192, "relu", True, "bfloat16"),
                                      {"m": 128, "n": 256}, 64, 3, {"wgmma": True, "tma": True, "warps": 8}),
+    # a producer warpgroup feeding the TMA ring: persistent over 4 tiles with 3 blocks (one runs two: the
+    # ring's phases carry over), tails; bf16 on one MMA warpgroup, one block per tile
+    "gemm_sigmoid_ws_persistent": (lambda: patterns.gemm_epilogue(200, 320, 192, "sigmoid", True, "float16"),
+                                   {"m": 128, "n": 256}, 64, 2,
+                                   {"wgmma": True, "tma": True, "warps": 8, "producer": True, "persistent": 3}),
+    "gemm_relu_ws_bf16": (lambda: patterns.gemm_epilogue(200, 200, 128, "relu", False, "bfloat16"),
+                          {"m": 64, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "producer": True}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
@@ -501,6 +517,11 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
     assert all(s.tma == (s.wgmma and s.slices == 1) for s in cands) and any(s.tma for s in cands)
     att = SearchSpace(patterns.attention(1, 2, 128, 128, 64), H100, max_step=64)
     assert not any(k.tma for k in att.knobs())
+    # a producer warpgroup only with TMA, rings of 2..4 slots, persistent over the SMs where the tiles outnumber them
+    ws = [s for s in cands if s.producer]
+    assert ws and all(s.tma and s.stages >= 2 for s in ws) and {s.stages for s in ws} == {2, 3, 4}
+    assert {s.persistent for s in ws} == {0, H100.num_sms} and all(s.num_tiles > s.persistent for s in ws)
+    assert not any(k.producer for k in att.knobs())
 
 
 def test_reload_a_refusals() -> None:
@@ -685,6 +706,47 @@ def test_tma_loads_the_gemm_tiles() -> None:
     loads = re.findall(r"complete_tx__bytes\([^;]*?(A|Bw)__tmap_ptr", bands)
     assert loads.count("Bw") == 4 * 2 and loads.count("A") == 2  # 4 bands of N = 256, prologue + loop
     assert "m64n256k16.f32.bf16.bf16" in bands
+
+
+def test_producer_warpgroup_feeds_the_ring_without_block_barriers() -> None:
+    """With ``producer`` warpgroup 0 issues the TMA loads and the MMA warpgroups hand each slot back
+    through its empty mbarrier: the one block-wide barrier is after the mbarriers' init; each MMA
+    warpgroup stores its rows band by band behind named barriers of 128 threads; registers move
+    from the producer to the two MMA warpgroups.  ``persistent`` launches that many blocks."""
+    s = _schedule("gemm_sigmoid_ws_persistent")
+    p = s.warp_tile
+    art = build(s, "cuda")
+    src, meta = art.source, art.meta
+    assert meta["grid"] == [3, 1, 1] and s.num_tiles == 4 and meta["block"] == [384, 1, 1] == [s.threads, 1, 1]
+    assert src.count("__syncthreads()") == 1
+    assert src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") == 1 + 2 * s.stages
+    assert "mbarrier.arrive.shared.b64" in src and "wgmma.wait_group.sync.aligned 1" in src
+    assert "setmaxnreg.dec.sync.aligned.u32 40" in src and "setmaxnreg.inc.sync.aligned.u32 232" in src
+    assert len(re.findall(r"tvm_builtin_ptx_bar_sync_count_sync\([^;]*\(uint\)128\)", src)) == 2 * (256 // BAND)
+    # the ring, the staged bands beside it (64 + 8 columns of every row), then two mbarriers per slot
+    ring = 2 * (2 * 128 * 64 + 2 * 64 * 256) + 2 * 2 * SWIZZLE_ATOM
+    assert meta["dynamic_smem_bytes"] <= warp_tile_smem_bytes(s, p) == ring + 128 * 72 * 2 + 16 * s.stages
+    back = Schedule.from_json(s.to_json())
+    assert back.producer and back.persistent == 3 and back.key == s.key
+    assert "producer warpgroup" in str(s) and "persistent: 3 blocks" in str(s)
+    one = build(_schedule("gemm_relu_ws_bf16"), "cuda").source  # one MMA warpgroup: no register moves
+    assert "setmaxnreg" not in one and "m64n128k16.f32.bf16.bf16" in one
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"producer": True}, "producer gives the TMA loads.*tma=False"),
+    ({"tma": True, "producer": True, "stages": 1}, "ring of 2\\+ stages.*stages 1"),
+    ({"tma": True, "persistent": 2}, "persistent blocks loop over the tiles.*needs producer=True"),
+    ({"tma": True, "producer": True, "persistent": 4}, "persistent 4 blocks must be fewer than the 4 tiles"),
+])
+def test_producer_and_persistent_refusals(kwargs, match) -> None:
+    opts = {"stages": 2} | kwargs
+    with pytest.raises(ScheduleError, match=match):
+        schedule(patterns.gemm_epilogue(256, 256, 128, "relu", True, "float16"), tiles={"m": 128, "n": 128},
+                 serial="k", step=64, tensor_cores=True, wgmma=True, **opts)
+    with pytest.raises(ScheduleError, match="as do producer and persistent"):
+        schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
+                 serial="k", step=64, persistent=2)
 
 
 def test_tma_is_refused_outside_a_plain_wgmma_gemm() -> None:

@@ -31,6 +31,21 @@ def test_wgmma_runs_the_tensor_work_faster() -> None:
     assert estimate_us(_attn(wgmma=True), H100) < estimate_us(_attn(), H100)
 
 
+def test_a_producer_warpgroup_and_a_persistent_grid_run_faster() -> None:
+    """A producer warpgroup drops the block barrier and keeps the tensor pipe fed; a persistent
+    block has the next tile's loads under way during the epilogue (and no partial last wave)."""
+    g = P.gemm_epilogue(8192, 8192, 1024, "sigmoid", True, H)
+
+    def gemm(**opts):
+        return make_schedule(g, {"m": 128, "n": 256}, serial="k", step=64, tensor_cores=True, stages=4, warps=8,
+                             wgmma=True, tma=True, **opts)
+
+    plain, ws, pers = gemm(), gemm(producer=True), gemm(producer=True, persistent=132)
+    a, b = step_cost(plain, H100), step_cost(ws, H100)
+    assert b.tensor_s < a.tensor_s and b.latency_s < a.latency_s
+    assert estimate_us(pers, H100) < estimate_us(ws, H100) < estimate_us(plain, H100)
+
+
 def test_row_sums_move_the_sum_to_the_tensor_cores() -> None:
     plain, rs = step_cost(_attn(), H100), step_cost(_attn(mma_row_sums=True), H100)
     assert rs.simt_s < plain.simt_s and rs.tensor_s > plain.tensor_s

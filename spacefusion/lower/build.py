@@ -78,11 +78,14 @@ class CpuKernel:
         return {k: v.numpy() for k, v in outs.items()}
 
 
-def _pass_context(tvm):
+def _pass_context(tvm, own_barriers: bool = False):
     """TVM 0.27's StorageRewrite merges two live local buffers of a one-step kernel (MHA with
     the whole row in one step gave wrong results on llvm and on the H100); our buffers are sized
-    exactly already, so the pass is off."""
-    return tvm.transform.PassContext(config={"tirx.disable_storage_rewrite": True})
+    exactly already, so the pass is off.  ``own_barriers``: the kernel orders its shared memory by
+    mbarriers and named barriers of one warpgroup (``producer``), which TVM's barrier planner does not
+    know; it would put a block-wide barrier inside a warpgroup's branch, so it is off too."""
+    off = ["s_tir.ThreadSync"] if own_barriers else []
+    return tvm.transform.PassContext(config={"tirx.disable_storage_rewrite": True}, disabled_pass=off)
 
 
 def build_llvm(s: Schedule) -> CpuKernel:
@@ -176,7 +179,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     from tvm.tirx.build import split_host_device_mods
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with _pass_context(tvm):
+    with _pass_context(tvm, own_barriers=s.producer):
         bound = tvm.tirx.transform.BindTarget(target.with_host(tvm.target.Target({"kind": "llvm"})))(mod)
         device = split_host_device_mods(tvm.tirx.get_default_tir_pipeline(target)[0](bound))[1]
         src = tvm.compile(mod, target=target).mod.imports[0].inspect_source()

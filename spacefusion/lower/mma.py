@@ -37,6 +37,7 @@ from schedulers.warp_tile import (
     carry_factor,
     killing_mask,
     mask_bound,
+    mbarrier_bytes,
     smem_layout,
     staged_elements,
     swizzled_128b,
@@ -46,10 +47,11 @@ from schedulers.warp_tile import (
 from smg.expr import body_expr
 from spacefusion.lower.exprs import F32, to_tir
 from spacefusion.lower.mma_out import I32, NEG_INF, _f, _Outputs, _tree
+from spacefusion.lower.mma_ws import _WarpSpecialized
 from spacefusion.lower.tir import signature
 
 
-class _Gen(_Outputs):
+class _Gen(_Outputs, _WarpSpecialized):
     def __init__(self, s: Schedule, p: WarpTileProgram) -> None:
         self.s, self.p, self.smg = s, p, s.smg
         self.sizes = self.smg.dim_sizes
@@ -179,12 +181,20 @@ class _Gen(_Outputs):
         """Address of ring slot ``slot``'s mbarrier (8 bytes, after the arena's tiles)."""
         return self.arena.ptr_to([self.mbar_base + slot * 4])
 
+    def _empty(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
+        """Address of the mbarrier by which the MMA warpgroups hand ring slot ``slot`` back to a
+        producer warpgroup (after the slots' full barriers)."""
+        return self._mbar(self.p.stages + slot)
+
     def _tma_init(self) -> None:
-        """One arrival (thread 0's expect_tx) per phase of every slot's mbarrier, visible to all."""
+        """One arrival (thread 0's expect_tx) per phase of every slot's mbarrier, and with a producer
+        warpgroup one per MMA warpgroup per phase of every slot's empty barrier, visible to all."""
         with T.If(self.tid == 0):
             with T.Then():
                 for i in range(self.p.stages):
                     T.evaluate(T.ptx.mbarrier.init.shared.b64(self._mbar(i), T.uint32(1)))
+                    if self.p.producer:
+                        T.evaluate(T.ptx.mbarrier.init.shared.b64(self._empty(i), T.uint32(self.p.warps // 4)))
                 T.evaluate(T.ptx.fence.mbarrier_init.release.cluster())
         T.evaluate(T.tvm_storage_sync("shared"))
 
@@ -323,39 +333,52 @@ class _Gen(_Outputs):
     # -- the kernel ----------------------------------------------------------------------
     def build(self) -> tirx.PrimFunc:
         s, p = self.s, self.p
-        grid = s.grid()
-        nblocks = s.num_blocks
         with IB.IRBuilder() as ib:
             with T.prim_func():
                 T.func_name("main")
                 for name, shape, dtype, _ in signature(s).params:
                     self.glob[name] = T.arg(name, T.buffer(shape, dtype))
                 T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-                with T.thread_binding(0, nblocks, thread="blockIdx.x") as bid:
+                with T.thread_binding(0, s.num_blocks, thread="blockIdx.x") as bid:
                     with T.thread_binding(0, p.threads, thread="threadIdx.x") as tid:
                         self.tid = tid
-                        group_threads = 32 * p.warps
-                        self.gtid = tid % group_threads if p.split > 1 else tid
-                        self.grp = tid // group_threads if p.split > 1 else tirx.const(0, I32)
-                        self.warp, self.lane = self.gtid // 32, tid % 32
-                        self.g, self.t4 = self.lane // 4, self.lane % 4
-                        rest = bid  # row tile fastest: blocks of one batch coordinate share K/V in L2
-                        rb = rest % grid[p.row]
-                        bound = mask_bound(self.smg, p)
-                        if bound is not None:  # the killing mask makes the work grow (or shrink) with the row
-                            rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
-                        rest = rest // grid[p.row]
-                        # then the slice: the row tiles of one slice read the same K/V steps together
-                        self.slice = rest % p.slices
-                        rest = rest // p.slices
-                        self.tile = rest * grid[p.row] + rb  # the row tile's index among all tiles
-                        outer = [d for d, _ in s.block if d != p.row]
-                        for d in reversed(outer):
-                            self.coord[d] = rest % grid[d] if d != outer[0] else rest
-                            rest = rest // grid[d]
-                        self.row0 = rb * p.rows
-                        self._body()
+                        if p.producer:
+                            self._ws_kernel(bid)
+                        else:
+                            self._threads(tid)
+                            self._coords(bid)
+                            self._body()
         return ib.get()
+
+    def _threads(self, t: tirx.PrimExpr) -> None:
+        """This thread's warp group, warp, lane and quad coordinates from its index ``t`` among the
+        threads that run the MMA (all of them, or those after a producer warpgroup)."""
+        p = self.p
+        group_threads = 32 * p.warps
+        self.gtid = t % group_threads if p.split > 1 else t
+        self.grp = t // group_threads if p.split > 1 else tirx.const(0, I32)
+        self.warp, self.lane = self.gtid // 32, t % 32
+        self.g, self.t4 = self.lane // 4, self.lane % 4
+
+    def _coords(self, t: tirx.PrimExpr) -> None:
+        """The block coordinates of work tile ``t``: its row tile, slice and batch coordinates."""
+        s, p = self.s, self.p
+        grid = s.grid()
+        rest = t  # row tile fastest: blocks of one batch coordinate share K/V in L2
+        rb = rest % grid[p.row]
+        bound = mask_bound(self.smg, p)
+        if bound is not None:  # the killing mask makes the work grow (or shrink) with the row
+            rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
+        rest = rest // grid[p.row]
+        # then the slice: the row tiles of one slice read the same K/V steps together
+        self.slice = rest % p.slices
+        rest = rest // p.slices
+        self.tile = rest * grid[p.row] + rb  # the row tile's index among all tiles
+        outer = [d for d, _ in s.block if d != p.row]
+        for d in reversed(outer):
+            self.coord[d] = rest % grid[d] if d != outer[0] else rest
+            rest = rest // grid[d]
+        self.row0 = rb * p.rows
 
     def _alloc(self) -> None:
         p = self.p
@@ -370,10 +393,13 @@ class _Gen(_Outputs):
             if n in self.swizzled:  # the 128 B swizzle XORs address bits: its atoms start on 1 KB
                 end = -(-end // SWIZZLE_ATOM) * SWIZZLE_ATOM
             offs[n], end = end, end + sizes[n]
-        end = max(end, staged_elements(self.s, p))  # the output tiles reuse it after the loop
-        if p.tma:  # a ring slot's mbarrier each, 8-byte aligned, past everything the loop and outputs use
+        if p.producer:  # the output bands are staged beside the ring, which the loads refill meanwhile
+            self.stage_base, end = end, end + staged_elements(self.s, p)
+        else:  # the output tiles reuse the ring after the loop
+            self.stage_base, end = 0, max(end, staged_elements(self.s, p))
+        if p.tma:  # the ring's mbarriers (mbarrier_bytes), 8-byte aligned, past everything else
             self.mbar_base = -(-end // 4) * 4
-            end = self.mbar_base + 4 * p.stages
+            end = self.mbar_base + mbarrier_bytes(p) // 2
         # the slices' arrival flag is static shared memory, which puts the dynamic arena after it: then
         # the swizzled tiles move up to the next 1 KB of the shared window, found at run time
         skewed = p.wgmma and p.slices > 1

@@ -166,6 +166,9 @@ class _Outputs:
                 continue
             gs = by_n[n]
             staged = staged_output(self.s, p, out)
+            if staged is not None and p.producer:  # by each MMA warpgroup alone (mma_ws)
+                self._store_bands(out, text, gs)
+                continue
             if staged is not None:
                 if staged_before:  # the previous tile's copy-out still reads the arena
                     T.evaluate(T.tvm_storage_sync("shared"))
@@ -199,28 +202,39 @@ class _Outputs:
         for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
             h = self.slot_of(i, per)
             off = (self.row_of(h) - self.row0) * stride + self.col_of(i, per)
-            pair = [_cast(self.expr(text, self._load_acc(gs, e), self.half), self.half) for e in (i, i + 1)]
-            T.buffer_store(self.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
-                           [tirx.Ramp(off, 1, 2)])
+            self._stage_pair(gs, text, i, off)
         T.evaluate(T.tvm_storage_sync("shared"))
-        buf, dims = self.glob[out], self.smg.space(out).dims
         per_row = gs.n_tile // CHUNK
         total, th = p.rows * per_row, p.threads
         with T.serial(0, -(-total // th)) as it:
             c = it * th + self.tid
             r, cc = c // per_row, (c % per_row) * CHUNK
-            row, col = self.row0 + r, self.col0(n) + cc
-            conds = [c < total] if total % th else []
-            if self.sizes[p.row] % p.rows:
-                conds.append(row < self.sizes[p.row])
-            if self.sizes[n] % gs.n_tile:
-                conds.append(col < self.sizes[n])
-            with ExitStack() as guard:
-                if conds:
-                    guard.enter_context(T.If(tirx.all(*conds)))
-                    guard.enter_context(T.Then())
-                idx = [self.coord[d] for d in dims[:-2]] + [row, tirx.Ramp(col, 1, CHUNK)]
-                T.buffer_store(buf, T.BufferLoad(self.arena, [tirx.Ramp(r * stride + cc, 1, CHUNK)]), idx)
+            self._store_chunk(out, gs, self.row0 + r, self.col0(n) + cc, r * stride + cc,
+                              [c < total] if total % th else [])
+
+    def _stage_pair(self, gs: GemmState, text: str, i: int, off: tirx.PrimExpr) -> None:
+        """Output ``text`` at accumulator elements ``i``, ``i + 1`` (a row's adjacent columns) into
+        the arena at ``off`` as one 4-byte vector."""
+        pair = [_cast(self.expr(text, self._load_acc(gs, e), self.half), self.half) for e in (i, i + 1)]
+        T.buffer_store(self.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
+                       [tirx.Ramp(off, 1, 2)])
+
+    def _store_chunk(self, out: str, gs: GemmState, row: tirx.PrimExpr, col: tirx.PrimExpr, src: tirx.PrimExpr,
+                     conds: list[tirx.PrimExpr]) -> None:
+        """One 16-byte chunk of output ``out`` at (``row``, ``col``) from arena element ``src``, unless
+        ``conds`` fail or it lies past a tail of the rows or of the GEMM state's columns."""
+        p, n = self.p, gs.n
+        if self.sizes[p.row] % p.rows:
+            conds = [*conds, row < self.sizes[p.row]]
+        if self.sizes[n] % gs.n_tile:
+            conds = [*conds, col < self.sizes[n]]
+        buf, dims = self.glob[out], self.smg.space(out).dims
+        with ExitStack() as guard:
+            if conds:
+                guard.enter_context(T.If(tirx.all(*conds)))
+                guard.enter_context(T.Then())
+            idx = [self.coord[d] for d in dims[:-2]] + [row, tirx.Ramp(col, 1, CHUNK)]
+            T.buffer_store(buf, T.BufferLoad(self.arena, [tirx.Ramp(src, 1, CHUNK)]), idx)
 
 
 def _tree(terms: list[tirx.PrimExpr], combiner: str) -> tirx.PrimExpr:

@@ -56,7 +56,7 @@ def signature(s: Schedule) -> KernelSignature:
         ps += [(name, (128,), "uint8", "tensormap") for name in tma_maps(s, s.warp_tile)]
     if s.slices > 1:
         p = s.warp_tile
-        tiles = s.num_blocks // s.slices
+        tiles = s.num_tiles // s.slices
         # one part per block of a row tile and warp group of the block (split x slices)
         ps += [(PARTIALS, (tiles * s.slices * p.split, p.merge_floats(), 32 * p.warps), "float32", "scratch"),
                (ARRIVALS, (tiles,), "int32", "scratch")]

@@ -1,0 +1,131 @@
+"""Warp specialisation of a TMA GEMM (``producer``), optionally persistent (``persistent``).
+
+Warpgroup 0 is the producer: its thread 0 walks the block's tiles and their steps, waits until the
+MMA warpgroups have handed a ring slot back (the slot's *empty* mbarrier, one arrival per MMA
+warpgroup) and loads the step's A tile and B bands into it by TMA (the slot's *full* mbarrier
+counts the bytes).  The other warpgroups run the wgmma of each step as soon as its slot is full,
+keep one wgmma group in flight and hand the slot of the step before back.  No block-wide barrier
+sits in the loop, so the loads run ``stages - 1`` steps ahead of the tensor cores by themselves, and
+in a persistent block on into the next tile while the MMA warpgroups store this one's outputs.
+Each MMA warpgroup stores its own rows, one 64-column band at a time through its own staging area
+(named barriers of 128 threads).  Hand-written probe of the same structure: H100, 8192^2 x 1024
+fp16 GEMM, 128 x 256 tiles, 4 stages, 132 persistent blocks: 204 us against cuBLAS's 194-203.
+
+A mixin of ``mma._Gen``: it reads the generator's arena, mbarriers, coordinates and wgmma step.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from schedulers.warp_tile import BAND, CHUNK, PAD, PRODUCER_THREADS, GemmState
+from spacefusion.lower.mma_out import I32, _f
+
+#: registers per thread after ``setmaxnreg`` for a producer warpgroup beside two MMA warpgroups:
+#: 128 x 40 + 256 x 232 = 64512 of the 65536 (the launch gives all 384 threads 168)
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+
+
+class _WarpSpecialized:
+    def _ws_kernel(self, bid: tirx.PrimExpr) -> None:
+        """The whole kernel: the arena and mbarriers, then the producer's and the MMA warpgroups'
+        branches over this block's tiles ``bid, bid + blocks, ...``."""
+        p = self.p
+        self._threads(self.tid - PRODUCER_THREADS)
+        self._alloc()
+        self._tma_init()
+        self.lag = 1  # one wgmma group in flight: a slot goes back one step after its wgmma is issued
+        two = p.warps == 8  # setmaxnreg moves registers between the warpgroups of a 384-thread block
+        with T.If(self.tid < PRODUCER_THREADS):
+            with T.Then():
+                if two:
+                    T.evaluate(T.ptx.setmaxnreg.dec.sync.aligned.u32(PRODUCER_REGS))
+                with T.If(self.tid == 0):
+                    with T.Then():
+                        self._over_tiles(bid, self._produce)
+            with T.Else():
+                if two:
+                    T.evaluate(T.ptx.setmaxnreg.inc.sync.aligned.u32(CONSUMER_REGS))
+                self._over_tiles(bid, self._consume)
+
+    def _over_tiles(self, bid: tirx.PrimExpr, body) -> None:
+        """``body(k)`` for this block's ``k``-th tile, its coordinates set (persistent: every
+        ``num_blocks``-th tile from ``bid``)."""
+        s = self.s
+        if not self.p.persistent:
+            self._coords(bid)
+            body(tirx.const(0, I32))
+            return
+        with T.serial(0, -(-s.num_tiles // s.num_blocks)) as k:
+            t = bid + k * s.num_blocks
+            with T.If(t < s.num_tiles):
+                with T.Then():
+                    self._coords(t)
+                    body(k)
+
+    def _produce(self, k: tirx.PrimExpr) -> None:
+        """Thread 0 of the producer: load every step of tile ``k`` into the ring, each into a slot
+        the MMA warpgroups have handed back (the first ``stages`` are free)."""
+        p, n = self.p, self.s.num_steps
+        with T.serial(0, n) as j:
+            it = k * n + j  # the block's running step count: slot and phase continue across tiles
+            slot = it % p.stages
+            with T.If(it >= p.stages):
+                with T.Then():  # the slot's previous use, step it - stages, completed phase it // stages - 1
+                    T.evaluate(T.cuda.mbarrier_wait(self._empty(slot), (tirx.floordiv(it, p.stages) + 1) % 2))
+            self._tma_step(slot, j * p.step, None)
+
+    def _consume(self, k: tirx.PrimExpr) -> None:
+        """The MMA warpgroups on tile ``k``: per step wait for the slot, issue its wgmma, and hand the
+        previous step's slot back once its wgmma is done; then store the outputs."""
+        p, n = self.p, self.s.num_steps
+        first = self.tid % 128 == 0  # one arrival per MMA warpgroup
+        for buf in self.acc.values():
+            for i in range(int(buf.shape[0])):
+                T.buffer_store(buf, _f(0.0), [i])
+        with T.serial(0, n) as j:
+            it = k * n + j
+            self.slot = it % p.stages
+            self.t0 = j * p.step
+            T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot), tirx.floordiv(it, p.stages) % 2))
+            self._wgmma_step()
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
+            with T.If(tirx.all(j > 0, first)):
+                with T.Then():
+                    T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty((it + p.stages - 1) % p.stages)))
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+        with T.If(first):
+            with T.Then():
+                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty((k * n + n - 1) % p.stages)))
+        self._finalize()
+
+    def _store_bands(self, out: str, text: str, gs: GemmState) -> None:
+        """Store output ``out`` of this MMA warpgroup's rows one ``BAND``-column band at a time: its
+        threads write their column pairs of the band into the warpgroup's staging area, then copy
+        whole 16-byte chunks of its rows out; a named barrier of the warpgroup's 128 threads
+        between (the producer warpgroup runs on meanwhile)."""
+        p = self.p
+        per = (gs.n_tile // 8) * 4
+        acc = self.acc[gs.update.state]
+        wg = self.warp // 4
+        wrows = 64 * p.warp_mtiles  # this warpgroup's rows: its 64-row halves
+        stride = BAND + PAD
+        base = self.stage_base + wg * wrows * stride
+        bar = tirx.Cast("uint32", 1 + wg)  # named barrier 0 is __syncthreads
+        per_row = BAND // CHUNK
+        for band in range(gs.n_tile // BAND):
+            for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
+                if ((i % per) // 4) * 8 // BAND != band:
+                    continue
+                h = self.slot_of(i, per)
+                r = self.row_of(h) - self.row0 - wg * wrows
+                off = base + r * stride + self.col_of(i, per) - band * BAND
+                self._stage_pair(gs, text, i, off)
+            T.evaluate(T.ptx.bar.sync(bar, T.uint32(128)))
+            with T.serial(0, wrows * per_row // 128) as it:
+                c = it * 128 + self.tid % 128
+                r, cc = c // per_row, (c % per_row) * CHUNK
+                self._store_chunk(out, gs, self.row0 + wg * wrows + r, self.col0(gs.n) + band * BAND + cc,
+                                  base + r * stride + cc, [])
+            T.evaluate(T.ptx.bar.sync(bar, T.uint32(128)))

@@ -6,7 +6,7 @@ Usage:  python experiments/make_sweep_artefacts.py OUT_DIR SPEC [SPEC ...]
 A SPEC is ``workload:knob=value,...`` with the workload a key of ``make_harness_artefacts.SCHEDULES``
 and knobs overriding its schedule: tiles (``m``, ``n``), ``step``, ``stages``, ``warps``, ``lanes``,
 ``vector``, ``slices``, ``split``, ``reload_a``, ``early_scores``, ``lazy_rescale``, ``mma_row_sums`` and
-``wgmma``, ``tma``, ``producer`` (0/1), ``persistent`` (blocks), ``tc``
+``wgmma``, ``tma``, ``producer``, ``pingpong``, ``fast_math`` (0/1), ``persistent`` (blocks), ``tc``
 (tensor cores, 0/1) and ``global=A/B`` (read staged inputs A and B from global memory).
 Each artefact lands in ``OUT_DIR/<workload>_<knobs>``;
 then, on the GPU machine, ``python experiments/run_artefacts_gpu.py OUT_DIR/* --out sweep.json``
@@ -29,7 +29,7 @@ from schedulers.schedule import make_schedule  # noqa: E402
 
 TILE_DIMS = ("m", "n")
 OPTIONS = ("stages", "warps", "lanes", "vector", "slices", "split", "reload_a", "early_scores", "lazy_rescale",
-           "mma_row_sums", "wgmma", "tma", "producer", "persistent")
+           "mma_row_sums", "wgmma", "tma", "producer", "persistent", "pingpong", "fast_math")
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:

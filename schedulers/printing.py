@@ -52,6 +52,10 @@ def warp_tile_summary(s: Schedule) -> str:
         parts.append("loads issued by a producer warpgroup (slots handed back by mbarriers, no block barrier)")
     if p.persistent:
         parts.append(f"persistent: {p.persistent} blocks looping over {s.num_tiles} tiles")
+    if p.pingpong:
+        parts.append("two MMA warpgroups taking turns on alternate tiles (pingpong)")
+    if p.fast_math:
+        parts.append("tanh and logistics on tanh.approx.f32")
     if p.row_sums:
         parts.append(", ".join(f"{r} summed on tensor cores with {g}" for r, g in p.row_sums))
     if p.split > 1:

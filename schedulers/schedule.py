@@ -99,6 +99,15 @@ class Schedule:
     #: a persistent grid of this many blocks (0: one block per tile), each looping over the tiles
     #: ``bid, bid + persistent, ...``: the producer loads the next tile's steps during the epilogue
     persistent: int = 0
+    #: two MMA warpgroups per persistent block, each on its own tiles (every other one of the block's),
+    #: taking turns at the tensor cores by an order barrier: one stores its outputs while the other
+    #: runs its main loop (CUTLASS's ping-pong kernel); each tile is one warpgroup's (4 warps)
+    pingpong: bool = False
+    #: tanh, and a logistic ``1 / (1 + exp(z))`` as ``0.5 - 0.5 tanh(z / 2)``, on the SFU's
+    #: ``tanh.approx.f32`` (max relative error 2^-10.99) where the value is stored in 16 bits: one
+    #: special-function op instead of tanhf's software routine or the logistic's exp2 and reciprocal;
+    #: a sigmoid then errs by up to ~2.5e-4 absolute (half an fp16 step near 1, more in its tails)
+    fast_math: bool = False
 
     @cached_property
     def key(self) -> str:
@@ -182,7 +191,8 @@ class Schedule:
             {"lazy_rescale": True} if self.lazy_rescale else {}) | (
             {"mma_row_sums": True} if self.mma_row_sums else {}) | ({"wgmma": True} if self.wgmma else {}) | (
             {"tma": True} if self.tma else {}) | ({"producer": True} if self.producer else {}) | (
-            {"persistent": self.persistent} if self.persistent else {})
+            {"persistent": self.persistent} if self.persistent else {}) | (
+            {"pingpong": True} if self.pingpong else {}) | ({"fast_math": True} if self.fast_math else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -236,6 +246,8 @@ class Schedule:
             tma=bool(d.get("tma", False)),
             producer=bool(d.get("producer", False)),
             persistent=int(d.get("persistent", 0)),
+            pingpong=bool(d.get("pingpong", False)),
+            fast_math=bool(d.get("fast_math", False)),
         )
 
     def __str__(self) -> str:
@@ -322,7 +334,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
                   early_scores: bool = False, lazy_rescale: bool = False,
                   mma_row_sums: bool = False, wgmma: bool = False, tma: bool = False,
-                  producer: bool = False, persistent: int = 0) -> Schedule:
+                  producer: bool = False, persistent: int = 0, pingpong: bool = False,
+                  fast_math: bool = False) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
     ``tiles`` gives block sizes for cut dims (default: 1, and 64 for the
@@ -350,7 +363,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
     ``tma`` loads a wgmma GEMM's tiles with the Tensor Memory Accelerator (tensor maps, mbarriers).
     ``producer`` gives those loads a warpgroup of their own (warp specialisation); ``persistent`` > 0
-    launches that many blocks, each looping over the tiles (with ``producer``).
+    launches that many blocks, each looping over the tiles (with ``producer``); ``pingpong`` gives such a
+    block two MMA warpgroups taking turns on alternate tiles.  ``fast_math`` computes tanh and logistics
+    on ``tanh.approx.f32`` where their values are stored in 16 bits.
     """
     spatial = analyse_spatial(smg)
     if recompute:
@@ -421,7 +436,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial, int(lanes),
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
                    bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums), bool(wgmma),
-                   bool(tma), bool(producer), int(persistent))
+                   bool(tma), bool(producer), int(persistent), bool(pingpong), bool(fast_math))
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason
@@ -469,14 +484,21 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if persistent and not producer:
             raise ScheduleError("persistent blocks loop over the tiles with the loads in a producer warpgroup; it "
                                 "needs producer=True")
+        if fast_math and out.warp_tile is None:
+            raise ScheduleError(f"fast_math puts a warp-tile kernel's tanh and logistics on tanh.approx.f32; "
+                                f"{smg.name!r} has no warp-tile program: {warp_tile_reason(out)}")
+        if pingpong and (not persistent or out.warp_tile is None or out.warp_tile.warps != 4):
+            raise ScheduleError(f"pingpong gives a persistent block (persistent > 0, producer) two MMA warpgroups "
+                                f"on alternate tiles of one warpgroup (4 warps) each; got persistent {persistent}, "
+                                f"{out.warp_tile.warps if out.warp_tile else 0} warps per tile")
         if persistent and not 1 <= persistent < out.num_tiles:
             raise ScheduleError(f"persistent {persistent} blocks must be fewer than the {out.num_tiles} tiles "
                                 f"(and at least 1)")
     elif (stages != 1 or warps or split != 1 or slices != 1 or reload_a or early_scores or lazy_rescale
-          or mma_row_sums or wgmma or tma or producer or persistent):
+          or mma_row_sums or wgmma or tma or producer or persistent or pingpong or fast_math):
         raise ScheduleError("stages, warps, split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums, "
-                            "wgmma and tma apply to tensor-core warp-tile kernels (tensor_cores=True), as do producer "
-                            "and persistent")
+                            "wgmma and tma apply to tensor-core warp-tile kernels (tensor_cores=True), as do producer, "
+                            "persistent, pingpong and fast_math")
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {lanes} lanes needs {out.threads} threads; at most "
                             f"{limit} on {(hw or H100).name}")

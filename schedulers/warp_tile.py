@@ -89,6 +89,8 @@ class WarpTileProgram:
     tma: bool = False  # the plain GEMM's tiles loaded by TMA (tensor maps, an mbarrier per ring slot)
     producer: bool = False  # a producer warpgroup issues the TMA loads; slots come back through mbarriers
     persistent: int = 0  # blocks launched, each looping over the tiles (0: one block per tile)
+    pingpong: bool = False  # two MMA warpgroups per block on alternate tiles, taking turns at the tensor cores
+    fast_math: bool = False  # tanh and logistics stored in 16 bits on tanh.approx.f32
 
     @property
     def wgmma_ss(self) -> bool:
@@ -100,8 +102,13 @@ class WarpTileProgram:
         return self.rows // 16 // self.warps
 
     @property
+    def mma_groups(self) -> int:
+        """Warp groups of a block each on its own tiles: two with ``pingpong``."""
+        return 2 if self.pingpong else 1
+
+    @property
     def threads(self) -> int:
-        return 32 * self.warps * self.split + (PRODUCER_THREADS if self.producer else 0)
+        return 32 * self.warps * self.split * self.mma_groups + (PRODUCER_THREADS if self.producer else 0)
 
     def merge_floats(self) -> int:
         """fp32 registers per thread that a warp group hands over when the groups merge."""
@@ -203,7 +210,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                            s.reload_a and gemm is not None, s.early_scores,
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
                            tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
-                           s.wgmma, s.tma, s.producer, s.persistent)
+                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math)
 
 
 #: the N of wgmma.mma_async m64nNk16 (a multiple of 8 up to 256; here of the 64-column swizzle atoms)
@@ -442,16 +449,18 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
 
 def mbarrier_bytes(p: WarpTileProgram) -> int:
     """A TMA ring's mbarriers, after everything else in the arena: one per slot counting its bytes
-    in, and with a producer warpgroup one more per slot counting the MMA warpgroups done with it."""
-    return 8 * p.stages * (2 if p.producer else 1) if p.tma else 0
+    in, and with a producer warpgroup one more per slot counting the MMA warpgroups done with it;
+    with ``pingpong`` one per MMA warpgroup by which the other lets it start its next main loop."""
+    return (8 * p.stages * (2 if p.producer else 1) + 8 * (2 if p.pingpong else 0)) if p.tma else 0
 
 
 def staged_elements(s, p: WarpTileProgram) -> int:
     """Arena elements the largest staged output tile needs after the loop (0: none is staged); with a
-    producer warpgroup each MMA warpgroup stages one ``BAND``-column band of its rows at a time."""
+    producer warpgroup each MMA warpgroup stages one ``BAND``-column band of its rows at a time (of
+    its own tile with ``pingpong``)."""
     staged = [staged_output(s, p, out) for out, _ in p.outputs]
     widths = [BAND + PAD if p.producer else st[1] for st in staged if st is not None]
-    return max((p.rows * w for w in widths), default=0)
+    return max((p.rows * w for w in widths), default=0) * p.mma_groups
 
 
 def warp_tile_registers(s, p: WarpTileProgram) -> int:

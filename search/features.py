@@ -71,6 +71,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "tma",  # 1 when the GEMM's tiles are loaded by TMA (tensor maps, mbarriers) instead of cp.async
     "producer",  # 1 when a producer warpgroup issues those loads (warp specialisation)
     "persistent",  # 1 when a persistent grid loops over the tiles
+    "pingpong",  # 1 when two MMA warpgroups of a persistent block take turns on alternate tiles
+    "fast_math",  # 1 when tanh and logistics run on tanh.approx.f32
     "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
@@ -236,6 +238,8 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "tma": float(s.tma),
         "producer": float(s.producer),
         "persistent": float(s.persistent > 0),
+        "pingpong": float(s.pingpong),
+        "fast_math": float(s.fast_math),
         "log2_vector": math.log2(1 + s.vector),
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,

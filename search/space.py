@@ -78,6 +78,7 @@ class Knobs:
     tma: bool = False
     producer: bool = False
     persistent: int = 0
+    pingpong: bool = False
 
 
 @dataclass
@@ -195,10 +196,12 @@ class SearchSpace:
         """A TMA GEMM's warp-specialised variants: a producer warpgroup, rings of 2..4 slots (it keeps
         the deeper rings fed: 4 stages were the fastest of 2..4 on the H100's 128 x 256 tiles), one block
         per tile or a persistent grid of one block per SM (204.7 against 212.2 us estimated, 202.8
-        measured for the persistent 8192^2 x 1024 GEMM)."""
-        for stages, persistent in itertools.product(PRODUCER_STAGES, (0, self.hw.num_sms)):
+        measured for the persistent 8192^2 x 1024 GEMM), the latter also with two MMA warpgroups
+        taking turns on alternate tiles (pingpong)."""
+        modes = ((0, False), (self.hw.num_sms, False), (self.hw.num_sms, True))
+        for stages, (persistent, pingpong) in itertools.product(PRODUCER_STAGES, modes):
             yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, 1, True, stages, warps,
-                        wgmma=True, tma=True, producer=True, persistent=persistent)
+                        wgmma=True, tma=True, producer=True, persistent=persistent, pingpong=pingpong)
 
     @cached_property
     def hopper(self) -> bool:
@@ -263,10 +266,10 @@ class SearchSpace:
 
     def _schedule(self, k: Knobs) -> Schedule:
         """The schedule of ``k``; the knobs offered on where they may apply (``mma_row_sums``,
-        ``wgmma``, ``tma``, ``producer``, ``persistent``) are dropped, one at a time, where make_schedule
-        refuses them."""
+        ``wgmma``, ``tma``, ``producer``, ``persistent``, ``pingpong``) are dropped, one at a time, where
+        make_schedule refuses them."""
         opts = {"mma_row_sums": k.mma_row_sums, "wgmma": k.wgmma, "tma": k.tma, "producer": k.producer,
-                "persistent": k.persistent}
+                "persistent": k.persistent, "pingpong": k.pingpong}
         while True:
             try:
                 return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step,

@@ -33,7 +33,7 @@ from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
 from schedulers.warp_tile import WarpTileProgram, _quotient, smem_layout, steps_per_row_tile
-from smg.expr import body_expr
+from smg.expr import body_expr, logistic_arg
 
 #: exp2 / rcp results per SM per clock (CUDA Programming Guide, arithmetic throughput, cc 5.x-9.0)
 SFU_PER_CLK = 16
@@ -49,15 +49,33 @@ LOAD_LATENCY_S = 0.5e-6
 BARRIER_S = 0.05e-6
 #: share of the other issuing units' demand (tensor, SFU, FP32) that adds to the busiest's (fitted)
 OVERLAP_LOSS = 0.45
+#: how much faster TMA's bulk tensor copies draw from L2 than cp.async's 16-byte ones: the H100's
+#: pingpong GEMM on 64 x 256 tiles moved 2.68 GB of tiles in 210.9 us (12.7 TB/s), the cp.async
+#: 128 x 128 kernel at most 8.5 TB/s, against the hardware model's 10 TB/s
+TMA_L2_FACTOR = 1.3
+#: FP32 operations of CUDA's tanhf, a software routine (exp-based with a polynomial for small |x|)
+TANHF_OPS = 20
 
 
-def _ops(exprs: list[sp.Expr]) -> tuple[int, int]:
+def _ops(exprs: list[sp.Expr], fast_math: bool = False) -> tuple[int, int]:
     """(SIMT, SFU) operations of ``exprs`` with shared subexpressions counted once (the lowering
     computes attention's ``exp(Ss - m)`` once for the row sum and P @ V): exp and reciprocals go
-    to the special-function unit."""
+    to the special-function unit; with ``fast_math`` a logistic ``1 / (1 + exp(z))`` and a tanh
+    are one tanh.approx each (else tanhf's software routine: about 20 FP32 ops)."""
     nodes = {a for e in exprs for a in sp.preorder_traversal(e) if not a.is_Atom}
-    sfu = sum(1 for a in nodes if isinstance(a, sp.exp) or (isinstance(a, sp.Pow) and a.exp.is_negative))
-    return len(nodes) - sfu, sfu
+    if fast_math:  # the logistic's exp and sum are inside its one tanh.approx
+        logistic = {a for a in nodes if isinstance(a, sp.Pow) and a.exp == -1 and logistic_arg(a.base) is not None}
+        nodes -= {x for a in logistic for x in (a.base, *a.base.args)}
+        sfu = len(logistic) + sum(1 for a in nodes if isinstance(a, sp.tanh) or (_sfu(a) and a not in logistic))
+        return len(nodes) - sfu + 2 * len(logistic), sfu
+    sfu = sum(1 for a in nodes if _sfu(a))
+    simt = len(nodes) - sfu + TANHF_OPS * sum(1 for a in nodes if isinstance(a, sp.tanh))
+    return simt, sfu
+
+
+def _sfu(a: sp.Expr) -> bool:
+    """Whether node ``a`` runs on the special-function unit: an exp or a reciprocal."""
+    return isinstance(a, sp.exp) or (isinstance(a, sp.Pow) and a.exp.is_negative)
 
 
 @dataclass(frozen=True)
@@ -94,7 +112,7 @@ def _elementwise(s: Schedule, p: WarpTileProgram) -> tuple[float, float, float, 
     bodies += [_quotient(g.update.body, g.x) for g in p.gemm_states if p.gemm is not None or p.score_ops]
     simt, sfu = _ops(bodies)
     simt += len(p.row_states) - len(p.row_sums) + (len(p.gemm_states) if p.score_ops else 0)
-    out_simt, out_sfu = _ops([parse(v) for _, v in p.outputs])
+    out_simt, out_sfu = _ops([parse(v) for _, v in p.outputs], p.fast_math)
     return float(simt), float(sfu), float(out_simt + 1), float(out_sfu)
 
 
@@ -123,7 +141,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     fp32_rate = hw.peak_flops("float32", tensor_core=False) / sms
     sfu_rate = SFU_PER_CLK * hw.clock_hz
     smem_rate = hw.smem_bandwidth_bytes_per_s_per_sm
-    l2_rate = hw.l2_bandwidth_bytes_per_s / sms
+    l2_rate = hw.l2_bandwidth_bytes_per_s / sms * (TMA_L2_FACTOR if p.tma else 1.0)
 
     rows, step = p.rows, p.step
     kd = sizes[p.gemm.k] if p.gemm else 0
@@ -176,8 +194,10 @@ def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[fl
     if p.persistent:  # every block runs its share of the tiles; after its first tile the producer has the
         per_sm = min(max(1, occupancy), -(-p.persistent // hw.num_sms))  # next one's loads under way
         tiles = -(-groups // p.persistent)
-        return (tiles * (steps * c.round_s(per_sm) + c.fixed_s) - (tiles - 1) * LOAD_LATENCY_S,
-                _flops(s, p, groups, steps))
+        main = steps * c.round_s(per_sm)
+        if p.pingpong:  # one warpgroup's outputs go out while the other runs its main loop
+            return tiles * max(main, c.fixed_s) + min(main, c.fixed_s), _flops(s, p, groups, steps)
+        return tiles * (main + c.fixed_s) - (tiles - 1) * LOAD_LATENCY_S, _flops(s, p, groups, steps)
     slots = max(1, occupancy) * p.split * hw.num_sms
     full, rest = divmod(groups, slots)
     total = full * (steps * c.round_s(max(1, occupancy) * p.split) + c.fixed_s)

@@ -30,3 +30,14 @@ def index_symbols(op: Op) -> tuple[sp.Symbol, ...]:
     """The iteration dims that ``op``'s body reads as values (e.g. ``l <= m``)."""
     free = body_expr(op).free_symbols
     return tuple(symbol(d) for d in op.iter_dims if symbol(d) in free)
+
+
+def logistic_arg(e: sp.Expr) -> sp.Expr | None:
+    """``z`` when ``e`` is ``1 + exp(z)``, the denominator of a logistic ``1 / (1 + exp(z))``
+    (a sigmoid is ``z = -x``), else None."""
+    terms = sp.Add.make_args(e)
+    if len(terms) == 2 and sp.S.One in terms:
+        other = terms[1] if terms[0] == 1 else terms[0]
+        if isinstance(other, sp.exp):
+            return other.args[0]
+    return None

@@ -64,7 +64,7 @@ def demo(args: argparse.Namespace) -> int:
 
 #: ``build`` flags that are make_schedule options of the same name (only changed ones are passed)
 KNOBS = ("stages", "warps", "split", "slices", "reload_a", "early_scores", "lazy_rescale", "mma_row_sums", "wgmma",
-         "tma", "producer", "persistent")
+         "tma", "producer", "persistent", "pingpong", "fast_math")
 
 
 def build_cmd(args: argparse.Namespace) -> int:
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--producer", action="store_true", help="with --tma: a producer warpgroup issues the loads")
     b.add_argument("--persistent", type=int, default=knob["persistent"],
                    help="with --producer: launch this many blocks, each looping over the tiles (0: one per tile)")
+    b.add_argument("--pingpong", action="store_true", help="with --persistent: two MMA warpgroups on alternate tiles")
+    b.add_argument("--fast-math", action="store_true", help="tanh and sigmoid on tanh.approx.f32 (16-bit outputs)")
     b.add_argument("--schedule", default=None, help="a Schedule JSON file instead of the shape and knobs")
     b.add_argument("--verify", action="store_true")
     b.add_argument("--out", required=True)

@@ -90,6 +90,17 @@ CASES = {
                                    {"wgmma": True, "tma": True, "warps": 8, "producer": True, "persistent": 3}),
     "gemm_relu_ws_bf16": (lambda: patterns.gemm_epilogue(200, 200, 128, "relu", False, "bfloat16"),
                           {"m": 64, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "producer": True}),
+    # two MMA warpgroups taking turns on alternate tiles: 12 tiles over 5 blocks (up to 3 each), tails
+    "gemm_sigmoid_pingpong": (lambda: patterns.gemm_epilogue(200, 320, 192, "sigmoid", True, "float16"),
+                              {"m": 64, "n": 128}, 64, 2,
+                              {"wgmma": True, "tma": True, "producer": True, "persistent": 5, "pingpong": True}),
+    # tanh on tanh.approx.f32 (fast_math), pingpong, a 3-ring
+    "gemm_tanh_pingpong_fast_math": (lambda: patterns.gemm_epilogue(200, 320, 192, "tanh", False, "float16"),
+                                     {"m": 64, "n": 128}, 64, 3,
+                                     {"wgmma": True, "tma": True, "producer": True, "persistent": 5,
+                                      "pingpong": True, "fast_math": True}),
+    "gemm_sigmoid_fast_math": (lambda: patterns.gemm_epilogue(200, 200, 128, "sigmoid", True, "float16"),
+                               {"m": 128, "n": 64}, 64, 2, {"wgmma": True, "fast_math": True}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
@@ -733,7 +744,54 @@ def test_producer_warpgroup_feeds_the_ring_without_block_barriers() -> None:
     assert "setmaxnreg" not in one and "m64n128k16.f32.bf16.bf16" in one
 
 
+def test_pingpong_warpgroups_take_turns_on_alternate_tiles() -> None:
+    """With ``pingpong`` a persistent block has two MMA warpgroups of one tile each: 128 + 2 x 128
+    threads, a staging area and named barrier each, and an order mbarrier each by which the other
+    lets it start its next main loop."""
+    s = _schedule("gemm_sigmoid_pingpong")
+    p = s.warp_tile
+    art = build(s, "cuda")
+    src = art.source
+    assert p.mma_groups == 2 and p.warps == 4 and art.meta["block"] == [384, 1, 1] and art.meta["grid"] == [5, 1, 1]
+    assert src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") == 1 + 2 * s.stages + 2
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in src and src.count("__syncthreads()") == 1
+    ring = 2 * (64 * 64 + 64 * 128) * 2 + 2 * 2 * SWIZZLE_ATOM
+    assert warp_tile_smem_bytes(s, p) == ring + 2 * 64 * 72 * 2 + 16 * s.stages + 16
+    assert Schedule.from_json(s.to_json()).pingpong and "pingpong" in s.to_dict()
+    assert "two MMA warpgroups taking turns" in str(s)
+
+
+def test_fast_math_puts_tanh_and_the_logistic_on_tanh_approx() -> None:
+    """``fast_math``: a sigmoid epilogue is 0.5 - 0.5 tanh(z / 2) on tanh.approx.f32 (no exp2f, no
+    division), a tanh epilogue that instruction instead of tanhf; off, the source is unchanged."""
+    sig = build(_schedule("gemm_sigmoid_fast_math"), "cuda").source
+    assert "tanh.approx.f32" in sig and "exp2f" not in sig and "__fdividef" not in sig
+    plain = build(_schedule("gemm_sigmoid_wgmma"), "cuda").source
+    assert "tanh.approx" not in plain and "exp2f" in plain and "__fdividef" in plain
+    th = build(_schedule("gemm_tanh_pingpong_fast_math"), "cuda").source
+    assert "tanh.approx.f32" in th and "tanhf(" not in th  # (the preamble names tanhf in a macro)
+    assert "tanh and logistics on tanh.approx.f32" in str(_schedule("gemm_sigmoid_fast_math"))
+    with pytest.raises(ScheduleError, match="as do producer, persistent, pingpong and fast_math"):
+        schedule(patterns.gemm_epilogue(64, 64, 64, "tanh", True, "float16"), tiles={"m": 64, "n": 64},
+                 serial="k", step=64, fast_math=True)
+
+
+@pytest.mark.parametrize("expr, z", [("1/(1 + exp(-(x + b)))", "-x - b"), ("1/(exp(y) + 1)", "y"),
+                                     ("1/(2 + exp(y))", None), ("1/(1 + y)", None), ("exp(y)", None)])
+def test_logistic_denominators_are_recognised(expr, z) -> None:
+    import sympy as sp
+
+    from schedulers.temporal import parse
+    from smg.expr import logistic_arg
+
+    e = parse(expr)
+    found = logistic_arg(e.base) if isinstance(e, sp.Pow) else logistic_arg(e)
+    assert (found is None) if z is None else sp.simplify(found - parse(z)) == 0
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"tma": True, "producer": True, "pingpong": True}, "pingpong gives a persistent block.*persistent 0"),
+    ({"tma": True, "producer": True, "persistent": 2, "pingpong": True, "warps": 8}, "8 warps per tile"),
     ({"producer": True}, "producer gives the TMA loads.*tma=False"),
     ({"tma": True, "producer": True, "stages": 1}, "ring of 2\\+ stages.*stages 1"),
     ({"tma": True, "persistent": 2}, "persistent blocks loop over the tiles.*needs producer=True"),
@@ -744,7 +802,7 @@ def test_producer_and_persistent_refusals(kwargs, match) -> None:
     with pytest.raises(ScheduleError, match=match):
         schedule(patterns.gemm_epilogue(256, 256, 128, "relu", True, "float16"), tiles={"m": 128, "n": 128},
                  serial="k", step=64, tensor_cores=True, wgmma=True, **opts)
-    with pytest.raises(ScheduleError, match="as do producer and persistent"):
+    with pytest.raises(ScheduleError, match="as do producer, persistent, pingpong and fast_math"):
         schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=64, persistent=2)
 

@@ -46,6 +46,15 @@ def test_a_producer_warpgroup_and_a_persistent_grid_run_faster() -> None:
     assert estimate_us(pers, H100) < estimate_us(ws, H100) < estimate_us(plain, H100)
 
 
+def test_fast_math_pays_one_sfu_op_per_sigmoid_or_tanh() -> None:
+    from schedulers.temporal import parse
+    from search.warp_tile_cost import TANHF_OPS, _ops
+
+    sig, th = parse("1/(1 + exp(-(Y + b)))"), parse("tanh(Y)")
+    assert _ops([sig])[1] == 2 and _ops([sig], fast_math=True)[1] == 1
+    assert _ops([th]) == (1 + TANHF_OPS, 0) and _ops([th], fast_math=True) == (0, 1)
+
+
 def test_row_sums_move_the_sum_to_the_tensor_cores() -> None:
     plain, rs = step_cost(_attn(), H100), step_cost(_attn(mma_row_sums=True), H100)
     assert rs.simt_s < plain.simt_s and rs.tensor_s > plain.tensor_s

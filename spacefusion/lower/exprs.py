@@ -8,6 +8,8 @@ from collections.abc import Callable
 import sympy as sp
 from tvm import tirx
 
+from smg.expr import logistic_arg
+
 F32 = "float32"
 
 
@@ -19,7 +21,8 @@ LOG2E = 1.4426950408889634
 
 
 def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
-           fold_log2e: bool = False, fast_div: bool = False) -> tirx.PrimExpr:
+           fold_log2e: bool = False, fast_div: bool = False,
+           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None) -> tirx.PrimExpr:
     """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
     ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
     reduction).  With ``fold_log2e`` too, ``log2 e`` is distributed over the terms of ``x`` so
@@ -29,10 +32,17 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
     sentinels (a -1e30 mask fill) would give exp2 of the rounding residual, which overflows.
     With ``fast_div``, ``a / b`` is CUDA's ``__fdividef`` (a reciprocal and a multiply, 2 ulp,
     no slow-path branch): for values stored in fp16 / bf16 only, whose rounding is far coarser;
-    where it differs from IEEE (|b| > 2**126, or an infinite a) the value is 0 or NaN."""
+    where it differs from IEEE (|b| > 2**126, or an infinite a) the value is 0 or NaN.
+    With ``tanh`` (an emitter of the GPU's ``tanh.approx.f32``), ``tanh(x)`` is that instruction
+    and a logistic ``1 / (1 + exp(z))`` is ``0.5 - 0.5 * tanh(z / 2)``: one special-function op
+    where tanhf is a software routine and the logistic an exp2 and a reciprocal."""
 
-    def div(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-        return tirx.call_pure_extern(F32, "__fdividef", a, b) if fast_div else a / b
+    def div(a: tirx.PrimExpr, b: sp.Expr) -> tirx.PrimExpr:
+        logistic = logistic_arg(b) if tanh is not None else None
+        if logistic is not None:
+            half = _const(0.5)
+            return a * (half - half * tanh(go(sp.expand(logistic / 2))))
+        return tirx.call_pure_extern(F32, "__fdividef", a, go(b)) if fast_div else a / go(b)
 
     def go(e: sp.Expr) -> tirx.PrimExpr:
         if e.is_Symbol:
@@ -51,12 +61,12 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
             for a in num[1:]:
                 out = out * go(a)
             for a in den:
-                out = div(out, go(a))
+                out = div(out, a)
             return out
         if e.is_Pow:
             base, ex = e.args
             if ex == -1:
-                return div(_const(1.0), go(base))
+                return div(_const(1.0), base)
             if ex == sp.Rational(1, 2):
                 return tirx.sqrt(go(base))
             if ex == sp.Rational(-1, 2):
@@ -72,6 +82,8 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
             if fold_log2e:
                 return tirx.exp2(go(sp.Add(*[sp.Float(LOG2E) * a for a in sp.Add.make_args(e.args[0])])))
             return tirx.exp2(go(e.args[0]) * _const(LOG2E))
+        if tanh is not None and isinstance(e, sp.tanh):
+            return tanh(go(e.args[0]))
         fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
                sp.Abs: tirx.abs}
         for f, g in fns.items():

@@ -195,6 +195,8 @@ class _Gen(_Outputs, _WarpSpecialized):
                     T.evaluate(T.ptx.mbarrier.init.shared.b64(self._mbar(i), T.uint32(1)))
                     if self.p.producer:
                         T.evaluate(T.ptx.mbarrier.init.shared.b64(self._empty(i), T.uint32(self.p.warps // 4)))
+                for i in range(2 if self.p.pingpong else 0):
+                    T.evaluate(T.ptx.mbarrier.init.shared.b64(self._order(i), T.uint32(1)))
                 T.evaluate(T.ptx.fence.mbarrier_init.release.cluster())
         T.evaluate(T.tvm_storage_sync("shared"))
 
@@ -274,7 +276,8 @@ class _Gen(_Outputs, _WarpSpecialized):
         the fast division)."""
         e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
         return to_tir(e, load, exp2=True, fold_log2e=self.fold_log2e or (self.unmasked and self.fold_unmasked),
-                      fast_div=stored in MMA_DTYPES)
+                      fast_div=stored in MMA_DTYPES,
+                      tanh=_tanh_approx if self.p.fast_math and stored in MMA_DTYPES else None)
 
     def load_common(self, name: str, h: int, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr | None:
         """Row states (rows g + 8h), dims as indices, inputs from global memory."""
@@ -875,6 +878,13 @@ class _Gen(_Outputs, _WarpSpecialized):
             carry = buf[h] if not u.carry else self.expr(u.carry, lambda n, h=h: self._load_row(n, h))
             T.buffer_store(buf, carry + part[(h // 2) * 4 + 2 * (h % 2)], [h])
         self.updated(state)
+
+def _tanh_approx(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``tanh.approx.f32`` of ``x``, through a register (the instruction writes its operand)."""
+    t = T.alloc_buffer((1,), F32, scope="local")
+    T.evaluate(T.ptx.tanh.approx.f32(t[0], x))
+    return t[0]
+
 
 def _cp_async(dtype: str, dst: tirx.Buffer, doff: tirx.PrimExpr, src: tirx.Buffer, soff: tirx.PrimExpr):
     from tvm.backend.cuda.op import ptx_cp_async_legacy

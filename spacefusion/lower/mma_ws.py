@@ -32,11 +32,14 @@ class _WarpSpecialized:
         """The whole kernel: the arena and mbarriers, then the producer's and the MMA warpgroups'
         branches over this block's tiles ``bid, bid + blocks, ...``."""
         p = self.p
-        self._threads(self.tid - PRODUCER_THREADS)
+        mma_tid = self.tid - PRODUCER_THREADS
+        group = 32 * p.warps  # the threads of one tile's MMA warpgroups
+        self._threads(mma_tid % group if p.pingpong else mma_tid)
+        self.mma_wg = mma_tid // group if p.pingpong else tirx.const(0, I32)  # whose tiles (pingpong)
         self._alloc()
         self._tma_init()
         self.lag = 1  # one wgmma group in flight: a slot goes back one step after its wgmma is issued
-        two = p.warps == 8  # setmaxnreg moves registers between the warpgroups of a 384-thread block
+        two = p.warps * p.mma_groups == 8  # setmaxnreg moves registers between the warpgroups of 384 threads
         with T.If(self.tid < PRODUCER_THREADS):
             with T.Then():
                 if two:
@@ -47,24 +50,27 @@ class _WarpSpecialized:
             with T.Else():
                 if two:
                     T.evaluate(T.ptx.setmaxnreg.inc.sync.aligned.u32(CONSUMER_REGS))
-                self._over_tiles(bid, self._consume)
+                self._over_tiles(bid, self._consume, self.p.mma_groups)
 
-    def _over_tiles(self, bid: tirx.PrimExpr, body) -> None:
-        """``body(k)`` for this block's ``k``-th tile, its coordinates set (persistent: every
-        ``num_blocks``-th tile from ``bid``)."""
+    def _over_tiles(self, bid: tirx.PrimExpr, body, every: int = 1) -> None:
+        """``body(kk, k)`` for this block's ``kk``-th tile, its coordinates set (persistent: every
+        ``num_blocks``-th tile from ``bid``), ``k`` counting the calls: all of the block's tiles, or
+        with ``every`` 2 (pingpong) those of this MMA warpgroup, every other one."""
         s = self.s
         if not self.p.persistent:
             self._coords(bid)
-            body(tirx.const(0, I32))
+            body(tirx.const(0, I32), tirx.const(0, I32))
             return
-        with T.serial(0, -(-s.num_tiles // s.num_blocks)) as k:
-            t = bid + k * s.num_blocks
+        per = -(-s.num_tiles // s.num_blocks)
+        with T.serial(0, -(-per // every)) as k:
+            kk = k * every + self.mma_wg if every > 1 else k
+            t = bid + kk * s.num_blocks
             with T.If(t < s.num_tiles):
                 with T.Then():
                     self._coords(t)
-                    body(k)
+                    body(kk, k)
 
-    def _produce(self, k: tirx.PrimExpr) -> None:
+    def _produce(self, k: tirx.PrimExpr, _: tirx.PrimExpr) -> None:
         """Thread 0 of the producer: load every step of tile ``k`` into the ring, each into a slot
         the MMA warpgroups have handed back (the first ``stages`` are free)."""
         p, n = self.p, self.s.num_steps
@@ -76,14 +82,21 @@ class _WarpSpecialized:
                     T.evaluate(T.cuda.mbarrier_wait(self._empty(slot), (tirx.floordiv(it, p.stages) + 1) % 2))
             self._tma_step(slot, j * p.step, None)
 
-    def _consume(self, k: tirx.PrimExpr) -> None:
-        """The MMA warpgroups on tile ``k``: per step wait for the slot, issue its wgmma, and hand the
-        previous step's slot back once its wgmma is done; then store the outputs."""
+    def _consume(self, k: tirx.PrimExpr, mine: tirx.PrimExpr) -> None:
+        """The MMA warpgroups on the block's tile ``k`` (their ``mine``-th): per step wait for the
+        slot, issue its wgmma, and hand the previous step's slot back once its wgmma is done; then
+        store the outputs.  With ``pingpong`` a warpgroup's main loop waits until the other's on the
+        tile before has ended: its ring slots are then this tile's, never still the other's (a slot's
+        parity alone cannot tell uses two phases apart), and the two take turns at the tensor cores."""
         p, n = self.p, self.s.num_steps
         first = self.tid % 128 == 0  # one arrival per MMA warpgroup
         for buf in self.acc.values():
             for i in range(int(buf.shape[0])):
                 T.buffer_store(buf, _f(0.0), [i])
+        if p.pingpong:  # the other warpgroup's main loops so far complete this barrier's phases
+            with T.If(k > 0):
+                with T.Then():
+                    T.evaluate(T.cuda.mbarrier_wait(self._order(self.mma_wg), (mine + 1 + self.mma_wg) % 2))
         with T.serial(0, n) as j:
             it = k * n + j
             self.slot = it % p.stages
@@ -98,7 +111,13 @@ class _WarpSpecialized:
         with T.If(first):
             with T.Then():
                 T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty((k * n + n - 1) % p.stages)))
+                if p.pingpong:  # the other warpgroup's next main loop may start
+                    T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._order(1 - self.mma_wg)))
         self._finalize()
+
+    def _order(self, wg: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Address of the mbarrier that lets MMA warpgroup ``wg`` start its next main loop (pingpong)."""
+        return self._mbar(2 * self.p.stages + wg)
 
     def _store_bands(self, out: str, text: str, gs: GemmState) -> None:
         """Store output ``out`` of this MMA warpgroup's rows one ``BAND``-column band at a time: its
@@ -108,11 +127,12 @@ class _WarpSpecialized:
         p = self.p
         per = (gs.n_tile // 8) * 4
         acc = self.acc[gs.update.state]
-        wg = self.warp // 4
+        wg = self.warp // 4  # which rows of the tile
         wrows = 64 * p.warp_mtiles  # this warpgroup's rows: its 64-row halves
         stride = BAND + PAD
-        base = self.stage_base + wg * wrows * stride
-        bar = tirx.Cast("uint32", 1 + wg)  # named barrier 0 is __syncthreads
+        mine = wg + self.mma_wg  # its staging area and named barrier (one of the two is 0)
+        base = self.stage_base + mine * wrows * stride
+        bar = tirx.Cast("uint32", 1 + mine)  # named barrier 0 is __syncthreads
         per_row = BAND // CHUNK
         for band in range(gs.n_tile // BAND):
             for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row

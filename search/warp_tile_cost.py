@@ -169,10 +169,13 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
     simt_s = (elems * step_simt + rows * carry_simt) / fp32_rate
     load = LOAD_LATENCY_S + l2_s
-    if p.stages <= 1:
+    # steps loaded ahead: the ring less the slot being read and, fed by a producer warpgroup, the
+    # slot its wgmma group in flight still holds
+    ahead = p.stages - 1 - (1 if p.producer else 0)
+    if ahead <= 0:
         latency = load
     else:
-        latency = max(0.0, load / (p.stages - 1) - (tensor_s + sfu_s + simt_s))
+        latency = max(0.0, load / ahead - (tensor_s + sfu_s + simt_s))
     if not p.producer:  # a producer warpgroup's ring hands slots back by mbarriers: no block barrier
         latency += BARRIER_S
 

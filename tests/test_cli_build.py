@@ -19,6 +19,18 @@ def test_build_takes_the_tensor_core_knobs(tmp_path, capsys) -> None:
     assert "tensor cores: 2 warps x 1 16-row mma tile, 2-stage cp.async ring" in out and "P_max kept within" in out
 
 
+def test_build_takes_the_producer_knobs(tmp_path, capsys) -> None:
+    gemm = ["gemm_epilogue", "--shape", "512", "512", "256", "--tile-m", "64", "--tile-n", "256", "--step", "64",
+            "--target", "cuda", "--tensor-cores", "--stages", "4", "--wgmma", "--tma"]
+    assert main(["build", *gemm, "--producer", "--persistent", "5", "--pingpong", "--fast-math",
+                 "--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    assert "persistent: 5 blocks" in out and "pingpong" in out and "tanh.approx.f32" in out
+    assert "grid [5, 1, 1], block [384, 1, 1]" in out
+    assert main(["build", *gemm, "--pingpong", "--out", str(tmp_path / "x")]) == 2
+    assert "pingpong gives a persistent block" in capsys.readouterr().err
+
+
 def test_build_from_a_schedule_file_matches_the_knobs(tmp_path) -> None:
     s = schedule(patterns.attention(1, 2, 100, 100, 64), tiles={"m": 32}, step=32, tensor_cores=True, stages=2,
                  lazy_rescale=True)

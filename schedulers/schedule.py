@@ -474,9 +474,14 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         if wgmma and out.warp_tile is None:
             raise ScheduleError(f"wgmma runs a warp-tile program's GEMMs on warpgroup MMA: "
                                 f"{warp_tile_reason(out)}")
-        if tma and (out.warp_tile is None or not out.warp_tile.wgmma_ss or slices != 1):
-            raise ScheduleError(f"tma loads the tiles of a plain GEMM (+ epilogue) on warpgroup MMA (wgmma=True), "
-                                f"one block per tile (no slices); {smg.name!r} with these options is not one")
+        if tma:
+            from schedulers.warp_tile import tma_reason
+
+            why = "it is not a warp-tile program" if out.warp_tile is None else tma_reason(out.warp_tile)
+            if why is not None:
+                raise ScheduleError(f"tma loads the ring of a warp-tile program on warpgroup MMA: a plain GEMM's "
+                                    f"tiles (one block per tile), or attention's K and V; {smg.name!r} with these "
+                                    f"options cannot: {why}")
         if producer and (not tma or stages < 2):
             raise ScheduleError(f"producer gives the TMA loads of a wgmma GEMM a warpgroup of their own; it needs "
                                 f"tma=True and a ring of 2+ stages (one slot stays with the wgmma in flight); got "

@@ -605,7 +605,30 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     [step, 64] column bands; the launcher encodes them for the tensors it binds."""
     if not p.tma:
         return {}
+    if not p.wgmma_ss:  # attention: K's and V's [step, 64] bands, one (head, batch) coordinate at a time
+        return {f"{n}__tmap": {"tensor": n, "box": [64, p.step] + [1] * (len(s.smg.space(n).dims) - 2),
+                               "swizzle": 128} for n in tma_streamed(p)}
     (g,) = p.gemm_states
     a = p.tiles_in[0]
     return {f"{a}__tmap": {"tensor": a, "box": [p.step, p.rows], "swizzle": 128},
             f"{g.x}__tmap": {"tensor": g.x, "box": [64, p.step], "swizzle": 128}}
+
+
+def tma_streamed(p: WarpTileProgram) -> tuple[str, ...]:
+    """The tiles a TMA ring loads per step outside the plain-GEMM form: the score GEMM's B (K) and
+    the GEMM states' ``x`` (V), each [step, cols] in 64-column swizzled bands."""
+    return tuple(dict.fromkeys(((p.gemm.b,) if p.gemm is not None else ()) + tuple(g.x for g in p.gemm_states)))
+
+
+def tma_reason(p: WarpTileProgram) -> str | None:
+    """Why the ring of ``p`` cannot be loaded by TMA (None: it can): it needs warpgroup MMA's
+    swizzled tiles, one warp group, and no input staged in the score layout (Softmax-GEMM's S)."""
+    if not p.wgmma:
+        return "its tiles are not wgmma's swizzled ones (wgmma=True)"
+    if p.wgmma_ss:
+        return "blocks slice the steps" if p.slices != 1 else None
+    if p.split != 1 or p.tiles_in:
+        return "warp groups split the steps, or an input is staged in the score layout"
+    if p.gemm is not None and p.gemm.b_trans:
+        return f"{p.gemm.b!r} is not [.., L, K] with K contiguous"
+    return None

@@ -51,7 +51,8 @@ BARRIER_S = 0.05e-6
 OVERLAP_LOSS = 0.45
 #: how much faster TMA's bulk tensor copies draw from L2 than cp.async's 16-byte ones: the H100's
 #: pingpong GEMM on 64 x 256 tiles moved 2.68 GB of tiles in 210.9 us (12.7 TB/s), the cp.async
-#: 128 x 128 kernel at most 8.5 TB/s, against the hardware model's 10 TB/s
+#: 128 x 128 kernel at most 8.5 TB/s, against the hardware model's 10 TB/s (measured on GEMMs only:
+#: attention's K/V by TMA ran as fast as by cp.async)
 TMA_L2_FACTOR = 1.3
 #: FP32 operations of CUDA's tanhf, a software routine (exp-based with a polynomial for small |x|)
 TANHF_OPS = 20
@@ -141,7 +142,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     fp32_rate = hw.peak_flops("float32", tensor_core=False) / sms
     sfu_rate = SFU_PER_CLK * hw.clock_hz
     smem_rate = hw.smem_bandwidth_bytes_per_s_per_sm
-    l2_rate = hw.l2_bandwidth_bytes_per_s / sms * (TMA_L2_FACTOR if p.tma else 1.0)
+    l2_rate = hw.l2_bandwidth_bytes_per_s / sms * (TMA_L2_FACTOR if p.tma and p.wgmma_ss else 1.0)
 
     rows, step = p.rows, p.step
     kd = sizes[p.gemm.k] if p.gemm else 0

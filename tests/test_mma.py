@@ -101,6 +101,11 @@ CASES = {
                                       "pingpong": True, "fast_math": True}),
     "gemm_sigmoid_fast_math": (lambda: patterns.gemm_epilogue(200, 200, 128, "sigmoid", True, "float16"),
                                {"m": 128, "n": 64}, 64, 2, {"wgmma": True, "fast_math": True}),
+    # attention's K and V by TMA: causal with tails (200 rows), d = 128 (two bands each); ViT-like tails
+    "causal_wgmma_tma": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
+                         {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True, "tma": True}),
+    "attention_wgmma_tma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 3,
+                            {"mma_row_sums": True, "wgmma": True, "tma": True}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
@@ -527,7 +532,7 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
     cands = [s for s in SearchSpace(g, H100).candidates() if s.tensor_cores]
     assert all(s.tma == (s.wgmma and s.slices == 1) for s in cands) and any(s.tma for s in cands)
     att = SearchSpace(patterns.attention(1, 2, 128, 128, 64), H100, max_step=64)
-    assert not any(k.tma for k in att.knobs())
+    assert not any(k.tma for k in att.knobs())  # attention's K/V by TMA measured a wash: a user's choice
     # a producer warpgroup only with TMA, rings of 2..4 slots, persistent over the SMs where the tiles outnumber them
     ws = [s for s in cands if s.producer]
     assert ws and all(s.tma and s.stages >= 2 for s in ws) and {s.stages for s in ws} == {2, 3, 4}
@@ -582,7 +587,7 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
     if s.tma:  # the ring by TMA (the A tile and B's bands), waited for on mbarriers
-        assert "cp.async.bulk.tensor.2d" in src and "mbarrier.try_wait.parity" in src
+        assert re.search(r"cp\.async\.bulk\.tensor\.[24]d", src) and "mbarrier.try_wait.parity" in src
     else:
         assert "cp.async.cg.shared.global" in src and "cp.async.wait_group" in src
     assert len(re.findall(r"__global__ void[^;]*\{", src)) == 1
@@ -807,10 +812,29 @@ def test_producer_and_persistent_refusals(kwargs, match) -> None:
                  serial="k", step=64, persistent=2)
 
 
-def test_tma_is_refused_outside_a_plain_wgmma_gemm() -> None:
-    with pytest.raises(ScheduleError, match="tma loads the tiles of a plain GEMM"):
-        _ = schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 64}, step=32, tensor_cores=True, stages=2,
-                     wgmma=True, tma=True)
-    with pytest.raises(ScheduleError, match="tma loads the tiles of a plain GEMM"):  # mma.sync
+def test_tma_is_refused_where_the_ring_is_not_wgmmas() -> None:
+    with pytest.raises(ScheduleError, match="tma loads the ring.*cannot: its tiles are not wgmma's"):  # mma.sync
         _ = schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
                      serial="k", step=64, tensor_cores=True, stages=2, tma=True)
+    with pytest.raises(ScheduleError, match="tma loads the ring.*an input is staged in the score layout"):
+        _ = schedule(softmax_gemm(100, 296, 64), tiles={"m": 64}, step=32, tensor_cores=True, stages=2,
+                     wgmma=True, tma=True)
+    with pytest.raises(ScheduleError, match="tma loads the ring.*blocks slice the steps"):
+        _ = schedule(patterns.gemm_epilogue(64, 64, 256, "relu", True, "float16"), tiles={"m": 64, "n": 64},
+                     serial="k", step=64, tensor_cores=True, stages=2, wgmma=True, tma=True, slices=2)
+
+
+def test_tma_loads_attentions_k_and_v_bands() -> None:
+    """Attention's ring by TMA: thread 0 loads K's d-bands and V's n-bands of [step, 64] against 4-d
+    tensor maps (box [64, step, 1, 1]: one head's rows, zeros past L); the Q tile still by cp.async,
+    waited for before the loop; no cp.async in the ring."""
+    s = _schedule("causal_wgmma_tma")
+    art = build(s, "cuda")
+    src, meta = art.source, art.meta
+    maps = {p["name"]: p["tensor_map"] for p in meta["params"] if p["role"] == "tensormap"}
+    assert maps == {"K__tmap": {"tensor": "K", "box": [64, 64, 1, 1], "swizzle": 128},
+                    "V__tmap": {"tensor": "V", "box": [64, 64, 1, 1], "swizzle": 128}}
+    loads = re.findall(r"4d_shared__cluster_global_mbarrier__complete_tx__bytes\([^;]*?(K|V)__tmap_ptr", src)
+    assert loads.count("K") == 2 * 2 and loads.count("V") == 2 * 2  # d = n = 128: 2 bands, prologue + loop
+    assert "cp.async.cg.shared.global" in src  # Q, once
+    assert "TMA" in meta["lowering"]

@@ -41,6 +41,7 @@ from schedulers.warp_tile import (
     smem_layout,
     staged_elements,
     swizzled_128b,
+    tma_streamed,
     warp_tile_program,
     wgmma_swizzled,
 )
@@ -205,10 +206,13 @@ class _Gen(_Outputs, _WarpSpecialized):
         ``slot``, their bytes counted by the slot's mbarrier (out-of-range rows and columns read as
         zeros and count too)."""
         p = self.p
+        cond = self.tid == 0 if pred is None else tirx.all(self.tid == 0, pred)
+        if not p.wgmma_ss:
+            self._tma_streamed(slot, t0, cond)
+            return
         (g,) = p.gemm_states
         a = p.tiles_in[0]
         op = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
-        cond = self.tid == 0 if pred is None else tirx.all(self.tid == 0, pred)
         with T.If(cond):
             with T.Then():
                 bar = self._mbar(slot)
@@ -219,6 +223,26 @@ class _Gen(_Outputs, _WarpSpecialized):
                 for band in range(g.n_tile // 64):
                     b_dst = self.arena.ptr_to([self._slot_tile(g.x, slot) + band * p.step * 64])
                     T.evaluate(op(b_dst, self.glob[f"{g.x}__tmap"].data, self.col0(g.n) + band * 64, t0, bar))
+
+    def _tma_streamed(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, cond: tirx.PrimExpr) -> None:
+        """Attention's ring by TMA: thread 0 loads K's and V's [step, 64] bands of this block's
+        (batch, head) coordinates into ``slot``; rows past the end of L arrive as zeros."""
+        p = self.p
+        names = tma_streamed(p)
+        nbytes = sum(p.step * self.layout[n][2] * 2 for n in names)
+        cols0 = {g.x: self.col0(g.n) for g in p.gemm_states}
+        with T.If(cond):
+            with T.Then():
+                bar = self._mbar(slot)
+                T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bar, T.uint32(nbytes)))
+                for n in names:
+                    dims = self.smg.space(n).dims
+                    op = T.ptx[f"cp.async.bulk.tensor.{len(dims)}d.shared::cluster.global.mbarrier::complete_tx::bytes"]
+                    outer = [self.coord[d] for d in reversed(dims[:-2])]
+                    for band in range(self.layout[n][2] // 64):
+                        dst = self.arena.ptr_to([self._slot_tile(n, slot) + band * p.step * 64])
+                        c0 = cols0.get(n, tirx.const(0, I32)) + band * 64
+                        T.evaluate(op(dst, self.glob[f"{n}__tmap"].data, c0, t0, *outer, bar))
 
     def _slot_tile(self, name: str, slot: tirx.PrimExpr) -> tirx.PrimExpr:
         """Arena element where ring slot ``slot`` of the shared tile ``name`` starts."""
@@ -482,10 +506,14 @@ class _Gen(_Outputs, _WarpSpecialized):
         dist = p.stages - 1 - self.lag
         for pre in range(dist):
             self.issue_step(tirx.const(pre, I32), self.step_of(tirx.const(pre, I32)) < nsteps)
+        if p.tma and p.gemm is not None and not held:  # the ring commits no cp.async group: wait for the A
+            T.evaluate(T.ptx.cp.async_.wait_group(0))  # tile here, for the async proxy (wgmma) to read
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
+            T.evaluate(T.tvm_storage_sync("shared"))
         if held:  # the A operand stays in registers for the whole loop; its group is the oldest
             g = p.gemm
             kd = self.sizes[g.k]
-            T.evaluate(T.ptx.cp.async_.wait_group(self.groups * (p.stages - 1)))
+            T.evaluate(T.ptx.cp.async_.wait_group(0 if p.tma else self.groups * (p.stages - 1)))
             T.evaluate(T.tvm_storage_sync("shared"))
             qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
             stride = self.layout[g.a][2]

@@ -68,7 +68,7 @@ def _ops(exprs: list[sp.Expr], fast_math: bool = False) -> tuple[int, int]:
         logistic = {a for a in nodes if isinstance(a, sp.Pow) and a.exp == -1 and logistic_arg(a.base) is not None}
         nodes -= {x for a in logistic for x in (a.base, *a.base.args)}
         sfu = len(logistic) + sum(1 for a in nodes if isinstance(a, sp.tanh) or (_sfu(a) and a not in logistic))
-        return len(nodes) - sfu + 2 * len(logistic), sfu
+        return len(nodes) - sfu + 2 * len(logistic), sfu  # + the halving of z and the 1/2 - t/2 of each
     sfu = sum(1 for a in nodes if _sfu(a))
     simt = len(nodes) - sfu + TANHF_OPS * sum(1 for a in nodes if isinstance(a, sp.tanh))
     return simt, sfu

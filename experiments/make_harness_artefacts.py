@@ -61,8 +61,11 @@ SCHEDULES = {
     # against 25.3 us
     # P @ V on wgmma (which has no early_scores): 21.1/21.7 against 23.8-24.0 us, interleaved 3 times
     # (one glitched pair; experiments/results_wgmma_h100.json, slices_skew_ab3)
+    # S and V by TMA in a 3-ring (S in swizzled bands that ldmatrix reads): 20.3/20.4 against 20.9/20.9 us
+    # (2-stage TMA 21.5-22.3, 3-stage cp.async 21.6/22.3; experiments/results_tma_softmax_gemm_h100.json)
     "softmax_gemm": (lambda: W.softmax_gemm(4096, 4096, 64, dtype=H), {"m": 64}, "l", 128,
-                     TC | {"stages": 2, "slices": 4, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
+                     TC | {"stages": 3, "slices": 4, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True,
+                           "tma": True}),
     "layernorm": (lambda: P.residual_layernorm(16384, 4096, H), {"m": 1}, "n", 4096, {"lanes": 256, "vector": 8}),
     # warpgroup MMA (wgmma) from 128 B-swizzled tiles: 262.5-263.7 us against 442-452 for mma.sync (step
     # 32, 4 stages); 128 x 256 tiles on two warpgroups 268.5-269.8 (experiments/results_wgmma_h100.json)

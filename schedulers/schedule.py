@@ -480,8 +480,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             why = "it is not a warp-tile program" if out.warp_tile is None else tma_reason(out.warp_tile)
             if why is not None:
                 raise ScheduleError(f"tma loads the ring of a warp-tile program on warpgroup MMA: a plain GEMM's "
-                                    f"tiles (one block per tile), or attention's K and V; {smg.name!r} with these "
-                                    f"options cannot: {why}")
+                                    f"tiles (one block per tile), or attention's K/V (or an input on the score "
+                                    f"plane); {smg.name!r} with these options cannot: {why}")
         if producer and (not tma or stages < 2):
             raise ScheduleError(f"producer gives the TMA loads of a wgmma GEMM a warpgroup of their own; it needs "
                                 f"tma=True and a ring of 2+ stages (one slot stays with the wgmma in flight); got "

@@ -254,8 +254,10 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
 
 
 def wgmma_swizzled(p: WarpTileProgram) -> tuple[str, ...]:
-    """The shared tiles that wgmma reads through descriptors (128 B-swizzled, unpadded): a plain
-    GEMM's A and B; or the score GEMM's B (K), its A (Q) when re-read, and the GEMM states' ``x`` (V)."""
+    """The shared tiles in the 128 B-swizzled layout (unpadded): those wgmma reads through
+    descriptors -- a plain GEMM's A and B; or the score GEMM's B (K), its A (Q) when re-read, and the
+    GEMM states' ``x`` (V) -- and, loaded by TMA, the inputs staged in the score layout (Softmax-GEMM's
+    S), which ldmatrix then reads through the same XOR."""
     if not p.wgmma:
         return ()
     xs = tuple(dict.fromkeys(g.x for g in p.gemm_states))
@@ -263,7 +265,7 @@ def wgmma_swizzled(p: WarpTileProgram) -> tuple[str, ...]:
         return (p.tiles_in[0], *xs)
     if p.gemm is not None:  # the score GEMM's B (K), and its A (Q) when re-read from shared memory
         xs = (p.gemm.b, *((p.gemm.a,) if p.reload_a else ()), *xs)
-    return xs
+    return (*p.tiles_in, *xs) if p.tma else xs
 
 
 #: how far a lazily kept reference may lag the true running max: values grow by at most this factor
@@ -404,8 +406,8 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
         out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + pad_a)
         out[p.gemm.b] = ((ring, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
                          else (ring, p.step, sizes[p.gemm.k] + (0 if p.wgmma else PAD)))
-    for n in p.tiles_in:
-        out[n] = (ring, p.rows, p.step + PAD)
+    for n in p.tiles_in:  # swizzled for TMA (bands of 64 columns), else rows padded for ldmatrix
+        out[n] = (ring, p.rows, p.step + (0 if p.tma else PAD))
     for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, unpadded
         out.setdefault(g.x, (ring, p.step, g.n_tile + (0 if p.wgmma else PAD)))
     return out
@@ -605,9 +607,10 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     [step, 64] column bands; the launcher encodes them for the tensors it binds."""
     if not p.tma:
         return {}
-    if not p.wgmma_ss:  # attention: K's and V's [step, 64] bands, one (head, batch) coordinate at a time
-        return {f"{n}__tmap": {"tensor": n, "box": [64, p.step] + [1] * (len(s.smg.space(n).dims) - 2),
-                               "swizzle": 128} for n in tma_streamed(p)}
+    if not p.wgmma_ss:  # attention: K's and V's [step, 64] bands, one (head, batch) coordinate at a time;
+        # an input on the score plane (Softmax-GEMM's S): [rows, 64] bands of its serial dim
+        return {f"{n}__tmap": {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
+                               + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128} for n in tma_streamed(p)}
     (g,) = p.gemm_states
     a = p.tiles_in[0]
     return {f"{a}__tmap": {"tensor": a, "box": [p.step, p.rows], "swizzle": 128},
@@ -615,20 +618,23 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
 
 
 def tma_streamed(p: WarpTileProgram) -> tuple[str, ...]:
-    """The tiles a TMA ring loads per step outside the plain-GEMM form: the score GEMM's B (K) and
-    the GEMM states' ``x`` (V), each [step, cols] in 64-column swizzled bands."""
-    return tuple(dict.fromkeys(((p.gemm.b,) if p.gemm is not None else ()) + tuple(g.x for g in p.gemm_states)))
+    """The tiles a TMA ring loads per step outside the plain-GEMM form: the inputs on the score plane
+    ([rows, step]), the score GEMM's B (K) and the GEMM states' ``x`` (V) ([step, cols]), each in
+    64-column swizzled bands."""
+    b = (p.gemm.b,) if p.gemm is not None else ()
+    return tuple(dict.fromkeys(p.tiles_in + b + tuple(g.x for g in p.gemm_states)))
 
 
 def tma_reason(p: WarpTileProgram) -> str | None:
     """Why the ring of ``p`` cannot be loaded by TMA (None: it can): it needs warpgroup MMA's
-    swizzled tiles, one warp group, and no input staged in the score layout (Softmax-GEMM's S)."""
+    swizzled tiles (so one warp group) and steps of whole 64-column bands of an input staged in the
+    score layout (Softmax-GEMM's S)."""
     if not p.wgmma:
         return "its tiles are not wgmma's swizzled ones (wgmma=True)"
     if p.wgmma_ss:
         return "blocks slice the steps" if p.slices != 1 else None
-    if p.split != 1 or p.tiles_in:
-        return "warp groups split the steps, or an input is staged in the score layout"
+    if p.tiles_in and p.step % 64:
+        return f"the step {p.step} is not whole 64-column bands of the inputs staged in the score layout"
     if p.gemm is not None and p.gemm.b_trans:
         return f"{p.gemm.b!r} is not [.., L, K] with K contiguous"
     return None

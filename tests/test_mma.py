@@ -106,6 +106,10 @@ CASES = {
                          {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True, "tma": True}),
     "attention_wgmma_tma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 3,
                             {"mma_row_sums": True, "wgmma": True, "tma": True}),
+    # Softmax-GEMM's S by TMA into swizzled bands that ldmatrix reads through the XOR; tails, slices
+    "softmax_gemm_wgmma_tma_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 64}, 64, 3,
+                                       {"slices": 3, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True,
+                                        "tma": True}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
@@ -816,7 +820,7 @@ def test_tma_is_refused_where_the_ring_is_not_wgmmas() -> None:
     with pytest.raises(ScheduleError, match="tma loads the ring.*cannot: its tiles are not wgmma's"):  # mma.sync
         _ = schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
                      serial="k", step=64, tensor_cores=True, stages=2, tma=True)
-    with pytest.raises(ScheduleError, match="tma loads the ring.*an input is staged in the score layout"):
+    with pytest.raises(ScheduleError, match="tma loads the ring.*the step 32 is not whole 64-column bands"):
         _ = schedule(softmax_gemm(100, 296, 64), tiles={"m": 64}, step=32, tensor_cores=True, stages=2,
                      wgmma=True, tma=True)
     with pytest.raises(ScheduleError, match="tma loads the ring.*blocks slice the steps"):
@@ -838,3 +842,6 @@ def test_tma_loads_attentions_k_and_v_bands() -> None:
     assert loads.count("K") == 2 * 2 and loads.count("V") == 2 * 2  # d = n = 128: 2 bands, prologue + loop
     assert "cp.async.cg.shared.global" in src  # Q, once
     assert "TMA" in meta["lowering"]
+    sg = _schedule("softmax_gemm_wgmma_tma_slices3")  # S's [rows, 64] bands along L, V's [step, 64] along n
+    sg_maps = {p["name"]: p["tensor_map"]["box"] for p in build(sg, "cuda").meta["params"] if p["role"] == "tensormap"}
+    assert sg_maps == {"S__tmap": [64, 64], "V__tmap": [64, 64]} and "cp.async.cg" not in build(sg, "cuda").source

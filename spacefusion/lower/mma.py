@@ -225,11 +225,12 @@ class _Gen(_Outputs, _WarpSpecialized):
                     T.evaluate(op(b_dst, self.glob[f"{g.x}__tmap"].data, self.col0(g.n) + band * 64, t0, bar))
 
     def _tma_streamed(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, cond: tirx.PrimExpr) -> None:
-        """Attention's ring by TMA: thread 0 loads K's and V's [step, 64] bands of this block's
-        (batch, head) coordinates into ``slot``; rows past the end of L arrive as zeros."""
+        """Attention's ring by TMA: thread 0 loads K's and V's [step, 64] bands (or an input's
+        [rows, 64] bands on the score plane, Softmax-GEMM's S) of this block's (batch, head)
+        coordinates into ``slot``; rows and columns past the ends arrive as zeros."""
         p = self.p
         names = tma_streamed(p)
-        nbytes = sum(p.step * self.layout[n][2] * 2 for n in names)
+        nbytes = sum(self.layout[n][1] * self.layout[n][2] * 2 for n in names)
         cols0 = {g.x: self.col0(g.n) for g in p.gemm_states}
         with T.If(cond):
             with T.Then():
@@ -239,10 +240,14 @@ class _Gen(_Outputs, _WarpSpecialized):
                     dims = self.smg.space(n).dims
                     op = T.ptx[f"cp.async.bulk.tensor.{len(dims)}d.shared::cluster.global.mbarrier::complete_tx::bytes"]
                     outer = [self.coord[d] for d in reversed(dims[:-2])]
-                    for band in range(self.layout[n][2] // 64):
-                        dst = self.arena.ptr_to([self._slot_tile(n, slot) + band * p.step * 64])
-                        c0 = cols0.get(n, tirx.const(0, I32)) + band * 64
-                        T.evaluate(op(dst, self.glob[f"{n}__tmap"].data, c0, t0, *outer, bar))
+                    _, rows, cols = self.layout[n]
+                    for band in range(cols // 64):
+                        dst = self.arena.ptr_to([self._slot_tile(n, slot) + band * rows * 64])
+                        if n in p.tiles_in:  # [rows, step] of the score plane: the band runs along L
+                            c0, c1 = t0 + band * 64, self.row0
+                        else:  # [step, cols]: the band runs along the tile's columns
+                            c0, c1 = cols0.get(n, tirx.const(0, I32)) + band * 64, t0
+                        T.evaluate(op(dst, self.glob[f"{n}__tmap"].data, c0, c1, *outer, bar))
 
     def _slot_tile(self, name: str, slot: tirx.PrimExpr) -> tirx.PrimExpr:
         """Arena element where ring slot ``slot`` of the shared tile ``name`` starts."""
@@ -626,7 +631,11 @@ class _Gen(_Outputs, _WarpSpecialized):
             for mi in range(self.mt):
                 for ct in range(self.nt // 2):
                     r0 = self.mtile_row(mi)
-                    soff = self.slot * (rows * stride) + self.a_offset(stride, r0, ct * 16)
+                    if n in self.swizzled:  # landed by TMA in 64-column swizzled bands: the lane's row, its chunk
+                        within = swizzled_128b(r0 + self.lane % 16, ct * 2 + self.lane // 16, rows, tirx.bitwise_xor)
+                        soff = self.slot * (rows * stride) + within
+                    else:
+                        soff = self.slot * (rows * stride) + self.a_offset(stride, r0, ct * 16)
                     self.ldsm(buf, mi * n4 + ct * 8, n, soff, False)
             self.tin[n] = buf
         self.inline = {}

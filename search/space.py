@@ -79,6 +79,7 @@ class Knobs:
     producer: bool = False
     persistent: int = 0
     pingpong: bool = False
+    fast_math: bool = False
 
 
 @dataclass
@@ -100,8 +101,9 @@ class SearchSpace:
     """Enumerates candidate schedules of ``smg`` for ``hw``."""
 
     def __init__(self, smg: SMG, hw: HardwareModel, *, recompute: bool = False, max_step: int | None = None,
-                 min_threads: int = 32, tensor_cores: bool = True, cuda: bool = True) -> None:
+                 min_threads: int = 32, tensor_cores: bool = True, cuda: bool = True, fast_math: bool = False) -> None:
         self.smg, self.hw, self.recompute = smg, hw, recompute
+        self.fast_math = fast_math  # tensor-core candidates with tanh.approx transcendentals (a user's choice)
         self.cuda = cuda and hw.kind == "gpu"  # False: the kernels are built for llvm (the CPU)
         self.tensor_cores = tensor_cores and self.cuda  # no CPU form of mma.sync
         self.max_step = max_step
@@ -187,7 +189,7 @@ class SearchSpace:
                 yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True, stages,
                             warps, split=split, slices=sl, reload_a=rl, early_scores=early, lazy_rescale=lazy,
                             mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
-                            tma=self.hopper and not early and self.one_reduction)
+                            tma=self.hopper and not early and self.one_reduction, fast_math=self.fast_math)
             if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
                 yield from self._producer_knobs(tiles, serial, step, movers[-1], warps)
 
@@ -201,7 +203,8 @@ class SearchSpace:
         modes = ((0, False), (self.hw.num_sms, False), (self.hw.num_sms, True))
         for stages, (persistent, pingpong) in itertools.product(PRODUCER_STAGES, modes):
             yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, 1, True, stages, warps,
-                        wgmma=True, tma=True, producer=True, persistent=persistent, pingpong=pingpong)
+                        wgmma=True, tma=True, producer=True, persistent=persistent, pingpong=pingpong,
+                        fast_math=self.fast_math)
 
     @cached_property
     def hopper(self) -> bool:
@@ -267,10 +270,10 @@ class SearchSpace:
 
     def _schedule(self, k: Knobs) -> Schedule:
         """The schedule of ``k``; the knobs offered on where they may apply (``mma_row_sums``,
-        ``wgmma``, ``tma``, ``producer``, ``persistent``, ``pingpong``) are dropped, one at a time, where
-        make_schedule refuses them."""
+        ``wgmma``, ``tma``, ``producer``, ``persistent``, ``pingpong``, ``fast_math``) are dropped, one at a
+        time, where make_schedule refuses them."""
         opts = {"mma_row_sums": k.mma_row_sums, "wgmma": k.wgmma, "tma": k.tma, "producer": k.producer,
-                "persistent": k.persistent, "pingpong": k.pingpong}
+                "persistent": k.persistent, "pingpong": k.pingpong, "fast_math": k.fast_math}
         while True:
             try:
                 return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step,

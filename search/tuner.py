@@ -143,26 +143,34 @@ def _quality(pred: list[float], measured: list[float]) -> dict[str, float]:
 def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
          db: TuningDatabase | str | Path | None = None, trials: int = 64, batch: int = 16, explore: float = 0.25,
          seed: int = 0, workers: int = 2, progress: bool = True, recompute: bool = False,
-         max_step: int | None = None) -> TuneSummary:
-    """Find a fast schedule of ``smg`` on ``runner``; see the module docstring."""
+         max_step: int | None = None, fast_math: bool = False) -> TuneSummary:
+    """Find a fast schedule of ``smg`` on ``runner``; see the module docstring.  ``fast_math`` lets
+    tensor-core candidates compute tanh and logistics on tanh.approx (``Schedule.fast_math``); it is
+    part of the database key, so approximate and exact results never stand in for each other."""
     t_start = time.perf_counter()
     own_db = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db if db is not None else Path(tempfile.mkdtemp()) / "tuning.db") if own_db else db
     try:
         return _tune(smg, runner, hw, target, database, trials, batch, explore, seed, workers, progress,
-                     recompute, max_step, t_start)
+                     recompute, max_step, t_start, fast_math)
     finally:
         if own_db:
             database.close()
 
 
-def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDatabase, trials: int, batch: int,
-          explore: float, seed: int, workers: int, progress: bool, recompute: bool, max_step: int | None,
-          t_start: float) -> TuneSummary:
+def _flags(fast_math: bool) -> tuple[str, ...]:
+    """What besides the schedule decides a tuning result: the compile flags, and fast_math's numerics."""
     from spacefusion.lower.build import COMPILE_FLAGS
 
-    key = tuning_key(smg, hw, target, COMPILE_FLAGS)
-    parts = key_parts(smg, hw, target, COMPILE_FLAGS)
+    return (*COMPILE_FLAGS, *(("fast_math",) if fast_math else ()))
+
+
+def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDatabase, trials: int, batch: int,
+          explore: float, seed: int, workers: int, progress: bool, recompute: bool, max_step: int | None,
+          t_start: float, fast_math: bool = False) -> TuneSummary:
+    flags = _flags(fast_math)
+    key = tuning_key(smg, hw, target, flags)
+    parts = key_parts(smg, hw, target, flags)
     summary = TuneSummary(smg.name, key, None, None)
     if cache_enabled():
         cached = db.best(key)
@@ -171,7 +179,8 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
             summary.from_cache = True
             summary.wall_s = time.perf_counter() - t_start
             return summary
-    space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step, cuda=not target.startswith("llvm"))
+    space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step, cuda=not target.startswith("llvm"),
+                        fast_math=fast_math)
     cands = space.candidates()
     summary.space = space.report
     measured = db.measured_keys(key)
@@ -245,11 +254,12 @@ def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: Hard
     import json
 
     from search.runners import MANIFEST_FILE, import_batch
-    from spacefusion.lower.build import COMPILE_FLAGS
 
     folder = Path(folder)
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
     by_key = {c["schedule_key"]: c for c in manifest["candidates"]}
+    # a batch exported by a fast_math tune holds fast_math candidates: its records go under that key
+    flags = _flags(any(c["schedule"].get("fast_math") for c in manifest["candidates"]))
     own = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db) if own else db
     try:
@@ -259,8 +269,8 @@ def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: Hard
             if entry is None:
                 raise ValueError(f"{folder}: result for {res.schedule_key[:12]} has no manifest entry")
             sched = Schedule.from_json(json.dumps(entry["schedule"]))
-            key = tuning_key(sched.smg, hw, res.target, COMPILE_FLAGS)
-            database.add(key, sched, res, key_parts(sched.smg, hw, res.target, COMPILE_FLAGS))
+            key = tuning_key(sched.smg, hw, res.target, flags)
+            database.add(key, sched, res, key_parts(sched.smg, hw, res.target, flags))
             n += 1
         return n
     finally:

@@ -126,7 +126,8 @@ def tune_cmd(args: argparse.Namespace) -> int:
         n = import_offline(args.db, args.import_results, get_hardware(hw_name))
         print(f"imported {n} records from {args.import_results}")
     summary = tune(g, runner, hw=get_hardware(hw_name), target=target, db=args.db, trials=args.trials,
-                   batch=args.batch, workers=args.workers, seed=args.seed, progress=not args.quiet)
+                   batch=args.batch, workers=args.workers, seed=args.seed, progress=not args.quiet,
+                   fast_math=args.fast_math)
     print(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary_dict(summary), indent=1, default=str))
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", default=None, help="write the summary as JSON here")
     t.add_argument("--quiet", action="store_true")
+    t.add_argument("--fast-math", action="store_true",
+                   help="let tensor-core candidates compute tanh and sigmoid on tanh.approx (a separate database key)")
     args = p.parse_args(argv)
     try:
         return {"demo": demo, "build": build_cmd, "tune": tune_cmd}[args.cmd](args)

@@ -172,3 +172,33 @@ def test_cli_tune_on_llvm(tmp_path, capsys, monkeypatch) -> None:
 def test_records_round_trip() -> None:
     r = MeasureResult("k" * 64, "llvm", (1.0, 3.0, 2.0), 1e-6, None, (("device", "cpu"),))
     assert MeasureResult.from_dict(r.to_dict()) == r and r.median_us == 2.0
+
+
+def test_fast_math_is_a_separate_search_and_database_key(tmp_path) -> None:
+    """``fast_math`` is a user's choice, never searched by default: with it every tensor-core candidate
+    computes tanh/sigmoid on tanh.approx, and its results live under their own database key (an
+    offline batch of such candidates is imported there), so approximate and exact bests never mix."""
+    import json
+
+    from search.database import key_parts
+    from search.tuner import _flags, import_offline
+
+    g = P.gemm_epilogue(1024, 1024, 256, "sigmoid", True, "float16")
+    exact = SearchSpace(g, H100).candidates()
+    fast = SearchSpace(g, H100, fast_math=True).candidates()
+    assert not any(s.fast_math for s in exact)
+    assert all(s.fast_math == (s.warp_tile is not None) for s in fast) and any(s.fast_math for s in fast)
+    assert tuning_key(g, H100, "cuda:sm_90a", _flags(True)) != tuning_key(g, H100, "cuda:sm_90a", _flags(False))
+    s = next(x for x in fast if x.fast_math)
+    folder = tmp_path / "batch"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"candidates": [{"schedule_key": s.key,
+                                                                      "schedule": s.to_dict()}]}))
+    rec = MeasureResult(s.key, "cuda:sm_90a", (12.5,), 1e-4)
+    (folder / "results.json").write_text(json.dumps([rec.to_dict()]))
+    db = TuningDatabase(tmp_path / "t.db")
+    assert import_offline(db, folder, H100) == 1
+    key = tuning_key(g, H100, "cuda:sm_90a", _flags(True))
+    assert db.best(key) is not None and db.best(tuning_key(g, H100, "cuda:sm_90a", _flags(False))) is None
+    assert key_parts(g, H100, "cuda:sm_90a", _flags(True)) != key_parts(g, H100, "cuda:sm_90a", _flags(False))
+    db.close()

@@ -88,9 +88,10 @@ class Schedule:
     #: 128 B-swizzled shared tiles through descriptors, or from registers where a tile is computed
     #: (attention's P) or held (Q), instead of ldmatrix fragments and mma.sync
     wgmma: bool = False
-    #: the plain GEMM's tiles loaded by the Tensor Memory Accelerator (``cp.async.bulk.tensor``, sm_90a):
-    #: one thread per block issues each tile against a tensor map the launcher builds, an mbarrier per
-    #: ring slot counts the bytes in, instead of every thread's 16-byte cp.async and its wait
+    #: the ring's tiles (a plain GEMM's A and B, attention's K and V, an input on the score plane) loaded
+    #: by the Tensor Memory Accelerator (``cp.async.bulk.tensor``, sm_90a, with wgmma): one thread per
+    #: block issues each tile against a tensor map the launcher builds, an mbarrier per ring slot counts
+    #: the bytes in, instead of every thread's 16-byte cp.async and its wait
     tma: bool = False
     #: warp specialisation of a TMA GEMM: a producer warpgroup (128 more threads, 40 registers each)
     #: issues the loads ``stages - 1`` steps ahead and the MMA warpgroups hand each ring slot back
@@ -361,7 +362,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
     ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
     ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
-    ``tma`` loads a wgmma GEMM's tiles with the Tensor Memory Accelerator (tensor maps, mbarriers).
+    ``tma`` loads a wgmma program's ring with the Tensor Memory Accelerator (tensor maps, mbarriers).
     ``producer`` gives those loads a warpgroup of their own (warp specialisation); ``persistent`` > 0
     launches that many blocks, each looping over the tiles (with ``producer``); ``pingpong`` gives such a
     block two MMA warpgroups taking turns on alternate tiles.  ``fast_math`` computes tanh and logistics

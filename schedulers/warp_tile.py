@@ -86,7 +86,7 @@ class WarpTileProgram:
     lazy: tuple[tuple[str, float], ...] = ()  # max states kept while within their lag (lazy_rescale)
     row_sums: tuple[tuple[str, str], ...] = ()  # (sum state, GEMM state) summed on tensor cores (mma_row_sums)
     wgmma: bool = False  # the plain GEMM on warpgroup MMA (wgmma.mma_async from shared memory)
-    tma: bool = False  # the plain GEMM's tiles loaded by TMA (tensor maps, an mbarrier per ring slot)
+    tma: bool = False  # the ring's tiles loaded by TMA (tensor maps, an mbarrier per ring slot)
     producer: bool = False  # a producer warpgroup issues the TMA loads; slots come back through mbarriers
     persistent: int = 0  # blocks launched, each looping over the tiles (0: one block per tile)
     pingpong: bool = False  # two MMA warpgroups per block on alternate tiles, taking turns at the tensor cores
@@ -603,24 +603,19 @@ def steps_per_row_tile(s, p: WarpTileProgram) -> list[int]:
 
 def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     """The tensor maps a ``tma`` kernel takes, as kernel param -> {tensor, box (innermost first),
-    swizzle (bytes)}: A's [rows, step] tile (K innermost, one 128 B row per 64 halves) and B's
-    [step, 64] column bands; the launcher encodes them for the tensors it binds."""
+    swizzle (bytes)}: [rows, 64] bands of the inputs on the score plane (a plain GEMM's A, with K
+    innermost), [step, 64] bands of the others (K, V, a plain GEMM's B), one (batch, head)
+    coordinate at a time; the launcher encodes them for the tensors it binds."""
     if not p.tma:
         return {}
-    if not p.wgmma_ss:  # attention: K's and V's [step, 64] bands, one (head, batch) coordinate at a time;
-        # an input on the score plane (Softmax-GEMM's S): [rows, 64] bands of its serial dim
-        return {f"{n}__tmap": {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
-                               + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128} for n in tma_streamed(p)}
-    (g,) = p.gemm_states
-    a = p.tiles_in[0]
-    return {f"{a}__tmap": {"tensor": a, "box": [p.step, p.rows], "swizzle": 128},
-            f"{g.x}__tmap": {"tensor": g.x, "box": [64, p.step], "swizzle": 128}}
+    return {f"{n}__tmap": {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
+                           + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128} for n in tma_streamed(p)}
 
 
 def tma_streamed(p: WarpTileProgram) -> tuple[str, ...]:
-    """The tiles a TMA ring loads per step outside the plain-GEMM form: the inputs on the score plane
-    ([rows, step]), the score GEMM's B (K) and the GEMM states' ``x`` (V) ([step, cols]), each in
-    64-column swizzled bands."""
+    """The tiles a TMA ring loads per step: the inputs on the score plane ([rows, step]: a plain
+    GEMM's A, Softmax-GEMM's S), the score GEMM's B (K) and the GEMM states' ``x`` (V, a plain GEMM's
+    B) ([step, cols]), each in 64-column swizzled bands."""
     b = (p.gemm.b,) if p.gemm is not None else ()
     return tuple(dict.fromkeys(p.tiles_in + b + tuple(g.x for g in p.gemm_states)))
 

@@ -68,7 +68,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "lazy_rescale",  # 1 when a reference max is kept within its lag (the rescale skipped)
     "mma_row_sums",  # 1 when row sums run on tensor cores with the second GEMM
     "wgmma",  # 1 when the GEMM runs on warpgroup MMA (wgmma.mma_async) instead of mma.sync
-    "tma",  # 1 when the GEMM's tiles are loaded by TMA (tensor maps, mbarriers) instead of cp.async
+    "tma",  # 1 when the ring's tiles are loaded by TMA (tensor maps, mbarriers) instead of cp.async
     "producer",  # 1 when a producer warpgroup issues those loads (warp specialisation)
     "persistent",  # 1 when a persistent grid loops over the tiles
     "pingpong",  # 1 when two MMA warpgroups of a persistent block take turns on alternate tiles

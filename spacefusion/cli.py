@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lazy-rescale", action="store_true", help="keep a reference max within ln 256")
     b.add_argument("--mma-row-sums", action="store_true", help="row sums on tensor cores with the second GEMM")
     b.add_argument("--wgmma", action="store_true", help="a plain GEMM on Hopper's warpgroup MMA (sm_90a)")
-    b.add_argument("--tma", action="store_true", help="with --wgmma: load the GEMM's tiles by TMA (sm_90a)")
+    b.add_argument("--tma", action="store_true", help="with --wgmma: load the ring's tiles by TMA (sm_90a)")
     b.add_argument("--producer", action="store_true", help="with --tma: a producer warpgroup issues the loads")
     b.add_argument("--persistent", type=int, default=knob["persistent"],
                    help="with --producer: launch this many blocks, each looping over the tiles (0: one per tile)")

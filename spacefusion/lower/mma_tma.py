@@ -39,32 +39,12 @@ class _TmaRing:
         T.evaluate(T.tvm_storage_sync("shared"))
 
     def _tma_step(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
-        """Thread 0 loads iteration's A [rows, step] tile and B's [step, 64] column bands by TMA into
-        ``slot``, their bytes counted by the slot's mbarrier (out-of-range rows and columns read as
-        zeros and count too)."""
-        p = self.p
+        """Thread 0 loads the ring's tiles of the step at ``t0`` by TMA into ``slot``, in 64-column
+        swizzled bands, their bytes counted by the slot's mbarrier: inputs on the score plane (a plain
+        GEMM's A, Softmax-GEMM's S) as [rows, 64] bands along L, the score GEMM's B (K) and the GEMM
+        states' ``x`` (V, a plain GEMM's B) as [step, 64] bands along their columns, at this block's
+        (batch, head) coordinates; rows and columns past the ends arrive as zeros and count too."""
         cond = self.tid == 0 if pred is None else tirx.all(self.tid == 0, pred)
-        if not p.wgmma_ss:
-            self._tma_streamed(slot, t0, cond)
-            return
-        (g,) = p.gemm_states
-        a = p.tiles_in[0]
-        op = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]
-        with T.If(cond):
-            with T.Then():
-                bar = self._mbar(slot)
-                T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                    bar, T.uint32((p.rows * p.step + p.step * g.n_tile) * 2)))
-                a_dst = self.arena.ptr_to([self._slot_tile(a, slot)])
-                T.evaluate(op(a_dst, self.glob[f"{a}__tmap"].data, t0, self.row0, bar))
-                for band in range(g.n_tile // 64):
-                    b_dst = self.arena.ptr_to([self._slot_tile(g.x, slot) + band * p.step * 64])
-                    T.evaluate(op(b_dst, self.glob[f"{g.x}__tmap"].data, self.col0(g.n) + band * 64, t0, bar))
-
-    def _tma_streamed(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, cond: tirx.PrimExpr) -> None:
-        """Attention's ring by TMA: thread 0 loads K's and V's [step, 64] bands (or an input's
-        [rows, 64] bands on the score plane, Softmax-GEMM's S) of this block's (batch, head)
-        coordinates into ``slot``; rows and columns past the ends arrive as zeros."""
         p = self.p
         names = tma_streamed(p)
         nbytes = sum(self.layout[n][1] * self.layout[n][2] * 2 for n in names)

@@ -93,9 +93,10 @@ class Schedule:
     #: block issues each tile against a tensor map the launcher builds, an mbarrier per ring slot counts
     #: the bytes in, instead of every thread's 16-byte cp.async and its wait
     tma: bool = False
-    #: warp specialisation of a TMA GEMM: a producer warpgroup (128 more threads, 40 registers each)
-    #: issues the loads ``stages - 1`` steps ahead and the MMA warpgroups hand each ring slot back
-    #: through its own mbarrier, so no block-wide barrier sits in the main loop (CUTLASS's sm90 kernels)
+    #: warp specialisation of a TMA ring (a GEMM's tiles, attention's K/V): a producer warpgroup (128
+    #: more threads, 40 registers each beside two MMA warpgroups) issues the loads ``stages - 1`` steps
+    #: ahead and the MMA warpgroups hand each ring slot back through its own mbarrier, so no block-wide
+    #: barrier sits in the main loop (CUTLASS's sm90 kernels, FlashAttention-3's producer)
     producer: bool = False
     #: a persistent grid of this many blocks (0: one block per tile), each looping over the tiles
     #: ``bid, bid + persistent, ...``: the producer loads the next tile's steps during the epilogue
@@ -487,9 +488,16 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             raise ScheduleError(f"producer gives the TMA loads of a wgmma GEMM a warpgroup of their own; it needs "
                                 f"tma=True and a ring of 2+ stages (one slot stays with the wgmma in flight); got "
                                 f"tma={bool(tma)}, stages {stages}")
+        if producer and out.warp_tile is not None and out.slices != 1:
+            raise ScheduleError(f"producer: the MMA warpgroups of a warp-specialised block meet at named barriers "
+                                f"only, and blocks slicing the steps merge through block-wide ones; got slices "
+                                f"{out.slices}")
         if persistent and not producer:
             raise ScheduleError("persistent blocks loop over the tiles with the loads in a producer warpgroup; it "
                                 "needs producer=True")
+        if persistent and out.warp_tile is not None and not out.warp_tile.wgmma_ss:
+            raise ScheduleError(f"persistent blocks loop over a plain GEMM's tiles (+ epilogue); {smg.name!r} has a "
+                                f"score GEMM or row states: one block per tile")
         if fast_math and out.warp_tile is None:
             raise ScheduleError(f"fast_math puts a warp-tile kernel's tanh and logistics on tanh.approx.f32; "
                                 f"{smg.name!r} has no warp-tile program: {warp_tile_reason(out)}")

@@ -170,9 +170,9 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
     simt_s = (elems * step_simt + rows * carry_simt) / fp32_rate
     load = LOAD_LATENCY_S + l2_s
-    # steps loaded ahead: the ring less the slot being read and, fed by a producer warpgroup, the
-    # slot its wgmma group in flight still holds
-    ahead = p.stages - 1 - (1 if p.producer else 0)
+    # steps loaded ahead: the ring less the slot being read and, a GEMM fed by a producer warpgroup,
+    # the slot its wgmma group in flight still holds (attention's steps wait for their wgmma groups)
+    ahead = p.stages - 1 - (1 if p.producer and p.wgmma_ss else 0)
     if ahead <= 0:
         latency = load
     else:

@@ -114,6 +114,15 @@ CASES = {
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
                          {"warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
+    # a producer warpgroup feeding attention's K/V ring: causal with tails on two MMA warpgroups (d = 128,
+    # Q re-read), a 3-ring with Q held in registers and tails, one MMA warpgroup (no setmaxnreg)
+    "causal_ws": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
+                  {"warps": 8, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True,
+                   "tma": True, "producer": True}),
+    "attention_ws_3ring": (lambda: patterns.attention(2, 3, 200, 90, 64), {"m": 128}, 32, 3,
+                           {"warps": 8, "mma_row_sums": True, "wgmma": True, "tma": True, "producer": True}),
+    "attention_ws_1wg": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2,
+                         {"lazy_rescale": True, "wgmma": True, "tma": True, "producer": True}),
     # with slices: the arrival flag's static shared memory moves the arena, the swizzled tiles skew to 1 KB
     "decode_wgmma_slices4": (lambda: patterns.attention(1, 4, 70, 1000, 128), {"m": 64}, 64, 3,
                              {"slices": 4, "mma_row_sums": True, "wgmma": True}),
@@ -751,6 +760,30 @@ def test_producer_warpgroup_feeds_the_ring_without_block_barriers() -> None:
     assert "producer warpgroup" in str(s) and "persistent: 3 blocks" in str(s)
     one = build(_schedule("gemm_relu_ws_bf16"), "cuda").source  # one MMA warpgroup: no register moves
     assert "setmaxnreg" not in one and "m64n128k16.f32.bf16.bf16" in one
+
+
+def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
+    """Attention with ``producer``: warpgroup 0's thread 0 loads K/V by TMA (only the steps a causal row
+    tile needs); the two MMA warpgroups copy Q themselves and meet at a named barrier of their 256
+    threads, then wait for each slot and hand it back after the step: no block-wide barrier past the
+    mbarriers' init, each warpgroup's output bands behind its own named barrier."""
+    s = _schedule("causal_ws")
+    p = s.warp_tile
+    src = build(s, "cuda").source
+    assert p.producer and p.threads == 384 and s.num_blocks == 2 * 2
+    assert src.count("__syncthreads()") == 1 and "setmaxnreg.inc.sync.aligned.u32 232" in src
+    assert re.search(r"tvm_builtin_ptx_bar_sync_count_sync\(\(uint\)3, \(uint\)256\)", src)
+    assert "cp.async.cg.shared.global" in src and re.search(r"cp\.async\.bulk\.tensor\.4d", src)
+    assert src.count("mbarrier.arrive.shared.b64") >= 1 and "wgmma.wait_group.sync.aligned 1" not in src
+    assert len(re.findall(r"tvm_builtin_ptx_bar_sync_count_sync\([^;]*\(uint\)128\)", src)) == 2 * (128 // BAND)
+    one = build(_schedule("attention_ws_1wg"), "cuda").source  # one MMA warpgroup: no register moves
+    assert "setmaxnreg" not in one and "(uint)128)" in one
+    with pytest.raises(ScheduleError, match="producer: the MMA warpgroups.*slices 2"):
+        schedule(patterns.attention(1, 2, 64, 256, 64), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
+                 wgmma=True, tma=True, producer=True, slices=2)
+    with pytest.raises(ScheduleError, match="persistent blocks loop over a plain GEMM's tiles"):
+        schedule(patterns.attention(1, 2, 256, 256, 64), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
+                 wgmma=True, tma=True, producer=True, persistent=2)
 
 
 def test_pingpong_warpgroups_take_turns_on_alternate_tiles() -> None:

@@ -411,12 +411,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         if p.tma:
             self._tma_init()
         zero = tirx.const(0, I32)
-        for st in p.row_states:
-            for h in range(2 * self.mt):
-                T.buffer_store(self.rs[st.state], _f(NEG_INF if st.combiner == "max" else 0.0), [h])
-        for buf in self.acc.values():
-            for i in range(int(buf.shape[0])):
-                T.buffer_store(buf, _f(0.0), [i])
+        self._init_states()
         qf = None
         held = p.gemm is not None and not self.p.reload_a
         if p.gemm is not None:  # its load overlaps the ring's first tiles' (read into registers after
@@ -445,16 +440,9 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
             T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
             T.evaluate(T.tvm_storage_sync("shared"))
         if held:  # the A operand stays in registers for the whole loop; its group is the oldest
-            g = p.gemm
-            kd = self.sizes[g.k]
             T.evaluate(T.ptx.cp.async_.wait_group(0 if p.tma else self.groups * (p.stages - 1)))
             T.evaluate(T.tvm_storage_sync("shared"))
-            qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
-            stride = self.layout[g.a][2]
-            for mi in range(self.mt):
-                for kt in range(kd // 16):
-                    self.ldsm(qf, mi * kd // 2 + kt * 8, g.a,
-                              self.a_offset(stride, self.mtile_row(mi), kt * 16), False)
+            qf = self._a_fragments()
         with T.serial(0, iters) as j:
             ahead = j + dist
             pred = self.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None
@@ -475,17 +463,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                 if p.split > 1:
                     busy.enter_context(T.If(self.step_of(j) < nsteps))
                     busy.enter_context(T.Then())
-                kept = self._tile_kept()
-                if kept is None:
-                    self._step(qf)
-                else:
-                    with T.If(kept):
-                        with T.Then():
-                            self.unmasked = True
-                            self._step(qf)
-                            self.unmasked = False
-                        with T.Else():
-                            self._step(qf)
+                self._step_masked(qf)
             if p.stages == 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
         if self.lag:  # the last steps' accumulators
@@ -497,6 +475,40 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
             self._merge()
         else:
             self._finalize()
+
+    def _init_states(self) -> None:
+        """Row states at their combiners' identities, accumulators at zero."""
+        for st in self.p.row_states:
+            for h in range(2 * self.mt):
+                T.buffer_store(self.rs[st.state], _f(NEG_INF if st.combiner == "max" else 0.0), [h])
+        for buf in self.acc.values():
+            for i in range(int(buf.shape[0])):
+                T.buffer_store(buf, _f(0.0), [i])
+
+    def _a_fragments(self) -> tirx.Buffer:
+        """The score GEMM's A (Q) read from its landed tile into registers, held for the whole loop."""
+        g = self.p.gemm
+        kd = self.sizes[g.k]
+        qf = T.alloc_buffer((self.mt * kd // 2,), self.half, scope="local")
+        stride = self.layout[g.a][2]
+        for mi in range(self.mt):
+            for kt in range(kd // 16):
+                self.ldsm(qf, mi * kd // 2 + kt * 8, g.a, self.a_offset(stride, self.mtile_row(mi), kt * 16), False)
+        return qf
+
+    def _step_masked(self, qf: tirx.Buffer | None) -> None:
+        """This step, and under a killing mask a copy of it without the mask for the tiles it keeps whole."""
+        kept = self._tile_kept()
+        if kept is None:
+            self._step(qf)
+            return
+        with T.If(kept):
+            with T.Then():
+                self.unmasked = True
+                self._step(qf)
+                self.unmasked = False
+            with T.Else():
+                self._step(qf)
 
     def _tile_kept(self) -> tirx.PrimExpr | None:
         """Whether the killing mask keeps every element of this step's tile (None: no such mask):

@@ -1,4 +1,5 @@
-"""Warp specialisation of a TMA GEMM (``producer``), optionally persistent (``persistent``).
+"""Warp specialisation of a TMA ring (``producer``): a GEMM's, optionally persistent (``persistent``),
+or attention's K/V.
 
 Warpgroup 0 is the producer: its thread 0 walks the block's tiles and their steps, waits until the
 MMA warpgroups have handed a ring slot back (the slot's *empty* mbarrier, one arrival per MMA
@@ -10,6 +11,8 @@ in a persistent block on into the next tile while the MMA warpgroups store this 
 Each MMA warpgroup stores its own rows, one 64-column band at a time through its own staging area
 (named barriers of 128 threads).  Hand-written probe of the same structure: H100, 8192^2 x 1024
 fp16 GEMM, 128 x 256 tiles, 4 stages, 132 persistent blocks: 204 us against cuBLAS's 194-203.
+Attention's MMA warpgroups (each over its own 64-row halves) copy Q themselves, run each step as
+the unspecialised kernel does (both GEMMs waited for inside it) and hand its slot back at once.
 
 A mixin of ``mma._Gen``: it reads the generator's arena, mbarriers, coordinates and wgmma step.
 """
@@ -22,6 +25,9 @@ from tvm.script.ir_builder import tirx as T
 from schedulers.warp_tile import BAND, CHUNK, PAD, PRODUCER_THREADS, GemmState
 from spacefusion.lower.mma_out import I32, _f
 
+#: the named barrier at which the MMA warpgroups meet once A (Q) has landed (0 is __syncthreads;
+#: 1 and 2 are the warpgroups' output staging)
+A_BARRIER = 3
 #: registers per thread after ``setmaxnreg`` for a producer warpgroup beside two MMA warpgroups:
 #: 128 x 40 + 256 x 232 = 64512 of the 65536 (the launch gives all 384 threads 168)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -72,8 +78,10 @@ class _WarpSpecialized:
 
     def _produce(self, k: tirx.PrimExpr, _: tirx.PrimExpr) -> None:
         """Thread 0 of the producer: load every step of tile ``k`` into the ring, each into a slot
-        the MMA warpgroups have handed back (the first ``stages`` are free)."""
-        p, n = self.p, self.s.num_steps
+        the MMA warpgroups have handed back (the first ``stages`` are free); under a killing mask
+        (causal) only the steps the row tile needs."""
+        p = self.p
+        n = self.s.num_steps if p.wgmma_ss else self._steps_for_block()
         with T.serial(0, n) as j:
             it = k * n + j  # the block's running step count: slot and phase continue across tiles
             slot = it % p.stages
@@ -88,6 +96,9 @@ class _WarpSpecialized:
         store the outputs.  With ``pingpong`` a warpgroup's main loop waits until the other's on the
         tile before has ended: its ring slots are then this tile's, never still the other's (a slot's
         parity alone cannot tell uses two phases apart), and the two take turns at the tensor cores."""
+        if not self.p.wgmma_ss:
+            self._consume_scores()
+            return
         p, n = self.p, self.s.num_steps
         first = self.tid % 128 == 0  # one arrival per MMA warpgroup
         for buf in self.acc.values():
@@ -113,6 +124,31 @@ class _WarpSpecialized:
                 T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty((k * n + n - 1) % p.stages)))
                 if p.pingpong:  # the other warpgroup's next main loop may start
                     T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._order(1 - self.mma_wg)))
+        self._finalize()
+
+    def _consume_scores(self) -> None:
+        """The MMA warpgroups of a program with a score GEMM (attention): their threads copy A (Q) by
+        cp.async and meet at a named barrier of their own; then per step they wait for the slot's K/V,
+        run the step (its wgmma groups are waited for inside it: P's registers change after) and hand
+        the slot straight back, one arrival per warpgroup."""
+        p, g = self.p, self.p.gemm
+        zero = tirx.const(0, I32)
+        first = self.tid % 128 == 0
+        self.groups = 1  # one cp.async group: Q's
+        self._init_states()
+        self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero)  # by the MMA warpgroups' threads
+        T.evaluate(T.ptx.cp.async_.commit_group())
+        T.evaluate(T.ptx.cp.async_.wait_group(0))
+        T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # wgmma reads Q through the async proxy
+        T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", A_BARRIER), T.uint32(32 * p.warps)))
+        qf = None if p.reload_a else self._a_fragments()
+        with T.serial(0, self._steps_for_block()) as j:
+            self.slot, self.t0 = j % p.stages, j * p.step
+            T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot), tirx.floordiv(j, p.stages) % 2))
+            self._step_masked(qf)
+            with T.If(first):
+                with T.Then():
+                    T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty(self.slot)))
         self._finalize()
 
     def _order(self, wg: tirx.PrimExpr) -> tirx.PrimExpr:

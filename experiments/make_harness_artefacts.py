@@ -7,7 +7,8 @@ One schedule per workload of ``experiments/harness_workloads.py``: the best of t
 measured on the H100 (``experiments/results_mma_sweep_h100.json``, ``results_sweep2_h100.json``;
 rows x step x stages x warps x split/slices, lanes x vector; ``results_slices_h100.json``).
 Attention, Softmax-GEMM and the GEMM epilogue are tensor-core warp-tile programs (BERT with two
-16-row tiles per warp; Softmax-GEMM and decoding attention with blocks slicing the steps);
+16-row tiles per warp; LLaMA's and the causal shape warp-specialised like FlashAttention-3; Softmax-GEMM
+and decoding attention with blocks slicing the steps);
 LayerNorm(x+r) is the CUDA-core kernel with the row on chip in one step, 256 lanes (8 warps) per
 row and 16-byte vector accesses.  Then, on the GPU machine:
 ``python experiments/harness.py OUT_DIR --out results.json --csv results.csv``.
@@ -46,16 +47,22 @@ SCHEDULES = {
                  TC | {"stages": 2, "warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True}),
     "mha_vit": (lambda: P.attention(16, 16, 197, 197, 64, dtype=H), {"m": 64}, "l", 32,
                 TC | {"stages": 2, "mma_row_sums": True, "wgmma": True}),
-    # d = 128: two 16-row tiles per warp fit without spilling once Q is re-read from shared memory;
-    # lazy_rescale: 803.5 against 828.5 us (6 pairs, all better; 11 of 14 pairs over three A/Bs)
-    "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 128}, "l", 64,
-                  TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True,
-                         "wgmma": True}),
-    # the row max kept within ln 256 (lazy_rescale): 483-489 against 487-501 us, interleaved 3 times;
-    # BERT and decode lose with it (experiments/results_epilogue_h100.json, lazy_rescale_*)
-    "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 128}, "l", 64,
-                   TC | {"stages": 2, "warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True,
-                         "wgmma": True}),
+    # (the kernel before: one warpgroup of two 16-row tiles per warp, Q re-read from shared memory; lazy_rescale:
+    # 803.5 against 828.5 us, 6 pairs, all better)
+    # a producer warpgroup feeding K and V apart (TMA) to two MMA warpgroups of 64 rows that overlap each
+    # step's softmax with the previous step's P @ V and take turns at the tensor cores (FlashAttention-3's
+    # structure), steps of 128 in a 2-slot ring, the row sum on the SIMT cores (mma.sync's row sums stall
+    # the async wgmma pipe): 450.7-455.1 us against 512-551 for the 64-row-step kernel before, interleaved
+    # 3 times; with the row sums on tensor cores 529-535 (experiments/results_fa3_attention_h100.json)
+    "mha_llama": (lambda: P.attention(4, 32, 2048, 2048, 128, dtype=H), {"m": 128}, "l", 128,
+                  TC | {"stages": 2, "warps": 8, "reload_a": True, "lazy_rescale": True, "wgmma": True, "tma": True,
+                         "producer": True}),
+    # (the kernel before: the row max kept within ln 256 (lazy_rescale): 483-489 against 487-501 us; BERT and
+    # decode lose with it: experiments/results_epilogue_h100.json, lazy_rescale_*)
+    # the same as LLaMA's: 277.9-282.3 us against 323.8-325.1, interleaved 3 times
+    "mha_causal": (lambda: P.attention(4, 32, 2048, 2048, 128, causal=True, dtype=H), {"m": 128}, "l", 128,
+                   TC | {"stages": 2, "warps": 8, "reload_a": True, "lazy_rescale": True, "wgmma": True, "tma": True,
+                         "producer": True}),
     # S waited for apart from V: 24.4 against 26.1 us, interleaved 4 times; a loss of 1-3% on the
     # attention kernels (experiments/results_epilogue_h100.json, early_scores_*); lazy_rescale: 24.9
     # against 25.3 us

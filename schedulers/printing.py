@@ -50,6 +50,10 @@ def warp_tile_summary(s: Schedule) -> str:
         parts.append("tiles loaded by TMA (tensor maps, an mbarrier per ring slot)")
     if p.producer:
         parts.append("loads issued by a producer warpgroup (slots handed back by mbarriers, no block barrier)")
+        if p.gemm is not None:
+            xs = ", ".join(dict.fromkeys(g.x for g in p.gemm_states))
+            parts.append(f"{p.gemm.b} and {xs} loaded and freed apart; each step's row states overlap the previous "
+                         f"step's {xs} GEMM" + ("; the two MMA warpgroups take turns" if p.warps == 8 else ""))
     if p.persistent:
         parts.append(f"persistent: {p.persistent} blocks looping over {s.num_tiles} tiles")
     if p.pingpong:

@@ -96,7 +96,9 @@ class Schedule:
     #: warp specialisation of a TMA ring (a GEMM's tiles, attention's K/V): a producer warpgroup (128
     #: more threads, 40 registers each beside two MMA warpgroups) issues the loads ``stages - 1`` steps
     #: ahead and the MMA warpgroups hand each ring slot back through its own mbarrier, so no block-wide
-    #: barrier sits in the main loop (CUTLASS's sm90 kernels, FlashAttention-3's producer)
+    #: barrier sits in the main loop (CUTLASS's sm90 kernels).  With a score GEMM it is FlashAttention-3's
+    #: structure: K and V come and go apart, each step's row states overlap the previous step's P @ V,
+    #: and two MMA warpgroups take turns issuing their GEMMs
     producer: bool = False
     #: a persistent grid of this many blocks (0: one block per tile), each looping over the tiles
     #: ``bid, bid + persistent, ...``: the producer loads the next tile's steps during the epilogue
@@ -364,7 +366,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
     ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
     ``tma`` loads a wgmma program's ring with the Tensor Memory Accelerator (tensor maps, mbarriers).
-    ``producer`` gives those loads a warpgroup of their own (warp specialisation); ``persistent`` > 0
+    ``producer`` gives those loads a warpgroup of their own (warp specialisation; attention's MMA
+    warpgroups then overlap each step's softmax with the previous P @ V and take turns); ``persistent`` > 0
     launches that many blocks, each looping over the tiles (with ``producer``); ``pingpong`` gives such a
     block two MMA warpgroups taking turns on alternate tiles.  ``fast_math`` computes tanh and logistics
     on ``tanh.approx.f32`` where their values are stored in 16 bits.

@@ -451,9 +451,20 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
 
 def mbarrier_bytes(p: WarpTileProgram) -> int:
     """A TMA ring's mbarriers, after everything else in the arena: one per slot counting its bytes
-    in, and with a producer warpgroup one more per slot counting the MMA warpgroups done with it;
+    in, and with a producer warpgroup one more per slot counting the MMA warpgroups done with it
+    (twice that when the score GEMM's tiles and the GEMM states' come and go apart: ``split_ring``);
     with ``pingpong`` one per MMA warpgroup by which the other lets it start its next main loop."""
-    return (8 * p.stages * (2 if p.producer else 1) + 8 * (2 if p.pingpong else 0)) if p.tma else 0
+    if not p.tma:
+        return 0
+    per_slot = (4 if split_ring(p) else 2) if p.producer else 1
+    return 8 * p.stages * per_slot + 8 * (2 if p.pingpong else 0)
+
+
+def split_ring(p: WarpTileProgram) -> bool:
+    """Whether a producer-fed ring loads and frees each slot's score-GEMM tile (K) apart from its GEMM
+    states' (V): a step's scores need K at its start and V only at the next step, when its P @ V
+    runs behind that step's scores (FlashAttention-3's intra-warpgroup overlap)."""
+    return p.producer and p.gemm is not None
 
 
 def staged_elements(s, p: WarpTileProgram) -> int:

@@ -90,6 +90,9 @@ class StepCost:
     l2_s: float
     latency_s: float  # the chain beyond the units' work: barrier and uncovered load latency
     fixed_s: float  # prologue + epilogue of a block
+    #: the step's GEMMs run beside its element-wise work (a producer-fed score GEMM: each step's row
+    #: states overlap the previous step's P @ V, two warpgroups take turns), not after it
+    overlapped: bool = False
 
     @property
     def units(self) -> tuple[float, ...]:
@@ -100,7 +103,10 @@ class StepCost:
         per_unit = [blocks * u for u in self.units]
         issue = [blocks * u for u in (self.tensor_s, self.sfu_s, self.simt_s)]
         throughput = max(max(per_unit), max(issue) + OVERLAP_LOSS * (sum(issue) - max(issue)))
-        chain = self.tensor_s + self.sfu_s + self.simt_s + self.latency_s
+        if self.overlapped:
+            chain = max(self.tensor_s, self.sfu_s + self.simt_s) + self.latency_s
+        else:
+            chain = self.tensor_s + self.sfu_s + self.simt_s + self.latency_s
         return max(throughput, chain)
 
 
@@ -185,7 +191,9 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     out_elems = rows * max(n_total, 1)
     fixed = (a_bytes / l2_rate + LOAD_LATENCY_S + out_elems * (out_simt / fp32_rate + out_sfu / sfu_rate)
              + out_elems * 2 * 2 / smem_rate + out_elems * 2 / l2_rate)
-    return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed)
+    # FlashAttention-3's overlap (mma_ws): lost to mma.sync row sums, which stall the async wgmma pipe
+    overlapped = p.producer and p.gemm is not None and not p.row_sums
+    return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed, overlapped)
 
 
 def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[float, float]:

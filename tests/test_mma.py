@@ -19,7 +19,9 @@ from schedulers.warp_tile import (
     SWIZZLE_ATOM,
     lazy_references,
     mask_bound,
+    mbarrier_bytes,
     mma_row_sums,
+    split_ring,
     staged_output,
     warp_tile_program,
     warp_tile_smem_bytes,
@@ -763,21 +765,28 @@ def test_producer_warpgroup_feeds_the_ring_without_block_barriers() -> None:
 
 
 def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
-    """Attention with ``producer``: warpgroup 0's thread 0 loads K/V by TMA (only the steps a causal row
-    tile needs); the two MMA warpgroups copy Q themselves and meet at a named barrier of their 256
-    threads, then wait for each slot and hand it back after the step: no block-wide barrier past the
-    mbarriers' init, each warpgroup's output bands behind its own named barrier."""
+    """Attention with ``producer`` (FlashAttention-3's structure): warpgroup 0's thread 0 loads K and V
+    by TMA into a ring whose K and V parts have their own full and empty mbarriers (only the steps a
+    causal row tile needs); the two MMA warpgroups copy Q themselves and meet at a named barrier of
+    their 256 threads; each step issues its scores, then the previous step's P @ V, waits for the
+    scores alone (wait_group 1), and the warpgroups take turns through a pair of named barriers; no
+    block-wide barrier past the mbarriers' init, each warpgroup's output bands behind its own."""
     s = _schedule("causal_ws")
     p = s.warp_tile
     src = build(s, "cuda").source
-    assert p.producer and p.threads == 384 and s.num_blocks == 2 * 2
+    assert p.producer and split_ring(p) and p.threads == 384 and s.num_blocks == 2 * 2
     assert src.count("__syncthreads()") == 1 and "setmaxnreg.inc.sync.aligned.u32 232" in src
+    assert src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") == 1 + 4 * s.stages  # (+ its definition)
+    assert warp_tile_smem_bytes(s, p) % 8 == 0 and mbarrier_bytes(p) == 32 * s.stages
     assert re.search(r"tvm_builtin_ptx_bar_sync_count_sync\(\(uint\)3, \(uint\)256\)", src)
+    # Q's barrier, then each step's turn (step 0 peeled, the loop, each with and without the mask)
+    assert len(re.findall(r"bar_sync_count_sync\([^;]*\(uint\)256\)", src)) >= 1 + 2
+    assert src.count("tvm_builtin_ptx_bar_arrive_arrive(") >= 1 + 2  # warpgroup 1 lets 0 go first; every step passes
     assert "cp.async.cg.shared.global" in src and re.search(r"cp\.async\.bulk\.tensor\.4d", src)
-    assert src.count("mbarrier.arrive.shared.b64") >= 1 and "wgmma.wait_group.sync.aligned 1" not in src
+    assert "wgmma_wait_group_wait_group_sync_aligned_1();" in src  # the scores alone, the previous P @ V running on
     assert len(re.findall(r"tvm_builtin_ptx_bar_sync_count_sync\([^;]*\(uint\)128\)", src)) == 2 * (128 // BAND)
-    one = build(_schedule("attention_ws_1wg"), "cuda").source  # one MMA warpgroup: no register moves
-    assert "setmaxnreg" not in one and "(uint)128)" in one
+    one = build(_schedule("attention_ws_1wg"), "cuda").source  # one MMA warpgroup: no register moves, no turns
+    assert "setmaxnreg" not in one and "tvm_builtin_ptx_bar_arrive" not in one
     with pytest.raises(ScheduleError, match="producer: the MMA warpgroups.*slices 2"):
         schedule(patterns.attention(1, 2, 64, 256, 64), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
                  wgmma=True, tma=True, producer=True, slices=2)

@@ -83,6 +83,8 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         self.inline: dict[str, sp.Expr] = {}  # score ops that are constant scalings: folded into readers
         self.row_sums = dict(p.row_sums)  # sum states computed with a GEMM on tensor cores (mma_row_sums)
         self.swizzled = set(wgmma_swizzled(p))  # tiles wgmma reads through descriptors
+        # a producer-fed score GEMM overlaps each step's softmax with the previous step's P @ V (mma_ws)
+        self.overlap = False
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -562,7 +564,11 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                         self.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, af, a, kf, n2 * 8 + 4)
 
             if p.wgmma:
-                self._wgmma_scores(sacc, qf, base)
+                if self.overlap:  # two MMA warpgroups take turns issuing their GEMMs (mma_ws)
+                    self._await_turn()
+                self._wgmma_scores(sacc, qf, base, wait=not self.overlap)
+                if self.overlap:  # the previous step's P @ V joins the tensor pipe behind the scores
+                    self._issue_previous_pv()
             else:
                 self._pipelined(kd // 16, nb + (self.mt * 8 if self.p.reload_a else 0), load_k, mma_k)
             self.score[g.out] = sacc
@@ -627,7 +633,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         # with a lag, waited for at the top of the step after next, before its slot is reloaded
         self._wgmma_commit(wait=not self.lag)
 
-    def _wgmma_rs(self, acc: tirx.Buffer, pf: tirx.Buffer, gs: GemmState) -> None:
+    def _wgmma_rs(self, acc: tirx.Buffer, pf: tirx.Buffer, gs: GemmState, wait: bool = True) -> None:
         """``acc += P @ x`` on warpgroup MMA with P in registers: per k16 slice and 64-row half of
         this warpgroup one ``wgmma.mma_async.m64nNk16`` whose A operand is the 4 registers of P that
         mma.sync would take (the layouts agree) and whose B is the swizzled ``x`` tile (N-contiguous,
@@ -643,9 +649,10 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                 a = (mi * n4 + kt * 8) // 2
                 T.evaluate(op(*[acc[mi * per + i] for i in range(per)], *[words[a + w] for w in range(4)], bdesc,
                               T.ptx.pred(1), 1, 1, 1))
-        self._wgmma_commit(wait=True)
+        self._wgmma_commit(wait=wait)
 
-    def _wgmma_scores(self, sacc: tirx.Buffer, qf: tirx.Buffer | None, base: tirx.PrimExpr) -> None:
+    def _wgmma_scores(self, sacc: tirx.Buffer, qf: tirx.Buffer | None, base: tirx.PrimExpr,
+                      wait: bool = True) -> None:
         """The score tile ``A @ B^T`` on warpgroup MMA: B (K, [L, d] with d contiguous) from its
         swizzled ring slot, K-major, d in 64-wide bands of atoms; A (Q) from its swizzled tile
         (``reload_a``) or from the fragments held in registers (the rs form)."""
@@ -666,7 +673,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                 else:
                     a = (mi * kd // 2 + kt * 8) // 2
                     T.evaluate(op(*acc, *[words[a + w] for w in range(4)], bdesc, T.ptx.pred(1), 1, 1, 0))
-        self._wgmma_commit(wait=True)
+        self._wgmma_commit(wait=wait)
 
     def _wgmma(self, n: int):
         """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32`` with this kernel's input type (ss or rs
@@ -787,6 +794,8 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
     def _gemm_update(self, gs: GemmState) -> None:
         p, u = self.p, gs.update
         acc = self.acc[u.state]
+        if self.overlap:  # the previous step's P @ V is done: its slot goes back, the accumulator may change
+            self._await_previous_pv()
         if u.carry:
             factor = carry_factor(u.carry, u.state)
             per = (gs.n_tile // 8) * 4
@@ -809,7 +818,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
             pf = self.tin[gs.factor]  # a plain GEMM operand: its ldmatrix fragments are the A operand
         else:
             vals = self.values(gs.factor)
-            pf = T.alloc_buffer((self.ns,), self.half, scope="local")
+            pf = self.pf_keep if self.overlap else T.alloc_buffer((self.ns,), self.half, scope="local")
             for i in range(self.ns):
                 ok = self.valid(i)
                 v = vals[i] if ok is None else tirx.if_then_else(ok, vals[i], _f(0.0))
@@ -829,7 +838,9 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                     self.mma(acc, mi * per + (2 * n2) * 4, pf, a, vf, n2 * 8)
                     self.mma(acc, mi * per + (2 * n2 + 1) * 4, pf, a, vf, n2 * 8 + 4)
 
-        if p.wgmma:
+        if self.overlap:
+            pass  # issued at the next step, behind its scores (or after the loop)
+        elif p.wgmma:
             self._wgmma_rs(acc, pf, gs)
         else:
             self._pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)

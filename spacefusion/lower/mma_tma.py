@@ -10,7 +10,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.warp_tile import tma_streamed
+from schedulers.warp_tile import split_ring, tma_streamed
 from spacefusion.lower.mma_out import I32
 
 
@@ -24,6 +24,14 @@ class _TmaRing:
         producer warpgroup (after the slots' full barriers)."""
         return self._mbar(self.p.stages + slot)
 
+    def _full_v(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
+        """With a split ring: the mbarrier counting slot ``slot``'s GEMM-state tiles (V) in."""
+        return self._mbar(2 * self.p.stages + slot)
+
+    def _empty_v(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
+        """With a split ring: the mbarrier by which the MMA warpgroups hand slot ``slot``'s V back."""
+        return self._mbar(3 * self.p.stages + slot)
+
     def _tma_init(self) -> None:
         """One arrival (thread 0's expect_tx) per phase of every slot's mbarrier, and with a producer
         warpgroup one per MMA warpgroup per phase of every slot's empty barrier, visible to all."""
@@ -33,12 +41,16 @@ class _TmaRing:
                     T.evaluate(T.ptx.mbarrier.init.shared.b64(self._mbar(i), T.uint32(1)))
                     if self.p.producer:
                         T.evaluate(T.ptx.mbarrier.init.shared.b64(self._empty(i), T.uint32(self.p.warps // 4)))
+                    if split_ring(self.p):
+                        T.evaluate(T.ptx.mbarrier.init.shared.b64(self._full_v(i), T.uint32(1)))
+                        T.evaluate(T.ptx.mbarrier.init.shared.b64(self._empty_v(i), T.uint32(self.p.warps // 4)))
                 for i in range(2 if self.p.pingpong else 0):
                     T.evaluate(T.ptx.mbarrier.init.shared.b64(self._order(i), T.uint32(1)))
                 T.evaluate(T.ptx.fence.mbarrier_init.release.cluster())
         T.evaluate(T.tvm_storage_sync("shared"))
 
-    def _tma_step(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+    def _tma_step(self, slot: tirx.PrimExpr, t0: tirx.PrimExpr, pred: tirx.PrimExpr | None,
+                  names: tuple[str, ...] | None = None, bar: tirx.PrimExpr | None = None) -> None:
         """Thread 0 loads the ring's tiles of the step at ``t0`` by TMA into ``slot``, in 64-column
         swizzled bands, their bytes counted by the slot's mbarrier: inputs on the score plane (a plain
         GEMM's A, Softmax-GEMM's S) as [rows, 64] bands along L, the score GEMM's B (K) and the GEMM
@@ -46,12 +58,12 @@ class _TmaRing:
         (batch, head) coordinates; rows and columns past the ends arrive as zeros and count too."""
         cond = self.tid == 0 if pred is None else tirx.all(self.tid == 0, pred)
         p = self.p
-        names = tma_streamed(p)
+        names = tma_streamed(p) if names is None else names  # (a split ring loads K and V apart)
         nbytes = sum(self.layout[n][1] * self.layout[n][2] * 2 for n in names)
         cols0 = {g.x: self.col0(g.n) for g in p.gemm_states}
         with T.If(cond):
             with T.Then():
-                bar = self._mbar(slot)
+                bar = self._mbar(slot) if bar is None else bar
                 T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bar, T.uint32(nbytes)))
                 for n in names:
                     dims = self.smg.space(n).dims

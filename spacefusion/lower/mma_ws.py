@@ -22,12 +22,14 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.warp_tile import BAND, CHUNK, PAD, PRODUCER_THREADS, GemmState
+from schedulers.warp_tile import BAND, CHUNK, PAD, PRODUCER_THREADS, GemmState, split_ring, tma_streamed
 from spacefusion.lower.mma_out import I32, _f
 
 #: the named barrier at which the MMA warpgroups meet once A (Q) has landed (0 is __syncthreads;
 #: 1 and 2 are the warpgroups' output staging)
 A_BARRIER = 3
+#: the named barriers (this and the next) at which two MMA warpgroups take turns issuing their GEMMs
+TURN_BARRIER = 4
 #: registers per thread after ``setmaxnreg`` for a producer warpgroup beside two MMA warpgroups:
 #: 128 x 40 + 256 x 232 = 64512 of the 65536 (the launch gives all 384 threads 168)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -85,10 +87,23 @@ class _WarpSpecialized:
         with T.serial(0, n) as j:
             it = k * n + j  # the block's running step count: slot and phase continue across tiles
             slot = it % p.stages
-            with T.If(it >= p.stages):
-                with T.Then():  # the slot's previous use, step it - stages, completed phase it // stages - 1
-                    T.evaluate(T.cuda.mbarrier_wait(self._empty(slot), (tirx.floordiv(it, p.stages) + 1) % 2))
-            self._tma_step(slot, j * p.step, None)
+            back = (tirx.floordiv(it, p.stages) + 1) % 2  # the slot's previous use (step it - stages): that phase
+            for names, empty, full in self._ring_parts():
+                with T.If(it >= p.stages):
+                    with T.Then():
+                        T.evaluate(T.cuda.mbarrier_wait(empty(slot), back))
+                self._tma_step(slot, j * p.step, None, names, full(slot))
+
+    def _ring_parts(self) -> list[tuple[tuple[str, ...], object, object]]:
+        """(tiles, empty barrier, full barrier) of each part of a ring slot the producer loads apart:
+        all its tiles, or with a split ring the score GEMM's (K), then the GEMM states' (V)."""
+        p = self.p
+        names = tma_streamed(p)
+        if not split_ring(p):
+            return [(names, self._empty, self._mbar)]
+        xs = {g.x for g in p.gemm_states}
+        return [(tuple(n for n in names if n not in xs), self._empty, self._mbar),
+                (tuple(n for n in names if n in xs), self._empty_v, self._full_v)]
 
     def _consume(self, k: tirx.PrimExpr, mine: tirx.PrimExpr) -> None:
         """The MMA warpgroups on the block's tile ``k`` (their ``mine``-th): per step wait for the
@@ -128,12 +143,16 @@ class _WarpSpecialized:
 
     def _consume_scores(self) -> None:
         """The MMA warpgroups of a program with a score GEMM (attention): their threads copy A (Q) by
-        cp.async and meet at a named barrier of their own; then per step they wait for the slot's K/V,
-        run the step (its wgmma groups are waited for inside it: P's registers change after) and hand
-        the slot straight back, one arrival per warpgroup."""
+        cp.async and meet at a named barrier of their own.  Then FlashAttention-3's intra-warpgroup
+        overlap: step j issues its scores (K_j), then the previous step's ``P @ V`` (V_{j-1}, P kept in
+        registers) behind them, waits for the scores alone (K_j's slot goes back), computes the row
+        states and P_j while that ``P @ V`` runs, then waits for it (V_{j-1}'s slot goes back) before
+        the accumulator's rescale.  Step 0 runs before the loop, so every step in it has a ``P @ V``
+        before it (no branch between the wgmma groups for ptxas to serialise on); the last ``P @ V``
+        runs after it."""
         p, g = self.p, self.p.gemm
+        (gs,) = p.gemm_states
         zero = tirx.const(0, I32)
-        first = self.tid % 128 == 0
         self.groups = 1  # one cp.async group: Q's
         self._init_states()
         self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero)  # by the MMA warpgroups' threads
@@ -142,14 +161,87 @@ class _WarpSpecialized:
         T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # wgmma reads Q through the async proxy
         T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", A_BARRIER), T.uint32(32 * p.warps)))
         qf = None if p.reload_a else self._a_fragments()
-        with T.serial(0, self._steps_for_block()) as j:
-            self.slot, self.t0 = j % p.stages, j * p.step
-            T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot), tirx.floordiv(j, p.stages) % 2))
-            self._step_masked(qf)
-            with T.If(first):
+        self.overlap = True
+        self.pf_keep = T.alloc_buffer((self.ns,), self.half, scope="local")  # P, until the next step
+        n = self._steps_for_block()
+        self.n = n
+        if p.warps == 8:  # warpgroup 0 takes the first turn
+            with T.If(self.warp // 4 == 1):
                 with T.Then():
-                    T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty(self.slot)))
+                    T.evaluate(T.ptx.bar.arrive(tirx.Cast("uint32", TURN_BARRIER), T.uint32(256)))
+        self._consumer_step(0, qf)
+        with T.serial(1, n) as j:
+            self._consumer_step(j, qf)
+        self.j = n
+        self._issue_previous_pv(last=True)
+        self._await_previous_pv()
+        self.overlap = False
         self._finalize()
+
+    def _consumer_step(self, j: tirx.PrimExpr | int, qf: tirx.Buffer | None) -> None:
+        """Step ``j`` of the MMA warpgroups: wait for its K, run it."""
+        p = self.p
+        self.j, self.slot, self.t0 = j, j % p.stages, j * p.step
+        T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot), self._phase(j)))
+        self._step_masked(qf)
+
+    def _phase(self, j: tirx.PrimExpr | int) -> tirx.PrimExpr | int:
+        """The parity of the ring slot's barrier phase that step ``j`` completes."""
+        return (j // self.p.stages) % 2 if isinstance(j, int) else tirx.floordiv(j, self.p.stages) % 2
+
+    def _issue_previous_pv(self, last: bool = False) -> None:
+        """Behind this step's score wgmma (its group committed), the previous step's ``P @ V`` from the
+        kept P once V_{j-1} has landed; then wait until the scores alone are done and hand K_j's slot
+        back (``last``: only the ``P @ V``, after the loop)."""
+        p = self.p
+        (gs,) = p.gemm_states
+        first = self.tid % 128 == 0
+        if not (isinstance(self.j, int) and self.j == 0):
+            slot, prev = self.slot, (self.j + p.stages - 1) % p.stages
+            T.evaluate(T.cuda.mbarrier_wait(self._full_v(prev), self._phase(self.j - 1)))
+            self.slot = prev
+            self._wgmma_rs(self.acc[gs.update.state], self.pf_keep, gs, wait=False)
+            self.slot = slot
+            if last:
+                return
+            self._pass_turn()
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
+        else:
+            self._pass_turn()
+            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+        with T.If(first):
+            with T.Then():
+                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty(self.slot)))
+
+    def _await_turn(self) -> None:
+        """Two MMA warpgroups: wait until the other has issued its step's GEMMs (its named barrier of
+        the pair's 256 threads), so that one's row states run while the other's GEMMs do
+        (FlashAttention-3's ping-pong)."""
+        if self.p.warps == 8:
+            T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", TURN_BARRIER + self.warp // 4), T.uint32(256)))
+
+    def _pass_turn(self) -> None:
+        """This warpgroup's GEMMs are issued: the other's turn (warpgroup 1's last step passes none,
+        so every barrier's arrivals match its waits)."""
+        if self.p.warps != 8:
+            return
+        wg = self.warp // 4
+        last = self.j == self.n - 1 if not isinstance(self.j, int) else tirx.const(self.j, I32) == self.n - 1
+        with T.If(tirx.any(wg == 0, tirx.Not(last))):
+            with T.Then():
+                T.evaluate(T.ptx.bar.arrive(tirx.Cast("uint32", TURN_BARRIER + 1 - wg), T.uint32(256)))
+
+    def _await_previous_pv(self) -> None:
+        """The previous step's ``P @ V`` done: V_{j-1}'s slot goes back to the producer (one arrival
+        per warpgroup), and the accumulator may be rescaled and P overwritten."""
+        p = self.p
+        if isinstance(self.j, int) and self.j == 0:
+            return
+        T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+        with T.If(self.tid % 128 == 0):
+            with T.Then():
+                prev = (self.j + p.stages - 1) % p.stages
+                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self._empty_v(prev)))
 
     def _order(self, wg: tirx.PrimExpr) -> tirx.PrimExpr:
         """Address of the mbarrier that lets MMA warpgroup ``wg`` start its next main loop (pingpong)."""

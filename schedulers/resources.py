@@ -61,11 +61,18 @@ class BlockResources:
     threads: int
     shared_bytes: int
     local_floats: int
+    #: registers a thread may hold before its values spill: 255, or what ``setmaxnreg`` gives the MMA
+    #: warpgroups of a warp-specialised block
+    register_cap: int = MAX_REGISTERS
+    #: registers per thread the block launches with, when not the estimate (``setmaxnreg`` moves them later)
+    launch_registers: int | None = None
 
     @property
     def registers_per_thread(self) -> int:
-        """Estimate; above the 255-register limit the buffers spill to local memory."""
-        return min(MAX_REGISTERS, BASE_REGISTERS + self.local_floats)
+        """What a thread launches with: the estimate (above the cap the buffers spill to local memory)."""
+        if self.launch_registers is not None:
+            return self.launch_registers
+        return min(self.register_cap, BASE_REGISTERS + self.local_floats)
 
     @property
     def registers_estimate(self) -> int:
@@ -74,22 +81,26 @@ class BlockResources:
 
     @property
     def spills(self) -> bool:
-        return self.registers_estimate > MAX_REGISTERS
+        return self.registers_estimate > self.register_cap
 
     @property
     def likely_spilled_floats(self) -> int:
         """Values per thread that surely go to local memory: the estimate runs up to ~55 registers
         above what nvcc allocates (it adds fragments nvcc overlaps; 296 estimated for a kernel
         nvcc fits in 255 without spilling), so only the part beyond the limit plus that slack counts."""
-        return max(0, BASE_REGISTERS + self.local_floats - MAX_REGISTERS - SPILL_SLACK)
+        return max(0, BASE_REGISTERS + self.local_floats - self.register_cap - SPILL_SLACK)
 
 
 def block_resources(s: Schedule) -> BlockResources:
     p = s.warp_tile
     if p is not None:  # tensor-core warp-tile kernel: mma fragments, padded cp.async tiles
-        from schedulers.warp_tile import warp_tile_registers, warp_tile_smem_bytes
+        from schedulers.warp_tile import CONSUMER_REGS, moves_registers, warp_tile_registers, warp_tile_smem_bytes
 
-        return BlockResources(s.threads, warp_tile_smem_bytes(s, p), warp_tile_registers(s, p) - BASE_REGISTERS)
+        local = warp_tile_registers(s, p) - BASE_REGISTERS
+        if moves_registers(p):  # the launch's even share, rounded down to the allocation unit of 8
+            return BlockResources(s.threads, warp_tile_smem_bytes(s, p), local, CONSUMER_REGS,
+                                  65536 // s.threads // 8 * 8)
+        return BlockResources(s.threads, warp_tile_smem_bytes(s, p), local)
     return BlockResources(s.threads, shared_bytes(s, align=128), local_floats(s))
 
 

@@ -40,6 +40,9 @@ MMA_DTYPES = ("float16", "bfloat16")
 PRODUCER_THREADS = 128
 #: columns of an output band that a warp-specialised kernel's warpgroups stage at a time
 BAND = 64
+#: registers per thread after ``setmaxnreg`` for a producer warpgroup beside two MMA warpgroups:
+#: 128 x 40 + 256 x 232 = 64512 of the 65536 (the launch gives all 384 threads 168)
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
 
 @dataclass(frozen=True)
@@ -458,6 +461,12 @@ def mbarrier_bytes(p: WarpTileProgram) -> int:
         return 0
     per_slot = (4 if split_ring(p) else 2) if p.producer else 1
     return 8 * p.stages * per_slot + 8 * (2 if p.pingpong else 0)
+
+
+def moves_registers(p: WarpTileProgram) -> bool:
+    """Whether a producer warpgroup hands registers to two MMA warpgroups (``setmaxnreg``): each MMA
+    thread may then hold ``CONSUMER_REGS`` though the block of 384 launches with 168 a thread."""
+    return p.producer and p.warps * p.mma_groups == 8
 
 
 def split_ring(p: WarpTileProgram) -> bool:

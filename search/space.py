@@ -39,6 +39,11 @@ PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
+#: the serial extent from which the search offers attention's warp-specialised (FlashAttention-3)
+#: variants: one block of 384 threads per SM pays each block's ring fill alone, which long rows
+#: amortise (LLaMA's 2048: 451 against 512-551 us) and short ones do not (BERT's 512: 83-100 against
+#: 72, ViT's 197: 24-27 against 21), where the cost model puts them level (68-70 against 74)
+FA3_MIN_SERIAL = 1024
 #: largest tensor-core tile per dim the search tries (wgmma's N; two 64-row halves per warpgroup)
 TC_MAX_TILE = 256
 
@@ -192,7 +197,20 @@ class SearchSpace:
                             tma=self.hopper and not early and self.one_reduction, fast_math=self.fast_math)
             if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
                 yield from self._producer_knobs(tiles, serial, step, movers[-1], warps)
+            if (self.hopper and self.first_gemm and serial not in self.first_gemm and (split, sl) == (1, 1)
+                    and stages == PRODUCER_STAGES[0] and warps == 8 and step >= 64
+                    and sizes[serial] >= FA3_MIN_SERIAL):
+                for lazy in lazies:
+                    yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True, stages,
+                                warps, reload_a=rl, lazy_rescale=lazy, wgmma=True, tma=True, producer=True,
+                                fast_math=self.fast_math)
 
+    # A score GEMM per step (attention) with a producer warpgroup is FlashAttention-3's structure (K and V
+    # apart, each step's softmax beside the previous P @ V, two MMA warpgroups taking turns): offered in
+    # its own shape -- two MMA warpgroups (8 warps), a 2-slot ring, steps of 64+ -- without mma_row_sums,
+    # whose mma.sync per step stalls the async wgmma pipe (LLaMA 529-535 against 451-455 us without),
+    # and only over long rows (FA3_MIN_SERIAL).  H100: LLaMA 426.8 against 520.7 us, causal 275.4
+    # against 322.8 in the harness.
     def _producer_knobs(self, tiles: dict[str, int], serial: str, step: int, thread_dim: str,
                         warps: int) -> Iterator[Knobs]:
         """A TMA GEMM's warp-specialised variants: a producer warpgroup, rings of 2..4 slots (it keeps

@@ -795,6 +795,31 @@ def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
                  wgmma=True, tma=True, producer=True, persistent=2)
 
 
+def test_warp_specialised_attention_registers_and_search() -> None:
+    """Two MMA warpgroups beside a producer launch with 168 registers a thread and may hold 232 after
+    ``setmaxnreg``: LLaMA's 216 fit one block per SM, 240 would spill.  The search offers the
+    structure (8 warps, a 2-slot ring, no row sums on tensor cores) over long rows only, and its
+    model puts LLaMA's steps of 128 before those of 64 (the measured order)."""
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from search.space import FA3_MIN_SERIAL, SearchSpace
+
+    s = schedule(patterns.attention(1, 2, 256, 2048, 128), tiles={"m": 128}, step=128, tensor_cores=True, stages=2,
+                 warps=8, reload_a=True, wgmma=True, tma=True, producer=True)
+    r = block_resources(s)
+    assert r.registers_per_thread == 168 and r.register_cap == 232 and 168 < r.registers_estimate <= 232
+    assert not r.spills and H100.occupancy_blocks_per_sm(r.shared_bytes, r.threads, r.registers_per_thread) == 1
+    long_rows = SearchSpace(patterns.attention(1, 2, 128, FA3_MIN_SERIAL, 128, dtype="float16"), H100).candidates()
+    fa3 = [c for c in long_rows if c.producer]
+    assert fa3 and all(c.warps == 8 and c.stages == 2 and not c.mma_row_sums and c.step >= 64 for c in fa3)
+    llama = {step: schedule(patterns.attention(4, 32, 2048, 2048, 128), tiles={"m": 128}, step=step,
+                            tensor_cores=True, stages=2, warps=8, reload_a=True, wgmma=True, tma=True, producer=True)
+             for step in (64, 128)}
+    assert estimate_us(llama[128], H100) < estimate_us(llama[64], H100)  # 451 against 550-572 us measured
+    short = SearchSpace(patterns.attention(1, 2, 128, FA3_MIN_SERIAL // 2, 128, dtype="float16"), H100).candidates()
+    assert not any(c.producer for c in short)
+
+
 def test_pingpong_warpgroups_take_turns_on_alternate_tiles() -> None:
     """With ``pingpong`` a persistent block has two MMA warpgroups of one tile each: 128 + 2 x 128
     threads, a staging area and named barrier each, and an order mbarrier each by which the other

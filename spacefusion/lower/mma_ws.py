@@ -22,7 +22,18 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.warp_tile import BAND, CHUNK, PAD, PRODUCER_THREADS, GemmState, split_ring, tma_streamed
+from schedulers.warp_tile import (
+    BAND,
+    CHUNK,
+    CONSUMER_REGS,
+    PAD,
+    PRODUCER_REGS,
+    PRODUCER_THREADS,
+    GemmState,
+    moves_registers,
+    split_ring,
+    tma_streamed,
+)
 from spacefusion.lower.mma_out import I32, _f
 
 #: the named barrier at which the MMA warpgroups meet once A (Q) has landed (0 is __syncthreads;
@@ -30,9 +41,6 @@ from spacefusion.lower.mma_out import I32, _f
 A_BARRIER = 3
 #: the named barriers (this and the next) at which two MMA warpgroups take turns issuing their GEMMs
 TURN_BARRIER = 4
-#: registers per thread after ``setmaxnreg`` for a producer warpgroup beside two MMA warpgroups:
-#: 128 x 40 + 256 x 232 = 64512 of the 65536 (the launch gives all 384 threads 168)
-PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
 
 class _WarpSpecialized:
@@ -47,7 +55,7 @@ class _WarpSpecialized:
         self._alloc()
         self._tma_init()
         self.lag = 1  # one wgmma group in flight: a slot goes back one step after its wgmma is issued
-        two = p.warps * p.mma_groups == 8  # setmaxnreg moves registers between the warpgroups of 384 threads
+        two = moves_registers(p)
         with T.If(self.tid < PRODUCER_THREADS):
             with T.Then():
                 if two:

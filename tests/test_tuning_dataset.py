@@ -145,3 +145,21 @@ def test_warp_tile_model_ranks_the_producer_gemm_round() -> None:
     meas = np.array([r["latencies_us"][0] for _, r in rows])
     assert spearman(est, meas) > 0.6
     assert meas[np.argsort(est)[:3]].min() == meas.min()
+
+
+def test_warp_tile_model_ranks_the_fa3_attention_round() -> None:
+    """A tuner round of LLaMA-shaped attention once the search offers FlashAttention-3's structure (12
+    model picks, 428-679 us): the model ranks them (Spearman 0.90) and its first four picks are the
+    four step-128 warp-specialised kernels, the fastest among them (the round before: 496.9 us)."""
+    from search.cost import estimate_us
+
+    raw = json.loads((DATA.parent / "raw" / "attention_llama_round_fa3.json").read_text())
+    by_key = {c["schedule_key"]: c["schedule"] for c in raw["manifest"]["candidates"]}
+    rows = [(by_key[r["schedule_key"]], r) for r in raw["results"] if by_key[r["schedule_key"]].get("tensor_cores")]
+    assert len(rows) == 12 and all(r["error"] is None and r["max_abs_err"] < 2e-2 for _, r in rows)
+    scheds = [Schedule.from_json(json.dumps(s)) for s, _ in rows]
+    est = np.array([estimate_us(s, H100) for s in scheds])
+    meas = np.array([r["latencies_us"][0] for _, r in rows])
+    assert spearman(est, meas) > 0.8
+    first = np.argsort(est, kind="stable")[:4]
+    assert meas[first].min() == meas.min() and all(scheds[i].producer and scheds[i].step == 128 for i in first)

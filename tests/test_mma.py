@@ -114,6 +114,8 @@ CASES = {
                                         "tma": True}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
     "attention_wgmma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2, {"wgmma": True}),
+    "attention_wgmma_bf16": (lambda: patterns.attention(1, 4, 200, 300, 128, dtype="bfloat16"), {"m": 128}, 64, 2,
+                             {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True}),
     "causal_wgmma_mt2": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True), {"m": 128}, 64, 2,
                          {"warps": 4, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
     # a producer warpgroup feeding attention's K/V ring: causal with tails on two MMA warpgroups (d = 128,
@@ -125,6 +127,9 @@ CASES = {
                            {"warps": 8, "mma_row_sums": True, "wgmma": True, "tma": True, "producer": True}),
     "attention_ws_1wg": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 2,
                          {"lazy_rescale": True, "wgmma": True, "tma": True, "producer": True}),
+    "attention_ws_bf16_gqa": (lambda: patterns.attention(1, 4, 200, 300, 128, kv_heads=2, dtype="bfloat16"),
+                              {"m": 128}, 128, 2, {"warps": 8, "reload_a": True, "wgmma": True, "tma": True,
+                                                    "producer": True}),
     # with slices: the arrival flag's static shared memory moves the arena, the swizzled tiles skew to 1 KB
     "decode_wgmma_slices4": (lambda: patterns.attention(1, 4, 70, 1000, 128), {"m": 64}, 64, 3,
                              {"slices": 4, "mma_row_sums": True, "wgmma": True}),

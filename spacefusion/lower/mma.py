@@ -689,8 +689,9 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
     def _words(self, frag: tirx.Buffer, halves: int) -> tirx.Buffer:
         """An fp16/bf16 fragment as packed 32-bit pairs: the registers of a wgmma rs-form A operand."""
         words = T.alloc_buffer((halves // 2,), "uint32", scope="local")
+        pack = "__pack_half2" if self.ab == "fp16" else "__pack_nv_bfloat162"  # TVM's CUDA header defines both
         for i in range(halves // 2):
-            T.buffer_store(words, tirx.call_extern("uint32", "__pack_half2", frag[2 * i], frag[2 * i + 1]), [i])
+            T.buffer_store(words, tirx.call_extern("uint32", pack, frag[2 * i], frag[2 * i + 1]), [i])
         return words
 
     def _half(self, mi: int) -> tirx.PrimExpr:

@@ -491,6 +491,11 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
             raise ScheduleError(f"producer gives the TMA loads of a wgmma GEMM a warpgroup of their own; it needs "
                                 f"tma=True and a ring of 2+ stages (one slot stays with the wgmma in flight); got "
                                 f"tma={bool(tma)}, stages {stages}")
+        wt = out.warp_tile
+        if producer and wt is not None and not wt.wgmma_ss and (wt.gemm is None or len(wt.gemm_states) != 1):
+            raise ScheduleError(f"producer feeds a plain GEMM (+ epilogue), or a score GEMM per step with one GEMM "
+                                f"state after it (attention); {smg.name!r} has "
+                                f"{'no score GEMM' if wt.gemm is None else f'{len(wt.gemm_states)} GEMM states'}")
         if producer and out.warp_tile is not None and out.slices != 1:
             raise ScheduleError(f"producer: the MMA warpgroups of a warp-specialised block meet at named barriers "
                                 f"only, and blocks slicing the steps merge through block-wide ones; got slices "

@@ -795,6 +795,9 @@ def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
     with pytest.raises(ScheduleError, match="producer: the MMA warpgroups.*slices 2"):
         schedule(patterns.attention(1, 2, 64, 256, 64), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
                  wgmma=True, tma=True, producer=True, slices=2)
+    with pytest.raises(ScheduleError, match="producer feeds a plain GEMM.*'softmax_gemm' has no score GEMM"):
+        schedule(softmax_gemm(256, 512, 64), tiles={"m": 64}, step=64, tensor_cores=True, stages=2, wgmma=True,
+                 tma=True, producer=True)
     with pytest.raises(ScheduleError, match="persistent blocks loop over a plain GEMM's tiles"):
         schedule(patterns.attention(1, 2, 256, 256, 64), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
                  wgmma=True, tma=True, producer=True, persistent=2)

@@ -39,6 +39,7 @@ from schedulers.warp_tile import (
     mask_bound,
     mbarrier_bytes,
     smem_layout,
+    split_ring,
     staged_elements,
     swizzled_128b,
     warp_tile_program,
@@ -84,7 +85,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         self.row_sums = dict(p.row_sums)  # sum states computed with a GEMM on tensor cores (mma_row_sums)
         self.swizzled = set(wgmma_swizzled(p))  # tiles wgmma reads through descriptors
         # a producer-fed score GEMM overlaps each step's softmax with the previous step's P @ V (mma_ws)
-        self.overlap = False
+        self.overlap = split_ring(p)
 
     # -- addressing -----------------------------------------------------------------
     def flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:

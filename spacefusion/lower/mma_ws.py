@@ -11,8 +11,9 @@ in a persistent block on into the next tile while the MMA warpgroups store this 
 Each MMA warpgroup stores its own rows, one 64-column band at a time through its own staging area
 (named barriers of 128 threads).  Hand-written probe of the same structure: H100, 8192^2 x 1024
 fp16 GEMM, 128 x 256 tiles, 4 stages, 132 persistent blocks: 204 us against cuBLAS's 194-203.
-Attention's MMA warpgroups (each over its own 64-row halves) copy Q themselves, run each step as
-the unspecialised kernel does (both GEMMs waited for inside it) and hand its slot back at once.
+Attention's MMA warpgroups (each over its own 64-row halves) copy Q themselves and run
+FlashAttention-3's order: K and V come and go apart, each step's row states overlap the previous
+step's P @ V, and two MMA warpgroups take turns issuing their GEMMs (``_consume_scores``).
 
 A mixin of ``mma._Gen``: it reads the generator's arena, mbarriers, coordinates and wgmma step.
 """
@@ -169,7 +170,6 @@ class _WarpSpecialized:
         T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # wgmma reads Q through the async proxy
         T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", A_BARRIER), T.uint32(32 * p.warps)))
         qf = None if p.reload_a else self._a_fragments()
-        self.overlap = True
         self.pf_keep = T.alloc_buffer((self.ns,), self.half, scope="local")  # P, until the next step
         n = self._steps_for_block()
         self.n = n
@@ -183,7 +183,6 @@ class _WarpSpecialized:
         self.j = n
         self._issue_previous_pv(last=True)
         self._await_previous_pv()
-        self.overlap = False
         self._finalize()
 
     def _consumer_step(self, j: tirx.PrimExpr | int, qf: tirx.Buffer | None) -> None:
@@ -192,6 +191,10 @@ class _WarpSpecialized:
         self.j, self.slot, self.t0 = j, j % p.stages, j * p.step
         T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot), self._phase(j)))
         self._step_masked(qf)
+
+    def _peeled(self) -> bool:
+        """Whether this is step 0, run before the loop: no ``P @ V`` comes before it."""
+        return isinstance(self.j, int) and self.j == 0
 
     def _phase(self, j: tirx.PrimExpr | int) -> tirx.PrimExpr | int:
         """The parity of the ring slot's barrier phase that step ``j`` completes."""
@@ -204,7 +207,7 @@ class _WarpSpecialized:
         p = self.p
         (gs,) = p.gemm_states
         first = self.tid % 128 == 0
-        if not (isinstance(self.j, int) and self.j == 0):
+        if not self._peeled():
             slot, prev = self.slot, (self.j + p.stages - 1) % p.stages
             T.evaluate(T.cuda.mbarrier_wait(self._full_v(prev), self._phase(self.j - 1)))
             self.slot = prev
@@ -234,8 +237,8 @@ class _WarpSpecialized:
         if self.p.warps != 8:
             return
         wg = self.warp // 4
-        last = self.j == self.n - 1 if not isinstance(self.j, int) else tirx.const(self.j, I32) == self.n - 1
-        with T.If(tirx.any(wg == 0, tirx.Not(last))):
+        j = tirx.const(self.j, I32) if isinstance(self.j, int) else self.j
+        with T.If(tirx.any(wg == 0, j < self.n - 1)):
             with T.Then():
                 T.evaluate(T.ptx.bar.arrive(tirx.Cast("uint32", TURN_BARRIER + 1 - wg), T.uint32(256)))
 
@@ -243,7 +246,7 @@ class _WarpSpecialized:
         """The previous step's ``P @ V`` done: V_{j-1}'s slot goes back to the producer (one arrival
         per warpgroup), and the accumulator may be rescaled and P overwritten."""
         p = self.p
-        if isinstance(self.j, int) and self.j == 0:
+        if self._peeled():
             return
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         with T.If(self.tid % 128 == 0):

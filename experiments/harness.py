@@ -571,7 +571,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artefacts", nargs="*", type=Path,
                         help="spacefusion artefact folders, or folders of them (matched to workloads by kernel.json)")
-    parser.add_argument("--out", type=Path, default=Path("results_harness.json"), help="JSON results file")
+    parser.add_argument("--out", type=Path, default=Path("harness.json"), help="JSON results file")
     parser.add_argument("--csv", type=Path, default=None, help="CSV results file (default: --out with .csv)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100, help="timed runs per system (median reported)")

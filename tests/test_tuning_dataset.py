@@ -60,7 +60,7 @@ def test_analytical_model_is_near_the_h100_harness_times() -> None:
     sys.path.insert(0, str(root / "experiments"))
     from make_harness_artefacts import SCHEDULES
 
-    rows = json.loads((root / "experiments" / "results_harness_h100.json").read_text())["rows"]
+    rows = json.loads((root / "experiments" / "results" / "harness_h100.json").read_text())["rows"]
     measured = {r["workload"]: r["median_us"] for r in rows if r["system"] == "spacefusion" and r["status"] == "ok"}
     checked = 0
     for key, (mk, tiles, serial, step, opts) in SCHEDULES.items():

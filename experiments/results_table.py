@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The README's results table, printed from a harness results file (no torch, no TVM).
+"""The docs' results tables, printed from harness results files (no torch, no TVM).
 
-Usage:  python experiments/results_table.py [experiments/results/harness_h100.json]
+Usage:  python experiments/results_table.py [HARNESS_JSON]      # the current table (README, docs/results.md)
+        python experiments/results_table.py --history            # spacefusion's time per harness run
 
-The README and docs/results.md hold this table verbatim; tests/test_docs.py regenerates it from the
-committed file, so a new harness run cannot leave stale numbers in the docs.
+The README and docs/results.md hold these tables verbatim; tests/test_docs.py regenerates them from the
+committed files, so a new harness run cannot leave stale numbers in the docs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 #: the current harness run (experiments/results/README.md says what it is)
 DEFAULT = Path(__file__).resolve().parent / "results" / "harness_h100.json"
+
+HISTORY = DEFAULT.parent / "history"
 
 #: systems shown as columns, in order; a workload without one shows "-"
 COLUMNS = (("spacefusion", "spacefusion"), ("sdpa_flash", "SDPA flash"), ("sdpa_cudnn", "SDPA cuDNN"),
@@ -49,10 +52,33 @@ def harness_table(path: Path = DEFAULT) -> str:
     return "\n".join(lines)
 
 
+def history_table(paths: list[Path] | None = None) -> str:
+    """spacefusion's median microseconds per workload in each full harness run, oldest first.
+
+    Defaults to every harness-format file of ``results/history`` plus the current one; the extra-repeat
+    files (a ``note`` and ``runs``, not ``rows``) are left out: their kernels are those of a run listed.
+    """
+    if paths is None:
+        paths = [*sorted(HISTORY.glob("harness_*.json")), DEFAULT]
+    runs = [(p, json.loads(p.read_text())) for p in paths]
+    runs = sorted(((p, d) for p, d in runs if "rows" in d), key=lambda pd: pd[1]["date"])
+    keys = [w["key"] for w in runs[-1][1]["workloads"] if not w["reference_for"]]
+    labels = {w["key"]: w["label"] for _, d in runs for w in d["workloads"]}
+    lines = ["| run (UTC) | file | " + " | ".join(labels[k] for k in keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for p, d in runs:
+        us = {r["workload"]: r["median_us"] for r in d["rows"] if r["system"] == "spacefusion" and r["status"] == "ok"}
+        cells = [f"{us[k]:.1f}" if k in us else "-" for k in keys]
+        name = p.relative_to(DEFAULT.parent).as_posix()
+        lines.append(f"| {d['date'][:16].replace('T', ' ')} | `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="?", type=Path, default=DEFAULT)
-    print(harness_table(ap.parse_args().results))
+    ap.add_argument("--history", action="store_true", help="one row per harness run instead")
+    args = ap.parse_args()
+    print(history_table() if args.history else harness_table(args.results))
 
 
 if __name__ == "__main__":

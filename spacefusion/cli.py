@@ -134,7 +134,8 @@ def tune_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line's parser, apart from running it, so the docs' command lines can be checked against it."""
     p = argparse.ArgumentParser(prog="spacefusion", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="fuse MHA, verify on llvm, emit CUDA, show traffic")
@@ -193,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--fast-math", action="store_true",
                    help="let tensor-core candidates compute tanh and sigmoid on tanh.approx (a separate database key)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     try:
         return {"demo": demo, "build": build_cmd, "tune": tune_cmd}[args.cmd](args)
     except (SpaceFusionError, KeyError) as e:

@@ -331,6 +331,13 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
     raise TemporalSliceError(f"no reduced dim of {smg.name!r} can be sliced temporally: " + "; ".join(refused))
 
 
+def _pads_rows(tile: int, size: int) -> bool:
+    """Whether a tensor-core row tile of ``tile`` may cover a dim of ``size`` < ``tile``: a warp-tile
+    program's rows come in 16-row MMA tiles (64 per warpgroup), so a GQA decoder's 4-8 query rows
+    run in one padded tile whose spare rows are masked like any row tail."""
+    return tile % 16 == 0 and tile <= max(64, -(-size // 16) * 16)
+
+
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int = 32, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
@@ -397,7 +404,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     block = []
     for d in cut:
         t = int(tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1))
-        if t <= 0 or t > sizes[d]:
+        if t <= 0 or (t > sizes[d] and not (tensor_cores and _pads_rows(t, sizes[d]))):
             raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
         block.append((d, t))
     limit = (hw or H100).max_threads_per_block
@@ -442,6 +449,11 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                    bool(tensor_cores), int(stages), int(warps), int(vector), int(split), int(slices),
                    bool(reload_a), bool(early_scores), bool(lazy_rescale), bool(mma_row_sums), bool(wgmma),
                    bool(tma), bool(producer), int(persistent), bool(pingpong), bool(fast_math))
+    padded = [d for d, t in block if t > sizes[d]]
+    if padded and (out.warp_tile is None or padded != [out.warp_tile.row]):
+        raise ScheduleError(f"tile {dict(block)[padded[0]]} for dim {padded[0]!r} is larger than the dim "
+                            f"({sizes[padded[0]]}): only a warp-tile program's row tile may pad its dim to whole "
+                            f"MMA row tiles")
     if tensor_cores:
         from schedulers.warp_tile import warp_tile_reason
         from spacefusion.lower.tensorcore import tensorcore_reason

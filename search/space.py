@@ -31,6 +31,7 @@ from schedulers.resources import check_resources
 from schedulers.schedule import MAX_VECTOR_BYTES, Schedule, make_schedule
 from schedulers.spatial import analyse_spatial
 from schedulers.temporal import plan_temporal
+from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 
 LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
@@ -39,6 +40,9 @@ PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
+#: more slices where even 8 leave the SMs short (a GQA decoder's few kv heads at one sequence: 8 row
+#: tiles x 8 slices ran 46 us against cuDNN's 33 on the H100), up to this many blocks per SM in all
+MORE_SLICES, SLICED_BLOCKS_PER_SM = (16, 32), 4
 #: the serial extent from which the search offers attention's warp-specialised (FlashAttention-3)
 #: variants: one block of 384 threads per SM pays each block's ring fill alone, which long rows
 #: amortise (LLaMA's 2048: 451 against 512-551 us) and short ones do not (BERT's 512: 83-100 against
@@ -46,6 +50,11 @@ SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid can
 FA3_MIN_SERIAL = 1024
 #: largest tensor-core tile per dim the search tries (wgmma's N; two 64-row halves per warpgroup)
 TC_MAX_TILE = 256
+#: the search folds a broadcast pair of dims into one row dim (``smg.fold``) where the inner one is
+#: shorter than this: a warpgroup's 64 MMA rows (a GQA decoder's single query row per head)
+FOLD_BELOW = 64
+#: row tiles padding a dim shorter than them: one mma.sync tile, one warpgroup
+PADDED_TILES = (16, 64)
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -176,6 +185,13 @@ class SearchSpace:
             for combo in itertools.product(*opts):
                 if math.prod(combo) > limit:
                     yield {d: dict(zip(movers, combo)).get(d, 1) for d in self.cut_dims}
+        ins = [self.smg.space(n).dims for n in self.smg.inputs]
+        for d in self.cut_dims:  # GEMM rows (an input lacks them) fewer than an MMA tile: one padded tile
+            if not any(d not in x for x in ins):
+                continue
+            if sizes[d] < PADDED_TILES[0] or (sizes[d] < PADDED_TILES[-1] and sizes[d] % 16):
+                for t in (t for t in PADDED_TILES if t > sizes[d]):
+                    yield {c: t if c == d else 1 for c in self.cut_dims}
 
     def _tc_knobs(self, serial: str, steps: list[int], tiles: dict[str, int], movers: list[str]) -> Iterator[Knobs]:
         sizes = self.smg.dim_sizes
@@ -184,6 +200,7 @@ class SearchSpace:
         parts = [(sp, 1) for sp in SPLITS]
         if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
             parts += [(1, sl) for sl in SLICES]
+            parts += [(1, sl) for sl in MORE_SLICES if blocks * sl <= SLICED_BLOCKS_PER_SM * self.hw.num_sms]
         reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
         for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES, WARPS, parts, reloads):
             if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
@@ -306,8 +323,39 @@ class SearchSpace:
                     raise
                 opts[knob] = False
 
+    @cached_property
+    def folds(self) -> tuple[tuple[str, str], ...]:
+        """Dim pairs whose fold (``smg.fold``) the search offers besides the graph as given: an input
+        reaches both One-to-All (K/V along a GQA group and its query rows, so one block's rows share
+        its tiles) and the inner dim is shorter than a warpgroup's rows (folding longer ones only
+        renames rows the tiles already fill); tensor-core targets only."""
+        if not self.tensor_cores:
+            return ()
+        sizes, ins = self.smg.dim_sizes, [self.smg.space(n) for n in self.smg.inputs]
+        return tuple((o, i) for o, i in foldable(self.smg)
+                     if sizes[i] < FOLD_BELOW and any(o not in x.dims and i not in x.dims for x in ins))
+
+    def folded(self) -> list[SearchSpace]:
+        """The search spaces of the folded graphs, one per offered fold (their schedules carry the
+        folded SMG: the same memory seen with one dim fewer)."""
+        return [SearchSpace(fold_dims(self.smg, o, i), self.hw, recompute=self.recompute, max_step=self.max_step,
+                            min_threads=self.min_threads, tensor_cores=self.tensor_cores, cuda=self.cuda,
+                            fast_math=self.fast_math) for o, i in self.folds]
+
     def candidates(self) -> list[Schedule]:
-        """Valid schedules that fit ``hw``; ``self.report`` counts what was pruned and why."""
+        """Valid schedules that fit ``hw``, of the graph and of its offered folds; ``self.report``
+        counts what was pruned and why."""
+        out = {s.key: s for s in self._candidates()}
+        for sub in self.folded():
+            out.update((s.key, s) for s in sub.candidates())
+            self.report.total += sub.report.total
+            self.report.valid += sub.report.valid
+            for why, n in sub.report.pruned.items():
+                self.report.pruned[why] = self.report.pruned.get(why, 0) + n
+        self.report.fits = len(out)
+        return list(out.values())
+
+    def _candidates(self) -> list[Schedule]:
         rep = self.report = SpaceReport()
         out: dict[str, Schedule] = {}
         for k in self.knobs():
@@ -331,8 +379,11 @@ class SearchSpace:
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
                 f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
-                f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}, slices {list(SLICES)} for "
-                f"grids smaller than the SMs, A fragments held or reloaded) where the plan is one")
+                f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}, slices {list(SLICES)} (up to "
+                f"{MORE_SLICES[-1]} for the smallest) for grids smaller than the SMs, A fragments held or reloaded) "
+                f"where the plan is one"
+                + (f"; also over the graph with {', '.join(f'{o}*{i}' for o, i in self.folds)} folded into one row "
+                   f"dim" if self.folds else ""))
 
 
 def _reason(msg: str) -> str:

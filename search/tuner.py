@@ -31,6 +31,7 @@ from search.cost import estimate_us
 from search.database import TuningDatabase, cache_enabled, key_parts, tuning_key
 from search.learned import LearnedCostModel
 from search.metrics import spearman, top1_slowdown
+from search.prior import first_round_order, load_prior
 from search.records import MeasureInput, MeasureResult, Runner
 from search.space import SearchSpace, SpaceReport
 from smg.ir import SMG
@@ -143,16 +144,18 @@ def _quality(pred: list[float], measured: list[float]) -> dict[str, float]:
 def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
          db: TuningDatabase | str | Path | None = None, trials: int = 64, batch: int = 16, explore: float = 0.25,
          seed: int = 0, workers: int = 2, progress: bool = True, recompute: bool = False,
-         max_step: int | None = None, fast_math: bool = False) -> TuneSummary:
+         max_step: int | None = None, fast_math: bool = False, use_prior: bool = True) -> TuneSummary:
     """Find a fast schedule of ``smg`` on ``runner``; see the module docstring.  ``fast_math`` lets
     tensor-core candidates compute tanh and logistics on tanh.approx (``Schedule.fast_math``); it is
-    part of the database key, so approximate and exact results never stand in for each other."""
+    part of the database key, so approximate and exact results never stand in for each other.
+    ``use_prior`` breaks the analytical model's ties in the first round with the ranker learned from
+    the committed measurements of ``hw`` (``search.prior``), where there is one."""
     t_start = time.perf_counter()
     own_db = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db if db is not None else Path(tempfile.mkdtemp()) / "tuning.db") if own_db else db
     try:
         return _tune(smg, runner, hw, target, database, trials, batch, explore, seed, workers, progress,
-                     recompute, max_step, t_start, fast_math)
+                     recompute, max_step, t_start, fast_math, use_prior)
     finally:
         if own_db:
             database.close()
@@ -167,7 +170,7 @@ def _flags(fast_math: bool) -> tuple[str, ...]:
 
 def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDatabase, trials: int, batch: int,
           explore: float, seed: int, workers: int, progress: bool, recompute: bool, max_step: int | None,
-          t_start: float, fast_math: bool = False) -> TuneSummary:
+          t_start: float, fast_math: bool = False, use_prior: bool = True) -> TuneSummary:
     flags = _flags(fast_math)
     key = tuning_key(smg, hw, target, flags)
     parts = key_parts(smg, hw, target, flags)
@@ -187,6 +190,7 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     remaining = {s.key: s for s in cands if s.key not in measured}
     est = {k: estimate_us(s, hw) for k, s in remaining.items()}
     model = LearnedCostModel(hw)
+    prior = load_prior(hw) if use_prior and target.startswith("cuda") else None  # learned from GPU kernels
     history = [(s, r) for s, r in db.records(key)]
     if sum(r.ok for _, r in history) >= MIN_RECORDS_TO_LEARN:
         model.fit([s for s, _ in history], [r for _, r in history], [key] * len(history))
@@ -196,9 +200,11 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     done = 0
     while done < trials and remaining:
         keys = list(remaining)
-        score = (dict(zip(keys, model.predict([remaining[k] for k in keys]))) if model.is_trained
-                 else {k: est[k] for k in keys})
-        order = sorted(keys, key=lambda k: (score[k], k))
+        if model.is_trained:
+            score = dict(zip(keys, model.predict([remaining[k] for k in keys])))
+            order = sorted(keys, key=lambda k: (score[k], k))
+        else:  # the analytical model, its ties broken by the prior learned on other workloads
+            order = first_round_order(remaining, est, prior)
         n = min(batch, trials - done, len(order))
         n_exploit = max(1, math.ceil(n * (1 - explore))) if model.is_trained or n < 4 else n - n // 4
         pick = order[:n_exploit]

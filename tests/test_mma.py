@@ -27,6 +27,7 @@ from schedulers.warp_tile import (
     warp_tile_smem_bytes,
 )
 from smg import patterns
+from smg.fold import fold_dims
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
@@ -135,6 +136,14 @@ CASES = {
                              {"slices": 4, "mma_row_sums": True, "wgmma": True}),
     "softmax_gemm_wgmma_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 64}, 32, 2,
                                    {"slices": 3, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
+    # GQA decoding: the query group as the rows of one padded 16-row tile, folded into m (smg.fold) or as
+    # the row dim r itself; slices of the KV steps; two queries per head on a padded warpgroup (wgmma)
+    "gqa_decode_fold_slices4": (lambda: fold_dims(patterns.attention(2, 8, 1, 300, 128, kv_heads=2), "r", "m"),
+                                {"m": 16}, 32, 2, {"slices": 4}),
+    "gqa_decode_rows_r": (lambda: patterns.attention(2, 8, 1, 300, 128, kv_heads=2), {"r": 16, "m": 1}, 64, 2,
+                          {"slices": 2}),
+    "gqa_spec_fold_wgmma": (lambda: fold_dims(patterns.attention(1, 8, 3, 200, 64, kv_heads=2), "r", "m"),
+                            {"m": 64}, 32, 2, {"slices": 2, "wgmma": True}),
 }
 
 

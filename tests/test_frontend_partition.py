@@ -96,11 +96,12 @@ class _Odd(nn.Module):
         return F.gelu(o.transpose(1, 2).flatten(2), approximate="tanh")
 
 
-def test_unsupported_ops_are_left_to_torch_with_reasons_not_a_crash() -> None:
+def test_unsupported_ops_are_left_to_torch_with_reasons_not_a_crash(capsys) -> None:
     torch.manual_seed(0)
     model = _Odd().eval()
     x, mask = torch.randn(2, 8, 16), torch.randn(8, 8)
-    fused = fuse(model, x, mask, backend="reference")
+    fused = fuse(model, x, mask, backend="reference", verbose=True)
+    assert "torch.cumsum: no SMG pattern covers this op" in capsys.readouterr().out
     left = {op.op: op.reason for op in fused.partition.left}
     assert "no SMG pattern" in left["torch.cumsum"]
     assert "attn_mask" in left["F.scaled_dot_product_attention"]

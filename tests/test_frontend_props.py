@@ -33,6 +33,16 @@ class _Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.gqa)
 
 
+class _Gated(nn.Module):
+    def __init__(self, k: int, n: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(k, n, bias=False), nn.Linear(k, n, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(F, self.act)(self.gate_proj(x)) * self.up_proj(x)
+
+
 class _ResidualNorm(nn.Module):
     def __init__(self, n: int, rms: bool) -> None:
         super().__init__()
@@ -81,3 +91,11 @@ def test_residual_norm_mapping_keeps_the_sum(m: int, n: int, rms: bool, seed: in
     fused = fuse(model, torch.randn(m, n), torch.randn(m, n), backend="reference")
     assert [len(s.results) for s in fused.partition.subgraphs] == [2]
     _check(model, torch.randn(2, m, n), torch.randn(2, m, n), kind="residual_norm")
+
+
+@SETTINGS
+@given(m=st.integers(1, 6), k=st.integers(1, 16), n=st.integers(1, 16), act=st.sampled_from(["silu", "gelu"]),
+       seed=st.integers(0, 2**16))
+def test_gated_gemm_mapping(m: int, k: int, n: int, act: str, seed: int) -> None:
+    torch.manual_seed(seed)
+    _check(_Gated(k, n, act).eval(), torch.randn(1, m, k), kind="gated_gemm")

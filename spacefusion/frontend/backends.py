@@ -94,10 +94,12 @@ class CudaBackend(_Cached):
     def artefact_dir(self, smg: SMG) -> Path:
         return self.folder / smg.key[:16]
 
-    def export(self, smg: SMG) -> Path:
+    def export(self, smg: SMG, cubin: bool = True) -> Path:
+        """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``)."""
         from spacefusion.api import build
 
-        return build(self.schedule_for(smg), f"cuda:{self.arch}").save(self.artefact_dir(smg))
+        art = build(self.schedule_for(smg), f"cuda:{self.arch}")
+        return art.save(self.artefact_dir(smg), compile_cubin=cubin)
 
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.runtime.gpu import load_kernel

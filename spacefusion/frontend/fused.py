@@ -125,9 +125,10 @@ class FusedModel(nn.Module):
         return self.graph_module(*args, **kwargs)
 
 
-def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", **kwargs: Any) -> FusedModel:
+def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = False, **kwargs: Any) -> FusedModel:
     """Capture ``model`` on the example inputs, partition it, build one kernel per distinct subgraph on
-    ``backend`` ("llvm", "reference", or a backend object) and return the fused model."""
+    ``backend`` ("llvm", "reference", or a backend object) and return the fused model; ``verbose`` prints
+    the partition (what is fused, what torch runs and why)."""
     cap = capture(model, *args, **kwargs)
     part = partition(cap.module)
     be = get_backend(backend)
@@ -144,4 +145,6 @@ def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", **kwargs: Any) -> 
                 why = f"kernel build failed: {type(exc).__name__}: {exc}"
         left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
     part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left))
+    if verbose:
+        print(part)
     return FusedModel(rewrite(cap.module, kernels), part, getattr(be, "name", type(be).__name__))

@@ -130,6 +130,15 @@ def test_a_kernel_that_cannot_be_built_leaves_its_subgraph_to_torch() -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_inputs_that_do_not_fit_the_model_are_a_frontend_error() -> None:
+    from spacefusion.frontend import FrontendError
+
+    m = BertModel(BertConfig.tiny(layers=1))
+    ids = torch.zeros(1, 200, dtype=torch.long)  # beyond the 64 positions of the tiny config
+    with pytest.raises(FrontendError, match="running the traced BertModel on the example inputs failed"):
+        capture(m, ids, ids)
+
+
 def test_real_configs() -> None:
     b, v, lm = BertConfig(), ViTConfig(), LlamaConfig()
     assert (b.hidden_size, b.num_attention_heads, b.num_hidden_layers, b.intermediate_size) == (768, 12, 12, 3072)

@@ -32,8 +32,15 @@ def test_tune_shares_the_database_across_subgraphs_and_models(tmp_path, capsys) 
     pa, pb = (partition(capture(m, x).module) for m in (a, b))
     db = tmp_path / "tuning.db"
     runner = LLVMRunner(repeats=1, warmup=0)
-    first = tune_partitions(pa, runner, db, target="llvm", trials=2, batch=2)
+    asked = []
+
+    def per_smg(smg):  # a runner per subgraph (an offline batch folder each, on the GPU flow)
+        asked.append(smg.key)
+        return runner
+
+    first = tune_partitions(pa, per_smg, db, target="llvm", trials=2, batch=2)
     assert [t.uses for t in first.tuned] == [3, 1]  # three identical GEMM + ReLU layers: tuned once
+    assert asked == list(pa.distinct)
     assert first.cached == 0 and all(t.summary.best is not None for t in first.tuned)
     assert "total tuning time" in capsys.readouterr().out
     second = tune_partitions(pb, runner, db, target="llvm", trials=2, batch=2)

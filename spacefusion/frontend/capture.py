@@ -47,6 +47,9 @@ def capture(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Captured:
         raise FrontendError(f"torch.fx could not trace {type(model).__name__}.forward: {exc}") from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     values = tuple(bound[p] for p in params if p in bound and bound[p] is not None)
-    with torch.no_grad():
-        ShapeProp(gm).propagate(*values)
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*values)
+    except Exception as exc:  # the example inputs do not fit the model: say so in our terms
+        raise FrontendError(f"running the traced {type(model).__name__} on the example inputs failed: {exc}") from exc
     return Captured(gm, values)

@@ -8,7 +8,7 @@ the total tuning time is printed at the end.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +53,8 @@ class TuningReport:
         lines = [f"tuned {len(self.tuned)} distinct subgraphs ({self.cached} cached) in {self.wall_s:.1f} s"]
         for t in self.tuned:
             s = t.summary
-            best = f"{s.best_us:.1f} us" if s.best_us is not None else "no valid candidate"
+            best = (f"{s.best_us:.1f} us" if s.best_us is not None
+                    else s.pending if s.pending else "no valid candidate")
             lines.append(f"  {t.uses:3d} x {t.label}: {best}{' (cached)' if s.from_cache else ''}, "
                          f"{s.measured} measured in {s.wall_s:.1f} s")
         return "\n".join(lines)
@@ -67,10 +68,14 @@ def _distinct(partitions: Iterable[Partition]) -> list[tuple[Subgraph, int]]:
     return [(subs[0], len(subs)) for subs in seen.values()]
 
 
-def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner, db: TuningDatabase | str | Path,
-                    *, hw: HardwareModel = H100, target: str = "cuda:sm_90a", trials: int = 32, batch: int = 16,
-                    workers: int = 2, seed: int = 0, progress: bool = True) -> TuningReport:
-    """Tune each distinct subgraph of ``partitions`` on ``runner`` (``trials`` candidates each), all in ``db``."""
+def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner | Callable[[SMG], Runner],
+                    db: TuningDatabase | str | Path, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
+                    trials: int = 32, batch: int = 16, workers: int = 2, seed: int = 0,
+                    progress: bool = True) -> TuningReport:
+    """Tune each distinct subgraph of ``partitions`` on ``runner`` (``trials`` candidates each), all in ``db``.
+
+    ``runner`` may be a function of the SMG giving its runner: an ``OfflineBatchRunner`` needs a folder
+    of its own per subgraph, whose batch is measured on the GPU machine and picked up by the next call."""
     parts = [partitions] if isinstance(partitions, Partition) else list(partitions)
     own = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db) if own else db
@@ -81,7 +86,8 @@ def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner,
         bar = tqdm(todo, desc="tuning subgraphs", unit="subgraph", disable=not progress)
         for sub, uses in bar:
             bar.set_postfix_str(sub.label[:48])
-            summary = tune(sub.smg, runner, hw=hw, target=target, db=database, trials=trials, batch=batch,
+            run = runner if hasattr(runner, "measure") else runner(sub.smg)
+            summary = tune(sub.smg, run, hw=hw, target=target, db=database, trials=trials, batch=batch,
                            workers=workers, seed=seed, progress=False)
             tuned.append(TunedSubgraph(sub.label, uses, summary))
         bar.close()

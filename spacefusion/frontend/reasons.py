@@ -7,8 +7,6 @@ import operator
 import torch
 from torch import fx, nn
 
-from spacefusion.frontend.graph import call_name
-
 LAYOUT_METHODS = frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten", "contiguous",
                             "expand", "unsqueeze", "squeeze", "chunk", "split", "narrow", "t"})
 SHAPE_QUERIES = frozenset({"size", "dim", "shape"})
@@ -17,9 +15,9 @@ ELEMENTWISE = frozenset({"add", "sub", "mul", "truediv", "neg", "sin", "cos", "e
 ROPE_FUNCTIONS = ("rotate_half", "apply_rotary_pos_emb", "RotaryEmbedding")
 
 LAYOUT = "layout op (view/reshape/permute/index): no compute; kernels bind views of its input"
-SHAPE = "shape query: no tensor compute"
+SHAPE = "shape/device query: no tensor compute"
 CONCAT = "concatenation/stack: a copy into a new buffer (KV-cache append, CLS token), no index mapping to fuse"
-GATHER = "Embedding: a data-dependent gather (rows picked by token ids) is not a globally ranged mapping"
+GATHER = "a data-dependent gather (rows picked by token ids) is not a globally ranged mapping"
 ROPE = "RoPE: gather/rotate-half (chunk, negate, concatenate) is not expressible as a globally ranged mapping"
 CREATION = "tensor creation (arange/zeros): no input to fuse with"
 GUARD = "trace guard on an argument specialised to None: no compute"
@@ -52,11 +50,11 @@ def reason(node: fx.Node, gm: fx.GraphModule) -> str:
         if isinstance(mod, nn.Embedding):
             return GATHER
         if isinstance(mod, nn.Conv2d) and mod.stride != (1, 1):
-            return f"Conv2d with stride {mod.stride}: the SMG convolution is stride 1 (a strided window is no " \
-                   f"affine-by-dim mapping here)"
+            return f"stride {mod.stride}: the SMG convolution is stride 1 (a strided window is no affine-by-dim " \
+                   f"mapping here)"
         if isinstance(mod, nn.Dropout | nn.Identity):
             return "identity at inference"
-        return f"module {type(mod).__name__}: no SMG pattern covers it"
+        return "no SMG pattern covers this module"
     if node.target is operator.getitem:
         return LAYOUT
     if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
@@ -71,4 +69,4 @@ def reason(node: fx.Node, gm: fx.GraphModule) -> str:
         return "GELU's tanh approximation: the SMG gelu is the exact (erf) form, a different function"
     if name in ELEMENTWISE:
         return ELEMENT
-    return f"{call_name(node, gm)}: no SMG pattern covers this op"
+    return "no SMG pattern covers this op"

@@ -239,6 +239,9 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
             raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of 64 (128 B swizzle "
                                 f"atoms) up to {WGMMA_MAX_N}")
     if gemm is None and not score_ops and not row_states:  # a plain GEMM: both operands from shared memory
+        if len(gemm_states) != 1:  # e.g. LLaMA's gated MLP input: two GEMMs over one staged X
+            raise ScheduleError(f"wgmma takes one plain GEMM (+ epilogue); {s.smg.name!r} has "
+                                f"{len(gemm_states)} GEMM states {[g.update.state for g in gemm_states]}")
         (g,) = gemm_states
         if tiles_in != (g.factor,) or g.update.carry:
             raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} has "

@@ -1,0 +1,69 @@
+"""Tune every distinct fused subgraph of issue 18's models into one database (part 2's CPU half).
+
+``--runner llvm`` measures on this CPU (small configs: ``--layers``, ``--tiny``); ``--runner offline``
+exports one batch per subgraph under ``--out`` for the GPU machine (``experiments/measure_batch.py`` on each
+folder) and picks the results up when run again.  The total tuning time is printed.
+
+    python experiments/e2e_tune.py --model bert128 --runner offline --out batches/ --db e2e.db --trials 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from schedulers.hardware import get_hardware
+from search import runners
+from spacefusion.frontend import capture, partition
+from spacefusion.frontend.tune import tune_partitions
+from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
+
+MODELS = {
+    "bert128": (BertModel, BertConfig, lambda m: m.example_inputs(1, 128)),
+    "bert512": (BertModel, BertConfig, lambda m: m.example_inputs(1, 512)),
+    "vit": (ViTModel, ViTConfig, lambda m: m.example_inputs(1)),
+    "llama-prefill": (LlamaModel, LlamaConfig, lambda m: m.example_inputs(1, 2048)),
+    "llama-decode": (LlamaModel, LlamaConfig, lambda m: m.example_inputs(1, 1, past=4095)),
+    "llama-gqa-prefill": (LlamaModel, lambda **k: LlamaConfig(**k).gqa(8), lambda m: m.example_inputs(1, 2048)),
+    "llama-gqa-decode": (LlamaModel, lambda **k: LlamaConfig(**k).gqa(8), lambda m: m.example_inputs(1, 1, past=4095)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["bert128"])
+    ap.add_argument("--runner", choices=["llvm", "offline"], default="offline")
+    ap.add_argument("--out", default="e2e_batches", help="offline: one batch folder per subgraph below it")
+    ap.add_argument("--db", default="e2e_tuning.db")
+    ap.add_argument("--trials", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=1, help="layers per model (identical layers share subgraphs)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny configs (for --runner llvm)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    parts = []
+    for name in args.model:
+        model_cls, config, inputs = MODELS[name]
+        with torch.device("meta"):  # shapes only: the partition needs no weights
+            cfg = config.tiny(layers=args.layers) if args.tiny and hasattr(config, "tiny") else \
+                config(num_hidden_layers=args.layers)
+            model = model_cls(cfg)
+            if not args.tiny:
+                model = model.half()
+            x = tuple(t.half() if t.is_floating_point() and not args.tiny else t for t in inputs(model))
+            parts.append(partition(capture(model, *x).module))
+    print(f"captured and partitioned {len(parts)} models in {time.perf_counter() - t0:.1f} s")
+    if args.runner == "llvm":
+        report = tune_partitions(parts, runners.LLVMRunner(), args.db, target="llvm", trials=args.trials)
+    else:
+        out = Path(args.out)
+        report = tune_partitions(parts, lambda smg: runners.OfflineBatchRunner(out / smg.key[:16]), args.db,
+                                 hw=get_hardware("H100"), target="cuda:sm_90a", trials=args.trials,
+                                 batch=args.trials)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Kernel backends: each turns an SMG into a callable on torch tensors keyed by the SMG's input names.
+
+``reference`` evaluates the SMG unfused in numpy (float64, a check of the mapping, not of a kernel);
+``llvm`` builds the schedule with TVM for the CPU; ``cuda`` is the seam for the GPU runtime (artefacts built
+here, where TVM is, launched by ``spacefusion.runtime.gpu`` where it is not).  A backend compiles each
+SMG content key once, so identical subgraphs across layers share one kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from smg.ir import SMG
+from smg.reference import evaluate
+from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.schedules import ScheduleFor, default_schedule
+
+Kernel = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class _Cached:
+    """Compile once per SMG key; ``built`` counts the distinct kernels."""
+
+    name = "?"
+
+    def __init__(self) -> None:
+        self._kernels: dict[str, Kernel] = {}
+
+    @property
+    def built(self) -> int:
+        return len(self._kernels)
+
+    def compile(self, smg: SMG) -> Kernel:
+        if smg.key not in self._kernels:
+            self._kernels[smg.key] = self._compile(smg)
+        return self._kernels[smg.key]
+
+    def _compile(self, smg: SMG) -> Kernel:
+        raise NotImplementedError
+
+
+def _numpy(inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in inputs.items()}
+
+
+class ReferenceBackend(_Cached):
+    name = "reference"
+
+    def _compile(self, smg: SMG) -> Kernel:
+        def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = evaluate(smg, _numpy(inputs))
+            return {k: torch.from_numpy(v.astype(smg.space(k).dtype)) for k, v in out.items()}
+
+        return run
+
+
+class LLVMBackend(_Cached):
+    """TVM's llvm build of each SMG's schedule (``schedule_for``: the default, or a tuning database's)."""
+
+    name = "llvm"
+
+    def __init__(self, schedule_for: ScheduleFor = default_schedule) -> None:
+        super().__init__()
+        self.schedule_for = schedule_for
+
+    def _compile(self, smg: SMG) -> Kernel:
+        from spacefusion.api import build
+
+        if any(s.dtype == "bfloat16" for s in smg.spaces):
+            raise FrontendError(f"{smg.name}: the llvm backend runs on numpy arrays, which have no bfloat16")
+        kernel = build(self.schedule_for(smg), "llvm")
+
+        def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: torch.from_numpy(v) for k, v in kernel(_numpy(inputs)).items()}
+
+        return run
+
+
+class CudaBackend(_Cached):
+    """The GPU seam, NOT yet run on a GPU: ``export`` builds each SMG's CUDA artefact (needs TVM, this
+    machine); ``compile`` loads an exported artefact with ``spacefusion.runtime.gpu`` (needs torch + cupy
+    and a GPU, no TVM) and launches it on torch tensors.  Wiring and testing it is issue 18 part 3."""
+
+    name = "cuda"
+
+    def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule) -> None:
+        super().__init__()
+        self.folder, self.arch, self.schedule_for = Path(folder), arch, schedule_for
+
+    def artefact_dir(self, smg: SMG) -> Path:
+        return self.folder / smg.key[:16]
+
+    def export(self, smg: SMG, cubin: bool = True) -> Path:
+        """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``)."""
+        from spacefusion.api import build
+
+        art = build(self.schedule_for(smg), f"cuda:{self.arch}")
+        return art.save(self.artefact_dir(smg), compile_cubin=cubin)
+
+    def _compile(self, smg: SMG) -> Kernel:
+        from spacefusion.runtime.gpu import load_kernel
+
+        path = self.artefact_dir(smg)
+        if not (path / "kernel.json").is_file():
+            raise FrontendError(f"no CUDA artefact for {smg.name} at {path}: run CudaBackend.export where TVM is")
+        kernel = load_kernel(path)
+        return lambda inputs: kernel(**{k: v.contiguous() for k, v in inputs.items()})
+
+
+BACKENDS: dict[str, Callable[[], _Cached]] = {"reference": ReferenceBackend, "llvm": LLVMBackend}
+
+
+def get_backend(backend: str | _Cached) -> _Cached:
+    if not isinstance(backend, str):
+        return backend
+    if backend not in BACKENDS:
+        raise FrontendError(f"unknown backend {backend!r}; known: {sorted(BACKENDS)}, or a CudaBackend instance")
+    return BACKENDS[backend]()

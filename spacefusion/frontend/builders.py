@@ -1,0 +1,42 @@
+"""SMGs the frontend fuses that ``smg.patterns`` has no builder for, written with ``smg.ops.Builder``.
+
+Each one exists because a model needs it: LLaMA's gated MLP input (two GEMMs sharing X with a SiLU
+product), RMSNorm after a residual add, and a pre-LN residual stream whose sum is both normalised and
+carried on to the next residual (so the sum ``T`` is an output beside ``Y``).
+"""
+
+from __future__ import annotations
+
+from smg import patterns
+from smg.errors import UnknownOperatorError
+from smg.ir import SMG
+from smg.ops import UNARY, Builder
+
+
+def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32") -> SMG:
+    """``Y = act(X @ Wg) * (X @ Wu)`` (LLaMA's ``act_fn(gate_proj(x)) * up_proj(x)``), X[m, k], W*[k, n]."""
+    if act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
+    g = Builder(f"gated_gemm_{act}", dtype)
+    x = g.input("X", {"m": m, "k": k})
+    gate = g.matmul(x, g.input("Wg", {"k": k, "n": n}), reduce="k", name="G")
+    up = g.matmul(x, g.input("Wu", {"k": k, "n": n}), reduce="k", name="U")
+    return g.build(g.binary("mul", g.unary(act, gate, name="Ga"), up, name="Y"))
+
+
+def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float) -> SMG:
+    """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``) over the last dim; ``keep_sum``
+    also outputs ``T``.  The forms ``smg.patterns`` has are taken from there."""
+    if not residual:
+        return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)
+    if kind == "layernorm" and not keep_sum:
+        return patterns.residual_layernorm(m, n, dtype, eps)
+    g = Builder(f"residual_{kind}" + ("_sum" if keep_sum else ""), dtype)
+    x, r = g.input("X", {"m": m, "n": n}), g.input("R", {"m": m, "n": n})
+    t = g.binary("add", x, r, name="T")
+    w = g.input("W", {"n": n})
+    if kind == "layernorm":
+        y = g.layernorm(t, "n", w, g.input("B", {"n": n}), eps=eps, name="Y")
+    else:
+        y = g.rmsnorm(t, "n", w, eps=eps, name="Y")
+    return g.build(y, t) if keep_sum else g.build(y)

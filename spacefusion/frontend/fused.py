@@ -1,0 +1,150 @@
+"""The fused model: the captured graph with each fused subgraph replaced by one kernel call."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from spacefusion.frontend.backends import Kernel, get_backend
+from spacefusion.frontend.capture import capture
+from spacefusion.frontend.partition import partition
+from spacefusion.frontend.records import LeftOp, Operand, Partition, Subgraph
+
+
+class FusedKernel(nn.Module):
+    """One fused subgraph: views its graph inputs with the SMG's shapes, adds the parameter operands
+    (kept as buffers, W transposed once), runs the kernel and views the outputs back."""
+
+    def __init__(self, sub: Subgraph, kernel: Kernel, root: nn.Module) -> None:
+        super().__init__()
+        self.sub, self.kernel = sub, kernel
+        self.values = tuple(_unique(op for op in sub.operands if op.source == "value"))
+        self.consts = tuple(op.space for op in sub.operands if op.source == "param")
+        for op in sub.operands:
+            if op.source == "param":
+                t = _attr(root, op.ref).detach()
+                self.register_buffer(op.space, (t.t() if op.transpose else t).contiguous().reshape(op.shape),
+                                     persistent=False)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = {op.space: a.reshape(op.shape) for op, a in zip(self.values, args)}
+        inputs |= {name: getattr(self, name) for name in self.consts}
+        out = self.kernel(inputs)
+        return tuple(out[r.space].reshape(r.shape) for r in self.sub.results)
+
+
+def _unique(ops: Any) -> list[Operand]:
+    seen: dict[str, Operand] = {}
+    for op in ops:
+        seen.setdefault(op.space, op)
+    return list(seen.values())
+
+
+def _attr(root: nn.Module, qualified: str) -> torch.Tensor:
+    mod, _, name = qualified.rpartition(".")
+    return getattr(root.get_submodule(mod) if mod else root, name)
+
+
+def _closed(sub: Subgraph, by_name: dict[str, fx.Node]) -> bool:
+    """Whether only the subgraph's results are read outside it (else it cannot be one call)."""
+    inside, results = set(sub.nodes), {r.node for r in sub.results}
+    return all(n in results or all(u.name in inside for u in by_name[n].users) for n in sub.nodes)
+
+
+def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
+    """A new graph module where each kernel's nodes are one ``call_module``; units are emitted in a
+    topological order that keeps the original order where it can (Kahn's algorithm on a heap)."""
+    nodes = list(gm.graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    owner = {name: k for k, fk in enumerate(kernels) for name in fk.sub.nodes}
+    unit = {n.name: (("k", owner[n.name]) if n.name in owner else ("n", n.name)) for n in nodes}
+    members: dict[tuple, list[fx.Node]] = {}
+    for n in nodes:
+        members.setdefault(unit[n.name], []).append(n)
+    deps = {u: {unit[i.name] for m in ms for i in m.all_input_nodes} - {u} for u, ms in members.items()}
+    users: dict[tuple, set] = {u: set() for u in members}
+    for u, ds in deps.items():
+        for d in ds:
+            users[d].add(u)
+    prio = {u: max(index[m.name] for m in ms) for u, ms in members.items()}
+    ready = [(prio[u], u) for u, ds in deps.items() if not ds]
+    heapq.heapify(ready)
+    graph, env = fx.Graph(), {}
+    root = nn.Module()
+    for name, child in gm.named_children():
+        root.add_module(name, child)
+    while ready:
+        _, u = heapq.heappop(ready)
+        if u[0] == "n":
+            env[by_name[u[1]]] = graph.node_copy(by_name[u[1]], lambda x: env[x])
+        else:
+            fk = kernels[u[1]]
+            root.add_module(f"fused_{u[1]}", fk)
+            call = graph.call_module(f"fused_{u[1]}", tuple(env[by_name[op.ref]] for op in fk.values))
+            for j, r in enumerate(fk.sub.results):
+                env[by_name[r.node]] = graph.call_function(operator.getitem, (call, j))
+        for v in users[u]:
+            deps[v].discard(u)
+            if not deps[v]:
+                heapq.heappush(ready, (prio[v], v))
+    for n in nodes:  # parameters read by get_attr nodes that torch still runs
+        if n.op == "get_attr" and n in env:
+            _copy_attr(gm, root, n.target)
+    return fx.GraphModule(root, graph, gm.__class__.__name__ + "Fused")
+
+
+def _copy_attr(src: nn.Module, dst: nn.Module, qualified: str) -> None:
+    *path, name = qualified.split(".")
+    for p in path:
+        if not hasattr(dst, p):
+            dst.add_module(p, nn.Module())
+        src, dst = getattr(src, p), getattr(dst, p)
+    if not hasattr(dst, name):
+        value = getattr(src, name)
+        if isinstance(value, nn.Parameter):
+            dst.register_parameter(name, value)
+        else:
+            dst.register_buffer(name, value)
+
+
+class FusedModel(nn.Module):
+    """``model`` with its fusable subgraphs running as SMG kernels; ``partition`` says what was fused,
+    what torch runs and why (including subgraphs whose kernel could not be built)."""
+
+    def __init__(self, graph_module: fx.GraphModule, partition: Partition, backend: str) -> None:
+        super().__init__()
+        self.graph_module, self.partition, self.backend = graph_module, partition, backend
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph_module(*args, **kwargs)
+
+
+def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = False, **kwargs: Any) -> FusedModel:
+    """Capture ``model`` on the example inputs, partition it, build one kernel per distinct subgraph on
+    ``backend`` ("llvm", "reference", or a backend object) and return the fused model; ``verbose`` prints
+    the partition (what is fused, what torch runs and why)."""
+    cap = capture(model, *args, **kwargs)
+    part = partition(cap.module)
+    be = get_backend(backend)
+    by_name = {n.name: n for n in cap.module.graph.nodes}
+    kernels, kept, left = [], [], list(part.left)
+    for sub in part.subgraphs:
+        why = None if _closed(sub, by_name) else "its internal values are read outside it"
+        if why is None:
+            try:
+                kernels.append(FusedKernel(sub, be.compile(sub.smg), cap.module))
+                kept.append(sub)
+                continue
+            except Exception as exc:  # a schedule or build failure leaves the subgraph to torch, reported
+                why = f"kernel build failed: {type(exc).__name__}: {exc}"
+        left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
+    part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left))
+    if verbose:
+        print(part)
+    return FusedModel(rewrite(cap.module, kernels), part, getattr(be, "name", type(be).__name__))

@@ -1,0 +1,156 @@
+"""Reading an fx graph: shapes and dtypes of values, and which torch call a node is."""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+#: torch dtypes the SMG patterns take, by their SMG (numpy / TVM) spelling
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+ADD = (operator.add, torch.add)
+MUL = (operator.mul, torch.mul)
+
+
+def shape(node: Any) -> tuple[int, ...] | None:
+    """The tensor shape ShapeProp recorded for ``node`` (None: not an fx node or not one tensor)."""
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def dtype(node: fx.Node) -> str | None:
+    meta = node.meta.get("tensor_meta")
+    return DTYPES.get(getattr(meta, "dtype", None))
+
+
+def rows(shp: tuple[int, ...]) -> int:
+    """Rows of a [..., n] tensor seen as a matrix [m, n]."""
+    return math.prod(shp[:-1])
+
+
+def is_function(node: fx.Node, fns: tuple[Any, ...]) -> bool:
+    return node.op == "call_function" and node.target in fns
+
+
+def call_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    """A readable name of what ``node`` calls: ``torch.cat``, ``Tensor.transpose``, ``Embedding``."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    t = node.target
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", str(t))
+    if mod == "builtins":
+        return name
+    if mod in ("_operator", "operator"):
+        return f"operator.{name}"
+    if mod.startswith(("torch.nn.functional", "torch._C._nn")):
+        return f"F.{name}"
+    return f"torch.{name}"
+
+
+def users(node: fx.Node) -> list[fx.Node]:
+    return list(node.users)
+
+
+def single_user(node: fx.Node) -> fx.Node | None:
+    us = users(node)
+    return us[0] if len(us) == 1 else None
+
+
+def param_ref(node: Any) -> str | None:
+    """The qualified name of a parameter read by a ``get_attr`` node (None otherwise)."""
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``y = x @ W.T (+ b)`` found in a graph: an ``nn.Linear`` call or ``F.linear`` on parameters."""
+
+    x: fx.Node
+    weight: str
+    bias: str | None
+    k: int
+    n: int
+
+
+def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
+    if node.op == "call_module" and isinstance(mod := gm.get_submodule(node.target), nn.Linear):
+        bias = f"{node.target}.bias" if mod.bias is not None else None
+        return Linear(node.args[0], f"{node.target}.weight", bias, mod.in_features, mod.out_features)
+    if is_function(node, (F.linear, torch._C._nn.linear)):
+        w = param_ref(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+        b_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        b = param_ref(b_node)
+        if w is None or (b_node is not None and b is None):
+            return None
+        n, k = gm.get_parameter(w).shape if w in dict(gm.named_parameters()) else gm.get_buffer(w).shape
+        return Linear(node.args[0], w, b, k, n)
+    return None
+
+
+_ACT_FUNCTIONS = {F.gelu: "gelu", torch.tanh: "tanh", F.silu: "silu", F.relu: "relu", torch.relu: "relu",
+                  torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh"}
+_ACT_METHODS = {"tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu"}
+_ACT_MODULES = {nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu", nn.ReLU: "relu", nn.Sigmoid: "sigmoid"}
+
+
+def activation_of(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The SMG unary (``smg.ops.UNARY``) that ``node`` applies to its one input, or None.
+
+    GELU must be the exact (erf) form: the tanh approximation is a different function."""
+    if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
+        if node.target is F.gelu and node.kwargs.get("approximate", "none") != "none":
+            return None
+        return _ACT_FUNCTIONS[node.target]
+    if node.op == "call_method" and node.target in _ACT_METHODS:
+        return _ACT_METHODS[node.target]
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        act = _ACT_MODULES.get(type(mod))
+        return None if act == "gelu" and mod.approximate != "none" else act
+    return None
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A LayerNorm or RMSNorm over the last dim, with its affine parameters."""
+
+    kind: str  # "layernorm" | "rmsnorm"
+    x: fx.Node
+    weight: str | None
+    bias: str | None
+    eps: float
+    dims: int  # how many trailing dims it normalises
+
+
+def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, nn.LayerNorm):
+            w = f"{node.target}.weight" if mod.weight is not None else None
+            b = f"{node.target}.bias" if mod.bias is not None else None
+            return Norm("layernorm", node.args[0], w, b, mod.eps, len(mod.normalized_shape))
+        if isinstance(mod, nn.RMSNorm):
+            w = f"{node.target}.weight" if mod.weight is not None else None
+            eps = mod.eps if mod.eps is not None else torch.finfo(torch.float32).eps
+            return Norm("rmsnorm", node.args[0], w, None, eps, len(mod.normalized_shape))
+        return None
+    if is_function(node, (F.layer_norm,)):
+        a = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), node.args)) | node.kwargs
+        return Norm("layernorm", a["input"], param_ref(a.get("weight")), param_ref(a.get("bias")),
+                    a.get("eps", 1e-5), len(a["normalized_shape"]))
+    if is_function(node, (F.rms_norm,)):
+        a = dict(zip(("input", "normalized_shape", "weight", "eps"), node.args)) | node.kwargs
+        eps = a.get("eps")
+        return Norm("rmsnorm", a["input"], param_ref(a.get("weight")), None,
+                    eps if eps is not None else torch.finfo(torch.float32).eps, len(a["normalized_shape"]))
+    return None

@@ -1,0 +1,197 @@
+"""Matchers: each recognises one fusable pattern at an fx node and maps it to an SMG with its bindings.
+
+A matcher returns a ``Subgraph``, or ``None`` when the node is not its pattern.  A node that is its
+pattern but cannot be fused (an attention mask, an unsupported dtype) is recorded in
+``Context.refused`` with the reason, which the partition report then gives for that node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from smg import patterns
+from smg.errors import SpaceFusionError
+from smg.ir import SMG
+from spacefusion.frontend import builders
+from spacefusion.frontend.graph import (
+    ADD,
+    MUL,
+    SDPA,
+    Linear,
+    activation_of,
+    dtype,
+    is_function,
+    linear_of,
+    norm_of,
+    rows,
+    shape,
+    single_user,
+)
+from spacefusion.frontend.records import Operand, Result, Subgraph
+
+
+@dataclass
+class Context:
+    gm: fx.GraphModule
+    claimed: set[str] = field(default_factory=set)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def free(self, *nodes: fx.Node) -> bool:
+        return all(n.name not in self.claimed for n in nodes)
+
+    def refuse(self, node: fx.Node, reason: str) -> None:
+        self.refused.setdefault(node.name, reason)
+
+
+def _value(space: str, node: fx.Node, shp: tuple[int, ...]) -> Operand:
+    return Operand(space, "value", node.name, tuple(shp))
+
+
+def _param(space: str, ref: str, shp: tuple[int, ...], transpose: bool = False) -> Operand:
+    return Operand(space, "param", ref, tuple(shp), transpose)
+
+
+def _subgraph(kind: str, label: str, nodes: tuple[fx.Node, ...], smg: SMG, operands: list[Operand],
+              outs: dict[str, fx.Node]) -> Subgraph:
+    results = tuple(Result(sp, outs[sp].name, shape(outs[sp])) for sp in smg.outputs)
+    return Subgraph(kind, label, tuple(n.name for n in nodes), smg, tuple(operands), results)
+
+
+def _build(ctx: Context, node: fx.Node, make: Callable[[], SMG]) -> SMG | None:
+    try:
+        return make()
+    except SpaceFusionError as exc:
+        ctx.refuse(node, f"its SMG cannot be built: {exc}")
+        return None
+
+
+def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``F.scaled_dot_product_attention`` on [b, h, s, d] -> ``patterns.attention``; GQA's Q is viewed as
+    [b, kv_heads, heads / kv_heads, s, d], the layout the pattern broadcasts K/V over."""
+    if not is_function(node, SDPA):
+        return None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    a = dict(zip(names, node.args)) | dict(node.kwargs)
+    q, k, v = a["query"], a["key"], a["value"]
+    sq, sk, sv = shape(q), shape(k), shape(v)
+    if a.get("attn_mask") is not None:
+        ctx.refuse(node, "attention with an attn_mask tensor: the attention pattern has no mask input")
+        return None
+    if a.get("dropout_p", 0.0):
+        ctx.refuse(node, "attention with dropout: random, not an index expression")
+        return None
+    if not (sq and sk and sv) or not len(sq) == len(sk) == len(sv) == 4:
+        ctx.refuse(node, "attention on tensors that are not [batch, heads, seq, head_dim]")
+        return None
+    (b, h, m, d), (_, hk, l, dk), dv = sq, sk, sv[3]
+    dt = dtype(q)
+    if dk != d or dv != d or dt is None:
+        ctx.refuse(node, f"attention with head dims q {d}, k {dk}, v {dv} and dtype {q.meta['tensor_meta'].dtype}: "
+                         f"the pattern takes one head dim and float32/float16/bfloat16")
+        return None
+    causal, scale = bool(a.get("is_causal", False)), a.get("scale")
+    smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
+                                                       scale=scale))
+    if smg is None:
+        return None
+    q_shape = sq if hk == h else (b, hk, h // hk, m, d)
+    label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''} {dt}"
+    return _subgraph("attention", label, (node,), smg, [_value("Q", q, q_shape), _value("K", k, sk),
+                                                         _value("V", v, sv)], {"O": node})
+
+
+def _gated_parts(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node, fx.Node, str, Linear, Linear] | None:
+    """(gate linear, activation, up linear, activation name, gate, up) of ``act(gate(x)) * up(x)``."""
+    if not is_function(node, MUL) or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    gm = ctx.gm
+    for act_node, up in (node.args, node.args[::-1]):
+        act = activation_of(act_node, gm)
+        gate = act_node.args[0] if act and isinstance(act_node.args[0], fx.Node) else None
+        lg, lu = (linear_of(gate, gm) if gate is not None else None), linear_of(up, gm)
+        if lg is None or lu is None or lg.x is not lu.x or lg.bias or lu.bias or (lg.k, lg.n) != (lu.k, lu.n):
+            continue
+        if not (single_user(gate) is act_node and single_user(act_node) is node and single_user(up) is node):
+            continue
+        if ctx.free(gate, act_node, up, node) and shape(up) == shape(node) and dtype(node) is not None:
+            return gate, act_node, up, act, lg, lu
+    return None
+
+
+def match_gated_gemm(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``act(linear_g(x)) * linear_u(x)`` with bias-free linears sharing x -> ``builders.gated_gemm``."""
+    parts = _gated_parts(node, ctx)
+    if parts is None:
+        return None
+    gate, act_node, up, act, lg, lu = parts
+    m, dt = rows(shape(lg.x)), dtype(node)
+    smg = _build(ctx, node, lambda: builders.gated_gemm(m, lg.n, lg.k, act, dt))
+    if smg is None:
+        return None
+    ops = [_value("X", lg.x, (m, lg.k)), _param("Wg", lg.weight, (lg.k, lg.n), True),
+           _param("Wu", lu.weight, (lg.k, lg.n), True)]
+    label = f"gated gemm {act}(X@Wg)*(X@Wu) {m}x{lg.n}x{lg.k} {dt}"
+    return _subgraph("gated_gemm", label, (gate, act_node, up, node), smg, ops, {"Y": node})
+
+
+def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``nn.Linear`` (+ bias) and a following activation -> ``patterns.gemm_epilogue`` with B = W.T."""
+    lin = linear_of(node, ctx.gm)
+    if lin is None or not ctx.free(node):
+        return None
+    xs, dt = shape(lin.x), dtype(node)
+    if xs is None or dt is None:
+        ctx.refuse(node, f"linear on a non-float or unshaped input ({node.meta.get('tensor_meta')})")
+        return None
+    user = single_user(node)
+    act = activation_of(user, ctx.gm) if user is not None and ctx.free(user) else None
+    out = user if act else node
+    m = rows(xs)
+    smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, act or "none", lin.bias is not None,
+                                                           dtype=dt))
+    if smg is None:
+        return None
+    ops = [_value("A", lin.x, (m, lin.k)), _param("Bw", lin.weight, (lin.k, lin.n), True)]
+    if lin.bias:
+        ops.append(_param("bias", lin.bias, (lin.n,)))
+    label = f"gemm{' + bias' if lin.bias else ''}{f' + {act}' if act else ''} {m}x{lin.n}x{lin.k} {dt}"
+    return _subgraph("gemm", label, (node, out) if act else (node,), smg, ops, {"Y": out})
+
+
+def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """LayerNorm / RMSNorm over the last dim -> ``norm``; when its input is ``a + b`` of one shape the add
+    is fused too (``residual_norm``), and the sum is a second output where something else reads it."""
+    nm = norm_of(node, ctx.gm)
+    if nm is None or not ctx.free(node):
+        return None
+    xs, dt = shape(nm.x), dtype(node)
+    if nm.dims != 1 or nm.weight is None or (nm.kind == "layernorm" and nm.bias is None) or xs is None or dt is None:
+        ctx.refuse(node, f"{nm.kind} over {nm.dims} dims, weight {nm.weight}, bias {nm.bias}: the patterns "
+                         f"normalise the last dim with an affine weight (and LayerNorm bias)")
+        return None
+    x = nm.x
+    residual = (is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and ctx.free(x)
+                and all(shape(a) == xs for a in x.args))
+    keep_sum = residual and len(x.users) > 1
+    m, n = rows(xs), xs[-1]
+    smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps)))
+    if smg is None:
+        return None
+    if residual:
+        ops = [_value("X", x.args[0], (m, n)), _value("R", x.args[1], (m, n))]
+    else:
+        ops = [_value("X", x, (m, n))]
+    ops.append(_param("W", nm.weight, (n,)))
+    if nm.kind == "layernorm":
+        ops.append(_param("B", nm.bias, (n,)))
+    kind = "residual_norm" if residual else "norm"
+    label = f"{'add + ' if residual else ''}{nm.kind}{' (sum kept)' if keep_sum else ''} {m}x{n} {dt}"
+    return _subgraph(kind, label, (x, node) if residual else (node,), smg, ops, {"Y": node, "T": x})
+
+
+#: in priority order: a node taken by an earlier matcher is not offered to later ones
+MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
+    match_attention, match_gated_gemm, match_linear, match_norm)

@@ -1,0 +1,43 @@
+"""Partition a captured graph into fused SMG subgraphs and the ops left to torch (each with a reason)."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from spacefusion.frontend.graph import call_name
+from spacefusion.frontend.matchers import MATCHERS, Context
+from spacefusion.frontend.reasons import reason
+from spacefusion.frontend.records import LeftOp, Partition, Subgraph
+
+
+def partition(gm: fx.GraphModule) -> Partition:
+    """Run the matchers in priority order over the graph (each node joins at most one subgraph); every
+    other call node is left to torch, with the reason a matcher refused it or the reason for its kind.
+    A matcher that fails unexpectedly leaves its node to torch with the error: never a crash."""
+    ctx = Context(gm)
+    found: list[Subgraph] = []
+    calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
+    for matcher in MATCHERS:
+        for node in calls:
+            if node.name in ctx.claimed:
+                continue
+            try:
+                sub = matcher(node, ctx)
+            except Exception as exc:  # an op a matcher did not foresee: left to torch, reported
+                ctx.refuse(node, f"{matcher.__name__} failed on it: {type(exc).__name__}: {exc}")
+                continue
+            if sub is not None:
+                found.append(sub)
+                ctx.claimed.update(sub.nodes)
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    found.sort(key=lambda s: max(order[n] for n in s.nodes))
+    left = tuple(LeftOp(n.name, call_name(n, gm), ctx.refused.get(n.name) or _reason(n, gm))
+                 for n in calls if n.name not in ctx.claimed)
+    return Partition(tuple(found), left)
+
+
+def _reason(node: fx.Node, gm: fx.GraphModule) -> str:
+    try:
+        return reason(node, gm)
+    except Exception as exc:  # the report must not be what crashes
+        return f"unclassified op ({type(exc).__name__}: {exc})"

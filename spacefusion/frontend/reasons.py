@@ -1,0 +1,72 @@
+"""Why an fx node is left to torch: one sentence per kind of op, for the partition report."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx, nn
+
+LAYOUT_METHODS = frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten", "contiguous",
+                            "expand", "unsqueeze", "squeeze", "chunk", "split", "narrow", "t"})
+SHAPE_QUERIES = frozenset({"size", "dim", "shape"})
+ELEMENTWISE = frozenset({"add", "sub", "mul", "truediv", "neg", "sin", "cos", "exp", "float", "half", "to",
+                         "pow", "rsqrt", "sqrt", "tanh", "sigmoid", "relu", "gelu", "silu"})
+ROPE_FUNCTIONS = ("rotate_half", "apply_rotary_pos_emb", "RotaryEmbedding")
+
+LAYOUT = "layout op (view/reshape/permute/index): no compute; kernels bind views of its input"
+SHAPE = "shape/device query: no tensor compute"
+CONCAT = "concatenation/stack: a copy into a new buffer (KV-cache append, CLS token), no index mapping to fuse"
+GATHER = "a data-dependent gather (rows picked by token ids) is not a globally ranged mapping"
+ROPE = "RoPE: gather/rotate-half (chunk, negate, concatenate) is not expressible as a globally ranged mapping"
+CREATION = "tensor creation (arange/zeros): no input to fuse with"
+GUARD = "trace guard on an argument specialised to None: no compute"
+ELEMENT = "element-wise op with no fusable producer or consumer pattern next to it: torch runs it"
+
+
+def _short(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _in_rope(node: fx.Node) -> bool:
+    """Whether the op comes from a rotary embedding: HF's function names in its stack trace, or a
+    ``*Rotary*`` module in its module stack."""
+    trace = node.stack_trace or ""
+    modules = node.meta.get("nn_module_stack") or {}
+    return (any(f"in {fn}" in trace for fn in ROPE_FUNCTIONS)
+            or any("Rotary" in getattr(t, "__name__", str(t)) for _, t in modules.values()))
+
+
+def reason(node: fx.Node, gm: fx.GraphModule) -> str:
+    """The reason ``node`` (a call the matchers did not take) runs in torch."""
+    name = _short(node)
+    if name.startswith("_assert"):
+        return GUARD
+    if _in_rope(node) and name not in SHAPE_QUERIES:
+        return ROPE
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, nn.Embedding):
+            return GATHER
+        if isinstance(mod, nn.Conv2d) and mod.stride != (1, 1):
+            return f"stride {mod.stride}: the SMG convolution is stride 1 (a strided window is no affine-by-dim " \
+                   f"mapping here)"
+        if isinstance(mod, nn.Dropout | nn.Identity):
+            return "identity at inference"
+        return "no SMG pattern covers this module"
+    if node.target is operator.getitem:
+        return LAYOUT
+    if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
+        return SHAPE
+    if name in LAYOUT_METHODS:
+        return LAYOUT
+    if node.target in (torch.cat, torch.stack) or name in ("cat", "stack"):
+        return CONCAT
+    if name in ("arange", "zeros", "ones", "full", "empty"):
+        return CREATION
+    if name == "gelu" and node.kwargs.get("approximate", "none") != "none":
+        return "GELU's tanh approximation: the SMG gelu is the exact (erf) form, a different function"
+    if name in ELEMENTWISE:
+        return ELEMENT
+    return "no SMG pattern covers this op"

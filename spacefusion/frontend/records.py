@@ -1,0 +1,92 @@
+"""What a partition decides, as plain frozen records: fused subgraphs, their bindings, ops left to torch."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+
+from smg.ir import SMG
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one SMG input is fed: a graph value or a model parameter, viewed with the space's shape.
+
+    ``transpose``: an ``nn.Linear`` stores W[n, k]; the GEMM patterns take B[k, n] (torch's ``A @ B``).
+    """
+
+    space: str
+    source: str  # "value" (an fx node's output) | "param" (a parameter or buffer, by qualified name)
+    ref: str
+    shape: tuple[int, ...]
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class Result:
+    """An SMG output standing for an fx node, viewed back to the node's shape."""
+
+    space: str
+    node: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Subgraph:
+    """Fx nodes fused into one SMG (one kernel); ``kind`` is attention, gemm, gated_gemm, norm, residual_norm."""
+
+    kind: str
+    label: str
+    nodes: tuple[str, ...]
+    smg: SMG
+    operands: tuple[Operand, ...]
+    results: tuple[Result, ...]
+
+    @property
+    def key(self) -> str:
+        """The SMG's content key: subgraphs with equal keys share one schedule and one kernel."""
+        return self.smg.key
+
+
+@dataclass(frozen=True)
+class LeftOp:
+    """An fx node torch runs, and why no SMG subgraph took it."""
+
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Partition:
+    subgraphs: tuple[Subgraph, ...]
+    left: tuple[LeftOp, ...]
+
+    @cached_property
+    def distinct(self) -> dict[str, tuple[Subgraph, ...]]:
+        """Subgraphs grouped by SMG content key, in first-seen order (each key is scheduled once)."""
+        out: dict[str, list[Subgraph]] = {}
+        for s in self.subgraphs:
+            out.setdefault(s.key, []).append(s)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def counts(self) -> Counter[str]:
+        return Counter(s.kind for s in self.subgraphs)
+
+    def left_reasons(self) -> Counter[str]:
+        return Counter(op.reason for op in self.left)
+
+    def summary(self) -> str:
+        lines = [f"{len(self.subgraphs)} fused subgraphs ({len(self.distinct)} distinct SMGs), "
+                 f"{len(self.left)} ops left to torch"]
+        for subs in self.distinct.values():
+            lines.append(f"  {len(subs):3d} x {subs[0].label}  [{subs[0].key[:10]}]")
+        lines.append("left to torch:")
+        for reason, n in self.left_reasons().most_common():
+            ops = sorted({op.op for op in self.left if op.reason == reason})
+            lines.append(f"  {n:3d} x {', '.join(ops)}: {reason}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()

@@ -1,0 +1,100 @@
+"""Tune every distinct fused subgraph of one or more models with the existing search (``search.tuner``).
+
+One ``TuningDatabase`` serves all subgraphs and models: a subgraph whose SMG (hence tuning key) was tuned
+before, in this model or another, is a cached best and costs nothing.  A ``tqdm`` bar counts subgraphs and
+the total tuning time is printed at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from schedulers.hardware import H100, HardwareModel
+from schedulers.schedule import Schedule
+from search.database import TuningDatabase
+from search.records import Runner
+from search.tuner import TuneSummary, tune
+from smg.ir import SMG
+from spacefusion.frontend.records import Partition, Subgraph
+from spacefusion.frontend.schedules import ScheduleFor, default_schedule
+
+
+@dataclass(frozen=True)
+class TunedSubgraph:
+    label: str
+    uses: int  # how many subgraphs (over all the partitions) share this SMG
+    summary: TuneSummary
+
+
+@dataclass(frozen=True)
+class TuningReport:
+    tuned: tuple[TunedSubgraph, ...]
+    wall_s: float
+
+    @property
+    def cached(self) -> int:
+        return sum(t.summary.from_cache for t in self.tuned)
+
+    def schedule_for(self, fallback: ScheduleFor = default_schedule) -> ScheduleFor:
+        """Each tuned SMG's best schedule (for ``LLVMBackend``/``CudaBackend``), ``fallback`` for others."""
+        by_smg = {t.summary.best.smg.key: t.summary.best for t in self.tuned if t.summary.best is not None}
+
+        def pick(smg: SMG) -> Schedule:
+            return by_smg.get(smg.key) or fallback(smg)
+
+        return pick
+
+    def __str__(self) -> str:
+        lines = [f"tuned {len(self.tuned)} distinct subgraphs ({self.cached} cached) in {self.wall_s:.1f} s"]
+        for t in self.tuned:
+            s = t.summary
+            best = (f"{s.best_us:.1f} us" if s.best_us is not None
+                    else s.pending if s.pending else "no valid candidate")
+            lines.append(f"  {t.uses:3d} x {t.label}: {best}{' (cached)' if s.from_cache else ''}, "
+                         f"{s.measured} measured in {s.wall_s:.1f} s")
+        return "\n".join(lines)
+
+
+def _distinct(partitions: Iterable[Partition]) -> list[tuple[Subgraph, int]]:
+    seen: dict[str, list[Subgraph]] = {}
+    for p in partitions:
+        for s in p.subgraphs:
+            seen.setdefault(s.key, []).append(s)
+    return [(subs[0], len(subs)) for subs in seen.values()]
+
+
+def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner | Callable[[SMG], Runner],
+                    db: TuningDatabase | str | Path, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
+                    trials: int = 32, batch: int = 16, workers: int = 2, seed: int = 0,
+                    progress: bool = True) -> TuningReport:
+    """Tune each distinct subgraph of ``partitions`` on ``runner`` (``trials`` candidates each), all in ``db``.
+
+    ``runner`` may be a function of the SMG giving its runner: an ``OfflineBatchRunner`` needs a folder
+    of its own per subgraph, whose batch is measured on the GPU machine and picked up by the next call."""
+    parts = [partitions] if isinstance(partitions, Partition) else list(partitions)
+    own = not isinstance(db, TuningDatabase)
+    database = TuningDatabase(db) if own else db
+    t0 = time.perf_counter()
+    tuned = []
+    try:
+        todo = _distinct(parts)
+        bar = tqdm(todo, desc="tuning subgraphs", unit="subgraph", disable=not progress)
+        for sub, uses in bar:
+            bar.set_postfix_str(sub.label[:48])
+            run = runner if hasattr(runner, "measure") else runner(sub.smg)
+            summary = tune(sub.smg, run, hw=hw, target=target, db=database, trials=trials, batch=batch,
+                           workers=workers, seed=seed, progress=False)
+            tuned.append(TunedSubgraph(sub.label, uses, summary))
+        bar.close()
+    finally:
+        if own:
+            database.close()
+    report = TuningReport(tuple(tuned), time.perf_counter() - t0)
+    if progress:
+        print(f"total tuning time {report.wall_s:.1f} s for {len(tuned)} distinct subgraphs ({report.cached} cached)")
+    return report

@@ -1,0 +1,42 @@
+"""The CUDA seam of the frontend, on this machine (no GPU): artefacts are exported where TVM is; loading
+one that was never exported is a clear error, not a crash in the runtime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from smg import patterns
+from spacefusion.frontend import CudaBackend, FrontendError
+
+
+def test_export_writes_an_artefact_per_smg_key(tmp_path) -> None:
+    be = CudaBackend(tmp_path)
+    g = patterns.gemm_epilogue(32, 64, 64, "gelu", True, dtype="float16")
+    path = be.export(g, cubin=False)
+    assert path == tmp_path / g.key[:16]
+    meta = json.loads((path / "kernel.json").read_text())
+    assert set(meta["param_order"]) == {"A", "Bw", "bias", "Y"}
+    assert (path / "kernel.cu").read_text()
+
+
+def test_compile_without_export_names_the_missing_artefact(tmp_path) -> None:
+    g = patterns.layernorm(8, 16, dtype="float16")
+    with pytest.raises(FrontendError, match="no CUDA artefact for layernorm"):
+        CudaBackend(tmp_path).compile(g)
+
+
+def test_gated_gemm_on_wgmma_is_a_schedule_error_not_a_crash() -> None:
+    """Regression: the wgmma check unpacked the one GEMM state of a plain GEMM, and two (LLaMA's gate and
+    up projections over one X) raised ValueError out of the search space; now a ScheduleError says why,
+    and the same tile on mma.sync is a warp-tile program."""
+    from schedulers.errors import ScheduleError
+    from schedulers.schedule import make_schedule
+    from spacefusion.frontend.builders import gated_gemm
+
+    g = gated_gemm(128, 128, 128, "silu", "float16")
+    opts = {"serial": "k", "step": 64, "tensor_cores": True, "stages": 2, "warps": 4}
+    with pytest.raises(ScheduleError, match=r"wgmma takes one plain GEMM .* 2 GEMM states \['G', 'U'\]"):
+        make_schedule(g, {"m": 64, "n": 64}, wgmma=True, **opts)
+    assert make_schedule(g, {"m": 64, "n": 64}, **opts).warp_tile is not None

@@ -1,0 +1,147 @@
+"""Capture + partition of the tiny HF-style models: which subgraphs are fused, what torch keeps and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spacefusion.frontend import capture, fuse, partition
+from spacefusion.frontend.reasons import CONCAT, GATHER, LAYOUT, ROPE
+from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
+
+LAYERS = 2
+
+
+def _partition(model: nn.Module, *args: torch.Tensor):
+    return partition(capture(model, *args).module)
+
+
+def test_bert_layer_is_qkv_attention_two_gemm_norms_and_gelu_gemm() -> None:
+    m = BertModel(BertConfig.tiny(layers=LAYERS))
+    p = _partition(m, *m.example_inputs(2, 16))
+    c = p.counts()
+    # per layer: Q, K, V, attention output and FFN output GEMMs + bias; FFN input GEMM + GELU; pooler + tanh
+    assert c["attention"] == LAYERS
+    assert c["residual_norm"] == 2 * LAYERS  # post-LN: LayerNorm(dense(h) + input), twice a layer
+    assert c["norm"] == 1  # the embeddings' LayerNorm (its add broadcasts positions over the batch)
+    labels = [s.label for s in p.subgraphs if s.kind == "gemm"]
+    assert sum("gelu" in lb for lb in labels) == LAYERS
+    assert sum("tanh" in lb for lb in labels) == 1
+    assert len(labels) == 6 * LAYERS + 1
+    # identical layers share SMGs: 7 distinct (LN, 3 GEMM shapes, attention, residual LN, pooler)
+    assert len(p.distinct) == 7
+    assert max(len(v) for v in p.distinct.values()) == 4 * LAYERS  # Q, K, V, attention output
+    reasons = {op.op: op.reason for op in p.left}
+    assert reasons["Embedding"] == GATHER
+    assert reasons["Tensor.transpose"] == LAYOUT
+
+
+def test_vit_pre_ln_keeps_the_residual_sum_as_a_second_output() -> None:
+    m = ViTModel(ViTConfig.tiny(layers=LAYERS))
+    p = _partition(m, *m.example_inputs(2))
+    c = p.counts()
+    assert (c["attention"], c["gemm"], c["norm"]) == (LAYERS, 6 * LAYERS + 1, 1)
+    # x + attn feeds layernorm_after and the next residual: its sum is kept; the last layer's sum
+    # feeds only the final LayerNorm
+    kept = [s for s in p.subgraphs if s.kind == "residual_norm" and len(s.results) == 2]
+    assert len(kept) == 2 * LAYERS - 1
+    assert c["residual_norm"] == 2 * LAYERS
+    assert {s.smg.shape("Y") for s in kept} == {(2 * 17, 64)}
+    conv = next(op for op in p.left if op.op == "Conv2d")
+    assert "stride" in conv.reason
+    assert any(op.op == "torch.cat" and op.reason == CONCAT for op in p.left)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_llama_prefill_gated_mlp_gqa_and_rope_left_to_torch(kv_heads: int) -> None:
+    m = LlamaModel(LlamaConfig.tiny(layers=LAYERS, kv_heads=kv_heads))
+    p = _partition(m, *m.example_inputs(1, 16))
+    c = p.counts()
+    assert (c["attention"], c["gated_gemm"], c["gemm"]) == (LAYERS, LAYERS, 5 * LAYERS)
+    assert (c["norm"], c["residual_norm"]) == (1, 2 * LAYERS)
+    att = next(s for s in p.subgraphs if s.kind == "attention").smg
+    assert dict(att.attrs)["causal"] == "True" and dict(att.attrs)["kv_heads"] == str(kv_heads)
+    if kv_heads != 4:  # Q viewed as [b, kv_heads, group, s, d]
+        q = next(o for s in p.subgraphs if s.kind == "attention" for o in s.operands if o.space == "Q")
+        assert q.shape == (1, kv_heads, 4 // kv_heads, 16, 16)
+    rope = [op for op in p.left if op.reason == ROPE]
+    assert {"Tensor.chunk", "operator.neg", "torch.cat"} <= {op.op for op in rope}
+    assert all(s.kind != "gemm" or "bias" not in s.label for s in p.subgraphs)
+
+
+def test_llama_decode_attends_to_cache_without_causal_mask() -> None:
+    m = LlamaModel(LlamaConfig.tiny(layers=LAYERS, kv_heads=2))
+    p = _partition(m, *m.example_inputs(1, 1, past=8))
+    att = [s for s in p.subgraphs if s.kind == "attention"]
+    assert len(att) == LAYERS
+    assert dict(att[0].smg.attrs)["causal"] == "False"
+    assert att[0].smg.dim_sizes["m"] == 1 and att[0].smg.dim_sizes["l"] == 9
+    cats = [op for op in p.left if op.op == "torch.cat" and op.reason == CONCAT]
+    assert len(cats) == 2 * LAYERS  # the KV-cache appends
+
+
+class _Odd(nn.Module):
+    """A linear, a cumulative sum (no SMG op), a masked attention and an approximate GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = torch.cumsum(self.fc(x), dim=1)
+        q = y.unflatten(-1, (2, 8)).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return F.gelu(o.transpose(1, 2).flatten(2), approximate="tanh")
+
+
+def test_unsupported_ops_are_left_to_torch_with_reasons_not_a_crash(capsys) -> None:
+    torch.manual_seed(0)
+    model = _Odd().eval()
+    x, mask = torch.randn(2, 8, 16), torch.randn(8, 8)
+    fused = fuse(model, x, mask, backend="reference", verbose=True)
+    assert "torch.cumsum: no SMG pattern covers this op" in capsys.readouterr().out
+    left = {op.op: op.reason for op in fused.partition.left}
+    assert "no SMG pattern" in left["torch.cumsum"]
+    assert "attn_mask" in left["F.scaled_dot_product_attention"]
+    assert "F.gelu" in left  # the tanh approximation is not the exact GELU the pattern computes
+    assert [s.kind for s in fused.partition.subgraphs] == ["gemm"]
+    torch.testing.assert_close(fused(x, mask), model(x, mask), rtol=1e-5, atol=1e-5)
+
+
+class _Failing:
+    name = "failing"
+
+    def compile(self, smg):
+        from schedulers.errors import ScheduleError
+
+        raise ScheduleError(f"no schedule for {smg.name}")
+
+
+def test_a_kernel_that_cannot_be_built_leaves_its_subgraph_to_torch() -> None:
+    m = BertModel(BertConfig.tiny(layers=1))
+    x = m.example_inputs(1, 8)
+    fused = fuse(m, *x, backend=_Failing())
+    assert not fused.partition.subgraphs
+    assert any("kernel build failed: ScheduleError: no schedule for attention" in op.reason
+               for op in fused.partition.left)
+    for a, b in zip(fused(*x), m(*x)):
+        torch.testing.assert_close(a, b)
+
+
+def test_inputs_that_do_not_fit_the_model_are_a_frontend_error() -> None:
+    from spacefusion.frontend import FrontendError
+
+    m = BertModel(BertConfig.tiny(layers=1))
+    ids = torch.zeros(1, 200, dtype=torch.long)  # beyond the 64 positions of the tiny config
+    with pytest.raises(FrontendError, match="running the traced BertModel on the example inputs failed"):
+        capture(m, ids, ids)
+
+
+def test_real_configs() -> None:
+    b, v, lm = BertConfig(), ViTConfig(), LlamaConfig()
+    assert (b.hidden_size, b.num_attention_heads, b.num_hidden_layers, b.intermediate_size) == (768, 12, 12, 3072)
+    assert (v.seq_len, v.head_dim, v.intermediate_size) == (197, 64, 3072)
+    assert (lm.hidden_size, lm.head_dim, lm.intermediate_size, lm.num_key_value_heads) == (4096, 128, 11008, 32)
+    assert lm.gqa().num_key_value_heads == 8

@@ -1,0 +1,56 @@
+"""Tuning orchestration: distinct subgraphs tuned once, one database shared across models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from search.database import TuningDatabase
+from search.runners import LLVMRunner
+from smg import patterns
+from spacefusion.frontend import LLVMBackend, capture, fuse, partition
+from spacefusion.frontend.schedules import default_schedule, from_database
+from spacefusion.frontend.tune import tune_partitions
+
+
+class _Block(nn.Module):
+    def __init__(self, n_layers: int) -> None:
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(16, 16) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fc in self.fcs:
+            x = torch.relu(fc(x))
+        return self.norm(x)
+
+
+def test_tune_shares_the_database_across_subgraphs_and_models(tmp_path, capsys) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 16)
+    a, b = _Block(3).eval(), _Block(1).eval()
+    pa, pb = (partition(capture(m, x).module) for m in (a, b))
+    db = tmp_path / "tuning.db"
+    runner = LLVMRunner(repeats=1, warmup=0)
+    asked = []
+
+    def per_smg(smg):  # a runner per subgraph (an offline batch folder each, on the GPU flow)
+        asked.append(smg.key)
+        return runner
+
+    first = tune_partitions(pa, per_smg, db, target="llvm", trials=2, batch=2)
+    assert [t.uses for t in first.tuned] == [3, 1]  # three identical GEMM + ReLU layers: tuned once
+    assert asked == list(pa.distinct)
+    assert first.cached == 0 and all(t.summary.best is not None for t in first.tuned)
+    assert "total tuning time" in capsys.readouterr().out
+    second = tune_partitions(pb, runner, db, target="llvm", trials=2, batch=2)
+    assert second.cached == len(second.tuned) == 2  # model b's subgraphs are model a's: nothing measured
+    fused = fuse(a, x, backend=LLVMBackend(first.schedule_for()))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), a(x), rtol=1e-4, atol=1e-4)
+    with TuningDatabase(db) as opened:  # the same bests, read back from the file
+        pick = from_database(opened, target="llvm")
+        for t in first.tuned:
+            assert pick(t.summary.best.smg).key == t.summary.best.key
+        other = patterns.softmax(4, 8)
+        assert pick(other).key == default_schedule(other).key

@@ -234,11 +234,12 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
                             f"{warps} warps")
     if s.split != 1 or s.early_scores:
         raise ScheduleError("wgmma: no split or early_scores")
-    for g in gemm_states:
-        if g.n_tile % 64 or g.n_tile > WGMMA_MAX_N:
-            raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of 64 (128 B swizzle "
-                                f"atoms) up to {WGMMA_MAX_N}")
-    if gemm is None and not score_ops and not row_states:  # a plain GEMM: both operands from shared memory
+    plain = gemm is None and not score_ops and not row_states
+    for g in gemm_states:  # attention's V may end in a partial band (padded_band); a plain GEMM's B may not
+        if (g.n_tile % 64 if plain else g.n_tile % 16) or g.n_tile > WGMMA_MAX_N:
+            unit = "64 (128 B swizzle atoms)" if plain else "16"
+            raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of {unit} up to {WGMMA_MAX_N}")
+    if plain:  # a plain GEMM: both operands from shared memory
         if len(gemm_states) != 1:  # e.g. LLaMA's gated MLP input: two GEMMs over one staged X
             raise ScheduleError(f"wgmma takes one plain GEMM (+ epilogue); {s.smg.name!r} has "
                                 f"{len(gemm_states)} GEMM states {[g.update.state for g in gemm_states]}")
@@ -252,11 +253,40 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
     elif not gemm_states or any(g.factor in tiles_in for g in gemm_states):
         raise ScheduleError("wgmma takes a plain GEMM (+ epilogue), or GEMM states whose factor tile is computed "
                             "in registers (attention's P @ V)")
-    if gemm is not None:  # the score GEMM too: its B (K) read K-major from 64-wide bands of swizzle atoms
-        kd = s.smg.dim_sizes[gemm.k]
-        if gemm.b_trans or kd % 64 or s.step % 8 or s.step > WGMMA_MAX_N:
+    if gemm is not None:  # the score GEMM too: its B (K) read K-major from 64-wide bands of swizzle atoms,
+        kd = s.smg.dim_sizes[gemm.k]  # the last one partial (padded_band): only its k16 slices that exist
+        if gemm.b_trans or kd % 16 or s.step % 8 or s.step > WGMMA_MAX_N:
             raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous, {gemm.k!r} = "
-                                f"{kd} a multiple of 64 and a step (its N) a multiple of 8 up to {WGMMA_MAX_N}")
+                                f"{kd} a multiple of 16 and a step (its N) a multiple of 8 up to {WGMMA_MAX_N}")
+
+
+#: columns (fp16/bf16) of one band of a 128 B-swizzled tile: an atom row
+SWIZZLE_COLS = 64
+
+
+def padded_band(cols: int) -> int:
+    """Row length of a swizzled tile of ``cols`` columns: whole 64-column bands.  A partial last band
+    (head dim 96: bands of 64 and 32) still spans a full 1 KB atom per 8 rows, since the XOR spreads
+    its chunks over all 8 of each 128 B row; its unloaded chunks are never read (wgmma issues only
+    the k16 slices, or the N columns, that exist)."""
+    return -(-cols // SWIZZLE_COLS) * SWIZZLE_COLS
+
+
+def tile_columns(s, p: WarpTileProgram) -> dict[str, int]:
+    """Columns of data each shared tile of ``smem_layout`` holds (its row length less padding)."""
+    sizes = s.smg.dim_sizes
+    cols: dict[str, int] = {}
+    if p.wgmma_ss:
+        (g,) = p.gemm_states
+        return {p.tiles_in[0]: p.step, g.x: g.n_tile}
+    if p.gemm is not None:
+        cols[p.gemm.a] = sizes[p.gemm.k]
+        cols[p.gemm.b] = p.step if p.gemm.b_trans else sizes[p.gemm.k]
+    for n in p.tiles_in:
+        cols[n] = p.step
+    for g in p.gemm_states:
+        cols.setdefault(g.x, g.n_tile)
+    return cols
 
 
 def wgmma_swizzled(p: WarpTileProgram) -> tuple[str, ...]:
@@ -407,15 +437,15 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding
         (g,) = p.gemm_states
         return {p.tiles_in[0]: (ring, p.rows, p.step), g.x: (ring, p.step, g.n_tile)}
-    if p.gemm is not None:  # read by wgmma (swizzled): unpadded
-        pad_a = 0 if p.wgmma and p.reload_a else PAD
-        out[p.gemm.a] = (1, p.rows, sizes[p.gemm.k] + pad_a)
-        out[p.gemm.b] = ((ring, sizes[p.gemm.k], p.step + PAD) if p.gemm.b_trans
-                         else (ring, p.step, sizes[p.gemm.k] + (0 if p.wgmma else PAD)))
+    if p.gemm is not None:  # read by wgmma (swizzled): whole bands, unpadded
+        kd = sizes[p.gemm.k]
+        out[p.gemm.a] = (1, p.rows, padded_band(kd) if p.wgmma and p.reload_a else kd + PAD)
+        out[p.gemm.b] = ((ring, kd, p.step + PAD) if p.gemm.b_trans
+                         else (ring, p.step, padded_band(kd) if p.wgmma else kd + PAD))
     for n in p.tiles_in:  # swizzled for TMA (bands of 64 columns), else rows padded for ldmatrix
         out[n] = (ring, p.rows, p.step + (0 if p.tma else PAD))
-    for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, unpadded
-        out.setdefault(g.x, (ring, p.step, g.n_tile + (0 if p.wgmma else PAD)))
+    for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, whole bands, unpadded
+        out.setdefault(g.x, (ring, p.step, padded_band(g.n_tile) if p.wgmma else g.n_tile + PAD))
     return out
 
 

@@ -131,6 +131,24 @@ CASES = {
     "attention_ws_bf16_gqa": (lambda: patterns.attention(1, 4, 200, 300, 128, kv_heads=2, dtype="bfloat16"),
                               {"m": 128}, 128, 2, {"warps": 8, "reload_a": True, "wgmma": True, "tma": True,
                                                     "producer": True}),
+    # head dims that are not whole 64-column bands (padded_band): the last band of K, V (and Q) partial,
+    # wgmma N = d for P @ V; Q in registers with tails (d = 96), re-read on two 64-row halves (d = 80),
+    # causal on two warpgroups (d = 112), K/V by TMA (zero-filled past d), a producer warpgroup (partial
+    # output band), bf16
+    "attention_wgmma_d96": (lambda: patterns.attention(2, 3, 70, 90, 96), {"m": 64}, 32, 2, {"wgmma": True}),
+    "attention_wgmma_d80_mt2": (lambda: patterns.attention(1, 2, 128, 192, 80), {"m": 128}, 64, 2,
+                                {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True}),
+    "causal_wgmma_d112_2wg": (lambda: patterns.attention(1, 2, 200, 200, 112, causal=True), {"m": 128}, 64, 2,
+                              {"warps": 8, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True,
+                               "wgmma": True}),
+    "causal_wgmma_tma_d80": (lambda: patterns.attention(1, 2, 200, 200, 80, causal=True), {"m": 128}, 64, 2,
+                             {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True, "tma": True}),
+    "causal_ws_d80": (lambda: patterns.attention(1, 2, 200, 200, 80, causal=True), {"m": 128}, 64, 2,
+                      {"warps": 8, "reload_a": True, "wgmma": True, "tma": True, "producer": True}),
+    "attention_ws_d96_bf16": (lambda: patterns.attention(1, 4, 200, 300, 96, dtype="bfloat16"), {"m": 128}, 64, 2,
+                              {"warps": 8, "mma_row_sums": True, "wgmma": True, "tma": True, "producer": True}),
+    "attention_wgmma_d112_bf16": (lambda: patterns.attention(2, 3, 70, 90, 112, dtype="bfloat16"), {"m": 64}, 32, 3,
+                                  {"reload_a": True, "wgmma": True}),
     # with slices: the arrival flag's static shared memory moves the arena, the swizzled tiles skew to 1 KB
     "decode_wgmma_slices4": (lambda: patterns.attention(1, 4, 70, 1000, 128), {"m": 64}, 64, 3,
                              {"slices": 4, "mma_row_sums": True, "wgmma": True}),
@@ -512,6 +530,51 @@ def test_wgmma_runs_both_attention_gemms() -> None:
     assert wgmma_swizzled(p) == ("K", "Q", "V") and smem_layout(s, p)["V"] == (2, 64, 128)
     held = build(_schedule("attention_wgmma"), "cuda").source  # Q held: ldmatrix once, rs scores
     assert "ldmatrix" in held and "wgmma_f16_ss" not in held
+
+
+def test_wgmma_takes_head_dims_of_a_partial_band() -> None:
+    """d = 112 (one band and a partial one of 48 columns): K, Q and V are allocated in whole bands
+    (padded_band) but only their 112 columns are loaded; the score GEMM issues the 7 k16 slices that
+    exist (4 in band 0, 3 in band 1) and P @ V is one m64n112k16 per k16 slice of the step."""
+    from schedulers.warp_tile import smem_layout, tile_columns
+
+    s = _schedule("causal_wgmma_d112_2wg")
+    p = s.warp_tile
+    layout, cols = smem_layout(s, p), tile_columns(s, p)
+    assert layout["K"] == (2, 64, 128) and layout["V"] == (2, 64, 128) and layout["Q"] == (1, 128, 128)
+    assert cols == {"Q": 112, "K": 112, "V": 112}
+    src = build(s, "cuda").source
+    copies = 2  # the step with and without the causal mask
+    assert len(re.findall(r"wgmma_f16_ss_mma_async\w*m64n64k16\w*\(_ptr", src)) == copies * 7 * p.warp_mtiles
+    assert len(re.findall(r"wgmma_f16_rs_mma_async\w*m64n112k16\w*\(_ptr", src)) == copies * 4 * p.warp_mtiles
+    # the arena holds the padded bands: 128 columns of K and V per ring slot, of Q once
+    assert warp_tile_smem_bytes(s, p) >= 2 * (2 * 64 * 128 + 2 * 64 * 128 + 128 * 128)
+
+
+def test_a_producer_stores_a_partial_last_output_band() -> None:
+    """d = 80 with a producer warpgroup: the output leaves in a 64-column band and a 16-column one."""
+    src = build(_schedule("causal_ws_d80"), "cuda").source
+    assert "m64n80k16" in src and "cp.async.bulk.tensor.4d" in src
+    assert len(re.findall(r"\(uint4\*\)\(O_ptr", src)) == 2  # one 16-byte chunk store per band
+
+
+@given(cols=st.integers(1, 16).map(lambda c: 16 * c), rows=st.sampled_from([8, 32, 64, 128]))
+@settings(max_examples=60, deadline=None)
+def test_padded_band_holds_the_columns_in_distinct_chunks(cols, rows) -> None:
+    """A swizzled tile of ``cols`` columns padded to whole bands: its chunks land inside the padded
+    tile, each on its own 16 bytes, and the padding is less than one band."""
+    from schedulers.warp_tile import SWIZZLE_COLS, padded_band, swizzled_128b
+
+    width = padded_band(cols)
+    assert width % SWIZZLE_COLS == 0 and cols <= width < cols + SWIZZLE_COLS
+    offs = [swizzled_128b(r, j, rows) for r in range(rows) for j in range(cols // 8)]
+    assert len(set(offs)) == len(offs) and all(0 <= o <= rows * width - 8 for o in offs)
+
+
+def test_wgmma_refuses_a_head_dim_not_a_multiple_of_16() -> None:
+    with pytest.raises(ScheduleError, match="'d' = 72 must be a multiple of 16"):
+        schedule(patterns.attention(1, 2, 128, 128, 72), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
+                 wgmma=True)
 
 
 @given(rows=st.sampled_from([64, 128, 256]), bands=st.integers(1, 4))

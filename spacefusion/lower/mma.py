@@ -42,6 +42,7 @@ from schedulers.warp_tile import (
     split_ring,
     staged_elements,
     swizzled_128b,
+    tile_columns,
     warp_tile_program,
     wgmma_swizzled,
 )
@@ -60,6 +61,7 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         self.ab = "fp16" if self.smg.space(self.smg.inputs[0]).dtype == "float16" else "bf16"
         self.half = "float16" if self.ab == "fp16" else "bfloat16"
         self.layout = smem_layout(s, p)
+        self.cols = tile_columns(s, p)
         self.glob: dict[str, tirx.Buffer] = {}
         self.smem: dict[str, tirx.Buffer] = {}  # name -> the shared arena holding its tile(s)
         self.sbase: dict[str, int] = {}  # name -> element offset of its tile(s) in the arena
@@ -110,9 +112,8 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         block's with ``block``); rows/chunks past the end are clamped (their values are masked or
         multiplied by zero downstream)."""
         copies, rows, stride = self.layout[name]
-        swz = name in self.swizzled  # read by wgmma: 128 B-swizzled and unpadded; else rows padded by 8
-        cols = stride if swz else stride - 8
-        per_row = cols // 8
+        swz = name in self.swizzled  # read by wgmma: 128 B-swizzled in whole bands; else rows padded by 8
+        per_row = self.cols[name] // 8  # the columns that exist (a swizzled tile's last band may be partial)
         total = rows * per_row
         th = self.p.threads if block else 32 * self.p.warps
         with T.serial(0, -(-total // th)) as it:

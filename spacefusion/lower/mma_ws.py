@@ -272,8 +272,8 @@ class _WarpSpecialized:
         mine = wg + self.mma_wg  # its staging area and named barrier (one of the two is 0)
         base = self.stage_base + mine * wrows * stride
         bar = tirx.Cast("uint32", 1 + mine)  # named barrier 0 is __syncthreads
-        per_row = BAND // CHUNK
-        for band in range(gs.n_tile // BAND):
+        for band in range(-(-gs.n_tile // BAND)):  # the last band partial where N is not whole bands (d = 96)
+            per_row = min(BAND, gs.n_tile - band * BAND) // CHUNK
             for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
                 if ((i % per) // 4) * 8 // BAND != band:
                     continue

@@ -32,7 +32,14 @@ import sympy as sp
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
-from schedulers.warp_tile import WarpTileProgram, _quotient, smem_layout, steps_per_row_tile
+from schedulers.warp_tile import (
+    WarpTileProgram,
+    _quotient,
+    smem_layout,
+    steps_per_row_tile,
+    tile_columns,
+    wgmma_swizzled,
+)
 from smg.expr import body_expr, logistic_arg
 
 #: exp2 / rcp results per SM per clock (CUDA Programming Guide, arithmetic throughput, cc 5.x-9.0)
@@ -158,8 +165,10 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     step_simt, step_sfu, out_simt, out_sfu = _elementwise(s, p)
 
     # shared memory: the fill of this step's tiles, then the tensor cores' operand reads
-    layout = smem_layout(s, p)
-    streamed = {n: (r, w) for n, (c, r, w) in layout.items() if not (p.gemm and n == p.gemm.a)}
+    layout, cols, swizzled = smem_layout(s, p), tile_columns(s, p), set(wgmma_swizzled(p))
+    # a swizzled tile's padded last band (padded_band) is neither loaded nor read by wgmma
+    streamed = {n: (r, cols[n] if n in swizzled else w) for n, (c, r, w) in layout.items()
+                if not (p.gemm and n == p.gemm.a)}
     fill = sum(r * w * 2 for r, w in streamed.values())
     halves = max(1, rows // 64)
     if p.wgmma_ss:  # the A tile once, the B tile by each 64-row half

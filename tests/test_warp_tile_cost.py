@@ -105,3 +105,16 @@ def test_wgmma_accumulators_beyond_the_register_file_are_charged() -> None:
 
     assert block_resources(mk(256)).registers_estimate > 255 >= block_resources(mk(128)).registers_estimate
     assert estimate_us(mk(256), H100) > 5 * estimate_us(mk(128), H100)
+
+
+def test_a_padded_band_costs_only_the_head_dim_it_holds() -> None:
+    """d = 96 on wgmma: K and V sit in whole 128-column bands (padded_band), but only 96 columns are
+    loaded and read, so the step's shared-memory and L2 traffic is 3/4 of d = 128's."""
+    def cost(d: int):
+        g = P.attention(8, 12, 512, 512, d, dtype=H)
+        return step_cost(make_schedule(g, {"m": 128}, serial="l", step=64, tensor_cores=True, stages=2, warps=4,
+                                       wgmma=True), H100)
+
+    d96, d128 = cost(96), cost(128)
+    assert d96.l2_s == pytest.approx(0.75 * d128.l2_s)
+    assert d96.smem_s == pytest.approx(0.75 * d128.smem_s)

@@ -1,4 +1,4 @@
-"""The research notebook runs top to bottom (its own asserts check the llvm kernel against numpy)."""
+"""The notebooks run top to bottom (their own asserts check the llvm kernels against numpy or eager torch)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "experiments" / "notebooks" / "explore_schedules.ipynb"
+NOTEBOOKS = ROOT / "experiments" / "notebooks"
 
 
-def test_explore_schedules_notebook_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["explore_schedules.ipynb", "fuse_bert.ipynb"])
+def test_notebook_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    notebook = NOTEBOOKS / name
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the kernel is a new process; the notebook also finds the root
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(notebook, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook cleared"
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+                                     resources={"metadata": {"path": str(notebook.parent)}})
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]

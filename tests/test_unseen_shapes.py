@@ -99,11 +99,14 @@ def test_first_pick_within_ten_percent_of_the_round_best() -> None:
         assert max(m["first_over_best"] for m in sums.values()) <= worst, path.name
 
 
-def test_against_cudnn_ahead_in_geomean_behind_at_head_dims_without_warpgroup_mma() -> None:
-    """Over all 20 shapes the round's best is ahead of cuDNN in geometric mean; the shapes more than 10%
-    behind are the head dims warpgroup MMA does not take yet (80, 96, 112: mma.sync only; 0.43-0.79)."""
+def test_every_shape_within_ten_percent_of_cudnn_and_ahead_in_geomean() -> None:
+    """Issue 19's goal on the 20 shapes: the best of each round within 10% of cuDNN or faster (the
+    slowest: gqa_spec4 at 0.91), 1.15x cuDNN in geometric mean, the first picks 1.12x.  Head dims of
+    80/96/112 were 0.43-0.79 of cuDNN while their second GEMM ran on mma.sync; with warpgroup MMA over a
+    padded last band they are 1.00-1.15x (history/*_before_odd_wgmma.json has the rounds before)."""
     sums = {**_sums(RESULTS), **_sums(VALIDATION)}
-    assert U.geomean([m["best_vs_sdpa_cudnn"] for m in sums.values()]) > 1.0
-    behind = {k for k, m in sums.items() if m["best_vs_sdpa_cudnn"] < 0.9}
-    assert behind == {"d96", "v_d80_causal", "v_d112"}
-    assert all(U.BY_KEY[k].d % 64 for k in behind)
+    assert all(m["best_vs_sdpa_cudnn"] >= 0.9 for m in sums.values()), sums
+    assert U.geomean([m["best_vs_sdpa_cudnn"] for m in sums.values()]) > 1.1
+    assert U.geomean([m["first_vs_sdpa_cudnn"] for m in sums.values()]) > 1.05
+    odd = [k for k in sums if U.BY_KEY[k].d % 64]
+    assert len(odd) == 5 and all(sums[k]["best_vs_sdpa_cudnn"] >= 1.0 for k in odd)

@@ -81,9 +81,9 @@ class LLVMBackend(_Cached):
 
 
 class CudaBackend(_Cached):
-    """The GPU seam, NOT yet run on a GPU: ``export`` builds each SMG's CUDA artefact (needs TVM, this
-    machine); ``compile`` loads an exported artefact with ``spacefusion.runtime.gpu`` (needs torch + cupy
-    and a GPU, no TVM) and launches it on torch tensors.  Wiring and testing it is issue 18 part 3."""
+    """The GPU backend: ``export`` builds each SMG's CUDA artefact (needs TVM, this machine);
+    ``compile`` loads an exported artefact with ``spacefusion.runtime.gpu`` (needs torch + cupy and a
+    GPU, no TVM) and launches it on torch tensors (``experiments/e2e_gpu.py`` runs whole models)."""
 
     name = "cuda"
 
@@ -108,7 +108,14 @@ class CudaBackend(_Cached):
         if not (path / "kernel.json").is_file():
             raise FrontendError(f"no CUDA artefact for {smg.name} at {path}: run CudaBackend.export where TVM is")
         kernel = load_kernel(path)
-        return lambda inputs: kernel(**{k: v.contiguous() for k, v in inputs.items()})
+        # a folded schedule's kernel (smg.fold) takes the same memory with merged dims: view, never copy
+        shapes = {p.name: p.shape for p in (*kernel.artefact.inputs, *kernel.artefact.outputs)}
+
+        def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = kernel(**{k: v.contiguous().view(shapes[k]) for k, v in inputs.items()})
+            return {k: v.view(smg.shape(k)) for k, v in out.items()}
+
+        return run
 
 
 BACKENDS: dict[str, Callable[[], _Cached]] = {"reference": ReferenceBackend, "llvm": LLVMBackend}

@@ -34,3 +34,35 @@ def from_database(db, hw: HardwareModel = H100, target: str = "llvm",
         return best[0] if best is not None else fallback(smg)
 
     return pick
+
+
+def ranked(smg: SMG, hw: HardwareModel = H100) -> list[Schedule]:
+    """``smg``'s candidates in the order the tuner's first round measures them: the analytical model's
+    estimates, ties broken by the prior learned from the committed measurements (``search.prior``)."""
+    from search.cost import estimate_us
+    from search.prior import first_round_order, load_prior
+    from search.space import SearchSpace
+
+    cands = {s.key: s for s in SearchSpace(smg, hw).candidates()}
+    est = {k: estimate_us(s, hw) for k, s in cands.items()}
+    return [cands[k] for k in first_round_order(cands, est, load_prior(hw))]
+
+
+def model_pick(smg: SMG, hw: HardwareModel = H100, build: Callable[[Schedule], object] | None = None,
+               attempts: int = 5) -> tuple[Schedule, int]:
+    """The tuner's first pick for ``smg`` with nothing measured, and how many candidates were tried:
+    with ``build``, the first of the best ``attempts`` that ``build`` accepts (a lowering that refuses a
+    schedule moves on to the next, the error of the last is raised if none builds)."""
+    order = ranked(smg, hw)
+    if not order:
+        raise ValueError(f"no schedule of {smg.name!r} fits {hw.name}")
+    last: Exception | None = None
+    for i, s in enumerate(order[:attempts] if build is not None else order[:1]):
+        if build is None:
+            return s, 1
+        try:
+            build(s)
+            return s, i + 1
+        except Exception as exc:  # the next candidate; the error is kept for when none builds
+            last = exc
+    raise RuntimeError(f"none of the {attempts} best schedules of {smg.name!r} built: {last}") from last

@@ -61,6 +61,10 @@ def _libcuda() -> Any:
         raise TensorMapError(f"the CUDA driver (libcuda.so.1) is not loadable: {e}") from None
 
 
+#: pinned host copies of tensor maps encoded during a CUDA graph capture (their replays read them)
+_CAPTURED: list[torch.Tensor] = []
+
+
 def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int) -> torch.Tensor:
     """The tensor map of ``t`` (a CUDA tensor) with ``box`` (innermost first) and ``swizzle``, as a
     uint8[128] tensor on ``t``'s device."""
@@ -84,4 +88,11 @@ def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int) -> torch.Ten
         raise TensorMapError(f"cuTensorMapEncodeTiled refused dims {dims}, strides {strides} B, box {box}, "
                              f"swizzle {swizzle}: CUresult {rc}")
     blob = bytes((ctypes.c_ubyte * TENSOR_MAP_BYTES).from_address(addr))
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(t.device)
+    host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    if not torch.cuda.is_current_stream_capturing():
+        return host.to(t.device)
+    # inside a CUDA graph capture only a pinned host buffer may be copied from, and a replay copies it
+    # again: kept alive with the process (128 bytes per tensor address a captured launch saw)
+    host = host.pin_memory()
+    _CAPTURED.append(host)
+    return host.to(t.device, non_blocking=True)

@@ -139,7 +139,11 @@ def run(art: Path, out_path: Path, warmup: int, iters: int, repeats: int, use_co
     from spacefusion.frontend import CudaBackend, fuse
 
     timing = runtime_module("timing")
+    if not (art / "manifest.json").is_file():
+        raise SystemExit(f"{art}: no manifest.json; build it where TVM runs: experiments/e2e_gpu.py build {art} ...")
     man = json.loads((art / "manifest.json").read_text())
+    if man.get("format") != FORMAT:
+        raise SystemExit(f"{art / 'manifest.json'}: format {man.get('format')!r}, expected {FORMAT!r}")
     model, inputs = make_model(man["model"], man["layers"])  # seeded weights, drawn on the CPU
     model = model.half().eval().cuda()
     x = _half(inputs(model, man["batch"], man["seq"]), "cuda")

@@ -27,7 +27,7 @@ def test_every_system_was_checked_then_timed(model: str) -> None:
 
 
 def test_a_cuda_graph_takes_the_launch_cost_away() -> None:
-    """Launch by launch the runtime's Python costs ~200 us a kernel (BERT 21 ms); replayed as one CUDA graph
+    """Launch by launch the runtime's Python costs ~180 us a kernel (BERT 21 ms); replayed as one CUDA graph
     the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size) but not
     eager or torch.compile in CUDA graphs (0.65-0.73x): the first picks lose to the libraries' kernels."""
     m = _models()

@@ -31,6 +31,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 FORMAT = "spacefusion-e2e/1"
+#: LLaMA-2-7B's prefill over --seq tokens, and decode of one token per sequence with a KV cache of seq - 1
+LLAMAS = ("llama", "llama_gqa", "llama_decode", "llama_gqa_decode")
 
 
 def make_model(name: str, layers: int | None) -> tuple[Any, Any]:
@@ -46,10 +48,13 @@ def make_model(name: str, layers: int | None) -> tuple[Any, Any]:
         return BertModel(n(BertConfig())), lambda m, b, s: m.example_inputs(b, s)
     if name == "vit":
         return ViTModel(n(ViTConfig())), lambda m, b, s: m.example_inputs(b)
-    if name in ("llama", "llama_gqa"):
+    if name in LLAMAS:
         c = n(LlamaConfig())
-        return LlamaModel(c.gqa(8) if name == "llama_gqa" else c), lambda m, b, s: m.example_inputs(b, s)
-    raise SystemExit(f"unknown model {name!r}; known: bert, vit, llama, llama_gqa")
+        model = LlamaModel(c.gqa(8) if "gqa" in name else c)
+        if name.endswith("decode"):  # one new token per sequence against a KV cache of seq - 1 tokens
+            return model, lambda m, b, s: m.example_inputs(b, 1, past=s - 1)
+        return model, lambda m, b, s: m.example_inputs(b, s)
+    raise SystemExit(f"unknown model {name!r}; known: bert, vit, {', '.join(LLAMAS)}")
 
 
 def _half(x: tuple, device: str) -> tuple:
@@ -61,12 +66,16 @@ def _half(x: tuple, device: str) -> tuple:
 # ---- build (where TVM runs) -----------------------------------------------------------------------
 
 
-def build(art: Path, model_name: str, batch: int, seq: int, layers: int | None) -> int:
+def build(art: Path, model_name: str, batch: int, seq: int, layers: int | None, db_path: Path | None = None) -> int:
+    """``db_path``: a tuning database (``experiments/e2e_tune.py``) whose measured best is taken for the
+    subgraphs it has; the others get the model's first pick."""
     import torch
 
     from schedulers.hardware import H100
+    from search.database import TuningDatabase, tuning_key
     from spacefusion.frontend import CudaBackend, capture, partition
     from spacefusion.frontend.schedules import model_pick
+    from spacefusion.lower.build import COMPILE_FLAGS
 
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -79,13 +88,22 @@ def build(art: Path, model_name: str, batch: int, seq: int, layers: int | None) 
     picks: dict[str, Any] = {}
     backend = CudaBackend(art / "kernels", schedule_for=lambda g: picks[g.key])
     rows = []
+    db = TuningDatabase(db_path) if db_path is not None else None
     for key, subs in part.distinct.items():
         smg = subs[0].smg
         t1 = time.perf_counter()
         row: dict[str, Any] = {"key": key, "label": subs[0].label, "kind": subs[0].kind, "uses": len(subs)}
         try:
-            chosen, tried = model_pick(smg, H100, build=lambda s, g=smg: _export(backend, picks, g, s))
-            row.update(schedule=chosen.to_dict(), tried=tried, summary=str(chosen).splitlines()[0])
+            best = db.best(tuning_key(smg, H100, "cuda:sm_90a", COMPILE_FLAGS)) if db is not None else None
+            if best is not None:
+                chosen, tried = best[0], 0
+                _export(backend, picks, smg, chosen)
+                row.update(source="measured", measured_us=round(best[1].median_us, 2))
+            else:
+                chosen, tried = model_pick(smg, H100, build=lambda s, g=smg: _export(backend, picks, g, s))
+                row.update(source="model")
+            row.update(schedule=chosen.to_dict(), tried=tried, summary=str(chosen).splitlines()[0],
+                       traffic=_traffic(chosen))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:600]
         row["search_s"] = round(time.perf_counter() - t1, 2)
@@ -97,6 +115,21 @@ def build(art: Path, model_name: str, batch: int, seq: int, layers: int | None) 
     (art / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{len(rows)} distinct kernels, search + build {manifest['search_s']} s, capture {manifest['capture_s']} s")
     return 0
+
+
+def _traffic(s: Any) -> dict[str, int]:
+    """The traffic model's device-memory bytes (``schedulers.traffic``, islpy footprints): the unfused chain
+    (one kernel per operator), the fused schedule (each block's distinct elements; a warp-tile kernel's
+    re-read K/V tiles counted per block, as L2 serves them), and each input and output once."""
+    import math
+
+    import numpy as np
+
+    from schedulers.traffic import traffic
+
+    t, g = traffic(s), s.smg
+    once = sum(math.prod(g.shape(n)) * np.dtype(g.space(n).dtype).itemsize for n in (*g.inputs, *g.outputs))
+    return {"unfused_bytes": int(t.unfused_bytes), "fused_bytes": int(t.fused_bytes), "compulsory_bytes": int(once)}
 
 
 def _export(backend: Any, picks: dict[str, Any], smg: Any, s: Any) -> None:
@@ -245,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--seq", type=int, default=128)
     b.add_argument("--layers", type=int, default=None)
+    b.add_argument("--db", type=Path, default=None, help="a tuning database: its measured bests where it has them")
     r = sub.add_parser("run")
     r.add_argument("art", type=Path)
     r.add_argument("--out", type=Path, required=True)
@@ -254,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-compile", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "build":
-        return build(a.art, a.model, a.batch, a.seq, a.layers)
+        return build(a.art, a.model, a.batch, a.seq, a.layers, a.db)
     return run(a.art, a.out, a.warmup, a.iters, a.repeats, not a.no_compile)
 
 

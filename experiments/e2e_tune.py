@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,13 +23,14 @@ from spacefusion.frontend.tune import tune_partitions
 from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
 
 MODELS = {
-    "bert128": (BertModel, BertConfig, lambda m: m.example_inputs(1, 128)),
-    "bert512": (BertModel, BertConfig, lambda m: m.example_inputs(1, 512)),
-    "vit": (ViTModel, ViTConfig, lambda m: m.example_inputs(1)),
-    "llama-prefill": (LlamaModel, LlamaConfig, lambda m: m.example_inputs(1, 2048)),
-    "llama-decode": (LlamaModel, LlamaConfig, lambda m: m.example_inputs(1, 1, past=4095)),
-    "llama-gqa-prefill": (LlamaModel, lambda **k: LlamaConfig(**k).gqa(8), lambda m: m.example_inputs(1, 2048)),
-    "llama-gqa-decode": (LlamaModel, lambda **k: LlamaConfig(**k).gqa(8), lambda m: m.example_inputs(1, 1, past=4095)),
+    "bert128": (BertModel, BertConfig, lambda m, b: m.example_inputs(b, 128)),
+    "bert512": (BertModel, BertConfig, lambda m, b: m.example_inputs(b, 512)),
+    "vit": (ViTModel, ViTConfig, lambda m, b: m.example_inputs(b)),
+    "llama-prefill": (LlamaModel, LlamaConfig, lambda m, b: m.example_inputs(b, 2048)),
+    "llama-decode": (LlamaModel, LlamaConfig, lambda m, b: m.example_inputs(b, 1, past=4095)),
+    "llama-gqa-prefill": (LlamaModel, lambda **k: LlamaConfig(**k).gqa(8), lambda m, b: m.example_inputs(b, 2048)),
+    "llama-gqa-decode": (LlamaModel, lambda **k: LlamaConfig(**k).gqa(8),
+                         lambda m, b: m.example_inputs(b, 1, past=4095)),
 }
 
 
@@ -41,6 +43,9 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=16)
     ap.add_argument("--layers", type=int, default=1, help="layers per model (identical layers share subgraphs)")
     ap.add_argument("--tiny", action="store_true", help="the tiny configs (for --runner llvm)")
+    ap.add_argument("--batch", type=int, default=1, help="batch size (e2e_gpu.py's runs: 8 for BERT and ViT)")
+    ap.add_argument("--kinds", nargs="+", default=None,
+                    help="tune only subgraphs of these kinds (attention, gemm, gated_gemm, norm, residual_norm)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     parts = []
@@ -52,8 +57,11 @@ def main() -> None:
             model = model_cls(cfg)
             if not args.tiny:
                 model = model.half()
-            x = tuple(t.half() if t.is_floating_point() and not args.tiny else t for t in inputs(model))
-            parts.append(partition(capture(model, *x).module))
+            x = tuple(t.half() if t.is_floating_point() and not args.tiny else t for t in inputs(model, args.batch))
+            part = partition(capture(model, *x).module)
+            if args.kinds:
+                part = replace(part, subgraphs=tuple(s for s in part.subgraphs if s.kind in args.kinds))
+            parts.append(part)
     print(f"captured and partitioned {len(parts)} models in {time.perf_counter() - t0:.1f} s")
     if args.runner == "llvm":
         report = tune_partitions(parts, runners.LLVMRunner(), args.db, target="llvm", trials=args.trials)

@@ -47,6 +47,89 @@ def unseen_ratios() -> list[tuple[str, float, float, float]]:
     return rows
 
 
+#: the subgraph results' baselines: the unfused ops (attention: SDPA's math backend) and the fused libraries
+UNFUSED = {"attention": "sdpa-math"}
+LIBRARIES = {"attention": ("sdpa-flash", "sdpa-cudnn", "torch.compile")}
+MODEL_NAMES = {"bert": "BERT", "vit": "ViT", "llama": "LLaMA", "llama_decode": "LLaMA decode"}
+
+
+def _subgraph_results() -> dict[str, Any]:
+    return json.loads((RESULTS / "e2e_subgraphs_h100.json").read_text())["models"]
+
+
+def _short(model: str, row: dict[str, Any]) -> str:
+    label = row["label"].replace(" float16", "").replace("gated gemm silu(X@Wg)*(X@Wu)", "gated gemm")
+    return f"{MODEL_NAMES.get(model, model)}: {label}"
+
+
+def subgraph_speedups() -> list[dict[str, Any]]:
+    """Per distinct subgraph of each model: the times (us) of spacefusion, the unfused ops and the best
+    fused library, the speedups over both, and the device-memory bytes (model and ncu)."""
+    rows = []
+    for model, res in _subgraph_results().items():
+        for r in res["subgraphs"]:
+            t = {k: v["median_us"] for k, v in r.get("systems", {}).items() if v.get("status") == "ok"}
+            if "spacefusion" not in t:
+                continue
+            unfused = t.get(UNFUSED.get(r["kind"], "eager"))
+            libs = {k: t[k] for k in LIBRARIES.get(r["kind"], ("torch.compile",)) if k in t}
+            lib = min(libs, key=libs.get) if libs else None
+            ncu = {k: v.get("ncu") for k, v in r["systems"].items()}
+            rows.append({"name": _short(model, r), "uses": r["uses"], "kind": r["kind"], "us": t["spacefusion"],
+                         "unfused_us": unfused, "library": lib, "library_us": libs.get(lib),
+                         "vs_unfused": unfused / t["spacefusion"] if unfused else None,
+                         "vs_library": libs[lib] / t["spacefusion"] if lib else None,
+                         "traffic": r.get("traffic"), "ncu": ncu})
+    return rows
+
+
+def _measured_bytes(ncu: dict[str, float] | None) -> float | None:
+    """Device-memory bytes of one cold run: DRAM reads (ncu flushed the caches) plus what the SMs wrote
+    (to L2, on its way to DRAM; ncu's DRAM write counter misses what is still in L2 when a kernel ends)."""
+    return None if not ncu else ncu["dram_read_bytes"] + ncu["l2_write_bytes"]
+
+
+def traffic_rows() -> list[dict[str, Any]]:
+    """Per subgraph: the traffic model's unfused / fused / compulsory bytes and ncu's for unfused and fused."""
+    out = []
+    for r in subgraph_speedups():
+        tr = r["traffic"] or {}
+        unf = _measured_bytes(r["ncu"].get(UNFUSED.get(r["kind"], "eager")))
+        fus = _measured_bytes(r["ncu"].get("spacefusion"))
+        if not tr or unf is None or fus is None:
+            continue
+        out.append({"name": r["name"], "model_unfused": tr["unfused_bytes"], "model_fused": tr["fused_bytes"],
+                    "compulsory": tr["compulsory_bytes"], "ncu_unfused": unf, "ncu_fused": fus,
+                    "model_reduction": tr["unfused_bytes"] / tr["fused_bytes"], "ncu_reduction": unf / fus})
+    return out
+
+
+def subgraph_table() -> str:
+    lines = ["| subgraph (uses) | spacefusion us | unfused us | best fused library | vs unfused | vs library |",
+             "|---|---|---|---|---|---|"]
+    for r in subgraph_speedups():
+        lines.append(f"| {r['name']} ({r['uses']}) | {r['us']:.1f} | {r['unfused_us']:.1f} | {r['library']} "
+                     f"{r['library_us']:.1f} | {r['vs_unfused']:.2f}x | {r['vs_library']:.2f}x |")
+    return "\n".join(lines)
+
+
+def traffic_table() -> str:
+    lines = ["| subgraph | unfused MB (model / ncu) | fused MB (model / ncu) | each tensor once MB | "
+             "reduction (model / ncu) |", "|---|---|---|---|---|"]
+    for r in traffic_rows():
+        lines.append(f"| {r['name']} | {r['model_unfused'] / 1e6:.1f} / {r['ncu_unfused'] / 1e6:.1f} | "
+                     f"{r['model_fused'] / 1e6:.1f} / {r['ncu_fused'] / 1e6:.1f} | {r['compulsory'] / 1e6:.1f} | "
+                     f"{r['model_reduction']:.2f}x / {r['ncu_reduction']:.2f}x |")
+    return "\n".join(lines)
+
+
+def tuning_times() -> dict[str, dict[str, float]]:
+    """Per model of e2e_h100.json: capture, and search + build (nvcc included) of its distinct subgraphs."""
+    models = json.loads((RESULTS / "e2e_h100.json").read_text())["models"]
+    return {k: {"capture_s": m["manifest"]["capture_s"], "search_s": m["manifest"]["search_s"],
+                "distinct": len(m["manifest"]["kernels"])} for k, m in models.items()}
+
+
 def e2e_table() -> str:
     sp = e2e_speedups()
     head = "| model | " + " | ".join(label for _, label in E2E_SYSTEMS) + " |"
@@ -94,7 +177,52 @@ def draw() -> list[Path]:
     fig.tight_layout()
     out.append(FIGURES / "attention_unseen_h100.png")
     fig.savefig(out[-1], dpi=120)
+    if (RESULTS / "e2e_subgraphs_h100.json").is_file():
+        out += _draw_subgraphs(plt)
     plt.close("all")
+    return out
+
+
+def _draw_subgraphs(plt: Any) -> list[Path]:
+    out = []
+    rows = subgraph_speedups()
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    _bars(ax, [r["name"] for r in rows],
+          {"over the unfused ops (attention: SDPA math)": [r["vs_unfused"] for r in rows],
+           "over the best fused library / torch.compile": [r["vs_library"] for r in rows]})
+    ax.set_yscale("log")
+    ax.set_ylabel("spacefusion speedup (log)")
+    ax.set_title("Fused subgraphs of the models, each in a CUDA graph, L2 flushed (H100, fp16)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.append(FIGURES / "subgraphs_h100.png")
+    fig.savefig(out[-1], dpi=120)
+    rows = traffic_rows()
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    _bars(ax, [r["name"] for r in rows], {
+        "unfused, islpy model": [r["model_unfused"] / 1e6 for r in rows],
+        "unfused, ncu": [r["ncu_unfused"] / 1e6 for r in rows],
+        "fused, islpy model": [r["model_fused"] / 1e6 for r in rows],
+        "fused, ncu": [r["ncu_fused"] / 1e6 for r in rows],
+        "each tensor once": [r["compulsory"] / 1e6 for r in rows]})
+    ax.set_yscale("log")
+    ax.set_ylabel("device-memory MB (log)")
+    ax.set_title("Device-memory traffic: the traffic model against Nsight Compute (DRAM reads + SM writes)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.append(FIGURES / "traffic_h100.png")
+    fig.savefig(out[-1], dpi=120)
+    tt = tuning_times()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(tt)
+    ax.bar(names, [tt[n]["search_s"] for n in names], label="search + nvcc of the first picks")
+    ax.axhline(60, color="black", linewidth=0.6, linestyle="--", label="goal: 60 s")
+    ax.set_ylabel("seconds on a 2-core CPU")
+    ax.set_title("Tuning time per model (paper: BERT 68 s, ViT 77 s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.append(FIGURES / "tuning_time.png")
+    fig.savefig(out[-1], dpi=120)
     return out
 
 
@@ -102,6 +230,9 @@ def main() -> int:
     for p in draw():
         print(f"wrote {p.relative_to(ROOT)}")
     print(e2e_table())
+    if (RESULTS / "e2e_subgraphs_h100.json").is_file():
+        print(subgraph_table())
+        print(traffic_table())
     return 0
 
 

@@ -46,13 +46,25 @@ def softmax(m: int, n: int, dtype: str = "float32") -> SMG:
     return g.build(g.softmax(g.input("X", {"m": m, "n": n}), "n", name="Y"))
 
 
+#: layouts of a GEMM's B operand: [k, n] (torch's ``A @ B``) or [n, k] (``nn.Linear``'s weight, ``A @ W.T``)
+B_LAYOUTS = ("kn", "nk")
+
+
+def _b_dims(k: int, n: int, b_layout: str) -> dict[str, int]:
+    """B's dims in memory order: [n, k] rows are what a GEMV's lanes read in 16-byte runs along k."""
+    if b_layout not in B_LAYOUTS:
+        raise ShapeError(f"unknown B layout {b_layout!r}; known: {', '.join(B_LAYOUTS)}")
+    return {"k": k, "n": n} if b_layout == "kn" else {"n": n, "k": k}
+
+
 def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = True,
-                  dtype: str = "float32") -> SMG:
-    """``Y = act(A @ B + bias)``; ``act`` is any unary operator or ``"none"``."""
+                  dtype: str = "float32", b_layout: str = "kn") -> SMG:
+    """``Y = act(A @ B + bias)``; ``act`` is any unary operator or ``"none"``; ``b_layout`` "nk" stores B
+    as [n, k] (``Y = A @ Bw.T``, an ``nn.Linear`` weight as it is)."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
     g = Builder(f"gemm_{act}", dtype)
-    a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", {"k": k, "n": n})
+    a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", _b_dims(k, n, b_layout))
     y = g.matmul(a, b, reduce="k", name="C" if bias or act != "none" else "Y")
     if bias:
         y = g.binary("add", y, g.input("bias", {"n": n}), name="Cb" if act != "none" else "Y")

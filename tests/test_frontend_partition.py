@@ -145,3 +145,19 @@ def test_real_configs() -> None:
     assert (v.seq_len, v.head_dim, v.intermediate_size) == (197, 64, 3072)
     assert (lm.hidden_size, lm.head_dim, lm.intermediate_size, lm.num_key_value_heads) == (4096, 128, 11008, 32)
     assert lm.gqa().num_key_value_heads == 8
+
+
+@pytest.mark.parametrize(("seq", "past", "layout"), [(16, 0, ("k", "n")), (1, 8, ("n", "k"))])
+def test_decoding_gemms_read_the_weights_as_stored(seq: int, past: int, layout: tuple[str, str]) -> None:
+    """Prefill (16 rows) streams B = W.T [k, n] for tensor cores; a decoding step (1 row, a GEMV) reads W as
+    ``nn.Linear`` stores it, [n, k]: no transposed copy, and its lanes read rows along k."""
+    m = LlamaModel(LlamaConfig.tiny(kv_heads=2), seed=1)
+    p = _partition(m, *m.example_inputs(1, seq, past=past))
+    weights = {(s.kind, op.space): (s.smg.space(op.space).dims, op.transpose) for s in p.subgraphs
+               for op in s.operands if op.source == "param" and s.kind in ("gemm", "gated_gemm")}
+    assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("gated_gemm", "Wu")} <= set(weights)
+    assert all(dims == layout and transpose == (layout == ("k", "n")) for dims, transpose in weights.values())
+    fused = fuse(m, *m.example_inputs(1, seq, past=past), backend="reference")
+    with torch.no_grad():
+        want, got = m(*m.example_inputs(1, seq, past=past)), fused(*m.example_inputs(1, seq, past=past))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)

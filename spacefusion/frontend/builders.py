@@ -13,14 +13,16 @@ from smg.ir import SMG
 from smg.ops import UNARY, Builder
 
 
-def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32") -> SMG:
-    """``Y = act(X @ Wg) * (X @ Wu)`` (LLaMA's ``act_fn(gate_proj(x)) * up_proj(x)``), X[m, k], W*[k, n]."""
+def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32", b_layout: str = "kn") -> SMG:
+    """``Y = act(X @ Wg) * (X @ Wu)`` (LLaMA's ``act_fn(gate_proj(x)) * up_proj(x)``), X[m, k], W*[k, n]
+    (``b_layout`` "nk": W*[n, k], the linears' weights as stored)."""
     if act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
     g = Builder(f"gated_gemm_{act}", dtype)
     x = g.input("X", {"m": m, "k": k})
-    gate = g.matmul(x, g.input("Wg", {"k": k, "n": n}), reduce="k", name="G")
-    up = g.matmul(x, g.input("Wu", {"k": k, "n": n}), reduce="k", name="U")
+    dims = patterns._b_dims(k, n, b_layout)
+    gate = g.matmul(x, g.input("Wg", dims), reduce="k", name="G")
+    up = g.matmul(x, g.input("Wu", dims), reduce="k", name="U")
     return g.build(g.binary("mul", g.unary(act, gate, name="Ga"), up, name="Y"))
 
 

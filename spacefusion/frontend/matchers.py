@@ -103,6 +103,22 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
                                                          _value("V", v, sv)], {"O": node})
 
 
+#: rows below one tensor-core tile (16): the GEMM is a GEMV (decoding), bound by reading W, whose kernel
+#: reads W's rows as ``nn.Linear`` stores them ([n, k]) in 16-byte runs along k; from 16 rows on, B = W.T
+#: [k, n], the layout the tensor-core (mma / wgmma) GEMMs stream
+GEMV_ROWS = 16
+
+
+def b_layout(m: int) -> str:
+    """The B layout a linear of ``m`` rows is fused with (``GEMV_ROWS``)."""
+    return "nk" if m < GEMV_ROWS else "kn"
+
+
+def _weight(space: str, ref: str, m: int, k: int, n: int) -> Operand:
+    nk = b_layout(m) == "nk"
+    return _param(space, ref, (n, k) if nk else (k, n), transpose=not nk)
+
+
 def _gated_parts(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node, fx.Node, str, Linear, Linear] | None:
     """(gate linear, activation, up linear, activation name, gate, up) of ``act(gate(x)) * up(x)``."""
     if not is_function(node, MUL) or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
@@ -128,17 +144,18 @@ def match_gated_gemm(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     gate, act_node, up, act, lg, lu = parts
     m, dt = rows(shape(lg.x)), dtype(node)
-    smg = _build(ctx, node, lambda: builders.gated_gemm(m, lg.n, lg.k, act, dt))
+    smg = _build(ctx, node, lambda: builders.gated_gemm(m, lg.n, lg.k, act, dt, b_layout(m)))
     if smg is None:
         return None
-    ops = [_value("X", lg.x, (m, lg.k)), _param("Wg", lg.weight, (lg.k, lg.n), True),
-           _param("Wu", lu.weight, (lg.k, lg.n), True)]
+    ops = [_value("X", lg.x, (m, lg.k)), _weight("Wg", lg.weight, m, lg.k, lg.n),
+           _weight("Wu", lu.weight, m, lg.k, lg.n)]
     label = f"gated gemm {act}(X@Wg)*(X@Wu) {m}x{lg.n}x{lg.k} {dt}"
     return _subgraph("gated_gemm", label, (gate, act_node, up, node), smg, ops, {"Y": node})
 
 
 def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
-    """``nn.Linear`` (+ bias) and a following activation -> ``patterns.gemm_epilogue`` with B = W.T."""
+    """``nn.Linear`` (+ bias) and a following activation -> ``patterns.gemm_epilogue`` with B = W.T (below
+    ``GEMV_ROWS`` rows B = W as stored: ``b_layout``)."""
     lin = linear_of(node, ctx.gm)
     if lin is None or not ctx.free(node):
         return None
@@ -151,10 +168,10 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     out = user if act else node
     m = rows(xs)
     smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, act or "none", lin.bias is not None,
-                                                           dtype=dt))
+                                                           dtype=dt, b_layout=b_layout(m)))
     if smg is None:
         return None
-    ops = [_value("A", lin.x, (m, lin.k)), _param("Bw", lin.weight, (lin.k, lin.n), True)]
+    ops = [_value("A", lin.x, (m, lin.k)), _weight("Bw", lin.weight, m, lin.k, lin.n)]
     if lin.bias:
         ops.append(_param("bias", lin.bias, (lin.n,)))
     label = f"gemm{' + bias' if lin.bias else ''}{f' + {act}' if act else ''} {m}x{lin.n}x{lin.k} {dt}"

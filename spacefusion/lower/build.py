@@ -158,6 +158,19 @@ def nvcc_cubin(src: Path, out: Path, arch: str, extra: tuple[str, ...] = ()) -> 
 _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
 
 
+def kernel_symbol(s: Schedule) -> str:
+    """The kernel's name in the source, ``sf_<smg name>_<schedule key>``: TVM calls every kernel
+    ``main_kernel``, so profiles of a fused model (``nsys``, ``ncu``, ``torch.profiler``) could not tell
+    its kernels apart; this name says which SMG and which schedule each launch is."""
+    return "sf_" + re.sub(r"\W", "_", s.smg.name)[:40] + "_" + s.key[:10]
+
+
+def _renamed(src: str, old: str, s: Schedule) -> tuple[str, str]:
+    """``src`` with its one kernel ``old`` renamed to ``kernel_symbol(s)`` (a whole-word replacement)."""
+    new = kernel_symbol(s)
+    return re.sub(rf"\b{re.escape(old)}\b", new, src), new
+
+
 _LAUNCH = re.compile(r'launch_thread\("((?:blockIdx|threadIdx)\.[xyz])", (\d+)\)')
 _DYN = re.compile(r'alloc_buffer\(\((\d+),\), "(\w+)", scope="shared\.dyn"')  # merged (uint8) or one buffer
 
@@ -191,6 +204,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     m = _SIG.search(src)
     if m is None:
         raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
+    src, kname = _renamed(src, m.group(2), s)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
     maps = _check_params(s, sig, order)
@@ -200,7 +214,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         raise ScheduleError(f"{lowering} kernel needs {dyn} B of shared memory per block; {hw.name} allows "
                             f"{hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes} B")
     meta = {
-        "format": "spacefusion-kernel/1", "kernel_name": m.group(2), "arch": arch,
+        "format": "spacefusion-kernel/1", "kernel_name": kname, "arch": arch,
         "grid": [dims.get(f"blockIdx.{a}", 1) for a in "xyz"],
         "block": [dims.get(f"threadIdx.{a}", 1) for a in "xyz"],
         "dynamic_smem_bytes": dyn, "static_smem_bytes": 0, "param_order": order, "lowering": lowering,
@@ -268,6 +282,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     if m is None:
         raise RuntimeError("no __global__ kernel found in TVM's CUDA output")
     bounds, kname, plist = m.groups()
+    src, kname = _renamed(src, kname, s)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
     sig = signature(s)
     _check_params(s, sig, order)

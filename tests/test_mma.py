@@ -31,6 +31,7 @@ from smg.fold import fold_dims
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
+from spacefusion.frontend.builders import gated_gemm
 from spacefusion.lower.mma import row_tile_order, tile_kept
 
 CASES = {
@@ -162,7 +163,28 @@ CASES = {
                           {"slices": 2}),
     "gqa_spec_fold_wgmma": (lambda: fold_dims(patterns.attention(1, 8, 3, 200, 64, kv_heads=2), "r", "m"),
                             {"m": 64}, 32, 2, {"slices": 2, "wgmma": True}),
+    # LLaMA's gated MLP input silu(X @ Wg) * (X @ Wu): two GEMM states over one A tile on wgmma, each its
+    # own B tile per ring slot and accumulator. cp.async on one warpgroup's two 64-row halves with a row
+    # tail in a 3-ring; two warpgroups with row and column tails (N 320 on 128-column tiles)
+    "gemm_gated_wgmma": (lambda: gated_gemm(200, 320, 192, "silu", "float16"), {"m": 128, "n": 64}, 64, 3,
+                         {"wgmma": True}),
+    "gemm_gated_wgmma_2wg": (lambda: gated_gemm(200, 320, 192, "silu", "float16"), {"m": 128, "n": 128}, 64, 2,
+                             {"wgmma": True, "warps": 8}),
+    # by TMA (X's band and both B tiles counted by one mbarrier per slot): a 64-row tile, bf16, tails
+    "gemm_gated_wgmma_tma_bf16": (lambda: gated_gemm(200, 320, 192, "silu", "bfloat16"), {"m": 64, "n": 128}, 64,
+                                  3, {"wgmma": True, "tma": True}),
+    # a producer warpgroup loading all three tiles of a slot: one block per tile (the LLaMA pick's structure),
+    # persistent over 6 tiles with 4 blocks and GELU's gate (GEGLU), pingpong in bf16 over 12 tiles with 5 blocks
+    "gemm_gated_ws": (lambda: gated_gemm(200, 320, 192, "silu", "float16"), {"m": 128, "n": 128}, 64, 4,
+                      {"wgmma": True, "tma": True, "warps": 8, "producer": True}),
+    "gemm_gated_gelu_ws_persistent": (lambda: gated_gemm(200, 320, 256, "gelu", "float16"), {"m": 128, "n": 128},
+                                      64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True,
+                                              "persistent": 4}),
+    "gemm_gated_pingpong_bf16": (lambda: gated_gemm(200, 320, 192, "silu", "bfloat16"), {"m": 64, "n": 128}, 64, 2,
+                                 {"wgmma": True, "tma": True, "producer": True, "persistent": 5, "pingpong": True}),
 }
+#: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
+GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
 
 
 def _schedule(name: str) -> Schedule:

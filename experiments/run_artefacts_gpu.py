@@ -229,19 +229,29 @@ def build_vae_block(art: Any, seed: int, use_compile: bool) -> Case:
 def build_from_smg(art: Any, seed: int, use_compile: bool) -> Case:
     """A workload with no torch form here, checked against its own graph (``smg.json`` beside the
     artefact, ``smg.reference_torch``): every op unfused in fp32 for the reference, and in the inputs'
-    dtype as the eager baseline (a gated GEMM's two GEMMs on cuBLAS, then the element-wise ops)."""
-    from smg.reference_torch import SMG_FILE, evaluate_torch, load_smg
+    dtype as the eager baseline (a gated GEMM's two GEMMs on cuBLAS, then the element-wise ops).  The
+    inputs are scaled by ``input_scales`` so that long sums keep a 16-bit output finite (LLaMA's gated
+    GEMM over k = 4096 of unit inputs reaches 1e5)."""
+    import torch
+
+    from smg.reference_torch import SMG_FILE, evaluate_torch, input_scales, load_smg
 
     smg = load_smg(art.folder)
     if smg is None:
         raise ValueError(f"unsupported workload {art.workload.get('name')!r} and no {SMG_FILE} beside the "
                          f"artefact; known: {sorted(WORKLOADS)}")
-    out = smg.outputs[0]
+    out, names, scales = smg.outputs[0], tuple(smg.inputs), input_scales(smg)
+    _require(art, names, out)
+    x = {n: (v.float() * scales[n]).to(v.dtype) for n, v in _random_inputs(art, names, seed).items()}
 
-    def fn(*args: Any) -> Any:
-        return evaluate_torch(smg, dict(zip(smg.inputs, args)))[out]
+    def eager() -> Any:
+        return evaluate_torch(smg, x)[out]
 
-    return _case(art, seed, use_compile, tuple(smg.inputs), out, fn)
+    ref = evaluate_torch(smg, {n: v.float() for n, v in x.items()})[out].reshape(art.param(out).shape)
+    baselines: dict[str, Callable[[], Any]] = {"eager": eager}
+    if use_compile:
+        baselines["torch.compile"] = torch.compile(eager)
+    return Case(inputs=x, output=out, reference=ref, baselines=baselines)
 
 
 WORKLOADS: dict[str, Callable[[Any, int, bool], Case]] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import operator
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +44,21 @@ def load_smg(folder: str | Path) -> SMG | None:
 
     path = Path(folder) / SMG_FILE
     return smg_from_dict(json.loads(path.read_text())) if path.is_file() else None
+
+
+def input_scales(smg: SMG) -> dict[str, float]:
+    """A factor per input for random unit-variance inputs: ``K ** -0.25`` for the longest sum of products
+    that reads it (1 if none), so a GEMM of two such inputs over K has unit variance again.  Unscaled,
+    LLaMA's gated GEMM (k = 4096) has G and U of standard deviation 64 and ``silu(G) * U`` past fp16's
+    65504 in some elements."""
+    longest = {n: 1 for n in smg.inputs}
+    for op in smg.ops:
+        if op.combiner == "sum" and op.reduce and len(op.inputs) > 1:
+            extent = math.prod(smg.dim_sizes[d] for d in op.reduce)
+            for a in op.inputs:
+                if a.space in longest:
+                    longest[a.space] = max(longest[a.space], extent)
+    return {n: float(k) ** -0.25 for n, k in longest.items()}
 
 
 def evaluate_torch(smg: SMG, inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -55,3 +55,12 @@ def test_the_graph_travels_beside_the_artefact_and_the_runner_falls_back_to_it(t
     mod = sys.modules["run_artefacts_gpu_t"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert g.name not in mod.WORKLOADS and mod.WORKLOADS.get(g.name, mod.build_from_smg) is mod.build_from_smg
+
+
+def test_input_scales_keep_a_long_gated_gemm_finite() -> None:
+    """K ** -1/4 per input of a sum of products: LLaMA's gated GEMM (k = 4096) gets 1/8 on X, Wg and Wu,
+    so G and U have unit variance again; inputs of no such sum keep 1."""
+    from smg.reference_torch import input_scales
+
+    assert input_scales(gated_gemm(2048, 11008, 4096, "silu", "float16")) == {"X": 0.125, "Wg": 0.125, "Wu": 0.125}
+    assert input_scales(patterns.layernorm(8, 32, "float16")) == {"X": 1.0, "W": 1.0, "B": 1.0}

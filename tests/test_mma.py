@@ -182,6 +182,10 @@ CASES = {
                                               "persistent": 4}),
     "gemm_gated_pingpong_bf16": (lambda: gated_gemm(200, 320, 192, "silu", "bfloat16"), {"m": 64, "n": 128}, 64, 2,
                                  {"wgmma": True, "tma": True, "producer": True, "persistent": 5, "pingpong": True}),
+    # blocks slicing the k steps (what the search offers a grid smaller than the SMs): both accumulators'
+    # partials merged from the workspace
+    "gemm_gated_wgmma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
+                                 {"wgmma": True, "slices": 2}),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))

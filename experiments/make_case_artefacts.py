@@ -5,7 +5,8 @@ Usage:  python experiments/make_case_artefacts.py OUT_DIR [NAME ...]      (all c
 
 CI compiles every case with nvcc but has no GPU; copy OUT_DIR to the GPU machine and run
 ``experiments/run_artefacts_gpu.py OUT_DIR/*`` there, which checks each kernel against torch
-(and relaunches it) before timing it.
+(and relaunches it) before timing it.  Each case's graph is saved beside it (``smg.json``), the
+reference of a workload the runner has no torch form of (the gated GEMM).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
+    from smg.reference_torch import save_smg
     from spacefusion.api import build
     from tests.test_mma import CASES, _schedule
 
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name in args.names or sorted(CASES):
         s = _schedule(name)
-        build(s, "cuda").save(args.out / name)
+        save_smg(build(s, "cuda").save(args.out / name), s.smg)  # the GPU runner's reference for any graph
         print(f"{name}: grid {s.num_blocks} x {s.threads} threads, step {s.step}", flush=True)
     return 0
 

@@ -97,7 +97,8 @@ class WarpTileProgram:
 
     @property
     def wgmma_ss(self) -> bool:
-        """wgmma with both operands from shared memory: the plain GEMM (+ epilogue) form."""
+        """wgmma with both operands from shared memory: the plain GEMM (+ epilogue) form, or several
+        GEMM states over one staged A, each with its own B and accumulator (a gated GEMM)."""
         return self.wgmma and self.gemm is None and not self.row_states and not self.score_ops
 
     @property
@@ -222,13 +223,20 @@ WGMMA_MAX_N = 256
 WGMMA_STEP = 64
 #: elements (fp16/bf16) of a 1 KB swizzle atom: swizzled tiles start on one
 SWIZZLE_ATOM = 512
+#: registers per thread that a second GEMM state of wgmma's ss form takes besides its accumulator (its
+#: B descriptors): nvcc gave the gated GEMM's 128 x 128 tile on two warpgroups 171-175 (3-ring), a
+#: plain GEMM's 128 x 256 163, both estimated 168 without it
+WGMMA_STATE_REGS = 8
 
 
 def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: int, warps: int, L: str) -> None:
     """Refuse ``wgmma`` unless its GEMMs fit warpgroup MMA.  A plain GEMM (+ epilogue) takes A (a
-    staged input) and B straight from shared memory; otherwise (attention) each GEMM state's factor
-    tile (P) stays in registers as the A operand and its ``x`` (V) is read from shared memory, and
-    the score GEMM reads K from shared memory and Q from there (reload_a) or from registers."""
+    staged input) and B straight from shared memory, as do several GEMM states over the same A tile
+    (a gated GEMM's G and U: one ring slot holds A's band and each state's B, and the epilogue reads
+    every accumulator at one element index, so they share the column dim and tile); otherwise
+    (attention) each GEMM state's factor tile (P) stays in registers as the A operand and its ``x`` (V)
+    is read from shared memory, and the score GEMM reads K from shared memory and Q from there
+    (reload_a) or from registers."""
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps")
@@ -239,14 +247,15 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
         if (g.n_tile % 64 if plain else g.n_tile % 16) or g.n_tile > WGMMA_MAX_N:
             unit = "64 (128 B swizzle atoms)" if plain else "16"
             raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of {unit} up to {WGMMA_MAX_N}")
-    if plain:  # a plain GEMM: both operands from shared memory
-        if len(gemm_states) != 1:  # e.g. LLaMA's gated MLP input: two GEMMs over one staged X
-            raise ScheduleError(f"wgmma takes one plain GEMM (+ epilogue); {s.smg.name!r} has "
-                                f"{len(gemm_states)} GEMM states {[g.update.state for g in gemm_states]}")
-        (g,) = gemm_states
-        if tiles_in != (g.factor,) or g.update.carry:
-            raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} has "
-                                f"factor {g.factor!r} and carry {g.update.carry!r}")
+    if plain:  # plain GEMMs: both operands from shared memory, one A tile shared by every GEMM state
+        for g in gemm_states:  # (LLaMA's gated MLP input: G = X @ Wg and U = X @ Wu over one staged X)
+            if tiles_in != (g.factor,) or g.update.carry:
+                raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} "
+                                    f"has factor {g.factor!r} and carry {g.update.carry!r}")
+        shapes = {(g.n, g.n_tile) for g in gemm_states}
+        if len(shapes) != 1:  # the epilogue reads every accumulator at the same element index
+            raise ScheduleError(f"wgmma: GEMM states sharing the A tile must have one column dim and tile; "
+                                f"{s.smg.name!r} has {sorted(shapes)}")
         if s.step != WGMMA_STEP or s.smg.dim_sizes[L] % s.step:
             raise ScheduleError(f"wgmma: the step {s.step} must be {WGMMA_STEP} (an A row is one 128 B swizzle "
                                 f"atom) and divide {L!r} = {s.smg.dim_sizes[L]} (no tail to mask in shared memory)")
@@ -277,8 +286,7 @@ def tile_columns(s, p: WarpTileProgram) -> dict[str, int]:
     sizes = s.smg.dim_sizes
     cols: dict[str, int] = {}
     if p.wgmma_ss:
-        (g,) = p.gemm_states
-        return {p.tiles_in[0]: p.step, g.x: g.n_tile}
+        return {p.tiles_in[0]: p.step} | {g.x: g.n_tile for g in p.gemm_states}
     if p.gemm is not None:
         cols[p.gemm.a] = sizes[p.gemm.k]
         cols[p.gemm.b] = p.step if p.gemm.b_trans else sizes[p.gemm.k]
@@ -434,9 +442,9 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     sizes = s.smg.dim_sizes
     out: dict[str, tuple[int, int, int]] = {}
     ring = p.stages * p.split
-    if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding
-        (g,) = p.gemm_states
-        return {p.tiles_in[0]: (ring, p.rows, p.step), g.x: (ring, p.step, g.n_tile)}
+    if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding; a slot holds A's [rows, 64]
+        # band and each GEMM state's [64, n_tile] B tile (gated GEMMs: X, Wg's and Wu's)
+        return {p.tiles_in[0]: (ring, p.rows, p.step)} | {g.x: (ring, p.step, g.n_tile) for g in p.gemm_states}
     if p.gemm is not None:  # read by wgmma (swizzled): whole bands, unpadded
         kd = sizes[p.gemm.k]
         out[p.gemm.a] = (1, p.rows, padded_band(kd) if p.wgmma and p.reload_a else kd + PAD)
@@ -536,6 +544,8 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
     # the n8 accumulator of a row sum on tensor cores takes the place of its fp32 partials and
     # shuffle temporaries; the ones fragment stays (nvcc: BERT +1, LLaMA, ViT and decode +0)
     regs += 2 * len(p.row_sums)
+    if p.wgmma_ss:  # each further GEMM state over the A tile: its B descriptors and addressing
+        regs += WGMMA_STATE_REGS * (len(p.gemm_states) - 1)
     return regs
 
 

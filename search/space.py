@@ -250,11 +250,15 @@ class SearchSpace:
 
     @cached_property
     def one_reduction(self) -> bool:
-        """Whether the graph reduces once (a plain GEMM + epilogue): the search offers ``tma`` there
-        (on, like ``wgmma``: 253 -> 241 us for the 8192^2 x 1024 GEMM) and not for attention, whose
-        K/V ring it also loads but where it measured a wash on the H100 (LLaMA 516-543 against
-        528-541 us, causal 322-337 against 320-330, BERT a tie, ViT 21.7 against 20.6)."""
-        return sum(1 for op in self.smg.ops if op.reduce) == 1
+        """Whether the graph reduces once (a plain GEMM + epilogue), or only in GEMMs of its inputs (several
+        sharing their A: LLaMA's gated MLP input ``silu(X @ Wg) * (X @ Wu)``): the search offers ``tma`` and
+        the producer variants there (on, like ``wgmma``: 253 -> 241 us for the 8192^2 x 1024 GEMM) and not
+        for attention, whose K/V ring it also loads but where it measured a wash on the H100 (LLaMA 516-543
+        against 528-541 us, causal 322-337 against 320-330, BERT a tie, ViT 21.7 against 20.6)."""
+        reductions = [op for op in self.smg.ops if op.reduce]
+        return len(reductions) == 1 or bool(reductions) and all(
+            op.combiner == "sum" and len(op.inputs) == 2 and all(a.space in self.smg.inputs for a in op.inputs)
+            for op in reductions)
 
     @cached_property
     def running_max(self) -> bool:

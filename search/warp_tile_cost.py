@@ -197,12 +197,20 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
 
     # prologue (the A tile) and epilogue (outputs through the arena, their element-wise ops)
     a_bytes = rows * kd * 2 if p.gemm else 0
-    out_elems = rows * max(n_total, 1)
+    out_elems = rows * max(_output_columns(s, p) or n_total, 1)
     fixed = (a_bytes / l2_rate + LOAD_LATENCY_S + out_elems * (out_simt / fp32_rate + out_sfu / sfu_rate)
              + out_elems * 2 * 2 / smem_rate + out_elems * 2 / l2_rate)
     # FlashAttention-3's overlap (mma_ws): lost to mma.sync row sums, which stall the async wgmma pipe
     overlapped = p.producer and p.gemm is not None and not p.row_sums
     return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed, overlapped)
+
+
+def _output_columns(s: Schedule, p: WarpTileProgram) -> int:
+    """Columns per block of the outputs over a GEMM state's column dim: what the epilogue stores.  GEMM
+    states that feed one output (a gated GEMM's G and U into ``silu(G) * U``) store one tile, not one
+    per accumulator."""
+    n_tile = {g.n: g.n_tile for g in p.gemm_states}
+    return sum(next((n_tile[d] for d in s.smg.space(out).dims if d in n_tile), 0) for out, _ in p.outputs)
 
 
 def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[float, float]:

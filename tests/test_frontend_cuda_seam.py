@@ -27,16 +27,19 @@ def test_compile_without_export_names_the_missing_artefact(tmp_path) -> None:
         CudaBackend(tmp_path).compile(g)
 
 
-def test_gated_gemm_on_wgmma_is_a_schedule_error_not_a_crash() -> None:
+def test_gated_gemm_on_wgmma_shares_the_a_tile_and_refuses_with_a_schedule_error() -> None:
     """Regression: the wgmma check unpacked the one GEMM state of a plain GEMM, and two (LLaMA's gate and
-    up projections over one X) raised ValueError out of the search space; now a ScheduleError says why,
-    and the same tile on mma.sync is a warp-tile program."""
+    up projections over one X) raised ValueError out of the search space.  Now both states run on wgmma
+    over one staged X, and what the lowering cannot do is a ScheduleError that says why."""
     from schedulers.errors import ScheduleError
     from schedulers.schedule import make_schedule
     from spacefusion.frontend.builders import gated_gemm
 
     g = gated_gemm(128, 128, 128, "silu", "float16")
-    opts = {"serial": "k", "step": 64, "tensor_cores": True, "stages": 2, "warps": 4}
-    with pytest.raises(ScheduleError, match=r"wgmma takes one plain GEMM .* 2 GEMM states \['G', 'U'\]"):
-        make_schedule(g, {"m": 64, "n": 64}, wgmma=True, **opts)
-    assert make_schedule(g, {"m": 64, "n": 64}, **opts).warp_tile is not None
+    opts = {"serial": "k", "tensor_cores": True, "stages": 2, "warps": 4}
+    p = make_schedule(g, {"m": 64, "n": 64}, step=64, wgmma=True, **opts).warp_tile
+    assert p.wgmma_ss and [(s.update.state, s.x, s.factor) for s in p.gemm_states] == [("G", "Wg", "X"),
+                                                                                      ("U", "Wu", "X")]
+    with pytest.raises(ScheduleError, match=r"wgmma: the step 32 must be 64"):
+        make_schedule(g, {"m": 64, "n": 64}, step=32, wgmma=True, **opts)
+    assert make_schedule(g, {"m": 64, "n": 64}, step=64, **opts).warp_tile is not None

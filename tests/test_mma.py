@@ -31,6 +31,7 @@ from smg.fold import fold_dims
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
+from spacefusion.frontend.builders import gated_gemm
 from spacefusion.lower.mma import row_tile_order, tile_kept
 
 CASES = {
@@ -162,7 +163,32 @@ CASES = {
                           {"slices": 2}),
     "gqa_spec_fold_wgmma": (lambda: fold_dims(patterns.attention(1, 8, 3, 200, 64, kv_heads=2), "r", "m"),
                             {"m": 64}, 32, 2, {"slices": 2, "wgmma": True}),
+    # LLaMA's gated MLP input silu(X @ Wg) * (X @ Wu): two GEMM states over one A tile on wgmma, each its
+    # own B tile per ring slot and accumulator. cp.async on one warpgroup's two 64-row halves with a row
+    # tail in a 3-ring; two warpgroups with row and column tails (N 320 on 128-column tiles)
+    "gemm_gated_wgmma": (lambda: gated_gemm(200, 320, 192, "silu", "float16"), {"m": 128, "n": 64}, 64, 3,
+                         {"wgmma": True}),
+    "gemm_gated_wgmma_2wg": (lambda: gated_gemm(200, 320, 192, "silu", "float16"), {"m": 128, "n": 128}, 64, 2,
+                             {"wgmma": True, "warps": 8}),
+    # by TMA (X's band and both B tiles counted by one mbarrier per slot): a 64-row tile, bf16, tails
+    "gemm_gated_wgmma_tma_bf16": (lambda: gated_gemm(200, 320, 192, "silu", "bfloat16"), {"m": 64, "n": 128}, 64,
+                                  3, {"wgmma": True, "tma": True}),
+    # a producer warpgroup loading all three tiles of a slot: one block per tile (the LLaMA pick's structure),
+    # persistent over 6 tiles with 4 blocks and GELU's gate (GEGLU), pingpong in bf16 over 12 tiles with 5 blocks
+    "gemm_gated_ws": (lambda: gated_gemm(200, 320, 192, "silu", "float16"), {"m": 128, "n": 128}, 64, 4,
+                      {"wgmma": True, "tma": True, "warps": 8, "producer": True}),
+    "gemm_gated_gelu_ws_persistent": (lambda: gated_gemm(200, 320, 256, "gelu", "float16"), {"m": 128, "n": 128},
+                                      64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True,
+                                              "persistent": 4}),
+    "gemm_gated_pingpong_bf16": (lambda: gated_gemm(200, 320, 192, "silu", "bfloat16"), {"m": 64, "n": 128}, 64, 2,
+                                 {"wgmma": True, "tma": True, "producer": True, "persistent": 5, "pingpong": True}),
+    # blocks slicing the k steps (what the search offers a grid smaller than the SMs): both accumulators'
+    # partials merged from the workspace
+    "gemm_gated_wgmma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
+                                 {"wgmma": True, "slices": 2}),
 }
+#: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
+GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
 
 
 def _schedule(name: str) -> Schedule:
@@ -770,7 +796,8 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["attention", "gemm_sigmoid", "softmax_gemm_slices3", "mt2_reload_d128"])
+@pytest.mark.parametrize("name", ["attention", "gemm_sigmoid", "softmax_gemm_slices3", "mt2_reload_d128",
+                                  "gemm_gated_wgmma_2wg"])
 def test_register_estimate_bounds_what_nvcc_allocates(name, tmp_path) -> None:
     """The resource model's registers per thread (what occupancy and pruning use) are at least
     nvcc's count for the kernel and not far above it: no false spills, no lost occupancy."""
@@ -992,3 +1019,118 @@ def test_tma_loads_attentions_k_and_v_bands() -> None:
     sg = _schedule("softmax_gemm_wgmma_tma_slices3")  # S's [rows, 64] bands along L, V's [step, 64] along n
     sg_maps = {p["name"]: p["tensor_map"]["box"] for p in build(sg, "cuda").meta["params"] if p["role"] == "tensormap"}
     assert sg_maps == {"S__tmap": [64, 64], "V__tmap": [64, 64]} and "cp.async.cg" not in build(sg, "cuda").source
+
+
+def test_gated_gemm_runs_both_gemm_states_on_wgmma_over_one_a_tile() -> None:
+    """LLaMA's gated MLP input ``silu(X @ Wg) * (X @ Wu)`` on warpgroup MMA: the SMG's two GEMM states
+    (G, U) share their factor X, so a ring slot holds X's [rows, 64] band and each state's [64, n_tile]
+    B tile (all 128 B-swizzled), each k16 slice issues one wgmma per state and 64-row half into that
+    state's accumulator, and the epilogue reads both at one element index.  Nothing names the graph."""
+    from schedulers.warp_tile import smem_layout, tile_columns, wgmma_swizzled
+
+    s = _schedule("gemm_gated_wgmma")
+    p = s.warp_tile
+    assert p.wgmma_ss and p.tiles_in == ("X",)
+    assert [(g.update.state, g.x, g.factor, g.n_tile) for g in p.gemm_states] == [("G", "Wg", "X", 64),
+                                                                                  ("U", "Wu", "X", 64)]
+    assert smem_layout(s, p) == {"X": (3, 128, 64), "Wg": (3, 64, 64), "Wu": (3, 64, 64)}
+    assert tile_columns(s, p) == {"X": 64, "Wg": 64, "Wu": 64} and wgmma_swizzled(p) == ("X", "Wg", "Wu")
+    assert warp_tile_smem_bytes(s, p) == 2 * 3 * (128 * 64 + 2 * 64 * 64) + 3 * SWIZZLE_ATOM * 2
+    src = build(s, "cuda").source
+    calls = re.findall(r"wgmma_f16_ss_mma_async\w*m64n64k16\w*\(_ptr", src)
+    assert len(calls) == (s.step // 16) * 2 * (128 // 64)  # k16 slices x states x 64-row halves
+    assert src.count("cp.async.cg.shared.global") >= 1 and "wgmma.wait_group.sync.aligned 1" in src  # 3-ring lag
+    two = build(_schedule("gemm_gated_wgmma_2wg"), "cuda").source  # two warpgroups, one 64-row half each
+    assert len(re.findall(r"wgmma_f16_ss_mma_async\w*m64n128k16\w*\(_ptr", two)) == (64 // 16) * 2
+
+
+def test_gated_gemm_tma_and_producer_load_every_tile_of_a_slot() -> None:
+    """By TMA one mbarrier per slot counts X's band and both B tiles (64 x 64 + 2 x 64 x 128 halves); a
+    producer warpgroup loads all three into each slot it gets back; persistent and pingpong as for a GEMM."""
+    s = _schedule("gemm_gated_wgmma_tma_bf16")
+    art = build(s, "cuda")
+    src = art.source
+    maps = {q["name"]: q["tensor_map"] for q in art.meta["params"] if q["role"] == "tensormap"}
+    assert maps == {"X__tmap": {"tensor": "X", "box": [64, 64], "swizzle": 128},
+                    "Wg__tmap": {"tensor": "Wg", "box": [64, 64], "swizzle": 128},
+                    "Wu__tmap": {"tensor": "Wu", "box": [64, 64], "swizzle": 128}}
+    assert "(uint)40960)" in src and "m64n128k16.f32.bf16.bf16" in src
+    loads = re.findall(r"complete_tx__bytes\([^;]*?(X|Wg|Wu)__tmap_ptr", src)
+    assert loads.count("Wg") == loads.count("Wu") == 2 * loads.count("X") == 2 * 2  # 2 bands; prologue + loop
+    ws = _schedule("gemm_gated_ws")
+    wsrc = build(ws, "cuda").source
+    wl = re.findall(r"complete_tx__bytes\([^;]*?(X|Wg|Wu)__tmap_ptr", wsrc)
+    assert (wl.count("X"), wl.count("Wg"), wl.count("Wu")) == (1, 2, 2) and "(uint)49152)" in wsrc
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in wsrc and wsrc.count("__syncthreads()") == 1
+    pp = _schedule("gemm_gated_pingpong_bf16")
+    assert pp.warp_tile.mma_groups == 2 and build(pp, "cuda").meta["grid"] == [5, 1, 1]
+
+
+def test_gated_gemm_registers_count_both_accumulators() -> None:
+    """Two accumulators of 64 x n_tile per warpgroup: a 128 x 128 gated tile on two MMA warpgroups holds as
+    many accumulator registers as a 128 x 256 plain GEMM (128 floats a thread), plus the second state's
+    descriptors; on one warpgroup it holds 256 and is over the 255 (the model charges the spills)."""
+    from schedulers.warp_tile import WGMMA_STATE_REGS
+
+    gated, plain = _schedule("gemm_gated_wgmma_2wg"), _schedule("gemm_sigmoid_wgmma_2wg")
+    assert plain.tiles == {"m": 128, "n": 256} and gated.tiles == {"m": 128, "n": 128}
+    assert block_resources(gated).registers_estimate == block_resources(plain).registers_estimate + WGMMA_STATE_REGS
+    assert block_resources(plain).registers_estimate == 40 + 128
+    one = schedule(gated.smg, tiles={"m": 128, "n": 128}, serial="k", step=64, tensor_cores=True, stages=2, wgmma=True)
+    assert block_resources(one).registers_estimate == 40 + 2 * 2 * 64 + WGMMA_STATE_REGS and block_resources(one).spills
+    r = block_resources(_schedule("gemm_gated_ws"))  # setmaxnreg: 232 for the MMA warpgroups, no spill
+    assert r.register_cap == 232 and r.registers_per_thread == 168 and not r.spills
+
+
+def test_cost_model_charges_both_gemms_of_a_gated_gemm() -> None:
+    """The gated GEMM at LLaMA's shape against one GEMM of the same shape on the same knobs: twice the
+    FLOPs and tensor time, X plus both B tiles through L2 and shared memory per step, one output tile
+    stored; its estimate is near twice the GEMM's, and far below the mma.sync schedule it replaced."""
+    from schedulers.hardware import H100
+    from search.cost import estimate, estimate_us
+    from search.warp_tile_cost import _output_columns, step_cost
+
+    knobs = {"tiles": {"m": 128, "n": 128}, "serial": "k", "step": 64, "tensor_cores": True, "stages": 4,
+             "warps": 8, "wgmma": True, "tma": True, "producer": True}
+    gated = schedule(gated_gemm(2048, 11008, 4096, "silu", "float16"), **knobs)
+    plain = schedule(patterns.gemm_epilogue(2048, 11008, 4096, "silu", False, "float16"), **knobs)
+    cg, cp = step_cost(gated, H100), step_cost(plain, H100)
+    assert cg.tensor_s == pytest.approx(2 * cp.tensor_s) and cg.l2_s == pytest.approx(1.5 * cp.l2_s)
+    assert estimate(gated, H100).flops == pytest.approx(2 * estimate(plain, H100).flops)
+    assert _output_columns(gated, gated.warp_tile) == _output_columns(plain, plain.warp_tile) == 128
+    ratio = estimate_us(gated, H100) / estimate_us(plain, H100)
+    assert 1.5 < ratio < 2.2, ratio  # the GEMM alone waits more on its loads per FLOP
+    old = schedule(gated.smg, tiles={"m": 128, "n": 64}, serial="k", step=32, tensor_cores=True, stages=3)
+    assert estimate_us(gated, H100) < 0.6 * estimate_us(old, H100)  # mma.sync: 1174 us measured on the H100
+
+
+def test_search_offers_gated_gemms_on_wgmma_and_ranks_one_first() -> None:
+    """On sm_90 the gated SMG's candidates include wgmma with TMA, a producer warpgroup, persistent and
+    pingpong variants (none on the A100); for LLaMA's shape (2048 x 11008 x 4096) the first pick is a
+    wgmma schedule (it was mma.sync on 2752 blocks of 128 threads: 1174 us on the H100)."""
+    from schedulers.hardware import A100, H100
+    from search.space import SearchSpace
+    from spacefusion.frontend.schedules import ranked
+
+    g = gated_gemm(1024, 2816, 256, "silu", "float16")  # more tiles than SMs: persistent grids offered
+    wg = [s for s in SearchSpace(g, H100, max_step=64).candidates() if s.wgmma]
+    assert all(len(s.warp_tile.gemm_states) == 2 for s in wg)
+    assert {(s.tma, s.producer, bool(s.persistent), s.pingpong) for s in wg} >= {
+        (True, False, False, False), (True, True, False, False), (True, True, True, False), (True, True, True, True)}
+    assert not any(s.wgmma for s in SearchSpace(g, A100, max_step=64).candidates())
+    first = ranked(gated_gemm(2048, 11008, 4096, "silu", "float16"))[0]
+    assert first.wgmma and first.tma and len(first.warp_tile.gemm_states) == 2
+    assert not block_resources(first).spills
+
+
+@pytest.mark.parametrize(("mnk", "kwargs", "match"), [
+    ((256, 256, 256), {"step": 32}, "wgmma: the step 32 must be 64"),
+    ((256, 256, 200), {}, "divide 'k' = 200"),
+    ((256, 192, 256), {"tiles": {"m": 128, "n": 96}}, "96 columns per block must be a multiple of 64"),
+    ((256, 256, 256), {"split": 2}, "no split or early_scores"),
+    ((256, 256, 256), {"tma": True, "slices": 2}, "tma loads the ring.*blocks slice the steps"),
+])
+def test_gated_gemm_wgmma_refusals(mnk, kwargs, match) -> None:
+    opts = {"tiles": {"m": 128, "n": 128}, "serial": "k", "step": 64, "stages": 2, "warps": 8} | kwargs
+    with pytest.raises(ScheduleError, match=match):
+        schedule(gated_gemm(*mnk, "silu", "float16"), tensor_cores=True, wgmma=True, **opts)

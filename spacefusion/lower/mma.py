@@ -614,24 +614,26 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                 self._row_update(u)
 
     def _wgmma_step(self) -> None:
-        """``acc += A @ B`` for this step on warpgroup MMA: per k16 slice and 64-row half one
-        ``wgmma.mma_async.m64nNk16`` reading both tiles from their 128 B-swizzled layouts in shared
-        memory (A K-major, B N-contiguous and transposed by the instruction), then one commit and
-        a wait, so the ring slot is free when the next step's barrier lets its copy in."""
+        """``acc += A @ B`` of every GEMM state for this step on warpgroup MMA: per k16 slice, GEMM
+        state and 64-row half one ``wgmma.mma_async.m64nNk16`` reading both tiles from their 128 B-swizzled
+        layouts in shared memory (A K-major, B N-contiguous and transposed by the instruction), then one
+        commit and a wait, so the ring slot is free when the next step's barrier lets its copy in.  GEMM
+        states sharing A (a gated GEMM's G and U) read the same A slice, each its own B into its own
+        accumulator: the slice's wgmmas of both are in flight together."""
         p = self.p
-        (gs,) = p.gemm_states
         a = p.tiles_in[0]
-        per = (gs.n_tile // 8) * 4  # accumulator floats per 64-row half: N / 2
-        acc = self.acc[gs.update.state]
         a_tile = self._slot_tile(a, self.slot)
-        op = self._wgmma(gs.n_tile)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())
         for kt in range(p.step // 16):
-            bdesc = self._mn_desc(gs, kt)
-            for h in range(self.mt):  # this warpgroup's 64-row halves
-                # A [r, 64 k] K-major: a 64-row half is 8 atoms on; the k16 slice 32 B into the rows
-                adesc = self._k_desc(a_tile + self._half(h) * 8 * SWIZZLE_ATOM + kt * 16)
-                T.evaluate(op(*[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 1))
+            for gs in p.gemm_states:
+                per = (gs.n_tile // 8) * 4  # accumulator floats per 64-row half: N / 2
+                acc = self.acc[gs.update.state]
+                op = self._wgmma(gs.n_tile)
+                bdesc = self._mn_desc(gs, kt)
+                for h in range(self.mt):  # this warpgroup's 64-row halves
+                    # A [r, 64 k] K-major: a 64-row half is 8 atoms on; the k16 slice 32 B into the rows
+                    adesc = self._k_desc(a_tile + self._half(h) * 8 * SWIZZLE_ATOM + kt * 16)
+                    T.evaluate(op(*[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 1))
         # with a lag, waited for at the top of the step after next, before its slot is reloaded
         self._wgmma_commit(wait=not self.lag)
 

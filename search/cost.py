@@ -141,12 +141,15 @@ def _wgmma_spill_bytes(s: Schedule, res) -> float:
 
 
 def _barriers_per_step(s: Schedule) -> int:
-    """Block-wide barriers a CUDA-core step waits at, as the lowering emits them: around the tiles
-    staged or computed in shared memory, and two per running state where a lane group spans warps
-    (its warps' partial results meet in shared memory).  Lane groups within a warp reduce by
-    shuffles alone, so a row per warp with nothing staged has none."""
-    shared = any(lvl == "shared" for _, lvl in s.memory)
-    return (2 if shared else 0) + (2 * len(s.plan.states) if s.lanes > 32 else 0)
+    """Block-wide barriers a CUDA-core step waits at, both passes, as the lowering emits them: around
+    the tiles staged or computed in shared memory (the second pass again where it runs more than one
+    step), and two per running state where a lane group spans warps (its warps' partial results meet
+    in shared memory; the second pass reduces nothing).  Lane groups within a warp reduce by shuffles
+    alone, so a row per warp with nothing staged has none."""
+    shared = 2 if any(lvl == "shared" for _, lvl in s.memory) else 0
+    first = shared + (2 * len(s.plan.states) if s.lanes > 32 else 0)
+    second = shared if s.plan.second_pass and s.num_steps > 1 else 0
+    return first + second
 
 
 def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
@@ -193,10 +196,9 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     else:  # the bytes its resident threads keep in flight bound a CUDA-core kernel (search.simt_memory)
         memory_s = nbytes / dram_bandwidth(s, hw, occ, res.threads, frozenset(unco))
-    passes = 2 if s.plan.second_pass else 1
     # the warp-tile model has each step's barrier in its chain
     sync_s = 0.0 if s.warp_tile is not None else \
-        waves * s.steps_per_block * passes * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz
+        waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 

@@ -18,9 +18,9 @@ hand-writer would write from the ones the search used to pick:
 Checked against the H100 row norms of the whole-model runs (fp16, CUDA graphs; the estimate, with
 its 2 us launch, in brackets): the residual RMSNorm 2048x4096 on 64 blocks of 32 rows x 8 lanes,
 scalar loads, steps of 128: 127 us (284); 256 blocks of 8 rows x 32 lanes, scalar, one step: 78 us
-(90); residual LayerNorm 1024x768 on 32 blocks of 32 rows x 8 lanes, 8-wide vectors: 7.2 us (7.6);
-128 blocks of 8 rows x 32 lanes, scalar: 9.9 us (10.8); ViT's 1576x768 on 50 blocks of vectors:
-8.5 us (7.5) (``experiments/results/e2e_h100.json``, ``history/e2e_h100_lanes_probe.json``).  The
+(89); residual LayerNorm 1024x768 on 32 blocks of 32 rows x 8 lanes, 8-wide vectors: 7.2 us (7.4);
+128 blocks of 8 rows x 32 lanes, scalar: 9.9 us (10.6); ViT's 1576x768 on 50 blocks of vectors:
+8.5 us (7.3) (``experiments/results/e2e_h100.json``, ``history/e2e_h100_lanes_probe.json``).  The
 scalar kernels reached ~0.85 TB/s on 128-132 SMs whatever their threads per SM, which is what
 ``WARP_LOADS_PER_SM`` encodes.  The model ranked all five level before (the old bandwidth share only
 counted busy SMs, and vectors and scalars tied).

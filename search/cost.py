@@ -7,14 +7,21 @@ which schedule wins among those:
 - device-memory bytes are the exact islpy footprints (``schedulers.traffic``),
   with per-thread reads of an input whose fastest-varying index is not the
   thread dim charged a whole 32-byte sector per element (uncoalesced), and
-  spilled local buffers charged as extra traffic every step;
+  spilled local buffers charged as extra traffic every step; inputs every
+  block re-reads whole (a norm's weight and bias) cost device memory once and
+  L2 after that;
+- the device-memory bandwidth a CUDA-core kernel reaches is what its resident
+  threads keep in flight over the DRAM latency (``search.simt_memory``): a
+  16-byte vector load keeps 8x the bytes of a scalar fp16 load in flight, and a
+  grid of a few blocks leaves most SMs without loads to issue;
 - FLOPs count every op once per element of its iteration domain, times the
   recomputation the schedule implies: streamed tiles computed per thread are
   recomputed by every thread along the cut dims they lack, and the second pass
   recomputes the streamed tiles when the row was sliced;
 - the machine is only busy if there are enough threads: occupancy from the
   hardware model, waves of blocks, partial last waves;
-- each serial step costs a barrier.
+- each serial step costs the block-wide barriers the lowering emits in it
+  (staged tiles, lane groups wider than a warp); a row per warp has none.
 
 Tensor-core warp-tile programs have their own per-step model (``search.warp_tile_cost``).
 """
@@ -35,6 +42,7 @@ from schedulers.traffic import fused_kernel
 from smg.expr import body_expr
 from smg.ir import Op
 
+from .simt_memory import dram_bandwidth, l2_reread_bytes
 from .warp_tile_cost import warp_tile_time_s
 
 SECTOR_BYTES = 32
@@ -98,10 +106,11 @@ def _work(s: Schedule) -> tuple[float, float, float]:
     return total, shared_b, cached_b
 
 
-def _uncoalesced_bytes(s: Schedule) -> float:
-    """Extra bytes of per-thread global reads that consecutive threads make far apart."""
+def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
+    """Per-thread global reads that consecutive threads make far apart, and their extra bytes (a whole
+    sector per element)."""
     smg = s.smg
-    extra = 0.0
+    extra: dict[str, float] = {}
     k = fused_kernel(s)
     for name, nbytes in k.reads:
         if s.level(name) != "global" or (s.tiles.get(s.thread_dim, 1) == 1 and s.lanes == 1):
@@ -111,8 +120,13 @@ def _uncoalesced_bytes(s: Schedule) -> float:
             continue  # consecutive lanes read consecutive serial elements: coalesced
         if s.thread_dim in dims and dims[-1] != s.thread_dim:
             item = np.dtype(smg.space(name).dtype).itemsize
-            extra += nbytes * (SECTOR_BYTES / item - 1)
+            extra[name] = nbytes * (SECTOR_BYTES / item - 1)
     return extra
+
+
+def _uncoalesced_bytes(s: Schedule) -> float:
+    """Extra bytes of per-thread global reads that consecutive threads make far apart."""
+    return sum(_uncoalesced_reads(s).values())
 
 
 def _wgmma_spill_bytes(s: Schedule, res) -> float:
@@ -124,6 +138,18 @@ def _wgmma_spill_bytes(s: Schedule, res) -> float:
     over = max(0, res.registers_estimate - MAX_REGISTERS)
     per_step = (p.step // 16) * max(1, p.rows // 64 // max(1, p.warps // 4))
     return over * 4 * 2 * res.threads * s.num_tiles * s.steps_per_block * per_step
+
+
+def _barriers_per_step(s: Schedule) -> int:
+    """Block-wide barriers a CUDA-core step waits at, both passes, as the lowering emits them: around
+    the tiles staged or computed in shared memory (the second pass again where it runs more than one
+    step), and two per running state where a lane group spans warps (its warps' partial results meet
+    in shared memory; the second pass reduces nothing).  Lane groups within a warp reduce by shuffles
+    alone, so a row per warp with nothing staged has none."""
+    shared = 2 if any(lvl == "shared" for _, lvl in s.memory) else 0
+    first = shared + (2 * len(s.plan.states) if s.lanes > 32 else 0)
+    second = shared if s.plan.second_pass and s.num_steps > 1 else 0
+    return first + second
 
 
 def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
@@ -155,18 +181,24 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         nbytes = float(sum(math.prod(smg.shape(n)) * np.dtype(smg.space(n).dtype).itemsize
                            for n in (*smg.inputs, *smg.outputs)))
     else:
-        nbytes = float(fused_kernel(s).read_bytes + fused_kernel(s).write_bytes) + _uncoalesced_bytes(s)
+        k = fused_kernel(s)
+        unco = _uncoalesced_reads(s)
+        # broadcast inputs (a norm's W, B) re-read by every block come from L2 after the first block
+        nbytes = float(k.read_bytes + k.write_bytes) + sum(unco.values()) - l2_reread_bytes(s, k, hw)
     if s.slices > 1:  # every block writes its partial states, the merging blocks read them all back
         nbytes += 2.0 * s.num_blocks * s.warp_tile.merge_floats() * res.threads * 4
     # values beyond the register file are stored and reloaded (local memory) every step
     nbytes += res.likely_spilled_floats * 4 * 2 * res.threads * blocks * s.steps_per_block
     if s.warp_tile is not None and s.warp_tile.wgmma_ss:
         nbytes += _wgmma_spill_bytes(s, res)
-    mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
-    memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
-    passes = 2 if s.plan.second_pass else 1
+    if s.warp_tile is not None:
+        mem_util = min(1.0, busy_sms / hw.num_sms * max(1.0, occ / 2))
+        memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
+    else:  # the bytes its resident threads keep in flight bound a CUDA-core kernel (search.simt_memory)
+        memory_s = nbytes / dram_bandwidth(s, hw, occ, res.threads, frozenset(unco))
     # the warp-tile model has each step's barrier in its chain
-    sync_s = 0.0 if s.warp_tile is not None else waves * s.steps_per_block * passes * BARRIER_CYCLES / hw.clock_hz
+    sync_s = 0.0 if s.warp_tile is not None else \
+        waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 

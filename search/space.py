@@ -12,7 +12,10 @@ tensor-core variants add the cp.async pipeline depth (stages), the warps per
 block and the warp groups splitting the serial steps -- or, for grids too small
 to fill the SMs, blocks slicing them; their steps are multiples of 16.  On the
 GPU the CUDA-core kernels also choose a vector width (consecutive serial
-elements per load/store of a lane).
+elements per load/store of a lane) and the lanes sharing each row's
+reductions; a block's threads are its tile elements times its lanes, so a tile
+of one or a few rows is offered where lanes make up the block (a row per warp,
+as a hand-written norm kernel has it, for grids that fill the SMs).
 """
 
 from __future__ import annotations
@@ -144,14 +147,23 @@ class SearchSpace:
     def cut_dims(self) -> tuple[str, ...]:
         return tuple(d.dim for d in analyse_spatial(self.smg) if d.cut or (self.recompute and d.recomputes))
 
+    @cached_property
+    def block_threads_floor(self) -> int:
+        """Fewest threads a CUDA-core block may have: ``min_threads``, or every tile element of a
+        graph with fewer."""
+        sizes = self.smg.dim_sizes
+        return min(self.min_threads, self.hw.max_threads_per_block, math.prod(sizes[d] for d in self.cut_dims))
+
     def tilings(self) -> Iterator[dict[str, int]]:
+        """Block tiles of one thread per element, or of fewer elements whose threads are made up by
+        lanes (a row per warp: ``{m: 1}`` x 32 lanes); ``knobs`` checks each lane count's threads."""
         sizes = self.smg.dim_sizes
         limit = self.hw.max_threads_per_block
         opts = [_pow2_upto(min(sizes[d], limit)) for d in self.cut_dims]
-        smallest = min(limit, math.prod(sizes[d] for d in self.cut_dims))
+        floor = max(1, self.block_threads_floor // max(LANES))
         for combo in itertools.product(*opts):
             threads = math.prod(combo)
-            if threads <= limit and threads >= min(self.min_threads, smallest):
+            if threads <= limit and threads >= floor:
                 yield dict(zip(self.cut_dims, combo))
 
     def knobs(self) -> Iterator[Knobs]:
@@ -162,13 +174,17 @@ class SearchSpace:
                 steps.append(sizes[serial])
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
+                threads = math.prod(tiles.values())
                 for thread_dim, step, lanes, vec in itertools.product(movers, steps, LANES, self.vectors):
                     if lanes > step or (vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):
+                        continue
+                    if not self.block_threads_floor <= threads * lanes <= self.hw.max_threads_per_block:
                         continue
                     base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes,
                                  vector=vec)
                     yield from self._level_variants(base)
-                if self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16:
+                if (self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16
+                        and threads >= self.block_threads_floor):
                     yield from self._tc_knobs(serial, steps, tiles, movers)
             if self.tensor_cores and self.tensor_core_dtypes:  # warp-tile blocks larger than a thread each
                 for tiles in self.tc_tilings():

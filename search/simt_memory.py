@@ -1,0 +1,122 @@
+"""How fast a CUDA-core kernel can pull its bytes from device memory: the memory-level parallelism
+it keeps in flight (Little's law) and the inputs every block re-reads from L2.
+
+The roofline's DRAM bandwidth is reached only with enough bytes in flight: a load stays outstanding
+for the DRAM latency, so the achieved bandwidth is at most (bytes in flight) / latency.  The bytes
+in flight are set by what the schedule does, which is what separates the row-reduction kernels a
+hand-writer would write from the ones the search used to pick:
+
+- a lane's loads are ``vector`` elements wide: a 16-byte vector keeps 8x the bytes of a scalar
+  2-byte load in flight for the same load instructions (nvcc does not merge scalar loads: the
+  lowering emits one ``ld.global`` per element unless ``vector`` > 1);
+- a thread has only a few independent loads outstanding before it needs one of them
+  (``LOADS_IN_FLIGHT``), and at most the loads one step gives it;
+- only resident threads issue loads: blocks per SM are bounded by occupancy and by how many
+  blocks there are, and SMs without a block add nothing (a 32-block grid uses 32 of 132 SMs);
+- one SM's port to L2 bounds what a few busy SMs can draw (``SM_PORT_BYTES_PER_CLK``).
+
+Checked against the H100 row norms of the whole-model runs (fp16, CUDA graphs; the estimate, with
+its 2 us launch, in brackets): the residual RMSNorm 2048x4096 on 64 blocks of 32 rows x 8 lanes,
+scalar loads, steps of 128: 127 us (284); 256 blocks of 8 rows x 32 lanes, scalar, one step: 78 us
+(89); residual LayerNorm 1024x768 on 32 blocks of 32 rows x 8 lanes, 8-wide vectors: 7.2 us (7.4);
+128 blocks of 8 rows x 32 lanes, scalar: 9.9 us (10.6); ViT's 1576x768 on 50 blocks of vectors:
+8.5 us (7.3) (``experiments/results/e2e_h100.json``, ``history/e2e_h100_lanes_probe.json``).  The
+scalar kernels reached ~0.85 TB/s on 128-132 SMs whatever their threads per SM, which is what
+``WARP_LOADS_PER_SM`` encodes.  The model ranked all five level before (the old bandwidth share only
+counted busy SMs, and vectors and scalars tied).
+
+Inputs with none of the cut dims (a norm's weight and bias, a bias vector) are the same bytes for
+every block, read at about the same time: the first block's read comes from device memory, the
+other blocks' from L2 where the tensor fits there (``l2_reread_bytes``); the cost model keeps
+those re-reads in its L1/L2 operand term.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from schedulers.hardware import HardwareModel
+from schedulers.schedule import Schedule
+from schedulers.traffic import KernelTraffic
+
+#: DRAM round-trip latency under load (H100 HBM3: ~500 ns idle, more when the memory system is busy)
+DRAM_LATENCY_S = 700e-9
+#: independent global loads a thread keeps outstanding before it stalls on the first one's use
+#: (nvcc hoists the loads of unrolled runs ahead of their use, within its register budget)
+LOADS_IN_FLIGHT = 8
+#: warp-wide global loads one SM keeps outstanding (its miss-tracking capacity); at 2 bytes a lane
+#: a warp load brings 64 bytes, at 16 bytes 512: calibrated on the scalar row norms above, which
+#: reached ~0.85 TB/s on 128-132 SMs whatever their threads (64 x 64 B per SM in 700 ns)
+WARP_LOADS_PER_SM = 64
+#: bytes per clock one SM can draw from L2 (its crossbar port; a few busy SMs cannot reach the
+#: whole device's bandwidth however many loads they keep in flight)
+SM_PORT_BYTES_PER_CLK = 64
+#: a broadcast input re-read by every block is served by L2 when it is at most this share of L2
+L2_SHARE = 0.25
+SECTOR_BYTES = 32
+
+
+def _itemsize(s: Schedule, name: str) -> int:
+    return int(np.dtype(s.smg.space(name).dtype).itemsize)
+
+
+def broadcast_inputs(s: Schedule) -> tuple[str, ...]:
+    """Inputs indexed by none of the cut dims: every block reads all of them (W, B of a norm)."""
+    cut = {d for d, _ in s.block}
+    return tuple(n for n in s.smg.inputs if not cut & set(s.smg.space(n).dims))
+
+
+def l2_reread_bytes(s: Schedule, k: KernelTraffic, hw: HardwareModel) -> float:
+    """Bytes of ``k``'s reads that are broadcast inputs re-read by all but the first block, where the
+    input fits in L2: they come from L2, not device memory."""
+    reads = dict(k.reads)
+    out = 0.0
+    for n in broadcast_inputs(s):
+        size = math.prod(s.smg.shape(n)) * _itemsize(s, n)
+        if n in reads and hw.l2_bytes and size <= L2_SHARE * hw.l2_bytes:
+            out += max(0.0, reads[n] - size)
+    return out
+
+
+def _per_thread_loads(s: Schedule, uncoalesced: frozenset[str]) -> tuple[int, float]:
+    """Global load instructions one thread issues per step for the inputs that stream from device
+    memory, and the bytes they bring in (a whole sector for a load whose neighbours are far apart)."""
+    lane_step = -(-s.step // s.lanes)
+    broadcast = set(broadcast_inputs(s))
+    loads, nbytes = 0, 0.0
+    for n in s.smg.inputs:
+        if s.level(n) != "global" or n in broadcast:
+            continue  # staged inputs are loaded cooperatively: counted below with the block's threads
+        dims = s.smg.space(n).dims
+        per_elem = lane_step if s.serial in dims else 1
+        width = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
+        count = -(-per_elem // width)
+        loads += count
+        nbytes += count * (SECTOR_BYTES if n in uncoalesced else width * _itemsize(s, n))
+    staged = [n for n in s.smg.inputs if s.level(n) == "shared" and n not in broadcast]
+    for n in staged:  # a staged tile is copied element by element, spread over the block's threads
+        tile = math.prod(s.tiles.get(d, s.step if d == s.serial else s.smg.dim_sizes[d])
+                         for d in s.smg.space(n).dims)
+        count = -(-tile // s.threads)
+        loads += count
+        nbytes += count * _itemsize(s, n)
+    return loads, nbytes
+
+
+def dram_bandwidth(s: Schedule, hw: HardwareModel, occupancy: int, threads: int,
+                   uncoalesced: frozenset[str] = frozenset()) -> float:
+    """Bytes/s a CUDA-core schedule can draw from device memory: the peak, or less where its
+    resident threads keep too few bytes in flight or too few SMs have blocks."""
+    blocks = s.num_blocks
+    busy = min(hw.num_sms, blocks)
+    per_sm = min(max(1, occupancy), -(-blocks // hw.num_sms)) * threads
+    loads, nbytes = _per_thread_loads(s, uncoalesced)
+    if loads == 0:
+        return hw.dram_bandwidth_bytes_per_s
+    per_load = nbytes / loads  # bytes one thread's load brings in, on average
+    in_flight = min(per_sm * min(loads, LOADS_IN_FLIGHT), WARP_LOADS_PER_SM * 32) * per_load  # per SM
+    little = busy * in_flight / DRAM_LATENCY_S
+    port = busy * SM_PORT_BYTES_PER_CLK * hw.clock_hz
+    return max(1.0, min(hw.dram_bandwidth_bytes_per_s, little, port))

@@ -307,7 +307,7 @@ def _tensor_map_dims(p: Mapping[str, Any], name: str, rank: int, where: str) -> 
     dims = p["tensor_map"].get("dims")
     if dims is None:
         return None
-    if not isinstance(dims, list) or sorted(dims) != list(range(rank)) or not all(_is_int(d) for d in dims):
+    if not isinstance(dims, list) or not all(_is_int(d) for d in dims) or sorted(dims) != list(range(rank)):
         raise ArtefactError(f"{where}: tensormap {name!r} dims {dims!r} must be a permutation of 0..{rank - 1}")
     return tuple(dims)
 

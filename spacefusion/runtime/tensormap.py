@@ -45,8 +45,8 @@ def tiled_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, box:
     if sorted(order) != list(range(rank)):
         raise TensorMapError(f"dim order {order} is not a permutation of the tensor's {rank} dims")
     if strides[order[0]] != 1:
-        raise TensorMapError(f"the map's first dim (tensor dim {order[0]}) has stride {strides[order[0]]}; "
-                             f"a tensor map needs it contiguous")
+        raise TensorMapError(f"the innermost dim has stride {strides[order[0]]} (tensor dim {order[0]}, the map's "
+                             f"first); a tensor map needs it contiguous")
     dims = [int(shape[i]) for i in order]
     byte_strides = [int(strides[i]) * itemsize for i in order[1:]]
     if any(b % 16 for b in byte_strides):

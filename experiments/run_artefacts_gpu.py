@@ -184,31 +184,47 @@ def build_mlp(art: Any, seed: int, use_compile: bool) -> Case:
 
 
 def build_attention(art: Any, seed: int, use_compile: bool) -> Case:
-    """Causal and/or grouped-query attention; SDPA gets the same mask and GQA layout."""
+    """Causal and/or grouped-query attention; SDPA gets the same mask and GQA layout.  The artefact's
+    workload says the operands' layout (``layout``: bhsd unless recorded): a bshd kernel takes
+    Q [b, m, kv_heads, (group), d], K/V [b, l, kv_heads, d] and writes O [b, m, kv_heads, (group), d],
+    so the reference and SDPA see them through transposes, as HF's split_heads / merge_heads do."""
     import torch
     import torch.nn.functional as F
 
     meta = art.workload
     causal = meta.get("causal") == "True"
     scale = float(meta["scale"])
-    qs = art.param("Q").shape
-    b, m, d = qs[0], qs[-2], qs[-1]
-    hq = math.prod(qs[1:-2])
+    bshd = meta.get("layout") == "bshd"
+    qs, ks = art.param("Q").shape, art.param("K").shape
+    if bshd:
+        b, m, d, hq, hk = qs[0], qs[1], qs[-1], math.prod(qs[2:-1]), ks[2]
+    else:
+        b, m, d, hq, hk = qs[0], qs[-2], qs[-1], math.prod(qs[1:-2]), ks[1]
+
+    def heads_first(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+        """Q [b, hq, m, d] and K/V [b, hk, l, d] (views)."""
+        if bshd:
+            return q.reshape(b, m, hq, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.reshape(b, hq, m, d), k, v
+
+    def back(o: Any) -> Any:
+        """[b, hq, m, d] in the kernel's O order (a view; the reference reshapes it to O's shape)."""
+        return o.transpose(1, 2) if bshd else o
 
     def eager(q: Any, k: Any, v: Any) -> Any:
-        q4 = q.reshape(b, hq, m, d)
-        rep = hq // k.shape[1]
-        k4, v4 = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        q4, k4, v4 = heads_first(q, k, v)
+        rep = hq // hk
+        k4, v4 = k4.repeat_interleave(rep, dim=1), v4.repeat_interleave(rep, dim=1)
         s = q4 @ k4.transpose(-2, -1) * scale
         if causal:
-            keep = torch.ones(m, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            keep = torch.ones(m, k4.shape[2], dtype=torch.bool, device=q.device).tril()
             s = s.masked_fill(~keep, float("-inf"))
-        return torch.softmax(s, dim=-1) @ v4
+        return back(torch.softmax(s, dim=-1) @ v4)
 
     case = _case(art, seed, use_compile, ("Q", "K", "V"), "O", eager)
     q, k, v = (case.inputs[n] for n in ("Q", "K", "V"))
-    case.baselines["sdpa"] = lambda: F.scaled_dot_product_attention(
-        q.reshape(b, hq, m, d), k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != hq)
+    case.baselines["sdpa"] = lambda: back(F.scaled_dot_product_attention(
+        *heads_first(q, k, v), is_causal=causal, scale=scale, enable_gqa=hk != hq))
     return case
 
 

@@ -161,7 +161,8 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
         if any(not a.plain for a in op.inputs):
             raise ScheduleError(f"streamed op {name!r} gathers through an index expression")
         if not set(op.out_index) <= plane or row not in op.out_index or L not in op.out_index:
-            raise ScheduleError(f"streamed space {name!r} {op.out_index} is not on the ({row}, {L}) plane")
+            raise ScheduleError(f"streamed space {name!r} {op.out_index} is not on the ({row}, {L}) plane "
+                                f"(block tiles {dict(s.block)}: its other dims need tile 1)")
         if op.reduce:
             gemm = _score_gemm(s, op, i, row, L, plane)
         else:
@@ -419,8 +420,9 @@ def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, b
     if x in factor.free_symbols or sp.Symbol(n) in factor.free_symbols:
         raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}")
     xd = smg.space(x.name).dims
-    if xd[-2:] != (L, n) or set(xd[:-2]) - set(batch):
-        raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, {n}]")
+    if xd[-1] != n or L not in xd or set(xd) - set(batch) - {L, n}:  # L anywhere: a bshd V is [b, L, h, n]
+        raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, .., {n}] ({n} last, the others "
+                            f"batch dims {batch})")
     n_tile = col_cut.get(n, smg.dim_sizes[n])
     if n_tile % 16 or smg.dim_sizes[n] % 8:
         raise ScheduleError(f"GEMM dim {n!r}: {n_tile} columns per block must be a multiple of 16 "
@@ -468,9 +470,14 @@ def staged_output(s, p: WarpTileProgram, out: str) -> tuple[str, int] | None:
     smg = s.smg
     dims = smg.space(out).dims
     by_n = {g.n: g for g in p.gemm_states}
-    if p.split > 1 or len(dims) < 2 or dims[-1] not in by_n or dims[-2] != p.row:
+    if p.split > 1 or len(dims) < 2 or dims[-1] not in by_n or p.row not in dims[:-1]:
         return None
-    if not set(dims[:-2]) <= set(p.batch) or smg.space(out).dtype not in MMA_DTYPES:
+    if not set(dims[:-1]) - {p.row} <= set(p.batch) or smg.space(out).dtype not in MMA_DTYPES:
+        return None
+    # the row dim may sit before batch dims (a bshd O [b, m, h, n]: its rows h * n apart); a unit dim
+    # there (a bhsd GQA decoder's single query m behind its group r as rows) keeps the per-thread
+    # stores its kernels were verified with on the GPU
+    if any(smg.dim_sizes[d] == 1 for d in dims[dims.index(p.row) + 1:-1]):
         return None
     n = dims[-1]
     if by_n[n].n_tile % CHUNK or smg.dim_sizes[n] % CHUNK:
@@ -671,8 +678,27 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     coordinate at a time; the launcher encodes them for the tensors it binds."""
     if not p.tma:
         return {}
-    return {f"{n}__tmap": {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
-                           + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128} for n in tma_streamed(p)}
+    maps = {}
+    for n in tma_streamed(p):
+        spec = {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
+                + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128}
+        dims = s.smg.space(n).dims
+        order = [dims.index(d) for d in tma_dims(s.smg, p, n)]
+        if order != list(range(len(dims)))[::-1]:  # not plain innermost-first (bshd): the launcher needs it
+            spec["dims"] = order
+        maps[f"{n}__tmap"] = spec
+    return maps
+
+
+def tma_dims(smg, p: WarpTileProgram, n: str) -> tuple[str, ...]:
+    """The dims of TMA-loaded tile ``n`` in its tensor map's order: the contiguous column dim, the
+    tile's row dim (the row dim R for an input on the score plane, else the serial dim), then the
+    others innermost first.  A tensor map takes each dim's own stride, so the row dim may lie anywhere
+    in memory (a bshd K [b, L, h, d] is mapped as (d, L, h, b)) while the box and the kernel's
+    coordinates keep the order (cols, rows, batch...)."""
+    dims = smg.space(n).dims
+    rows = p.row if n in p.tiles_in else p.serial
+    return (dims[-1], rows, *(d for d in reversed(dims[:-1]) if d != rows))
 
 
 def tma_streamed(p: WarpTileProgram) -> tuple[str, ...]:

@@ -126,33 +126,51 @@ def horizontal_gemms(m: int, k: int, n: int, names: tuple[str, ...] = ("shift", 
     return g.build(*outs)
 
 
+#: attention's operand layouts: dims of Q, K, V and O in memory order (``s`` the sequence dim)
+ATTENTION_LAYOUTS = ("bhsd", "bshd")
+
+
 def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv_heads: int | None = None,
-              causal: bool = False, dtype: str = "float16", scale: float | None = None) -> SMG:
+              causal: bool = False, dtype: str = "float16", scale: float | None = None,
+              layout: str = "bhsd") -> SMG:
     """``softmax(Q K^T * scale [+ causal mask]) V`` with optional grouped-query heads.
 
     Grouped-query attention is a broadcast, not a gather: the query heads are
     (kv head ``hk``, member ``r``) and K/V lack ``r`` (One-to-All), so
     Q [b, heads, m, d] is viewed as [b, kv_heads, heads/kv_heads, m, d].  The
     causal mask keeps ``l <= m`` (torch's ``is_causal``: top-left aligned).
+
+    ``layout="bshd"`` declares the operands in the order a projection ``x @ W`` leaves them,
+    [b, s, h, d] (a space's dims are its memory order and dims align by name, so only the
+    declaration order changes): Q {b, m, h, d} (GQA: {b, m, h, r, d}, query head ``h * r_count + r``,
+    the unflatten of the projection's columns), K {b, l, h, d}, V {b, l, h, n} and O {b, m, h, n},
+    so HF-style models need no ``.contiguous()`` copy of the ``split_heads`` views.
     """
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f"attention layout {layout!r}: known {ATTENTION_LAYOUTS}")
     kv_heads = heads if kv_heads is None else kv_heads
     if kv_heads <= 0 or heads % kv_heads:
         raise ShapeError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     sc = 1.0 / math.sqrt(head_dim) if scale is None else scale
     g = Builder("attention", dtype)
-    if kv_heads == heads:
-        hd = {"h": heads}
-        q = g.input("Q", {"b": batch, **hd, "m": seq_q, "d": head_dim})
-    else:
-        hd = {"h": kv_heads}
-        q = g.input("Q", {"b": batch, **hd, "r": heads // kv_heads, "m": seq_q, "d": head_dim})
-    k = g.input("K", {"b": batch, **hd, "l": seq_kv, "d": head_dim})
-    v = g.input("V", {"b": batch, **hd, "l": seq_kv, "n": head_dim})
+    hd = {"h": kv_heads} if kv_heads != heads else {"h": heads}
+    group = {"r": heads // kv_heads} if kv_heads != heads else {}
+
+    def dims(seq: dict[str, int], last: dict[str, int], r: dict[str, int] | None = None) -> dict[str, int]:
+        if layout == "bshd":
+            return {"b": batch, **seq, **hd, **(r or {}), **last}
+        return {"b": batch, **hd, **(r or {}), **seq, **last}
+
+    q = g.input("Q", dims({"m": seq_q}, {"d": head_dim}, group))
+    k = g.input("K", dims({"l": seq_kv}, {"d": head_dim}))
+    v = g.input("V", dims({"l": seq_kv}, {"n": head_dim}))
     s = g.scale(g.matmul(q, k, reduce="d", name="S"), sc, name="Ss")
     if causal:
         s = g.mask(s, "l <= m", name="Sm")
     o = g.matmul(g.softmax(s, "l", name="P"), v, reduce="l", name="O")
     attrs = (("scale", repr(sc)), ("causal", str(causal)), ("kv_heads", str(kv_heads)))
+    if layout != "bhsd":  # the default's content key stays what it was
+        attrs += (("layout", layout),)
     return dataclasses.replace(g.build(o), attrs=attrs)
 
 

@@ -186,6 +186,32 @@ CASES = {
     # partials merged from the workspace
     "gemm_gated_wgmma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
                                  {"wgmma": True, "slices": 2}),
+    # attention over the projections' own layout (layout="bshd": Q/O [b, s, h, d], rows h * d apart): every
+    # block one (batch, head); mma.sync with tails, GQA (Q [b, m, kv head, member, d]), causal with split
+    # groups, wgmma + TMA (K/V tensor maps in (d, l, h, b) order), d = 80 on wgmma, a producer warpgroup,
+    # slices, and a GQA decoder's query group as the row dim
+    "bshd_attention": (lambda: patterns.attention(2, 3, 70, 90, 64, layout="bshd"), {"m": 32, "h": 1}, 32, 2),
+    "bshd_gqa": (lambda: patterns.attention(1, 8, 50, 60, 64, kv_heads=2, layout="bshd"),
+                 {"m": 16, "h": 1, "r": 1}, 16, 2),
+    "bshd_causal_split2": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True, layout="bshd"),
+                           {"m": 64, "h": 1}, 32, 2, {"split": 2, "lazy_rescale": True, "mma_row_sums": True}),
+    "bshd_wgmma_tma": (lambda: patterns.attention(2, 3, 70, 90, 64, layout="bshd"), {"m": 64, "h": 1}, 32, 3,
+                       {"mma_row_sums": True, "wgmma": True, "tma": True}),
+    "bshd_wgmma_d80": (lambda: patterns.attention(1, 2, 128, 192, 80, layout="bshd"), {"m": 128, "h": 1}, 64, 2,
+                       {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True}),
+    "bshd_gqa_causal_wgmma_tma_d80": (lambda: patterns.attention(1, 8, 200, 200, 80, kv_heads=2, causal=True,
+                                                                  layout="bshd"),
+                                      {"m": 128, "h": 1, "r": 1}, 64, 2,
+                                      {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True,
+                                       "tma": True}),
+    "bshd_causal_ws": (lambda: patterns.attention(1, 2, 200, 200, 128, causal=True, layout="bshd"),
+                       {"m": 128, "h": 1}, 64, 2, {"warps": 8, "reload_a": True, "lazy_rescale": True,
+                                                   "mma_row_sums": True, "wgmma": True, "tma": True,
+                                                   "producer": True}),
+    "bshd_decode_slices8": (lambda: patterns.attention(1, 4, 16, 1024, 128, layout="bshd"), {"m": 16, "h": 1},
+                            64, 2, {"slices": 8}),
+    "bshd_gqa_decode_rows_r": (lambda: patterns.attention(2, 8, 1, 300, 128, kv_heads=2, layout="bshd"),
+                               {"r": 16, "m": 1, "h": 1}, 64, 2, {"slices": 2}),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))

@@ -30,6 +30,40 @@ def dtype(node: fx.Node) -> str | None:
     return DTYPES.get(getattr(meta, "dtype", None))
 
 
+def contiguous(node: Any) -> bool:
+    """Whether ShapeProp saw ``node``'s value as a packed row-major tensor (a kernel may bind it as is)."""
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    if meta is None or not hasattr(meta, "stride"):
+        return False
+    want, acc = [], 1
+    for n in reversed(tuple(meta.shape)):
+        want.append(acc)
+        acc *= n
+    return all(n == 1 or s == w for n, s, w in zip(tuple(meta.shape)[::-1], tuple(meta.stride)[::-1], want))
+
+
+def swapped_dims_1_2(node: Any) -> fx.Node | None:
+    """The input of ``node`` when ``node`` swaps dims 1 and 2 of a 4-d tensor (``transpose(1, 2)`` or
+    ``permute(0, 2, 1, 3)``, as method or function): HF's split_heads / merge_heads transpose."""
+    if not isinstance(node, fx.Node) or len(node.args) < 1 or not isinstance(node.args[0], fx.Node):
+        return None
+    src, name = node.args[0], node.target if node.op == "call_method" else None
+    if node.op == "call_function" and node.target in (torch.transpose, torch.permute):
+        name = node.target.__name__
+    if name is None or node.kwargs or shape(src) is None or len(shape(src)) != 4:
+        return None
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], tuple | list):
+        rest = tuple(rest[0])
+    if not all(isinstance(d, int) for d in rest):
+        return None
+    if name == "transpose" and len(rest) == 2 and {d % 4 for d in rest} == {1, 2}:
+        return src
+    if name == "permute" and [d % 4 for d in rest] == [0, 2, 1, 3]:
+        return src
+    return None
+
+
 def rows(shp: tuple[int, ...]) -> int:
     """Rows of a [..., n] tensor seen as a matrix [m, n]."""
     return math.prod(shp[:-1])

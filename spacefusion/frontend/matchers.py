@@ -22,6 +22,7 @@ from spacefusion.frontend.graph import (
     SDPA,
     Linear,
     activation_of,
+    contiguous,
     dtype,
     is_function,
     linear_of,
@@ -29,6 +30,7 @@ from spacefusion.frontend.graph import (
     rows,
     shape,
     single_user,
+    swapped_dims_1_2,
 )
 from spacefusion.frontend.records import Operand, Result, Subgraph
 
@@ -68,9 +70,37 @@ def _build(ctx: Context, node: fx.Node, make: Callable[[], SMG]) -> SMG | None:
         return None
 
 
+def _heads_split(x: fx.Node, sdpa: fx.Node, ctx: Context) -> fx.Node | None:
+    """The [b, s, h, d] node that ``x`` (an SDPA operand) is the ``transpose(1, 2)`` of, when that node is
+    a packed tensor (the unflatten of a projection's output) and the transpose feeds only the attention:
+    the bshd attention then reads it where it lies."""
+    src = swapped_dims_1_2(x)
+    if src is None or single_user(x) is not sdpa or not ctx.free(x) or not contiguous(src):
+        return None
+    b, h, s, d = shape(x)
+    return src if shape(src) == (b, s, h, d) else None
+
+
+def _bshd(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, ctx: Context
+          ) -> tuple[tuple[fx.Node, fx.Node, fx.Node], fx.Node] | None:
+    """((Q, K, V) [b, s, h, d] sources, the output's transpose) where HF's split_heads / merge_heads
+    surround the attention: every operand the transpose of a packed [b, s, h, d] node and the output read
+    only through ``transpose(1, 2)``.  Else None: the bhsd pattern, on copies of the views."""
+    srcs = tuple(_heads_split(x, node, ctx) for x in (q, k, v))
+    out = single_user(node)
+    if any(x is None for x in srcs) or out is None or swapped_dims_1_2(out) is not node or not ctx.free(out):
+        return None
+    return srcs, out
+
+
 def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``F.scaled_dot_product_attention`` on [b, h, s, d] -> ``patterns.attention``; GQA's Q is viewed as
-    [b, kv_heads, heads / kv_heads, s, d], the layout the pattern broadcasts K/V over."""
+    [b, kv_heads, heads / kv_heads, s, d], the layout the pattern broadcasts K/V over.
+
+    Where the operands are HF's split_heads views ([b, s, h, d] projections, transposed) and the output is
+    transposed back, the subgraph takes the transposes too and runs the bshd pattern on the projections'
+    own memory (GQA's Q as [b, s, kv_heads, group, d]), its output already in the order merge_heads'
+    ``flatten(2)`` views: no ``.contiguous()`` copy on either side."""
     if not is_function(node, SDPA):
         return None
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -93,14 +123,21 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
                          f"the pattern takes one head dim and float32/float16/bfloat16")
         return None
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
+    bshd = _bshd(node, q, k, v, ctx)
+    layout = "bhsd" if bshd is None else "bshd"
     smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
-                                                       scale=scale))
+                                                       scale=scale, layout=layout))
     if smg is None:
         return None
-    q_shape = sq if hk == h else (b, hk, h // hk, m, d)
     label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''} {dt}"
-    return _subgraph("attention", label, (node,), smg, [_value("Q", q, q_shape), _value("K", k, sk),
-                                                         _value("V", v, sv)], {"O": node})
+    if bshd is None:
+        q_shape = sq if hk == h else (b, hk, h // hk, m, d)
+        return _subgraph("attention", label, (node,), smg, [_value("Q", q, q_shape), _value("K", k, sk),
+                                                             _value("V", v, sv)], {"O": node})
+    (qs, ks, vs), out = bshd
+    ops = [_value(sp, x, smg.shape(sp)) for sp, x in (("Q", qs), ("K", ks), ("V", vs))]
+    nodes = (*dict.fromkeys((q, k, v)), node, out)
+    return _subgraph("attention", f"{label} bshd", nodes, smg, ops, {"O": out})
 
 
 #: rows below one tensor-core tile (16): the GEMM is a GEMV (decoding), bound by reading W, whose kernel

@@ -233,7 +233,7 @@ class _Outputs:
             if conds:
                 guard.enter_context(T.If(tirx.all(*conds)))
                 guard.enter_context(T.Then())
-            idx = [self.coord[d] for d in dims[:-2]] + [row, tirx.Ramp(col, 1, CHUNK)]
+            idx = [row if d == p.row else self.coord[d] for d in dims[:-1]] + [tirx.Ramp(col, 1, CHUNK)]
             T.buffer_store(buf, T.BufferLoad(self.arena, [tirx.Ramp(src, 1, CHUNK)]), idx)
 
 

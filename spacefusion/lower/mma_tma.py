@@ -10,7 +10,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.warp_tile import split_ring, tma_streamed
+from schedulers.warp_tile import split_ring, tma_dims, tma_streamed
 from spacefusion.lower.mma_out import I32
 
 
@@ -68,7 +68,7 @@ class _TmaRing:
                 for n in names:
                     dims = self.smg.space(n).dims
                     op = T.ptx[f"cp.async.bulk.tensor.{len(dims)}d.shared::cluster.global.mbarrier::complete_tx::bytes"]
-                    outer = [self.coord[d] for d in reversed(dims[:-2])]
+                    outer = [self.coord[d] for d in tma_dims(self.smg, p, n)[2:]]  # the map's order
                     _, rows, cols = self.layout[n]
                     for band in range(cols // 64):
                         dst = self.arena.ptr_to([self._slot_tile(n, slot) + band * rows * 64])

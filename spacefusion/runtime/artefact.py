@@ -48,6 +48,9 @@ class ParamSpec:
     role: str
     #: a tensormap param's (tensor, box innermost first, swizzle bytes); None for every other role
     tensor_map: tuple[str, tuple[int, ...], int] | None = None
+    #: the mapped tensor's dims in the map's order (its first the contiguous one); None: innermost first.
+    #: A bshd attention maps K [b, L, h, d] as (d, L, h, b), so its box rows run along L
+    tensor_map_dims: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -58,6 +61,8 @@ class ParamSpec:
         if self.tensor_map is not None:
             tensor, box, swizzle = self.tensor_map
             d["tensor_map"] = {"tensor": tensor, "box": list(box), "swizzle": swizzle}
+            if self.tensor_map_dims is not None:
+                d["tensor_map"]["dims"] = list(self.tensor_map_dims)
         return d
 
 
@@ -277,8 +282,9 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
         role = p.get("role")
         if role not in ROLES:
             raise ArtefactError(f"{where}: param {name!r} has role {role!r}, expected one of {sorted(ROLES)}")
-        out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role,
-                             tensor_map=_tensor_map(p, name, role, where)))
+        tmap = _tensor_map(p, name, role, where)
+        out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role, tensor_map=tmap,
+                             tensor_map_dims=_tensor_map_dims(p, name, len(tmap[1]), where) if tmap else None))
     names = [p.name for p in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -293,6 +299,17 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
     if not any(p.role == "output" for p in out):
         raise ArtefactError(f"{where}: no param has role 'output'")
     return tuple(out)
+
+
+def _tensor_map_dims(p: Mapping[str, Any], name: str, rank: int, where: str) -> tuple[int, ...] | None:
+    """A tensormap param's dim order (``tensor_map.dims``: a permutation of the tensor's dims, the
+    map's first dim first), or None where the map takes them innermost first."""
+    dims = p["tensor_map"].get("dims")
+    if dims is None:
+        return None
+    if not isinstance(dims, list) or not all(_is_int(d) for d in dims) or sorted(dims) != list(range(rank)):
+        raise ArtefactError(f"{where}: tensormap {name!r} dims {dims!r} must be a permutation of 0..{rank - 1}")
+    return tuple(dims)
 
 
 def _tensor_map(p: Mapping[str, Any], name: str, role: str, where: str) -> tuple[str, tuple[int, ...], int] | None:

@@ -244,7 +244,7 @@ class CudaKernel:
                 self._maps.clear()
             _, box, swizzle = p.tensor_map
             try:
-                self._maps[key] = encode_tiled(t, box, swizzle)
+                self._maps[key] = encode_tiled(t, box, swizzle, p.tensor_map_dims)
             except TensorMapError as e:
                 raise KernelLaunchError(f"{self.artefact.kernel_name}: tensor map {p.name!r} of "
                                         f"{p.tensor_map[0]!r}: {e}") from None

@@ -30,17 +30,25 @@ class TensorMapError(ValueError):
 
 
 def tiled_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, box: Sequence[int],
-               swizzle: int) -> tuple[list[int], list[int], list[int]]:
-    """(dims, byte strides of dims 1.., box), innermost first, for a row-major tensor view, after
-    the driver's rules: a contiguous innermost dim, 16-byte strides, boxes of 1..256 elements, and
-    an innermost box of at most ``swizzle`` bytes when swizzled."""
+               swizzle: int, order: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(dims, byte strides of dims 1.., box) in the map's order for a tensor view, after the
+    driver's rules: a contiguous first dim, 16-byte strides, boxes of 1..256 elements, and a first
+    box of at most ``swizzle`` bytes when swizzled.
+
+    ``order`` lists the tensor's dims in the map's order (None: innermost first, a row-major
+    view's).  Each map dim keeps its own stride, so a kernel may map a [b, s, h, d] tensor as
+    (d, s, h, b): its tile rows then run along s, h * d elements apart (no copy to [b, h, s, d])."""
     rank = len(shape)
     if not 1 <= rank <= 5 or len(box) != rank:
         raise TensorMapError(f"a {rank}-d tensor with a {len(box)}-d box: need 1-5 dims and one box size per dim")
-    if strides[-1] != 1:
-        raise TensorMapError(f"the innermost dim has stride {strides[-1]}; a tensor map needs it contiguous")
-    dims = [int(d) for d in reversed(shape)]
-    byte_strides = [int(s) * itemsize for s in reversed(strides[:-1])]
+    order = list(range(rank))[::-1] if order is None else [int(i) for i in order]
+    if sorted(order) != list(range(rank)):
+        raise TensorMapError(f"dim order {order} is not a permutation of the tensor's {rank} dims")
+    if strides[order[0]] != 1:
+        raise TensorMapError(f"the innermost dim has stride {strides[order[0]]} (tensor dim {order[0]}, the map's "
+                             f"first); a tensor map needs it contiguous")
+    dims = [int(shape[i]) for i in order]
+    byte_strides = [int(strides[i]) * itemsize for i in order[1:]]
     if any(b % 16 for b in byte_strides):
         raise TensorMapError(f"row strides {byte_strides} B must be multiples of 16 for a tensor map")
     box = [int(b) for b in box]
@@ -65,9 +73,10 @@ def _libcuda() -> Any:
 _CAPTURED: list[torch.Tensor] = []
 
 
-def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int) -> torch.Tensor:
-    """The tensor map of ``t`` (a CUDA tensor) with ``box`` (innermost first) and ``swizzle``, as a
-    uint8[128] tensor on ``t``'s device."""
+def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int,
+                 order: Sequence[int] | None = None) -> torch.Tensor:
+    """The tensor map of ``t`` (a CUDA tensor) with ``box`` and ``swizzle``, its dims in ``order``
+    (None: innermost first; see ``tiled_args``), as a uint8[128] tensor on ``t``'s device."""
     import torch
 
     name = str(t.dtype).removeprefix("torch.")
@@ -75,7 +84,7 @@ def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int) -> torch.Ten
         raise TensorMapError(f"dtype {name} has no tensor-map type here; known: {sorted(DATA_TYPES)}")
     if t.data_ptr() % 16:
         raise TensorMapError(f"the tensor's address {t.data_ptr():#x} is not 16-byte aligned")
-    dims, strides, box = tiled_args(t.shape, t.stride(), t.element_size(), box, swizzle)
+    dims, strides, box = tiled_args(t.shape, t.stride(), t.element_size(), box, swizzle, order)
     rank = len(dims)
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     raw = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + 64))()

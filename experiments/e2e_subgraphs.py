@@ -9,6 +9,7 @@ machine (torch + cupy, no TVM):
         --csv --print-units base --log-file ART/ncu.csv \\
         python experiments/e2e_subgraphs.py bytes ART                             # device-memory bytes
     python experiments/e2e_subgraphs.py merge subgraphs.json ART/ncu.csv           # bytes into the results
+    python experiments/e2e_subgraphs.py bytes-only ART ART/ncu.csv --out bytes.json  # bytes, no timings
 
 For every distinct subgraph (``Partition.distinct``) ``run`` cuts the subgraph's own fx nodes out of the
 captured model into a graph module of their own: that module run eagerly *is* the unfused PyTorch of the
@@ -203,11 +204,18 @@ def run(art: Path, out_path: Path, warmup: int, iters: int, repeats: int, use_co
                         torch.cuda.synchronize()
         for _ in range(repeats):
             for row in cases:
-                for sysrow in row.get("systems", {}).values():
+                for name, sysrow in row.get("systems", {}).items():
                     if "fn" in sysrow:
+                        print(f"timing {row['label'][:50]} / {name}", flush=True)  # a sticky CUDA error names it
                         f = sysrow["fn"]
                         call = f if sysrow.get("cuda_graph") else (lambda f=f, a=row["args"]: f(*a))
-                        t = timing.time_cuda(call, warmup=warmup, iters=iters)
+                        try:
+                            t = timing.time_cuda(call, warmup=warmup, iters=iters)
+                        except Exception as exc:  # recorded; the other systems and subgraphs go on
+                            sysrow.update(status="error", error=f"{type(exc).__name__}: {exc}"[:400])
+                            del sysrow["fn"]
+                            torch.cuda.synchronize()
+                            continue
                         sysrow.setdefault("medians_us", []).append(t.median_us)
     for row in cases:
         row.pop("args", None)
@@ -304,6 +312,20 @@ def merge(results: Path, csv_path: Path) -> int:
     return 0
 
 
+def bytes_only(art: Path, csv_path: Path, out: Path) -> int:
+    """Results with the ncu bytes alone (no timings), one row per distinct subgraph of the manifest: for a
+    model whose ``run`` did not complete (the bytes pass launches each system once, outside graphs)."""
+    man = json.loads((art / "manifest.json").read_text())
+    got = ncu_bytes(csv_path, json.loads((csv_path.parent / "ncu_markers.json").read_text()))
+    rows = [{"key": k["key"], "label": k["label"], "kind": k["kind"], "uses": k["uses"], "traffic": k.get("traffic"),
+             "summary": k.get("summary"), "systems": {s: {"ncu": v} for (key, s), v in got.items() if key == k["key"]}}
+            for k in man["kernels"]]
+    res = {"format": FORMAT, "model": man["model"], "batch": man["batch"], "seq": man["seq"], "layers": man["layers"],
+           "timed": False, "subgraphs": rows}
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -320,7 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("results", type=Path)
     m.add_argument("csv", type=Path)
+    o = sub.add_parser("bytes-only")
+    o.add_argument("art", type=Path)
+    o.add_argument("csv", type=Path)
+    o.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "bytes-only":
+        return bytes_only(a.art, a.csv, a.out)
     if a.cmd == "run":
         return run(a.art, a.out, a.warmup, a.iters, a.repeats, not a.no_compile)
     if a.cmd == "bytes":

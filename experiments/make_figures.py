@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "experiments"))
 E2E_SYSTEMS = (("eager", "eager PyTorch"), ("torch.compile", "torch.compile"),
                ("eager+graph", "eager + CUDA graph"), ("torch.compile(reduce-overhead)", "torch.compile (graphs)"),
                ("spacefusion+graph", "spacefusion + CUDA graph"))
-E2E_MODELS = (("bert", "BERT-base 8x128"), ("vit", "ViT-B/16 8x197"), ("llama", "LLaMA-2-7B 4 layers 1x2048"))
+E2E_MODELS = (("bert", "BERT-base 8x128"), ("vit", "ViT-B/16 8x197"), ("llama", "LLaMA-2-7B 4 layers 1x2048"),
+              ("llama_decode", "LLaMA-2-7B 32 layers decode, KV 4096"))
 
 
 def e2e_speedups() -> dict[str, dict[str, float]]:
@@ -67,6 +68,8 @@ def subgraph_speedups() -> list[dict[str, Any]]:
     fused library, the speedups over both, and the device-memory bytes (model and ncu)."""
     rows = []
     for model, res in _subgraph_results().items():
+        if not res.get("timed", True):
+            continue
         for r in res["subgraphs"]:
             t = {k: v["median_us"] for k, v in r.get("systems", {}).items() if v.get("status") == "ok"}
             if "spacefusion" not in t:
@@ -83,24 +86,30 @@ def subgraph_speedups() -> list[dict[str, Any]]:
     return rows
 
 
-def _measured_bytes(ncu: dict[str, float] | None) -> float | None:
+def _dram(ncu: dict[str, float] | None) -> float | None:
     """Device-memory bytes of one cold run: DRAM reads (ncu flushed the caches) plus what the SMs wrote
     (to L2, on its way to DRAM; ncu's DRAM write counter misses what is still in L2 when a kernel ends)."""
     return None if not ncu else ncu["dram_read_bytes"] + ncu["l2_write_bytes"]
 
 
 def traffic_rows() -> list[dict[str, Any]]:
-    """Per subgraph: the traffic model's unfused / fused / compulsory bytes and ncu's for unfused and fused."""
+    """Per subgraph, the traffic model against ncu: the unfused chain (one kernel per operator, each reading
+    its inputs and writing its output) against the unfused ops' device-memory bytes; the fused schedule's
+    block footprints (what its blocks read, islpy) against what the SMs read from and wrote to L2; each
+    tensor once against the fused kernel's device-memory bytes."""
     out = []
-    for r in subgraph_speedups():
-        tr = r["traffic"] or {}
-        unf = _measured_bytes(r["ncu"].get(UNFUSED.get(r["kind"], "eager")))
-        fus = _measured_bytes(r["ncu"].get("spacefusion"))
-        if not tr or unf is None or fus is None:
-            continue
-        out.append({"name": r["name"], "model_unfused": tr["unfused_bytes"], "model_fused": tr["fused_bytes"],
-                    "compulsory": tr["compulsory_bytes"], "ncu_unfused": unf, "ncu_fused": fus,
-                    "model_reduction": tr["unfused_bytes"] / tr["fused_bytes"], "ncu_reduction": unf / fus})
+    for model, res in _subgraph_results().items():
+        for r in res["subgraphs"]:
+            tr, sys_ = r.get("traffic"), r.get("systems", {})
+            unf = sys_.get(UNFUSED.get(r["kind"], "eager"), {}).get("ncu")
+            fus = sys_.get("spacefusion", {}).get("ncu")
+            if not tr or not unf or not fus:
+                continue
+            out.append({"name": _short(model, r), "model_unfused": tr["unfused_bytes"], "ncu_unfused": _dram(unf),
+                        "model_blocks": tr["fused_bytes"], "ncu_l2": fus["l2_read_bytes"] + fus["l2_write_bytes"],
+                        "compulsory": tr["compulsory_bytes"], "ncu_fused": _dram(fus),
+                        "model_reduction": tr["unfused_bytes"] / tr["compulsory_bytes"],
+                        "ncu_reduction": _dram(unf) / _dram(fus)})
     return out
 
 
@@ -114,20 +123,23 @@ def subgraph_table() -> str:
 
 
 def traffic_table() -> str:
-    lines = ["| subgraph | unfused MB (model / ncu) | fused MB (model / ncu) | each tensor once MB | "
-             "reduction (model / ncu) |", "|---|---|---|---|---|"]
+    lines = ["| subgraph | unfused MB: model / ncu | fused, each tensor once MB: model / ncu | fused blocks' reads MB: "
+             "islpy / ncu L2 | reduction: model / ncu |", "|---|---|---|---|---|"]
     for r in traffic_rows():
         lines.append(f"| {r['name']} | {r['model_unfused'] / 1e6:.1f} / {r['ncu_unfused'] / 1e6:.1f} | "
-                     f"{r['model_fused'] / 1e6:.1f} / {r['ncu_fused'] / 1e6:.1f} | {r['compulsory'] / 1e6:.1f} | "
-                     f"{r['model_reduction']:.2f}x / {r['ncu_reduction']:.2f}x |")
+                     f"{r['compulsory'] / 1e6:.1f} / {r['ncu_fused'] / 1e6:.1f} | {r['model_blocks'] / 1e6:.1f} / "
+                     f"{r['ncu_l2'] / 1e6:.1f} | {r['model_reduction']:.2f}x / {r['ncu_reduction']:.2f}x |")
     return "\n".join(lines)
 
 
 def tuning_times() -> dict[str, dict[str, float]]:
-    """Per model of e2e_h100.json: capture, and search + build (nvcc included) of its distinct subgraphs."""
-    models = json.loads((RESULTS / "e2e_h100.json").read_text())["models"]
-    return {k: {"capture_s": m["manifest"]["capture_s"], "search_s": m["manifest"]["search_s"],
-                "distinct": len(m["manifest"]["kernels"])} for k, m in models.items()}
+    """Per model, search + build (nvcc included) of its distinct subgraphs' first picks from an empty cubin
+    cache (the first-pick run, history/e2e_h100_first_picks.json; LLaMA decode from e2e_h100.json)."""
+    first = json.loads((RESULTS / "history" / "e2e_h100_first_picks.json").read_text())["models"]
+    now = json.loads((RESULTS / "e2e_h100.json").read_text())["models"]
+    out = {k: m["manifest"] for k, m in first.items()} | {"llama_decode": now["llama_decode"]["manifest"]}
+    return {k: {"capture_s": m["capture_s"], "search_s": m["search_s"], "distinct": len(m["kernels"])}
+            for k, m in out.items()}
 
 
 def e2e_table() -> str:
@@ -198,22 +210,21 @@ def _draw_subgraphs(plt: Any) -> list[Path]:
     out.append(FIGURES / "subgraphs_h100.png")
     fig.savefig(out[-1], dpi=120)
     rows = traffic_rows()
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(13, 4.8))
     _bars(ax, [r["name"] for r in rows], {
-        "unfused, islpy model": [r["model_unfused"] / 1e6 for r in rows],
-        "unfused, ncu": [r["ncu_unfused"] / 1e6 for r in rows],
-        "fused, islpy model": [r["model_fused"] / 1e6 for r in rows],
-        "fused, ncu": [r["ncu_fused"] / 1e6 for r in rows],
-        "each tensor once": [r["compulsory"] / 1e6 for r in rows]})
+        "unfused chain, model": [r["model_unfused"] / 1e6 for r in rows],
+        "unfused ops, ncu": [r["ncu_unfused"] / 1e6 for r in rows],
+        "fused, each tensor once (model)": [r["compulsory"] / 1e6 for r in rows],
+        "fused kernel, ncu": [r["ncu_fused"] / 1e6 for r in rows]})
     ax.set_yscale("log")
     ax.set_ylabel("device-memory MB (log)")
-    ax.set_title("Device-memory traffic: the traffic model against Nsight Compute (DRAM reads + SM writes)")
+    ax.set_title("Device-memory traffic, the traffic model against Nsight Compute (DRAM reads + SM writes; H100)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.append(FIGURES / "traffic_h100.png")
     fig.savefig(out[-1], dpi=120)
     tt = tuning_times()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(tt)
     ax.bar(names, [tt[n]["search_s"] for n in names], label="search + nvcc of the first picks")
     ax.axhline(60, color="black", linewidth=0.6, linestyle="--", label="goal: 60 s")

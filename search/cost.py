@@ -118,8 +118,7 @@ def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
         dims = smg.space(name).dims
         if s.lanes > 1 and dims[-1] == s.serial:
             continue  # consecutive lanes read consecutive serial elements: coalesced
-        lanes_apart = s.lanes > 1 and s.serial in dims  # lanes of a warp step along a dim that is not last
-        if lanes_apart or (s.thread_dim in dims and dims[-1] != s.thread_dim):
+        if s.thread_dim in dims and dims[-1] != s.thread_dim:
             item = np.dtype(smg.space(name).dtype).itemsize
             extra[name] = nbytes * (SECTOR_BYTES / item - 1)
     return extra

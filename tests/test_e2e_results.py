@@ -15,24 +15,35 @@ def _models() -> dict:
     return json.loads(RESULTS.read_text())["models"]
 
 
-@pytest.mark.parametrize("model", ["bert", "vit", "llama"])
+@pytest.mark.parametrize("model", ["bert", "vit", "llama", "llama_decode"])
 def test_every_system_was_checked_then_timed(model: str) -> None:
     run = _models()[model]
     assert "H100" in run["device"]
     for name, row in run["systems"].items():
         assert row["status"] == "ok", (name, row.get("error"))
         assert row["max_abs_err"] <= 5e-2 * max(1.0, row["ref_absmax"]), name
-        assert len(row["medians_us"]) == 3 and row["median_us"] > 0
+        assert len(row["medians_us"]) >= 2 and row["median_us"] > 0
     assert run["manifest"]["kernels"] and all("error" not in k for k in run["manifest"]["kernels"])
 
 
 def test_a_cuda_graph_takes_the_launch_cost_away() -> None:
-    """Launch by launch the runtime's Python costs ~180 us a kernel (BERT 21 ms); replayed as one CUDA graph
-    the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size) but not
-    eager or torch.compile in CUDA graphs (0.65-0.73x): the first picks lose to the libraries' kernels."""
+    """Launch by launch the runtime's Python costs tens of us a kernel (BERT 10.6 ms); replayed as one CUDA
+    graph the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size), and
+    come within 20% of eager and torch.compile in CUDA graphs (0.83-0.93x) without beating them."""
     m = _models()
     for model in ("bert", "vit"):
         t = {k: v["median_us"] for k, v in m[model]["systems"].items()}
         assert t["spacefusion+graph"] < t["spacefusion"] / 5
         assert t["spacefusion+graph"] < min(t["eager"], t["torch.compile"]) / 2
-        assert t["spacefusion+graph"] > t["eager+graph"]
+        assert t["eager+graph"] < t["spacefusion+graph"] < 1.25 * t["torch.compile(reduce-overhead)"]
+
+
+def test_llama_on_par_with_eager_and_decode_twice_eager() -> None:
+    """LLaMA prefill (4 layers) runs level with eager (the gated GEMM on wgmma, 2 x 1174 -> 502 us); the
+    32-layer decode step, a GEMV per linear reading W as stored, is twice eager and within 10% of its graph."""
+    m = _models()
+    t = {k: v["median_us"] for k, v in m["llama"]["systems"].items()}
+    assert t["spacefusion+graph"] < 1.05 * t["eager"]
+    d = {k: v["median_us"] for k, v in m["llama_decode"]["systems"].items()}
+    assert d["spacefusion+graph"] < d["eager"] / 1.9 and d["spacefusion+graph"] < 1.1 * d["eager+graph"]
+    assert m["llama_decode"]["manifest"]["layers"] in (None, 32)

@@ -97,6 +97,11 @@ def compile_cubin(source: str, arch: str, options: Sequence[str] = DEFAULT_NVCC_
     return out
 
 
+#: device tensor maps that a captured CUDA graph's launches read (by address, at every replay): dropped
+#: from a kernel's cache, they would be freed and their memory reused under the graph
+_GRAPHED_MAPS: dict[int, Any] = {}
+
+
 class CudaKernel:
     """A launchable artefact kernel: validates torch tensors against the params, then launches.
 
@@ -236,19 +241,24 @@ class CudaKernel:
 
     def _tensor_map(self, p: ParamSpec, t: torch.Tensor, device: int) -> torch.Tensor:
         """``p``'s tensor map of ``t``, encoded once per tensor address (a few kept per kernel)."""
+        import torch
+
         from .tensormap import TensorMapError, encode_tiled
 
-        key = (p.name, t.data_ptr(), device)
+        key = (p.name, t.data_ptr(), tuple(t.stride()), device)
         if key not in self._maps:
             if len(self._maps) >= 64:
-                self._maps.clear()
+                self._maps.clear()  # maps a captured graph reads stay alive in _GRAPHED_MAPS
             _, box, swizzle = p.tensor_map
             try:
                 self._maps[key] = encode_tiled(t, box, swizzle, p.tensor_map_dims)
             except TensorMapError as e:
                 raise KernelLaunchError(f"{self.artefact.kernel_name}: tensor map {p.name!r} of "
                                         f"{p.tensor_map[0]!r}: {e}") from None
-        return self._maps[key]
+        m = self._maps[key]
+        if torch.cuda.is_current_stream_capturing():  # a replay reads it by address: never free it
+            _GRAPHED_MAPS.setdefault(m.data_ptr(), m)
+        return m
 
     def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Match tensors to params by name, allocate missing outputs, and check every tensor."""

@@ -134,12 +134,11 @@ def traffic_table() -> str:
 
 def tuning_times() -> dict[str, dict[str, float]]:
     """Per model, search + build (nvcc included) of its distinct subgraphs' first picks from an empty cubin
-    cache (the first-pick run, history/e2e_h100_first_picks.json; LLaMA decode from e2e_h100.json)."""
+    cache on the 2-core machine (tuning_time_cpu.json), and the first whole-model run's (under load)."""
+    now = json.loads((RESULTS / "tuning_time_cpu.json").read_text())["models"]
     first = json.loads((RESULTS / "history" / "e2e_h100_first_picks.json").read_text())["models"]
-    now = json.loads((RESULTS / "e2e_h100.json").read_text())["models"]
-    out = {k: m["manifest"] for k, m in first.items()} | {"llama_decode": now["llama_decode"]["manifest"]}
-    return {k: {"capture_s": m["capture_s"], "search_s": m["search_s"], "distinct": len(m["kernels"])}
-            for k, m in out.items()}
+    return {k: {"capture_s": m["capture_s"], "search_s": m["search_s"], "distinct": m["distinct"],
+                "before_s": first[k]["manifest"]["search_s"]} for k, m in now.items()}
 
 
 def e2e_table() -> str:
@@ -226,10 +225,12 @@ def _draw_subgraphs(plt: Any) -> list[Path]:
     tt = tuning_times()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(tt)
-    ax.bar(names, [tt[n]["search_s"] for n in names], label="search + nvcc of the first picks")
+    _bars(ax, names, {"first whole-model run (machine busy)": [tt[n]["before_s"] for n in names],
+                      "now, empty cubin cache, machine idle": [tt[n]["search_s"] for n in names]})
+    ax.lines[0].remove()  # _bars' speedup baseline at 1
     ax.axhline(60, color="black", linewidth=0.6, linestyle="--", label="goal: 60 s")
     ax.set_ylabel("seconds on a 2-core CPU")
-    ax.set_title("Tuning time per model (paper: BERT 68 s, ViT 77 s)")
+    ax.set_title("Search + nvcc of the first picks per model (paper: BERT 68 s, ViT 77 s)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.append(FIGURES / "tuning_time.png")

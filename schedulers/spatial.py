@@ -26,8 +26,21 @@ class DimDecision:
     recomputes: tuple[str, ...] = ()
 
 
+#: analyse_spatial's decisions by SMG content key: the search builds tens of thousands of schedules of
+#: one SMG, each asking again (7 of the 42 s that ranking a causal LLaMA attention took)
+_DECISIONS: dict[str, tuple[DimDecision, ...]] = {}
+
+
 def analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
-    """Decide for every dim of ``smg`` whether the spatial slicer may cut it."""
+    """Decide for every dim of ``smg`` whether the spatial slicer may cut it (memoised per content key)."""
+    if smg.key not in _DECISIONS:
+        if len(_DECISIONS) > 4096:
+            _DECISIONS.clear()
+        _DECISIONS[smg.key] = _analyse_spatial(smg)
+    return _DECISIONS[smg.key]
+
+
+def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
     produced = {op.out for op in smg.ops}
     out_dims = {d for o in smg.outputs for d in smg.space(o).dims}
     decisions = []

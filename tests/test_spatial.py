@@ -111,3 +111,15 @@ def test_reasons_name_user_ops() -> None:
 def test_every_decision_has_a_reason(factory) -> None:
     for d in analyse_spatial(factory()):
         assert d.reason and d.dim in d.reason
+
+
+def test_decisions_are_memoised_per_content_key() -> None:
+    """The search asks for every candidate: the memo answers by content key, equal to a fresh analysis."""
+    from schedulers.spatial import _analyse_spatial, analyse_spatial
+    from smg import patterns
+
+    a, b = patterns.attention(1, 2, 64, 64, 64), patterns.attention(1, 2, 64, 64, 64)
+    assert a is not b and a.key == b.key
+    assert analyse_spatial(a) is analyse_spatial(b) and analyse_spatial(a) == _analyse_spatial(b)
+    c = patterns.attention(1, 2, 64, 64, 64, causal=True)
+    assert analyse_spatial(c) == _analyse_spatial(c)

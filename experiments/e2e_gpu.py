@@ -270,6 +270,8 @@ def _profile(fn: Any, top: int = 40) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_runtime import timing_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -282,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("art", type=Path)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--warmup", type=int, default=5)
-    r.add_argument("--iters", type=int, default=30)
-    r.add_argument("--repeats", type=int, default=3)
+    timing_args(r, warmup=5, iters=30)
     r.add_argument("--no-compile", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "build":

@@ -280,7 +280,9 @@ def ncu_bytes(csv_path: Path, legend: list[dict[str, Any]]) -> dict[tuple[str, s
     """(key, system) -> bytes per metric and kernels, from ncu's ``--csv`` log: every kernel after marker
     i and before the END marker belongs to legend entry i."""
     text = csv_path.read_text().splitlines()
-    start = next(i for i, line in enumerate(text) if line.startswith('"ID"'))
+    start = next((i for i, line in enumerate(text) if line.startswith('"ID"')), None)
+    if start is None:
+        raise SystemExit(f"{csv_path}: no ncu CSV table (no '\"ID\"' header); was it written by ncu --csv --log-file?")
     by_marker = {e["marker"]: (e["key"], e["system"]) for e in legend}
     out: dict[tuple[str, str], dict[str, float]] = {}
     cur: tuple[str, str] | None = None
@@ -299,10 +301,20 @@ def ncu_bytes(csv_path: Path, legend: list[dict[str, Any]]) -> dict[tuple[str, s
     return out
 
 
+def _ncu_of(csv_path: Path) -> dict[tuple[str, str], dict[str, float]]:
+    """``ncu_bytes`` of an ncu log and the marker legend ``bytes`` wrote beside it."""
+    legend = csv_path.parent / "ncu_markers.json"
+    if not legend.is_file() or not csv_path.is_file():
+        raise SystemExit(f"{csv_path} and {legend} must both exist: run the bytes pass under ncu and copy "
+                         f"ART/ncu_markers.json beside the CSV")
+    return ncu_bytes(csv_path, json.loads(legend.read_text()))
+
+
 def merge(results: Path, csv_path: Path) -> int:
+    if not results.is_file():
+        raise SystemExit(f"{results}: no results file; write it with e2e_subgraphs.py run, or use bytes-only")
     res = json.loads(results.read_text())
-    legend = json.loads((csv_path.parent / "ncu_markers.json").read_text())
-    got = ncu_bytes(csv_path, legend)
+    got = _ncu_of(csv_path)
     for row in res["subgraphs"]:
         for name, sysrow in row.get("systems", {}).items():
             if (row["key"], name) in got:
@@ -316,7 +328,7 @@ def bytes_only(art: Path, csv_path: Path, out: Path) -> int:
     """Results with the ncu bytes alone (no timings), one row per distinct subgraph of the manifest: for a
     model whose ``run`` did not complete (the bytes pass launches each system once, outside graphs)."""
     man = json.loads((art / "manifest.json").read_text())
-    got = ncu_bytes(csv_path, json.loads((csv_path.parent / "ncu_markers.json").read_text()))
+    got = _ncu_of(csv_path)
     rows = [{"key": k["key"], "label": k["label"], "kind": k["kind"], "uses": k["uses"], "traffic": k.get("traffic"),
              "summary": k.get("summary"), "systems": {s: {"ncu": v} for (key, s), v in got.items() if key == k["key"]}}
             for k in man["kernels"]]
@@ -327,14 +339,14 @@ def bytes_only(art: Path, csv_path: Path, out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_runtime import timing_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("art", type=Path)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--warmup", type=int, default=10)
-    r.add_argument("--iters", type=int, default=100)
-    r.add_argument("--repeats", type=int, default=3)
+    timing_args(r)
     r.add_argument("--no-compile", action="store_true")
     b = sub.add_parser("bytes")
     b.add_argument("art", type=Path)

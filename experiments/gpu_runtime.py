@@ -37,3 +37,10 @@ def runtime_module(name: str) -> ModuleType:
     """A submodule of the runtime ('artefact', 'gpu', 'timing'), loaded by file path."""
     load_runtime()
     return importlib.import_module(f"{RUNTIME_PKG}.{name}")
+
+
+def timing_args(parser, warmup: int = 10, iters: int = 100, repeats: int = 3) -> None:
+    """The GPU scripts' timing flags (``--warmup``, ``--iters``, ``--repeats``), one definition for all."""
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--iters", type=int, default=iters, help="timed runs per system (median reported)")
+    parser.add_argument("--repeats", type=int, default=repeats, help="rounds in which the systems take turns")

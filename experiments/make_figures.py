@@ -158,6 +158,14 @@ def _bars(ax: Any, groups: list[str], series: dict[str, list[float]]) -> None:
     ax.axhline(1.0, color="black", linewidth=0.6)
 
 
+def _save(fig: Any, ax: Any, name: str) -> Path:
+    """Legend, layout and the PNG in paper_figures/ (the figures' common ending)."""
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(FIGURES / name, dpi=120)
+    return FIGURES / name
+
+
 def draw() -> list[Path]:
     import matplotlib
 
@@ -172,10 +180,7 @@ def draw() -> list[Path]:
     _bars(ax, [label for _, label in E2E_MODELS], series)
     ax.set_ylabel("speedup over eager PyTorch")
     ax.set_title("Whole models on the H100 (fp16); paper: 3.54x average over HuggingFace")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.append(FIGURES / "e2e_h100.png")
-    fig.savefig(out[-1], dpi=120)
+    out.append(_save(fig, ax, "e2e_h100.png"))
     rows = unseen_ratios()
     fig, ax = plt.subplots(figsize=(10, 4))
     _bars(ax, [r[0] for r in rows], {"first pick / cuDNN": [r[1] for r in rows],
@@ -184,10 +189,7 @@ def draw() -> list[Path]:
     ax.set_ylabel("speedup (higher is faster)")
     ax.set_title("Attention on shapes nobody hand-tuned, one tuning round each (H100, fp16); "
                  "paper: MHA ~ FlashAttention-2")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.append(FIGURES / "attention_unseen_h100.png")
-    fig.savefig(out[-1], dpi=120)
+    out.append(_save(fig, ax, "attention_unseen_h100.png"))
     if (RESULTS / "e2e_subgraphs_h100.json").is_file():
         out += _draw_subgraphs(plt)
     plt.close("all")
@@ -204,10 +206,7 @@ def _draw_subgraphs(plt: Any) -> list[Path]:
     ax.set_yscale("log")
     ax.set_ylabel("spacefusion speedup (log)")
     ax.set_title("Fused subgraphs of the models, each in a CUDA graph, L2 flushed (H100, fp16)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.append(FIGURES / "subgraphs_h100.png")
-    fig.savefig(out[-1], dpi=120)
+    out.append(_save(fig, ax, "subgraphs_h100.png"))
     rows = traffic_rows()
     fig, ax = plt.subplots(figsize=(13, 4.8))
     _bars(ax, [r["name"] for r in rows], {
@@ -218,10 +217,7 @@ def _draw_subgraphs(plt: Any) -> list[Path]:
     ax.set_yscale("log")
     ax.set_ylabel("device-memory MB (log)")
     ax.set_title("Device-memory traffic, the traffic model against Nsight Compute (DRAM reads + SM writes; H100)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.append(FIGURES / "traffic_h100.png")
-    fig.savefig(out[-1], dpi=120)
+    out.append(_save(fig, ax, "traffic_h100.png"))
     tt = tuning_times()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(tt)
@@ -231,10 +227,7 @@ def _draw_subgraphs(plt: Any) -> list[Path]:
     ax.axhline(60, color="black", linewidth=0.6, linestyle="--", label="goal: 60 s")
     ax.set_ylabel("seconds on a 2-core CPU")
     ax.set_title("Search + nvcc of the first picks per model (paper: BERT 68 s, ViT 77 s)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.append(FIGURES / "tuning_time.png")
-    fig.savefig(out[-1], dpi=120)
+    out.append(_save(fig, ax, "tuning_time.png"))
     return out
 
 

@@ -272,6 +272,8 @@ def format_shape(shape: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_runtime import timing_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -281,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("art", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--shapes", nargs="*", default=None)
-    r.add_argument("--warmup", type=int, default=10)
-    r.add_argument("--iters", type=int, default=100)
-    r.add_argument("--repeats", type=int, default=3)
+    timing_args(r)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "build":

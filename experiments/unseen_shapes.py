@@ -382,6 +382,8 @@ def report(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gpu_runtime import timing_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -394,9 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("art", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--shapes", nargs="*", default=None)
-    r.add_argument("--warmup", type=int, default=10)
-    r.add_argument("--iters", type=int, default=100)
-    r.add_argument("--repeats", type=int, default=3)
+    timing_args(r)
     p = sub.add_parser("report")
     p.add_argument("results", type=Path)
     c = sub.add_parser("records")

@@ -158,6 +158,9 @@ def _graphed(fn: Any, args: tuple) -> Any:
         g.replay()
         return out
 
+    # a replay reads by address what ``fn`` owns (a fused module's re-laid weights, its kernels' loaded
+    # modules, their tensor maps) and ``args``: dropped, they would be freed and reused under the graph
+    replay.keep_alive = (fn, args)  # type: ignore[attr-defined]
     return replay
 
 

@@ -22,8 +22,10 @@ sys.path.insert(0, str(ROOT / "experiments"))
 E2E_SYSTEMS = (("eager", "eager PyTorch"), ("torch.compile", "torch.compile"),
                ("eager+graph", "eager + CUDA graph"), ("torch.compile(reduce-overhead)", "torch.compile (graphs)"),
                ("spacefusion+graph", "spacefusion + CUDA graph"))
-E2E_MODELS = (("bert", "BERT-base 8x128"), ("vit", "ViT-B/16 8x197"), ("llama", "LLaMA-2-7B 4 layers 1x2048"),
-              ("llama_decode", "LLaMA-2-7B 32 layers decode, KV 4096"))
+E2E_MODELS = (("bert", "BERT-base 8x128"), ("bert512", "BERT-base 8x512"), ("vit", "ViT-B/16 8x197"),
+              ("llama", "LLaMA-2-7B 4 layers 1x2048"), ("llama32", "LLaMA-2-7B 32 layers 1x2048"),
+              ("llama_decode", "LLaMA-2-7B 32 layers decode, KV 4096"),
+              ("llama_gqa_decode", "LLaMA-2-7B GQA (8 KV heads) decode, KV 4096"))
 
 
 def e2e_speedups() -> dict[str, dict[str, float]]:
@@ -146,7 +148,8 @@ def e2e_table() -> str:
     head = "| model | " + " | ".join(label for _, label in E2E_SYSTEMS) + " |"
     lines = [head, "|---" * (len(E2E_SYSTEMS) + 1) + "|"]
     for key, label in E2E_MODELS:
-        lines.append(f"| {label} | " + " | ".join(f"{sp[key][s]:.2f}x" for s, _ in E2E_SYSTEMS) + " |")
+        lines.append(f"| {label} | " + " | ".join(f"{sp[key][s]:.2f}x" if s in sp[key] else "not run"
+                                                  for s, _ in E2E_SYSTEMS) + " |")
     return "\n".join(lines)
 
 
@@ -175,8 +178,8 @@ def draw() -> list[Path]:
     FIGURES.mkdir(exist_ok=True)
     out = []
     sp = e2e_speedups()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    series = {label: [sp[k][s] for k, _ in E2E_MODELS] for s, label in E2E_SYSTEMS}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    series = {label: [sp[k].get(s, float("nan")) for k, _ in E2E_MODELS] for s, label in E2E_SYSTEMS}
     _bars(ax, [label for _, label in E2E_MODELS], series)
     ax.set_ylabel("speedup over eager PyTorch")
     ax.set_title("Whole models on the H100 (fp16); paper: 3.54x average over HuggingFace")

@@ -18,7 +18,7 @@ from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.hardware import H100, HardwareModel
 from schedulers.spatial import DimDecision, analyse_spatial
 from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
-from smg.hashing import content_key
+from smg.hashing import canonical_text, text_key
 from smg.ir import SMG
 from smg.serialize import smg_from_dict, smg_to_dict
 
@@ -27,6 +27,10 @@ LEVELS = ("global", "shared", "register", "inlined")
 VECTORS = (1, 2, 4, 8)  # serial elements per vector access of a lane (CUDA-core kernels)
 LANES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # threads sharing a tile element's reductions
 MAX_VECTOR_BYTES = 16  # the widest global load/store of one thread
+
+
+#: where ``Schedule.key`` splices the SMG's canonical text into the schedule's
+_SMG_SLOT = "@@spacefusion-smg-canonical-text@@"
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,12 @@ class Schedule:
 
     @cached_property
     def key(self) -> str:
-        return content_key(self.to_dict())
+        """``content_key(self.to_dict())``, with the SMG's canonical text (built once per graph) spliced
+        in rather than re-serialised for every candidate: the same digest, a fifth of ranking time less."""
+        body = self._fields()
+        body["smg"] = _SMG_SLOT
+        text = canonical_text(body).replace(f'"smg":"{_SMG_SLOT}"', '"smg":' + self.smg.canonical_text, 1)
+        return text_key(text)
 
     @property
     def tiles(self) -> dict[str, int]:
@@ -168,10 +177,13 @@ class Schedule:
 
     # -- serialisation ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        return {**self._fields(), "smg": smg_to_dict(self.smg)}
+
+    def _fields(self) -> dict[str, Any]:
+        """Every field of ``to_dict`` but the SMG."""
         p = self.plan
         return {
             "format": FORMAT,
-            "smg": smg_to_dict(self.smg),
             "block": [list(b) for b in self.block],
             "thread_dim": self.thread_dim,
             "serial": self.serial,

@@ -21,7 +21,16 @@ def canonical(obj: Any) -> Any:
     return obj
 
 
+def canonical_text(obj: Any) -> str:
+    """The canonical JSON text of ``obj`` (sorted keys, no spaces): what ``content_key`` hashes."""
+    return json.dumps(canonical(obj), sort_keys=True, separators=(",", ":"))
+
+
+def text_key(text: str) -> str:
+    """sha256 hex digest of a canonical text (``canonical_text``)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def content_key(obj: Any) -> str:
     """sha256 hex digest of the canonical JSON form of ``obj``."""
-    text = json.dumps(canonical(obj), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return text_key(canonical_text(obj))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from smg.errors import ShapeError, UnknownAxisError
-from smg.hashing import content_key
+from smg.hashing import canonical_text, text_key
 
 COMBINERS = ("none", "sum", "max")
 
@@ -203,8 +203,13 @@ class SMG:
 
     # -- lookup -----------------------------------------------------------------
     @cached_property
+    def canonical_text(self) -> str:
+        """The graph's canonical JSON, built once: every schedule's key embeds it (``Schedule.key``)."""
+        return canonical_text(self)
+
+    @cached_property
     def key(self) -> str:
-        return content_key(self)
+        return text_key(self.canonical_text)
 
     @cached_property
     def dim_sizes(self) -> dict[str, int]:

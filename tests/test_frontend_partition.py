@@ -64,9 +64,14 @@ def test_llama_prefill_gated_mlp_gqa_and_rope_left_to_torch(kv_heads: int) -> No
     assert (c["norm"], c["residual_norm"]) == (1, 2 * LAYERS)
     att = next(s for s in p.subgraphs if s.kind == "attention").smg
     assert dict(att.attrs)["causal"] == "True" and dict(att.attrs)["kv_heads"] == str(kv_heads)
-    if kv_heads != 4:  # Q viewed as [b, kv_heads, group, s, d]
-        q = next(o for s in p.subgraphs if s.kind == "attention" for o in s.operands if o.space == "Q")
-        assert q.shape == (1, kv_heads, 4 // kv_heads, 16, 16)
+    # RoPE's outputs keep split_heads' strides: Q, K, V are read where they lie, as [b, s, h, d] (GQA's Q
+    # as [b, s, kv_heads, group, d]), through a permuted view, and merge_heads' transpose is the kernel's
+    sub = next(s for s in p.subgraphs if s.kind == "attention")
+    assert dict(att.attrs)["layout"] == "bshd" and sub.label.endswith("bshd")
+    ops = {o.space: o for o in sub.operands}
+    assert all(o.permute == (0, 2, 1, 3) for o in ops.values())
+    assert ops["Q"].shape == ((1, 16, 4, 16) if kv_heads == 4 else (1, 16, kv_heads, 4 // kv_heads, 16))
+    assert ops["K"].shape == (1, 16, kv_heads, 16)
     rope = [op for op in p.left if op.reason == ROPE]
     assert {"Tensor.chunk", "operator.neg", "torch.cat"} <= {op.op for op in rope}
     assert all(s.kind != "gemm" or "bias" not in s.label for s in p.subgraphs)
@@ -78,6 +83,7 @@ def test_llama_decode_attends_to_cache_without_causal_mask() -> None:
     att = [s for s in p.subgraphs if s.kind == "attention"]
     assert len(att) == LAYERS
     assert dict(att[0].smg.attrs)["causal"] == "False"
+    assert "layout" not in dict(att[0].smg.attrs)  # the cache's K/V lie as [b, h, s, d]: bhsd, no permute
     assert att[0].smg.dim_sizes["m"] == 1 and att[0].smg.dim_sizes["l"] == 9
     cats = [op for op in p.left if op.op == "torch.cat" and op.reason == CONCAT]
     assert len(cats) == 2 * LAYERS  # the KV-cache appends

@@ -218,11 +218,42 @@ def test_hf_encoders_take_bshd_attention_without_transposes(name) -> None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_llama_keeps_bhsd_attention_behind_rope() -> None:
-    """RoPE runs after split_heads, so Q and K are [b, h, s, d] tensors, not views of a projection."""
+def test_llama_binds_ropes_outputs_where_they_lie() -> None:
+    """RoPE runs after split_heads, so Q and K are computed [b, h, s, d] tensors, not views; but torch gives
+    them split_heads' strides, so they lie as [b, s, h, d] and the bshd pattern reads them through a permuted
+    view: no copy before the kernel, merge_heads' transpose after it is the kernel's."""
     m = LlamaModel(LlamaConfig.tiny(layers=1, kv_heads=2))
-    att = _attention_subgraphs(partition(capture(m, *m.example_inputs(1, 16)).module))
-    assert [dict(s.smg.attrs).get("layout", "bhsd") for s in att] == ["bhsd"]
+    p = partition(capture(m, *m.example_inputs(1, 16)).module)
+    att = _attention_subgraphs(p)
+    assert [dict(s.smg.attrs).get("layout", "bhsd") for s in att] == ["bshd"]
+    assert {o.permute for o in att[0].operands} == {(0, 2, 1, 3)}
+
+
+class _Scaled(nn.Module):
+    """An element-wise op between split_heads and the attention; ``packed``: its output made contiguous."""
+
+    def __init__(self, packed: bool) -> None:
+        super().__init__()
+        self.proj, self.packed = nn.Linear(32, 32), packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).unflatten(-1, (4, 8)).transpose(1, 2) * 0.5
+        q = q.contiguous() if self.packed else q
+        return F.scaled_dot_product_attention(q, q, q).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_operands_are_bound_by_their_strides_and_the_fused_model_matches(packed: bool) -> None:
+    """Laid out as [b, s, h, d] (an element-wise op keeps split_heads' strides) the operands are read through
+    a permuted view; made contiguous ([b, h, s, d] in memory) they keep the bhsd pattern.  Both fused models
+    match eager."""
+    torch.manual_seed(0)
+    model, x = _Scaled(packed).eval(), torch.randn(2, 16, 32)
+    fused = fuse(model, x, backend="reference")
+    att = _attention_subgraphs(fused.partition)
+    assert [dict(s.smg.attrs).get("layout", "bhsd") for s in att] == ["bhsd" if packed else "bshd"]
+    assert {o.permute for o in att[0].operands} == ({None} if packed else {(0, 2, 1, 3)})
+    torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
 
 
 class _FusedQKV(nn.Module):

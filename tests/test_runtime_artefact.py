@@ -333,3 +333,38 @@ def test_cuda_kernel_runs_on_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     smem = CudaKernel(KernelArtefact.save(tmp_path / "smem", VADD_SOURCE, smem_meta))
     x = torch.randn(16384, device="cuda")
     torch.testing.assert_close(smem(A=x)["C"], x.flip(0))
+
+
+@pytest.mark.cuda
+def test_a_graphed_replay_keeps_what_its_launches_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """e2e_subgraphs replaced each system by its graph's replay; the kernel (its cupy module) and the
+    inputs the graph reads by address were then freed, and a replay hit an illegal address.  The replay
+    now owns them: with every other reference dropped and the memory churned it still computes a + 2b."""
+    import gc
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    sys.path.insert(0, str(REPO_ROOT / "experiments"))
+    from e2e_gpu import _graphed
+
+    from spacefusion.runtime.gpu import CudaKernel
+
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cache"))
+    major, minor = torch.cuda.get_device_capability()
+    vec = [{"name": n, "shape": [1000], "dtype": "float32", "role": "input"} for n in ("A", "B")]
+    meta = _meta(kernel_name="vadd", arch=f"sm_{major}{minor}", grid=[4], block=[256],
+                 params=[*vec, {"name": "C", "shape": [1000], "dtype": "float32", "role": "output"}],
+                 param_order=["B", "C", "A"], workload={"name": "vadd"})
+    kernel = CudaKernel(KernelArtefact.save(tmp_path / "vadd", VADD_SOURCE, meta))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(1000, device="cuda", generator=gen) for _ in range(2))
+    want = a + 2 * b
+    replay = _graphed(lambda x, k=kernel, w=b: k(A=x, B=w)["C"], (a,))  # the only references left
+    del kernel, a, b
+    gc.collect()
+    churn = [torch.full((1000,), 7.0, device="cuda") for _ in range(64)]
+    torch.testing.assert_close(replay(), want)
+    torch.cuda.synchronize()
+    del churn

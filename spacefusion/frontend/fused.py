@@ -32,7 +32,8 @@ class FusedKernel(nn.Module):
                                      persistent=False)
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs = {op.space: a.reshape(op.shape) for op, a in zip(self.values, args)}
+        inputs = {op.space: (a.permute(op.permute) if op.permute else a).reshape(op.shape)
+                  for op, a in zip(self.values, args)}
         inputs |= {name: getattr(self, name) for name in self.consts}
         out = self.kernel(inputs)
         return tuple(out[r.space].reshape(r.shape) for r in self.sub.results)

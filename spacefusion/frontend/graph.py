@@ -42,6 +42,18 @@ def contiguous(node: Any) -> bool:
     return all(n == 1 or s == w for n, s, w in zip(tuple(meta.shape)[::-1], tuple(meta.stride)[::-1], want))
 
 
+def heads_interleaved(node: Any) -> bool:
+    """Whether ShapeProp saw ``node``, a [b, h, s, d] value, lying in memory as a packed [b, s, h, d]
+    tensor: HF's split_heads view, and what element-wise ops on it (RoPE) return, since torch gives their
+    outputs their input's strides.  A bshd kernel reads it where it lies."""
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    if meta is None or not hasattr(meta, "stride") or len(meta.shape) != 4:
+        return False
+    (b, h, s, d), stride = tuple(meta.shape), tuple(meta.stride)
+    want = (s * h * d, d, h * d, 1)
+    return all(n == 1 or st == w for n, st, w in zip((b, h, s, d), stride, want))
+
+
 def swapped_dims_1_2(node: Any) -> fx.Node | None:
     """The input of ``node`` when ``node`` swaps dims 1 and 2 of a 4-d tensor (``transpose(1, 2)`` or
     ``permute(0, 2, 1, 3)``, as method or function): HF's split_heads / merge_heads transpose."""

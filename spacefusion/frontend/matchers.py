@@ -24,6 +24,7 @@ from spacefusion.frontend.graph import (
     activation_of,
     contiguous,
     dtype,
+    heads_interleaved,
     is_function,
     linear_of,
     norm_of,
@@ -48,8 +49,8 @@ class Context:
         self.refused.setdefault(node.name, reason)
 
 
-def _value(space: str, node: fx.Node, shp: tuple[int, ...]) -> Operand:
-    return Operand(space, "value", node.name, tuple(shp))
+def _value(space: str, node: fx.Node, shp: tuple[int, ...], permute: tuple[int, ...] | None = None) -> Operand:
+    return Operand(space, "value", node.name, tuple(shp), permute=permute)
 
 
 def _param(space: str, ref: str, shp: tuple[int, ...], transpose: bool = False) -> Operand:
@@ -81,16 +82,26 @@ def _heads_split(x: fx.Node, sdpa: fx.Node, ctx: Context) -> fx.Node | None:
     return src if shape(src) == (b, s, h, d) else None
 
 
+#: how a [b, h, s, d] operand lying as [b, s, h, d] is viewed as the bshd space
+TO_BSHD = (0, 2, 1, 3)
+
+
 def _bshd(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, ctx: Context
-          ) -> tuple[tuple[fx.Node, fx.Node, fx.Node], fx.Node] | None:
-    """((Q, K, V) [b, s, h, d] sources, the output's transpose) where HF's split_heads / merge_heads
-    surround the attention: every operand the transpose of a packed [b, s, h, d] node and the output read
-    only through ``transpose(1, 2)``.  Else None: the bhsd pattern, on copies of the views."""
-    srcs = tuple(_heads_split(x, node, ctx) for x in (q, k, v))
+          ) -> tuple[tuple[fx.Node, fx.Node, fx.Node], tuple[int, ...] | None, fx.Node] | None:
+    """((Q, K, V) sources, the permutation they are read through, the output's transpose) where the
+    attention's output is read only through merge_heads' ``transpose(1, 2)`` and its operands lie as
+    [b, s, h, d]: HF's split_heads views of packed projections (the sources are then the packed nodes,
+    their transposes taken into the subgraph), or values torch laid out that way (RoPE's outputs keep
+    split_heads' strides: read through ``TO_BSHD``).  Else None: the bhsd pattern, on copies."""
     out = single_user(node)
-    if any(x is None for x in srcs) or out is None or swapped_dims_1_2(out) is not node or not ctx.free(out):
+    if out is None or swapped_dims_1_2(out) is not node or not ctx.free(out):
         return None
-    return srcs, out
+    srcs = tuple(_heads_split(x, node, ctx) for x in (q, k, v))
+    if all(x is not None for x in srcs):
+        return srcs, None, out  # type: ignore[return-value]
+    if all(heads_interleaved(x) for x in (q, k, v)):
+        return (q, k, v), TO_BSHD, out
+    return None
 
 
 def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -134,9 +145,9 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         q_shape = sq if hk == h else (b, hk, h // hk, m, d)
         return _subgraph("attention", label, (node,), smg, [_value("Q", q, q_shape), _value("K", k, sk),
                                                              _value("V", v, sv)], {"O": node})
-    (qs, ks, vs), out = bshd
-    ops = [_value(sp, x, smg.shape(sp)) for sp, x in (("Q", qs), ("K", ks), ("V", vs))]
-    nodes = (*dict.fromkeys((q, k, v)), node, out)
+    (qs, ks, vs), permute, out = bshd
+    ops = [_value(sp, x, smg.shape(sp), permute) for sp, x in (("Q", qs), ("K", ks), ("V", vs))]
+    nodes = (*(dict.fromkeys((q, k, v)) if permute is None else ()), node, out)
     return _subgraph("attention", f"{label} bshd", nodes, smg, ops, {"O": out})
 
 

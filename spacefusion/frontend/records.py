@@ -14,6 +14,8 @@ class Operand:
     """How one SMG input is fed: a graph value or a model parameter, viewed with the space's shape.
 
     ``transpose``: an ``nn.Linear`` stores W[n, k]; the GEMM patterns take B[k, n] (torch's ``A @ B``).
+    ``permute``: the value is viewed through this permutation of its dims before the reshape: a
+    [b, h, s, d] value lying as [b, s, h, d] (after RoPE) is bound to a bshd space without a copy.
     """
 
     space: str
@@ -21,6 +23,7 @@ class Operand:
     ref: str
     shape: tuple[int, ...]
     transpose: bool = False
+    permute: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

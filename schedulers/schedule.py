@@ -16,7 +16,7 @@ import numpy as np
 
 from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.hardware import H100, HardwareModel
-from schedulers.spatial import DimDecision, analyse_spatial
+from schedulers.spatial import DimDecision, analyse_spatial, elementwise_serial
 from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
 from smg.hashing import canonical_text, text_key
 from smg.ir import SMG
@@ -322,7 +322,11 @@ def _check_vector(smg: SMG, vector: int, step: int, lanes: int, serial: str, ten
 
 def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
     """The reduced dim whose slicing removes the largest on-chip footprint,
-    among those the temporal slicer accepts."""
+    among those the temporal slicer accepts; an element-wise graph's is its outputs' innermost dim
+    (``schedulers.spatial.elementwise_serial``)."""
+    row = elementwise_serial(smg)
+    if row is not None:
+        return row
     cut = {d.dim for d in spatial if d.cut}
     sizes = smg.dim_sizes
     cands = [d.dim for d in spatial if not d.cut and any(d.dim in op.reduce for op in smg.ops)]

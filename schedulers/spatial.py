@@ -40,11 +40,30 @@ def analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
     return _DECISIONS[smg.key]
 
 
+def elementwise_serial(smg: SMG) -> str | None:
+    """The serial dim of an element-wise graph (no op reduces): the innermost dim of every output, which a
+    block streams whole in contiguous runs (16-byte vector accesses along the row).  None where some op
+    reduces (the temporal slicer's serial dim is then a reduced one) or the outputs end in different dims.
+
+    A graph without reductions could be cut along every dim; keeping the rows' dim whole gives the
+    CUDA-core lowering its serial loop (and reads at ``j +- c`` along it, RoPE's rotate-half, stay in the
+    block's own rows)."""
+    if not smg.ops or any(op.reduce for op in smg.ops):
+        return None
+    lasts = {smg.space(o).dims[-1] if smg.space(o).dims else None for o in smg.outputs}
+    return lasts.pop() if len(lasts) == 1 and None not in lasts else None
+
+
 def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
     produced = {op.out for op in smg.ops}
     out_dims = {d for o in smg.outputs for d in smg.space(o).dims}
+    row = elementwise_serial(smg)
     decisions = []
     for dim in (d.name for d in smg.dims):
+        if dim == row:
+            decisions.append(DimDecision(dim, False, f"element-wise graph: {dim}, the outputs' innermost dim, is "
+                                                     f"the serial dim a block streams whole (contiguous runs)"))
+            continue
         reducers = [op.out for op in smg.ops if dim in op.reduce]
         recompute = sorted({
             e.src for e in smg.edges

@@ -26,6 +26,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.errors import TemporalSliceError
+from schedulers.spatial import elementwise_serial
 from smg.expr import body_expr, symbol
 from smg.ir import SMG
 
@@ -304,6 +305,8 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
         raise TemporalSliceError(f"serial dim {serial!r} is not a dimension of {smg.name!r}")
     cls = classify(smg, serial)
     state_ops = [op for op in smg.ops if cls[op.out] == "state"]
+    if not state_ops and serial == elementwise_serial(smg):
+        return _elementwise_plan(smg, serial)
     if not state_ops:
         raise TemporalSliceError(f"no op of {smg.name!r} reduces over {serial!r}; nothing to slice")
     for o in smg.outputs:
@@ -348,6 +351,24 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
     )
     check_update_functions(plan)
     return plan
+
+
+def _elementwise_plan(smg: SMG, serial: str) -> TemporalPlan:
+    """The plan of a graph no op reduces, along its rows' dim: no states, every output stored in the pass
+    over the steps.  An output whose accesses are plain and that no op reads is inlined into its store (the
+    store's vector reads take its inputs); the other ops are streamed, materialised per step: one that
+    gathers (``j +- c``) would lose its accesses' index expressions in an inlined body."""
+    inlined = tuple(o for o in smg.outputs
+                    if all(a.plain for a in smg.producer(o).inputs) and not smg.consumers(o))
+    cls = {op.out: "post" if op.out in inlined else "streamed" for op in smg.ops}
+    return TemporalPlan(
+        serial=serial,
+        streamed=tuple(op.out for op in smg.ops if op.out not in inlined),
+        states=(),
+        finalize=tuple((o, str(_inline(smg, symbol(o), cls))) for o in smg.outputs),
+        inlined=inlined,
+        second_pass=tuple(smg.outputs),
+    )
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?!\s*\()")

@@ -32,7 +32,7 @@ from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
 from schedulers.resources import check_resources
 from schedulers.schedule import MAX_VECTOR_BYTES, Schedule, make_schedule
-from schedulers.spatial import analyse_spatial
+from schedulers.spatial import analyse_spatial, elementwise_serial
 from schedulers.temporal import plan_temporal
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
@@ -129,6 +129,9 @@ class SearchSpace:
 
     @cached_property
     def serials(self) -> tuple[str, ...]:
+        row = elementwise_serial(self.smg)
+        if row is not None:  # no op reduces: the rows' dim, streamed whole by each block
+            return (row,)
         cut = {d.dim for d in analyse_spatial(self.smg) if d.cut}
         out = []
         for d in self.smg.dims:

@@ -227,6 +227,19 @@ class Builder:
         index = tuple(f"floor({dims[d]}/{int(factor)})" if d in dims else d for d in x.dims)
         return self._emit(Op("upsample", self._fresh("upsample", name), out_dims, (Access(x.name, index),), x.name))
 
+    def shift(self, x: Tensor, dim: str, offset: int, name: str | None = None) -> Tensor:
+        """``x`` read ``offset`` elements along ``dim`` away: ``out[.., i, ..] = x[.., i + offset, ..]``,
+        0 where ``i + offset`` falls outside the dim (the IR's zero padding).  RoPE's rotate-half is the
+        difference of two such shifts by half the head dim."""
+        self._own(x)
+        if dim not in x.dims:
+            raise UnknownAxisError(f"cannot shift {x.name!r} along {dim!r}: its dims are {x.dims}")
+        off = int(offset)
+        if off == 0:
+            raise ValueError(f"a shift of {x.name!r} by 0 is {x.name!r} itself")
+        index = tuple(f"{d} {'+' if off > 0 else '-'} {abs(off)}" if d == dim else d for d in x.dims)
+        return self._emit(Op("shift", self._fresh("shift", name), x.dims, (Access(x.name, index),), x.name))
+
     def conv(self, x: Tensor, w: Tensor, window: dict[str, str], channel: str, pad: int = 0,
              name: str | None = None) -> Tensor:
         """Convolution (stride 1): ``out = sum_{channel, window} w * x[.., d + k_d - pad, ..]``.

@@ -174,6 +174,37 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
     return dataclasses.replace(g.build(o), attrs=attrs)
 
 
+#: RoPE's cos/sin tables: one per position shared by the batch ([s, d]), or one per sequence ([b, s, d])
+ROPE_TABLES = ("shared", "per_batch")
+
+
+def rope(batch: int, seq: int, heads: int, head_dim: int, tables: str = "shared", dtype: str = "float16",
+         layout: str = "bhsd") -> SMG:
+    """Rotary position embedding in HF's rotate-half form, ``Y = X * cos + rotate_half(X) * sin``, with
+    ``rotate_half(x) = cat(-x[d/2:], x[:d/2])`` along the head dim ``j``.
+
+    Under the IR's zero padding rotate-half is two shifts: ``rotate_half(X)[j] = X[j - d/2] - X[j + d/2]``
+    (for j < d/2 the first read is outside the row, for j >= d/2 the second), so RoPE is element-wise
+    over (b, h, s, j) with reads along the same row: no gather, no halo for a block holding whole rows.
+    cos and sin are broadcast over the heads (``tables``: and over the batch, or one table per sequence).
+    ``layout="bshd"`` declares X and Y [b, s, h, d], the memory order of HF's split_heads view of a
+    projection ([b, h, s, d] lying as [b, s, h, d]; dims align by name, so only the declaration changes)."""
+    if head_dim % 2:
+        raise ShapeError(f"RoPE rotates the two halves of the head dim; {head_dim} is odd")
+    if tables not in ROPE_TABLES:
+        raise ValueError(f"RoPE tables {tables!r}: known {ROPE_TABLES}")
+    if layout not in ATTENTION_LAYOUTS:
+        raise ValueError(f"RoPE layout {layout!r}: known {ATTENTION_LAYOUTS}")
+    g = Builder("rope", dtype)
+    dims = {"b": batch, "h": heads, "s": seq, "j": head_dim}
+    order = ("b", "s", "h", "j") if layout == "bshd" else ("b", "h", "s", "j")
+    x = g.input("X", {d: dims[d] for d in order})
+    table = {"b": batch, "s": seq, "j": head_dim} if tables == "per_batch" else {"s": seq, "j": head_dim}
+    cos, sin = g.input("Cos", table), g.input("Sin", table)
+    lo, hi = g.shift(x, "j", -head_dim // 2, name="Xlo"), g.shift(x, "j", head_dim // 2, name="Xhi")
+    return g.build(g.map("X*Cos + (Xlo - Xhi)*Sin", x, cos, sin, lo, hi, name="Y"))
+
+
 def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int, groups: int,
                       dtype: str = "float32", eps: float = 1e-6) -> SMG:
     """Seed 000's vertical chain ``Upsample(2x nearest) -> Conv2d 3x3 (pad 1) -> GroupNorm -> SiLU``.
@@ -206,4 +237,5 @@ PATTERNS = {
     "horizontal_gemms": horizontal_gemms,
     "attention": attention,
     "vae_decoder_block": vae_decoder_block,
+    "rope": rope,
 }

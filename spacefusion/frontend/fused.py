@@ -36,7 +36,8 @@ class FusedKernel(nn.Module):
                   for op, a in zip(self.values, args)}
         inputs |= {name: getattr(self, name) for name in self.consts}
         out = self.kernel(inputs)
-        return tuple(out[r.space].reshape(r.shape) for r in self.sub.results)
+        return tuple((out[r.space].permute(r.permute) if r.permute else out[r.space]).reshape(r.shape)
+                     for r in self.sub.results)
 
 
 def _unique(ops: Any) -> list[Operand]:

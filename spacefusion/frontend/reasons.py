@@ -12,13 +12,16 @@ LAYOUT_METHODS = frozenset({"view", "reshape", "transpose", "permute", "flatten"
 SHAPE_QUERIES = frozenset({"size", "dim", "shape"})
 ELEMENTWISE = frozenset({"add", "sub", "mul", "truediv", "neg", "sin", "cos", "exp", "float", "half", "to",
                          "pow", "rsqrt", "sqrt", "tanh", "sigmoid", "relu", "gelu", "silu"})
-ROPE_FUNCTIONS = ("rotate_half", "apply_rotary_pos_emb", "RotaryEmbedding")
+ROPE_FUNCTIONS = ("rotate_half", "apply_rotary_pos_emb")
 
 LAYOUT = "layout op (view/reshape/permute/index): no compute; kernels bind views of its input"
 SHAPE = "shape/device query: no tensor compute"
 CONCAT = "concatenation/stack: a copy into a new buffer (KV-cache append, CLS token), no index mapping to fuse"
 GATHER = "a data-dependent gather (rows picked by token ids) is not a globally ranged mapping"
-ROPE = "RoPE: gather/rotate-half (chunk, negate, concatenate) is not expressible as a globally ranged mapping"
+ROPE = ("RoPE not in HF's rotate-half form x * cos.unsqueeze(1) + cat(-x2, x1) * sin.unsqueeze(1), which the rope "
+        "pattern fuses: torch runs it")
+ROPE_TABLES = ("RoPE's cos/sin tables: computed once per forward from the positions (outer product, cos, sin) and "
+               "read by every layer's RoPE; no pattern covers them")
 CREATION = "tensor creation (arange/zeros): no input to fuse with"
 GUARD = "trace guard on an argument specialised to None: no compute"
 ELEMENT = "element-wise op with no fusable producer or consumer pattern next to it: torch runs it"
@@ -29,21 +32,30 @@ def _short(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
-def _in_rope(node: fx.Node) -> bool:
-    """Whether the op comes from a rotary embedding: HF's function names in its stack trace, or a
-    ``*Rotary*`` module in its module stack."""
-    trace = node.stack_trace or ""
+def _in_rotary_module(node: fx.Node) -> bool:
+    """Whether the op comes from a ``*Rotary*`` module (HF's rotary embedding: the cos/sin tables)."""
     modules = node.meta.get("nn_module_stack") or {}
-    return (any(f"in {fn}" in trace for fn in ROPE_FUNCTIONS)
-            or any("Rotary" in getattr(t, "__name__", str(t)) for _, t in modules.values()))
+    return any("Rotary" in getattr(t, "__name__", str(t)) for _, t in modules.values())
+
+
+def _in_rope(node: fx.Node) -> bool:
+    """Whether the op comes from HF's RoPE functions (their names in its stack trace)."""
+    trace = node.stack_trace or ""
+    return any(f"in {fn}" in trace for fn in ROPE_FUNCTIONS)
 
 
 def reason(node: fx.Node, gm: fx.GraphModule) -> str:
-    """The reason ``node`` (a call the matchers did not take) runs in torch."""
+    """The reason ``node`` (a call the matchers did not take) runs in torch.  RoPE's ops left over are the
+    tables' (the rotary module's) and, where the rope matcher did not take a RoPE, its compute ops; its
+    views (the tables' ``unsqueeze(1)``, shared by a layer's two RoPEs) are layout ops like any other."""
     name = _short(node)
     if name.startswith("_assert"):
         return GUARD
-    if _in_rope(node) and name not in SHAPE_QUERIES:
+    if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
+        return SHAPE
+    if _in_rotary_module(node):
+        return ROPE_TABLES
+    if _in_rope(node) and name not in LAYOUT_METHODS and node.target is not operator.getitem:
         return ROPE
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)

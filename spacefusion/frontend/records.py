@@ -28,16 +28,21 @@ class Operand:
 
 @dataclass(frozen=True)
 class Result:
-    """An SMG output standing for an fx node, viewed back to the node's shape."""
+    """An SMG output standing for an fx node, viewed back to the node's shape.
+
+    ``permute``: the output is viewed through this permutation of its dims before the reshape: RoPE's
+    [b, s, h, d] output goes back as the [b, h, s, d] view torch's RoPE returns (same strides, no copy)."""
 
     space: str
     node: str
     shape: tuple[int, ...]
+    permute: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Subgraph:
-    """Fx nodes fused into one SMG (one kernel); ``kind`` is attention, gemm, gated_gemm, norm, residual_norm."""
+    """Fx nodes fused into one SMG (one kernel); ``kind`` is attention, gemm, gated_gemm, norm, residual_norm,
+    rope."""
 
     kind: str
     label: str

@@ -170,6 +170,12 @@ class _Kernel:
         producer's body (its halo is not in any tile), so it must read only inputs.
         """
         space = self.smg.space(acc.space)
+        if VEC_I in env and acc.space in self.smg.inputs:
+            off = _serial_offset(acc, space.dims, self.s.serial)
+            copy = self.regs.get(_shift_key(acc.space, off)) if off is not None else None
+            if copy is not None:  # the run's wide copy (``shift_reads``): zeros already where outside
+                val = copy[env[VEC_I]]
+                return val if copy.dtype == F32 else tirx.Cast(F32, val)
         pos = [to_tir_int(c, lambda d: self.dim_value(d, env)) for c in acc.index]
         sizes = [self.sizes[d] for d in space.dims]
         ok = tirx.all(*[tirx.all(p >= 0, p < n) for p, n in zip(pos, sizes)])
@@ -221,7 +227,7 @@ class _Kernel:
 
     # -- loop helpers -------------------------------------------------------------
     def loops(self, dims: tuple[str, ...], stack: ExitStack, reads: tuple[str, ...] = (),
-              writes: tuple[str, ...] = ()) -> dict[str, tirx.PrimExpr]:
+              writes: tuple[str, ...] = (), shifts: tuple[tuple[str, int], ...] = ()) -> dict[str, tirx.PrimExpr]:
         """Loops over ``dims``; the serial dim visits only this lane's elements of the step.
 
         With a vector width > 1 the serial dim runs as whole vectors of this lane: an outer loop
@@ -229,6 +235,8 @@ class _Kernel:
         tail guard is emitted once per run and the global inputs in ``reads`` are copied into
         registers with one vectorized (wide) load per run; the body then reads the copies.  The
         outputs in ``writes`` are collected in registers and stored with one wide store per run.
+        ``shifts`` (``shift_reads``) are inputs read ``offset`` serial elements away: one wide load per
+        run too, or zeros where the shifted run lies outside the dim.
         """
         env: dict[str, tirx.PrimExpr] = {}
         for d in dims:
@@ -251,6 +259,7 @@ class _Kernel:
                         stack.enter_context(T.Then())
                         env[GUARDED] = tirx.const(True, "bool")
                     self._copy_in(reads, {**env, d: first}, stack)
+                    self._copy_in_shifted(shifts, {**env, d: first}, stack)
                     self._copy_out(writes, {**env, d: first}, stack)
                 i = stack.enter_context(unrolled(0, self.vec))
                 env[d], env[LANE_IT], env[VEC_I] = first + i, run * self.vec + i, i
@@ -263,6 +272,39 @@ class _Kernel:
             return ()
         return tuple(sorted(n for n in set(names) if n in self.smg.inputs and n not in self.shared
                             and self.smg.space(n).dims[-1] == self.s.serial))
+
+    def shift_reads(self, op: Op) -> tuple[tuple[str, int], ...]:
+        """Accesses of ``op`` that read a global input ``offset`` elements along the serial dim from the
+        current element and plainly elsewhere (``X[b, s, h, j - 64]``: RoPE's rotate-half), where the
+        serial dim is the input's innermost and the offset a whole number of vectors: a shifted run of
+        ``vec`` elements is then one aligned wide load, wholly inside the dim or wholly outside (zeros)."""
+        if self.vec == 1:
+            return ()
+        out = []
+        for a in op.inputs:
+            space = self.smg.space(a.space)
+            if a.plain or a.space not in self.smg.inputs or a.space in self.shared or space.dims[-1] != self.s.serial:
+                continue
+            off = _serial_offset(a, space.dims, self.s.serial)
+            if off is not None and off % self.vec == 0:
+                out.append((a.space, off))
+        return tuple(dict.fromkeys(out))
+
+    def _copy_in_shifted(self, shifts: tuple[tuple[str, int], ...], env: dict[str, tirx.PrimExpr],
+                         stack: ExitStack) -> None:
+        for name, off in shifts:
+            buf = self.glob[name]
+            copy = T.alloc_buffer((self.vec,), buf.dtype, scope="local")
+            start = self.t0 + env[self.s.serial] + off  # the shifted run's first element along the dim
+            with T.If(tirx.all(start >= 0, start < self.sizes[self.s.serial])):
+                with T.Then(), T.vectorized(0, self.vec) as j:
+                    pos = {**env, self.s.serial: env[self.s.serial] + off + j}
+                    T.buffer_store(copy, buf[self.global_index(name, pos)], [j])
+                with T.Else(), T.vectorized(0, self.vec) as j:
+                    T.buffer_store(copy, tirx.const(0, buf.dtype), [j])
+            key = _shift_key(name, off)
+            self.regs[key] = copy
+            stack.callback(self.regs.pop, key)
 
     def _copy_out(self, writes: tuple[str, ...], env: dict[str, tirx.PrimExpr], stack: ExitStack) -> None:
         for name in writes:
@@ -374,6 +416,29 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx
     return ib.get()
 
 
+def _shift_key(space: str, offset: int | None) -> str:
+    """The register copy of ``space`` read ``offset`` serial elements away (``_Kernel.shift_reads``)."""
+    return f"{space}@{offset}"
+
+
+def _serial_offset(acc: Access, dims: tuple[str, ...], serial: str) -> int | None:
+    """``c`` where ``acc`` reads its space at ``serial + c`` along ``serial`` and at the iteration's own
+    index along every other dim (c != 0), else None."""
+    import sympy as sp
+
+    off = None
+    for comp, d in zip(acc.index, dims):
+        if comp == d:
+            continue
+        if d != serial or off is not None:
+            return None
+        e = sp.sympify(comp, locals={serial: sp.Symbol(serial, integer=True)}) - sp.Symbol(serial, integer=True)
+        if not e.is_Integer or int(e) == 0:
+            return None
+        off = int(e)
+    return off
+
+
 def _alloc_local(k: _Kernel, name: str, space: str) -> None:
     k.local[name] = T.alloc_buffer(k.local_shape(space), F32, scope="local")
 
@@ -406,17 +471,18 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
     for n in plan.streamed:  # streamed ops without the serial dim: once per block, before the loop
         if n not in per_step:
             _emit_streamed(k, n)
-    with _steps(s.num_steps) as step:
-        k.t0 = step * s.step
-        _emit_step_inputs(k, staged, per_step)
-        for o in olds:
-            with ExitStack() as st:
-                env = k.loops(k.local_dims(o), st)
-                T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
-        for u in plan.states:
-            _emit_update(k, u)
-        if k.shared:  # the next step overwrites the block-shared tiles
-            T.evaluate(T.tvm_storage_sync("shared"))
+    if plan.states:  # an element-wise graph (no states) has only the pass that stores its outputs
+        with _steps(s.num_steps) as step:
+            k.t0 = step * s.step
+            _emit_step_inputs(k, staged, per_step)
+            for o in olds:
+                with ExitStack() as st:
+                    env = k.loops(k.local_dims(o), st)
+                    T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
+            for u in plan.states:
+                _emit_update(k, u)
+            if k.shared:  # the next step overwrites the block-shared tiles
+                T.evaluate(T.tvm_storage_sync("shared"))
     fin = dict(plan.finalize)
     for out in smg.outputs:
         if out not in plan.second_pass:
@@ -426,7 +492,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
         # one step the streamed tile is still on chip and is not recomputed
         with _steps(s.num_steps) as step:
             k.t0 = step * s.step
-            if s.num_steps > 1:
+            if s.num_steps > 1 or not plan.states:
                 _emit_step_inputs(k, staged, per_step)
             for out in plan.second_pass:
                 _emit_store(k, out, fin[out], serial=True)
@@ -540,7 +606,8 @@ def _emit_streamed(k: _Kernel, name: str) -> None:
     body = body_expr(op)
     with ExitStack() as st, k.emitting(op):
         reads = () if op.reduce else k.vector_reads(a.space for a in op.inputs if a.plain)
-        env = k.loops(k.local_dims(name), st, reads=reads)
+        shifts = () if op.reduce else k.shift_reads(op)
+        env = k.loops(k.local_dims(name), st, reads=reads, shifts=shifts)
         idx = k.local_index(name, env)
         init = NEG_INF if op.combiner == "max" else 0.0
         T.buffer_store(k.local[name], tirx.FloatImm(F32, init), idx)

@@ -1,0 +1,136 @@
+"""Recognising HF's rotate-half RoPE in an fx graph: ``x * cos_u + rotate_half(x) * sin_u``.
+
+HF writes it (``apply_rotary_pos_emb``) as ``cos_u, sin_u = cos.unsqueeze(1), sin.unsqueeze(1)`` and
+``rotate_half(x) = cat((-x2, x1), dim=-1)`` of ``x1, x2 = x.chunk(2, dim=-1)``.  The match is exact and
+conservative: those nodes in that structure, the chunk in two along the last dim, the halves concatenated
+as (-x2, x1), the tables unsqueezed at dim 1, one dtype throughout.  A graph that has the shape of it (a sum
+of two products, one of them over a concatenation of a chunk's halves) but differs in a detail gets the
+difference as its reason; anything else is not RoPE (None).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from spacefusion.frontend.graph import ADD, MUL, dtype, is_function, shape
+
+NEG = (operator.neg, torch.neg)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A matched RoPE: the rotated value ``x`` [b, h, s, d], the tables ``cos``/``sin`` [1 or b, s, d]
+    before their ``unsqueeze(1)``, the nodes computing it (the final add last) and the unsqueezes."""
+
+    x: fx.Node
+    cos: fx.Node
+    sin: fx.Node
+    nodes: tuple[fx.Node, ...]
+    unsqueezes: tuple[fx.Node, fx.Node]
+
+
+def _args(node: fx.Node, names: tuple[str, ...], skip: int = 0) -> dict[str, Any]:
+    """A call's arguments by name (positional ones after the first ``skip``, then keywords)."""
+    return dict(zip(names, node.args[skip:])) | dict(node.kwargs)
+
+
+def _is_method(node: Any, name: str, fn: Any) -> bool:
+    return isinstance(node, fx.Node) and ((node.op == "call_method" and node.target == name)
+                                          or (node.op == "call_function" and node.target is fn))
+
+
+def _last_dim(dim: Any, rank: int) -> bool:
+    return isinstance(dim, int) and dim % rank == rank - 1
+
+
+def _unsqueezed(node: Any) -> fx.Node | None:
+    """``t`` where ``node`` is ``t.unsqueeze(1)`` (or ``torch.unsqueeze(t, 1)``) of a 3-d ``t``."""
+    if not _is_method(node, "unsqueeze", torch.unsqueeze) or not isinstance(node.args[0], fx.Node):
+        return None
+    dim = _args(node, ("dim",), 1).get("dim")
+    src = node.args[0]
+    return src if isinstance(dim, int) and shape(src) is not None and len(shape(src)) == 3 and dim % 4 == 1 \
+        else None
+
+
+def _half(node: Any) -> tuple[fx.Node, int] | None:
+    """(chunk node, index) where ``node`` is ``chunk[index]``."""
+    if not (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+            and _is_method(node.args[0], "chunk", torch.chunk) and isinstance(node.args[1], int)):
+        return None
+    return node.args[0], node.args[1]
+
+
+def _part(node: Any) -> tuple[fx.Node, int, bool] | None:
+    """(chunk, half index, negated) of a concatenated part ``chunk[i]`` or ``-chunk[i]``."""
+    neg = isinstance(node, fx.Node) and is_function(node, NEG) and len(node.args) == 1
+    half = _half(node.args[0] if neg else node)
+    return None if half is None else (*half, neg)
+
+
+def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    return node.args[0], node.args[1]
+
+
+def _only_users(node: fx.Node, *users: fx.Node) -> bool:
+    return set(node.users) == set(users)
+
+
+def rope_of(node: fx.Node) -> Rope | str | None:
+    """The RoPE whose final add is ``node``; a reason (str) where ``node`` is a rotate-half RoPE in all
+    but a detail; None where it is not one."""
+    if not is_function(node, ADD) or (terms := _operands(node)) is None:
+        return None
+    muls = [t for t in terms if is_function(t, MUL) and _operands(t) is not None]
+    rot = [m for m in muls if sum(is_function(a, (torch.cat,)) for a in m.args) == 1]
+    if len(muls) != 2 or len(rot) != 1:
+        return None
+    rot_mul, (plain_mul,) = rot[0], [m for m in muls if m is not rot[0]]
+    cat, sin_u = rot_mul.args if is_function(rot_mul.args[0], (torch.cat,)) else rot_mul.args[::-1]
+    cat_args = _args(cat, ("tensors", "dim"))
+    parts = cat_args.get("tensors")
+    if not isinstance(parts, tuple | list) or len(parts) != 2:
+        return None
+    got = [_part(p) for p in parts]
+    if any(g is None for g in got) or got[0][0] is not got[1][0]:
+        return None
+    chunk = got[0][0]
+    x = chunk.args[0]
+    if not isinstance(x, fx.Node) or x not in plain_mul.args:
+        return None
+    # from here on it is a rotate-half of x: what differs from HF's form is the reason
+    xs = shape(x)
+    if xs is None or len(xs) != 4 or shape(node) != xs:
+        return f"RoPE on a {xs} value giving {shape(node)}: the pattern rotates [batch, heads, seq, head_dim]"
+    ck = _args(chunk, ("chunks", "dim"), 1)
+    if ck.get("chunks") != 2 or not _last_dim(ck.get("dim", 0), 4) or xs[3] % 2:
+        return (f"rotate-half chunks {ck.get('chunks')} along dim {ck.get('dim', 0)} of head dim {xs[3]}: the pattern "
+                f"takes two halves of an even last dim")
+    if not _last_dim(cat_args.get("dim", 0), 4):
+        return f"rotate-half concatenates along dim {cat_args.get('dim', 0)}: the pattern's halves are the last dim's"
+    order = [("-" if neg else "") + f"x{i + 1}" for _, i, neg in got]
+    if order != ["-x2", "x1"]:
+        return f"rotate-half concatenates ({', '.join(order)}): HF's rotate_half is (-x2, x1), the pattern's"
+    cos_u = plain_mul.args[1] if plain_mul.args[0] is x else plain_mul.args[0]
+    cos, sin = _unsqueezed(cos_u), _unsqueezed(sin_u)
+    if cos is None or sin is None:
+        return "RoPE's cos/sin are not unsqueeze(1) of [batch, seq, head_dim] tables: the pattern broadcasts those"
+    b, _, s, d = xs
+    if shape(cos) != shape(sin) or shape(cos) not in ((1, s, d), (b, s, d)):
+        return f"RoPE tables cos {shape(cos)} / sin {shape(sin)} for x {xs}: the pattern takes [1 or {b}, {s}, {d}]"
+    if len({dtype(n) for n in (x, cos, sin, node)}) != 1 or dtype(node) is None:
+        types = [str(getattr(n.meta.get("tensor_meta"), "dtype", None)) for n in (x, cos, sin, node)]
+        return f"RoPE with dtypes x/cos/sin/out {types}: the pattern takes one float32/float16/bfloat16 dtype"
+    (g0, g1) = sorted((p.args[0] if p.target in NEG else p for p in parts), key=lambda n: n.args[1])
+    neg = parts[0]
+    if not (_only_users(chunk, g0, g1) and _only_users(g0, cat) and _only_users(g1, neg) and _only_users(neg, cat)
+            and _only_users(cat, rot_mul) and _only_users(rot_mul, node) and _only_users(plain_mul, node)):
+        return "RoPE's intermediate values are read outside it: fused, they would not exist"
+    return Rope(x, cos, sin, (plain_mul, chunk, g0, g1, neg, cat, rot_mul, node), (cos_u, sin_u))

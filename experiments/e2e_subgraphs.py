@@ -47,7 +47,9 @@ SDPA_BACKENDS = ("math", "flash", "cudnn")
 
 def cut(gm: Any, sub: Any) -> tuple[Any, list[str]]:
     """(graph module of ``sub``'s own nodes, the names of the values it reads from outside): the unfused
-    PyTorch of the subgraph, parameters read from ``gm``'s (shared) modules."""
+    PyTorch of the subgraph, parameters read from ``gm``'s (shared) modules.  The values the fused kernel
+    binds are among them even where the unfused ops read views of them (RoPE's kernel reads the cos/sin
+    tables, its ops their ``unsqueeze(1)``): both systems take the same arguments."""
     from torch import fx
 
     inside = set(sub.nodes)
@@ -57,6 +59,10 @@ def cut(gm: Any, sub: Any) -> tuple[Any, list[str]]:
         for a in n.all_input_nodes:
             if a.name not in inside and a.op != "get_attr" and a not in outside:
                 outside.append(a)
+    by_ref = {n.name: n for n in gm.graph.nodes}
+    for op in sub.operands:
+        if op.source == "value" and by_ref[op.ref] not in outside:
+            outside.append(by_ref[op.ref])
     g, env = fx.Graph(), {}
     for a in outside:
         env[a] = g.placeholder(a.name)

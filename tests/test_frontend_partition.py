@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spacefusion.frontend import capture, fuse, partition
-from spacefusion.frontend.reasons import CONCAT, GATHER, LAYOUT, ROPE
+from spacefusion.frontend.reasons import CONCAT, GATHER, LAYOUT, ROPE, ROPE_TABLES
 from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
 
 LAYERS = 2
@@ -56,7 +56,7 @@ def test_vit_pre_ln_keeps_the_residual_sum_as_a_second_output() -> None:
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_llama_prefill_gated_mlp_gqa_and_rope_left_to_torch(kv_heads: int) -> None:
+def test_llama_prefill_gated_mlp_gqa_and_rope(kv_heads: int) -> None:
     m = LlamaModel(LlamaConfig.tiny(layers=LAYERS, kv_heads=kv_heads))
     p = _partition(m, *m.example_inputs(1, 16))
     c = p.counts()
@@ -72,8 +72,18 @@ def test_llama_prefill_gated_mlp_gqa_and_rope_left_to_torch(kv_heads: int) -> No
     assert all(o.permute == (0, 2, 1, 3) for o in ops.values())
     assert ops["Q"].shape == ((1, 16, 4, 16) if kv_heads == 4 else (1, 16, kv_heads, 4 // kv_heads, 16))
     assert ops["K"].shape == (1, 16, kv_heads, 16)
-    rope = [op for op in p.left if op.reason == ROPE]
-    assert {"Tensor.chunk", "operator.neg", "torch.cat"} <= {op.op for op in rope}
+    # RoPE of Q and of K: one SMG where they have the same heads, two with GQA's fewer kv heads
+    ropes = [s for s in p.subgraphs if s.kind == "rope"]
+    assert len(ropes) == 2 * LAYERS and len({s.key for s in ropes}) == (1 if kv_heads == 4 else 2)
+    assert {s.smg.shape("X") for s in ropes} == {(1, 16, 4, 16), (1, 16, kv_heads, 16)}
+    assert all(s.label.endswith("bshd") and s.results[0].permute == (0, 2, 1, 3) for s in ropes)
+    # what torch keeps of RoPE: the cos/sin tables, once, and the tables' unsqueeze(1) views
+    assert not [op for op in p.left if op.reason == ROPE]
+    tables = {op.op for op in p.left if op.reason == ROPE_TABLES}
+    assert {"Tensor.cos", "Tensor.sin", "torch.cat"} <= tables
+    assert sum(op.reason == ROPE_TABLES for op in p.left) == 8  # independent of the layers
+    unsq = [op for op in p.left if op.op == "Tensor.unsqueeze" and op.reason == LAYOUT]
+    assert len(unsq) == 2 * LAYERS + 1  # cos and sin per layer, and the positions'
     assert all(s.kind != "gemm" or "bias" not in s.label for s in p.subgraphs)
 
 
@@ -87,6 +97,8 @@ def test_llama_decode_attends_to_cache_without_causal_mask() -> None:
     assert att[0].smg.dim_sizes["m"] == 1 and att[0].smg.dim_sizes["l"] == 9
     cats = [op for op in p.left if op.op == "torch.cat" and op.reason == CONCAT]
     assert len(cats) == 2 * LAYERS  # the KV-cache appends
+    ropes = [s for s in p.subgraphs if s.kind == "rope"]  # one new token: [b, h, 1, d]
+    assert len(ropes) == 2 * LAYERS and {s.smg.dim_sizes["s"] for s in ropes} == {1}
 
 
 class _Odd(nn.Module):

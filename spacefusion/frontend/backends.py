@@ -53,7 +53,9 @@ class ReferenceBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out = evaluate(smg, _numpy(inputs))
-            return {k: torch.from_numpy(v.astype(smg.space(k).dtype)) for k, v in out.items()}
+            # packed like a kernel's output (numpy's einsum may return a transposed array): the views the
+            # graph takes of it then have the strides the partition read from ``tensor_meta``
+            return {k: torch.from_numpy(np.ascontiguousarray(v.astype(smg.space(k).dtype))) for k, v in out.items()}
 
         return run
 

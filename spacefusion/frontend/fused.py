@@ -36,8 +36,14 @@ class FusedKernel(nn.Module):
                   for op, a in zip(self.values, args)}
         inputs |= {name: getattr(self, name) for name in self.consts}
         out = self.kernel(inputs)
-        return tuple((out[r.space].permute(r.permute) if r.permute else out[r.space]).reshape(r.shape)
-                     for r in self.sub.results)
+        return tuple(_view(out[r.space], r.permute, r.shape) for r in self.sub.results)
+
+
+def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """A kernel output seen as its node: permuted (RoPE's [b, s, h, d] as [b, h, s, d]), then reshaped
+    where the shape differs (a reshape to the same shape could restride its unit dims)."""
+    t = t.permute(permute) if permute else t
+    return t if tuple(t.shape) == tuple(shape) else t.reshape(shape)
 
 
 def _unique(ops: Any) -> list[Operand]:

@@ -4,8 +4,9 @@ no hand-written torch form of (LLaMA's gated MLP input), read off the ops as ``s
 A GPU machine has torch and no TVM: a kernel artefact's graph travels beside it as ``smg.json``
 (``save_smg``), and this module evaluates it with torch only -- a sum of a product of two spaces as
 ``torch.einsum`` (cuBLAS), every other op as its sympy body on broadcast views, then its reduction.
-Ops that gather through index expressions or read their indices (masks) are refused: those workloads
-have torch forms of their own in ``experiments/run_artefacts_gpu.py``.
+A read at ``d + c`` along one dim (``Builder.shift``: RoPE's rotate-half) is the tensor shifted along it,
+zero outside.  Ops that gather through other index expressions (windows, ``floor``) or read their indices
+(masks) are refused: those workloads have torch forms of their own in ``experiments/run_artefacts_gpu.py``.
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def evaluate_torch(smg: SMG, inputs: Mapping[str, Any]) -> dict[str, Any]:
 def _evaluate_op(op: Op, env: Mapping[str, Any], sizes: Mapping[str, int]) -> Any:
     import torch
 
-    if not all(a.plain for a in op.inputs) or index_symbols(op):
-        raise ValueError(f"op {op.out!r} gathers or reads its indices; the torch reference takes plain ops only")
+    shifted = [_shifts(a.index) for a in op.inputs]
+    if any(sh is None for sh in shifted) or index_symbols(op):
+        raise ValueError(f"op {op.out!r} gathers or reads its indices; the torch reference takes plain ops and "
+                         f"shifts (d + c) only")
     expr = body_expr(op)
-    ins = [env[a.space] for a in op.inputs]
+    ins = [_shifted(env[a.space], sh, sizes) for a, sh in zip(op.inputs, shifted)]
+    op = _unshifted(op, shifted)
     syms = [symbol(a.space) for a in op.inputs]
     if op.combiner == "sum" and len(ins) == 2 and expr.is_Mul and set(expr.free_symbols) == set(syms):
         coeff, rest = expr.as_coeff_Mul()
@@ -94,6 +98,46 @@ def _evaluate_op(op: Op, env: Mapping[str, Any], sizes: Mapping[str, int]) -> An
     if op.combiner == "max":
         return val.amax(dim=axes)
     return val.clone()
+
+
+def _shifts(index: tuple[str, ...]) -> list[tuple[str, int]] | None:
+    """(dim, offset) per component of an access whose components are each a dim plus a constant; None
+    for any other index expression."""
+    out = []
+    for comp in index:
+        if comp.isidentifier():
+            out.append((comp, 0))
+            continue
+        e = sp.sympify(comp)
+        dims = [x for x in e.free_symbols]
+        if len(dims) != 1 or not (e - dims[0]).is_Integer:
+            return None
+        out.append((dims[0].name, int(e - dims[0])))
+    return out
+
+
+def _shifted(x: Any, shifts: list[tuple[str, int]], sizes: Mapping[str, int]) -> Any:
+    """``x`` read at ``d + c`` along each axis with an offset: the iteration's extent of ``d``, 0 outside."""
+    import torch
+
+    for axis, (dim, c) in enumerate(shifts):
+        if c == 0 and x.shape[axis] == sizes[dim]:
+            continue
+        idx = torch.arange(sizes[dim], device=x.device) + c
+        ok = (idx >= 0) & (idx < x.shape[axis])
+        x = x.index_select(axis, idx.clamp(0, x.shape[axis] - 1))
+        view = [1] * x.dim()
+        view[axis] = -1
+        x = torch.where(ok.reshape(view), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x
+
+
+def _unshifted(op: Op, shifted: list[list[tuple[str, int]]]) -> Op:
+    """``op`` with its shifted accesses read plainly (their tensors already shifted by ``_shifted``)."""
+    import dataclasses
+
+    inputs = tuple(dataclasses.replace(a, index=tuple(d for d, _ in sh)) for a, sh in zip(op.inputs, shifted))
+    return dataclasses.replace(op, inputs=inputs)
 
 
 def _aligned(x: Any, index: tuple[str, ...], iter_dims: tuple[str, ...]) -> Any:

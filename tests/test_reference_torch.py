@@ -24,6 +24,7 @@ GRAPHS = {
     "attention": lambda: patterns.attention(1, 2, 16, 24, 8, dtype="float32"),
     "layernorm": lambda: patterns.layernorm(8, 32, "float32"),
     "horizontal": lambda: patterns.horizontal_gemms(8, 16, 24),
+    "rope": lambda: patterns.rope(2, 5, 3, 8, tables="per_batch", dtype="float32", layout="bshd"),
 }
 
 
@@ -41,6 +42,13 @@ def test_ops_reading_their_indices_are_refused() -> None:
     g = patterns.attention(1, 1, 8, 8, 8, causal=True, dtype="float32")
     x = {n: torch.from_numpy(v) for n, v in random_inputs(g, 0).items()}
     with pytest.raises(ValueError, match="reads its indices"):
+        evaluate_torch(g, x)
+
+
+def test_other_gathers_are_refused() -> None:
+    g = patterns.vae_decoder_block(1, 2, 4, 4, 4, 2)  # a window (y + ky - 1) and an upsampling (floor)
+    x = {n: torch.from_numpy(v) for n, v in random_inputs(g, 0).items()}
+    with pytest.raises(ValueError, match="gathers"):
         evaluate_torch(g, x)
 
 

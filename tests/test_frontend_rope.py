@@ -200,3 +200,41 @@ def test_rope_matcher_takes_the_exact_nodes() -> None:
             and any(u.name in sub.nodes for u in n.users)]
     assert len(unsq) == 2 and all(len(n.users) == 2 for n in unsq)
     assert isinstance(by_name[sub.operands[0].ref], fx.Node) and sub.operands[0].ref.startswith("unflatten")
+
+
+def test_cuda_backend_gives_rope_back_as_the_interleaved_view(tmp_path, monkeypatch) -> None:
+    """Through ``CudaBackend`` (its kernel stood in for by the numpy reference on the artefact's params):
+    X is bound as the projection's [b, s, h, d] memory, packed, and Y returns as [b, h, s, d] with the
+    strides eager RoPE has; the model matches eager."""
+    import numpy as np
+
+    import spacefusion.runtime.gpu as gpu
+    from smg.reference import evaluate
+    from spacefusion.frontend import CudaBackend
+    from spacefusion.runtime.artefact import KernelArtefact
+
+    torch.manual_seed(0)
+    model, h = _Rope("hf").eval(), torch.randn(2, 5, 16)
+    cos, sin = _tables(1, 5, 8)
+    (sub,) = [s for s in partition(capture(model, h, cos, sin).module).subgraphs if s.kind == "rope"]
+    be = CudaBackend(tmp_path)
+    be.export(sub.smg, cubin=False)
+    seen: list[dict[str, torch.Tensor]] = []
+
+    class _Reference:
+        def __init__(self, folder) -> None:
+            self.artefact = KernelArtefact.load(folder)
+
+        def __call__(self, **t: torch.Tensor) -> dict[str, torch.Tensor]:
+            seen.append(t)
+            out = evaluate(sub.smg, {k: v.numpy() for k, v in t.items()})
+            return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in out.items()}
+
+    monkeypatch.setattr(gpu, "load_kernel", _Reference)
+    fused = fuse(model, h, cos, sin, backend=be)  # the projection has no artefact: left to torch
+    assert [s.kind for s in fused.partition.subgraphs] == ["rope"]
+    with torch.no_grad():
+        got, want = fused(h, cos, sin), model(h, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.stride() == want.stride() == (80, 8, 16, 1)  # [b, h, s, d] lying as [b, s, h, d]
+    assert seen[0]["X"].shape == (2, 5, 2, 8) and seen[0]["X"].is_contiguous()

@@ -5,7 +5,9 @@ search's first pick at LLaMA-2-7B's prefill shape."""
 from __future__ import annotations
 
 import re
+import shutil
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +181,26 @@ def test_first_pick_builds_for_sm90a_with_wide_shifted_reads() -> None:
     assert re.search(r"\*\(uint4\*\)\(X_ptr \+ \([^;]*\+ 64\)\)", src)
     assert src.count("make_uint4") >= 2
     assert re.search(r"\*\(uint4\*\)\(Y_ptr", src)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").is_file(),
+                    reason="nvcc not installed")
+def test_first_pick_compiles_to_a_cubin(tmp_path: Path) -> None:
+    art = build(_llama_pick(), "cuda:sm_90a")
+    assert art.save(tmp_path / "rope", compile_cubin=True).joinpath("kernel.cubin").stat().st_size > 0
+
+
+def test_interpreter_runs_plain_elementwise_graphs_and_refuses_gathers() -> None:
+    """The numpy schedule interpreter follows an element-wise schedule (no states, one pass); RoPE's shifted
+    reads it cannot slice per block, and it says so (the llvm kernel is the check there)."""
+    from schedulers.interpreter import interpret
+
+    g = Builder("scaled_exp", "float32")
+    x, w = g.input("X", {"m": 5, "n": 12}), g.input("W", {"n": 12})
+    smg = g.build(g.binary("mul", g.unary("exp", x, name="E"), w, name="Y"))
+    s = make_schedule(smg, step=4, tiles={"m": 2})
+    ins = random_inputs(smg)
+    np.testing.assert_allclose(interpret(s, ins)["Y"], evaluate(smg, ins)["Y"], rtol=1e-12)
+    _check_llvm(smg, step=4, tiles={"m": 2})
+    with pytest.raises(ScheduleError, match="check the llvm kernel"):
+        interpret(make_schedule(patterns.rope(1, 2, 2, 8), step=8), random_inputs(patterns.rope(1, 2, 2, 8)))

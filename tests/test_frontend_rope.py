@@ -107,6 +107,8 @@ class _Rope(nn.Module):
             x = x * 0.5
         if v == "packed":  # laid out [b, h, s, d]
             x = x.contiguous()
+        if v == "catted":  # a concatenation's output, packed [b, h, s, d]: x * cos is a product with a cat too
+            x = torch.cat((x[:, :, :2], x[:, :, 2:]), dim=2)
         cu, su = cos.unsqueeze(1), sin.unsqueeze(1)
         if v == "indexed":  # the tables broadcast by indexing, not unsqueeze(1)
             cu, su = cos[:, None], sin[:, None]
@@ -145,6 +147,7 @@ def _run(variant: str, batch: int = 2, table_batch: int = 1, dtype=torch.float32
     ("hf", 2, "bshd", None),  # one table per sequence ([b, s, d], HF's position_ids of a batch)
     ("scaled", 1, "bshd", (0, 2, 1, 3)),  # a value lying as [b, s, h, d]: read through a permuted view
     ("packed", 1, "bhsd", None),
+    ("catted", 1, "bhsd", None),
 ])
 def test_rope_binds_its_input_where_it_lies(variant, table_batch, layout, permute) -> None:
     p = _run(variant, table_batch=table_batch)

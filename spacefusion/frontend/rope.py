@@ -79,6 +79,21 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return node.args[0], node.args[1]
 
 
+def _rotation(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[tuple[fx.Node, int, bool]]] | None:
+    """(mul, cat, other factor, chunk, parts) where one factor of ``mul`` concatenates two halves of one
+    chunk, each possibly negated (the shape of a rotate-half, whatever its order)."""
+    for cat, other in (mul.args, mul.args[::-1]):
+        if not is_function(cat, (torch.cat,)):
+            continue
+        parts = _args(cat, ("tensors", "dim")).get("tensors")
+        if not isinstance(parts, tuple | list) or len(parts) != 2:
+            continue
+        got = [_part(p) for p in parts]
+        if all(g is not None for g in got) and got[0][0] is got[1][0]:
+            return mul, cat, other, got[0][0], got
+    return None
+
+
 def _only_users(node: fx.Node, *users: fx.Node) -> bool:
     return set(node.users) == set(users)
 
@@ -89,19 +104,13 @@ def rope_of(node: fx.Node) -> Rope | str | None:
     if not is_function(node, ADD) or (terms := _operands(node)) is None:
         return None
     muls = [t for t in terms if is_function(t, MUL) and _operands(t) is not None]
-    rot = [m for m in muls if sum(is_function(a, (torch.cat,)) for a in m.args) == 1]
-    if len(muls) != 2 or len(rot) != 1:
+    rots = [r for m in muls if (r := _rotation(m)) is not None]
+    if len(muls) != 2 or len(rots) != 1:
         return None
-    rot_mul, (plain_mul,) = rot[0], [m for m in muls if m is not rot[0]]
-    cat, sin_u = rot_mul.args if is_function(rot_mul.args[0], (torch.cat,)) else rot_mul.args[::-1]
+    rot_mul, cat, sin_u, chunk, got = rots[0]
+    plain_mul = muls[1] if muls[0] is rot_mul else muls[0]
     cat_args = _args(cat, ("tensors", "dim"))
-    parts = cat_args.get("tensors")
-    if not isinstance(parts, tuple | list) or len(parts) != 2:
-        return None
-    got = [_part(p) for p in parts]
-    if any(g is None for g in got) or got[0][0] is not got[1][0]:
-        return None
-    chunk = got[0][0]
+    parts = cat_args["tensors"]
     x = chunk.args[0]
     if not isinstance(x, fx.Node) or x not in plain_mul.args:
         return None

@@ -39,15 +39,16 @@ def test_a_cuda_graph_takes_the_launch_cost_away() -> None:
 
 
 def test_llama_prefill_ahead_of_eager_and_decode_twice_eager() -> None:
-    """LLaMA prefill (4 and 32 layers) runs ahead of eager, also in a CUDA graph: the gated GEMM on wgmma
-    (2 x 1174 -> 502 us) and the attention bound as bshd where RoPE leaves Q/K/V (4 layers: 7193 -> 6928 us,
-    no .contiguous() copies).  The 32-layer decode step, a GEMV per linear reading W as stored, is twice
-    eager and within 10% of its graph."""
+    """LLaMA prefill (4 and 32 layers) runs ahead of eager, also in a CUDA graph, and level with torch.compile:
+    the gated GEMM on wgmma (2 x 1174 -> 502 us), the attention bound as bshd to RoPE's outputs (no
+    .contiguous() copies: 4 layers 7193 -> 6928 us) and RoPE fused (-> 6259).  The 32-layer decode step, a
+    GEMV per linear reading W as stored, is twice eager and within 10% of its graph."""
     m = _models()
     for model, layers in (("llama", 4), ("llama32", 32)):
         t = {k: v["median_us"] for k, v in m[model]["systems"].items()}
         assert m[model]["manifest"]["layers"] == layers
-        assert t["spacefusion+graph"] < min(t["eager"], t["eager+graph"])
+        assert t["spacefusion+graph"] < min(t["eager"], t["eager+graph"]) / 1.1
+        assert t["spacefusion+graph"] < 1.02 * t.get("torch.compile(reduce-overhead)", t["spacefusion+graph"])
         copies = [k for k in m[model]["systems"]["spacefusion+graph"]["kernels"] if "direct_co" in k["kernel"]]
         assert sum(k["calls"] for k in copies) < layers  # none per layer (was 4 a layer, 389 us in 4 layers)
     d = {k: v["median_us"] for k, v in m["llama_decode"]["systems"].items()}

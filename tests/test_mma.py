@@ -16,6 +16,7 @@ from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import (
     BAND,
+    EARLY_SCORES_REGS,
     SWIZZLE_ATOM,
     lazy_references,
     mask_bound,
@@ -400,9 +401,10 @@ def test_reload_a_keeps_q_in_shared_memory_and_frees_registers() -> None:
     ring = 2 * 2 * (32 * (128 + 8)) * 2  # K and V, 2 stages of [32, 128+8] fp16
     q = 128 * (128 + 8) * 2
     assert block_resources(held).shared_bytes == block_resources(s).shared_bytes == ring + q
-    # 2 tiles x 128 / 4 = 64 registers of held Q fragments become 2 k slices x 2 tiles x 4: the
-    # model's spill (nvcc: 284 bytes at LLaMA's step 64) is gone
-    assert block_resources(held).local_floats - block_resources(s).local_floats == 64 - 16
+    # 2 tiles x 128 / 4 = 64 registers of held Q fragments are free (the k slices read in the loop are
+    # transient, like K's: warp_tile_registers counts neither): the model's spill (nvcc: 284 bytes at
+    # LLaMA's step 64) is gone
+    assert block_resources(held).local_floats - block_resources(s).local_floats == 64
     assert block_resources(held).spills and not block_resources(s).spills
     src = build(s, "cuda").source
     loop = src[src.index("for (int"):]  # the A tile's fragments are read inside the step loop
@@ -436,7 +438,10 @@ def test_early_scores_waits_for_score_operands_then_the_second_gemms(name, stage
     back = Schedule.from_json(s.to_json())
     assert back.early_scores and back.key == s.key != plain.key and "early_scores" not in plain.to_dict()
     assert "score operands waited for before the second GEMM's" in str(s)
-    assert block_resources(s) == block_resources(plain)
+    # the same tiles; the second group's addresses and wait take registers (nvcc corpus: 9-11)
+    early, one = block_resources(s), block_resources(plain)
+    assert early.shared_bytes == one.shared_bytes and early.threads == one.threads
+    assert early.registers_estimate == one.registers_estimate + EARLY_SCORES_REGS
 
 
 def test_early_scores_refusals() -> None:
@@ -825,8 +830,10 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
 @pytest.mark.parametrize("name", ["attention", "gemm_sigmoid", "softmax_gemm_slices3", "mt2_reload_d128",
                                   "gemm_gated_wgmma_2wg"])
 def test_register_estimate_bounds_what_nvcc_allocates(name, tmp_path) -> None:
-    """The resource model's registers per thread (what occupancy and pruning use) are at least
-    nvcc's count for the kernel and not far above it: no false spills, no lost occupancy."""
+    """The resource model's registers per thread (what occupancy and pruning use) are within 32 of nvcc's
+    count for the kernel, and no false spills (tests/test_warp_tile_registers.py holds the bounds, and the
+    occupancy they give, over the 534 kernels of the committed corpus; Softmax-GEMM on mma.sync, 16 over
+    nvcc's 72 here, is the form the estimate overshoots most)."""
     import subprocess
 
     from spacefusion.lower.build import NVCC_FLAGS
@@ -838,9 +845,10 @@ def test_register_estimate_bounds_what_nvcc_allocates(name, tmp_path) -> None:
                           "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(folder / "kernel.cu")],
                          capture_output=True, text=True, check=True)
     used = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
-    est = block_resources(s).registers_per_thread
-    assert used <= est <= used + 80, (used, est)
-    assert not block_resources(s).spills
+    r = block_resources(s)
+    est = r.registers_per_thread
+    assert abs(est - used) <= 32, (used, est)
+    assert not r.spills
 
 
 def test_tma_loads_the_gemm_tiles() -> None:
@@ -930,7 +938,7 @@ def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
 
 def test_warp_specialised_attention_registers_and_search() -> None:
     """Two MMA warpgroups beside a producer launch with 168 registers a thread and may hold 232 after
-    ``setmaxnreg``: LLaMA's 216 fit one block per SM, 240 would spill.  The search offers the
+    ``setmaxnreg``: LLaMA's 184 (ptxas needs 200 and spills 44 B at 192) fit one block per SM.  The search offers the
     structure (8 warps, a 2-slot ring, no row sums on tensor cores) over long rows only, and its
     model puts LLaMA's steps of 128 before those of 64 (the measured order)."""
     from schedulers.hardware import H100

@@ -16,6 +16,7 @@ import unseen_shapes as U  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results" / "unseen_shapes_h100.json"
 VALIDATION = RESULTS.with_name("unseen_shapes_validation_h100.json")
+HARNESS = RESULTS.with_name("unseen_shapes_harness_h100.json")
 
 
 def _entry(first: float, best: float, cudnn: float, flash: float) -> dict:
@@ -56,7 +57,7 @@ def _sums(path: Path) -> dict[str, dict]:
     return {e["shape"]["key"]: U.summarize(e) for e in _committed(path)["shapes"]}
 
 
-@pytest.mark.parametrize("path", [RESULTS, VALIDATION])
+@pytest.mark.parametrize("path", [RESULTS, VALIDATION, HARNESS])
 def test_every_committed_candidate_was_checked_before_it_was_timed(path: Path) -> None:
     data = _committed(path)
     assert data["format"] == U.FORMAT and "H100" in data["device"]
@@ -69,6 +70,7 @@ def test_every_committed_candidate_was_checked_before_it_was_timed(path: Path) -
 
 def test_committed_rounds_cover_the_sets_they_name() -> None:
     assert set(_sums(RESULTS)) == set(U.SETS["train"]) and set(_sums(VALIDATION)) == set(U.SETS["validation"])
+    assert set(_sums(HARNESS)) == set(U.SETS["harness"])
 
 
 def test_decoding_runs_on_tensor_cores_level_with_cudnn() -> None:
@@ -87,16 +89,19 @@ def test_decoding_runs_on_tensor_cores_level_with_cudnn() -> None:
 
 
 def test_first_pick_within_ten_percent_of_the_round_best() -> None:
-    """The model's first pick against the best of its round (printed with -s).  On the 8 held-out shapes
-    the prior never saw: within 10% on 7, within 12% on all (short encoder rows, v_d64_256: 1.11).  On the
-    12 shapes it learned from (in-sample): within 10% on 11, clip77 at 1.10."""
-    for path, within, worst in ((VALIDATION, 7, 1.12), (RESULTS, 11, 1.11)):
+    """The model's first pick against the best of its round (printed with -s), on all 24 shapes: the 8
+    held-out shapes the prior never saw, the 12 it learned from and the harness's 4 attention shapes.
+    Every first pick is within 10% of its round's best.  Before the register estimate was fitted to nvcc,
+    v_d64_256's first pick (Q held in registers, 98 of them: 4 blocks an SM) was 1.11x the best; with it
+    the reload_a picks (74-78 registers, 6 blocks) come first: 1.05x.  clip77 is at the edge: 1.10x in
+    both of its rounds (16.9 / 15.3 us, then 17.3 / 15.8)."""
+    for path in (VALIDATION, RESULTS, HARNESS):
         sums = _sums(path)
         for k, m in sums.items():
             print(f"{k:<16} first/best {m['first_over_best']:.3f}  cuDNN/best {m['best_vs_sdpa_cudnn']:.2f}  "
                   f"cuDNN/first {m['first_vs_sdpa_cudnn']:.2f}")
-        assert sum(m["first_over_best"] <= 1.10 for m in sums.values()) >= within, path.name
-        assert max(m["first_over_best"] for m in sums.values()) <= worst, path.name
+        assert all(m["first_over_best"] <= 1.10 for m in sums.values()), path.name
+    assert _sums(VALIDATION)["v_d64_256"]["first_over_best"] < 1.06
 
 
 def test_every_shape_within_ten_percent_of_cudnn_and_ahead_in_geomean() -> None:
@@ -115,20 +120,19 @@ def test_every_shape_within_ten_percent_of_cudnn_and_ahead_in_geomean() -> None:
 def test_the_cost_model_orders_each_committed_round_at_least_as_well_as_its_first_pick() -> None:
     """Each committed round ordered as the tuner orders a first batch today (the analytical estimate, its ties
     broken by the shipped prior: experiments/tuning/first_picks.py).  The pick it puts first is never slower
-    than the round's committed first pick.  With the register estimate fitted to nvcc's counts
-    (tests/test_warp_tile_registers.py) v_d64_256's reload_a picks get 6 blocks per SM against 5 and come
-    first (34.0 us against 37.0, the best 33.2); clip77's stay level with the others (11.04 against 11.06
-    us estimated: its 9.0 us of DRAM traffic bound both), so its first pick stays 1.10x the best."""
+    than the round's committed first pick, and within 10% of the round's best on every unseen and harness
+    shape.  (With the register estimate fitted to nvcc, v_d64_256's first round of before ordered this way put
+    a reload_a pick first, 34.0 us against 37.0: the re-run round, committed now, measured its new first pick
+    at 34.2 against a best of 32.4.)"""
     sys.path.insert(0, str(ROOT / "experiments" / "tuning"))
     import first_picks as FP
 
     picks = {p["round"]: p for p in FP.first_picks(art=None)}
-    unseen = set(U.SETS["train"]) | set(U.SETS["validation"])
-    assert unseen <= set(picks)
+    shapes = set(U.SETS["train"]) | set(U.SETS["validation"]) | set(U.SETS["harness"])
+    assert shapes <= set(picks)
     for name, p in picks.items():
         assert p["first_us"] is not None, name
         if p["committed_us"] is not None:
             assert p["first_us"] <= p["committed_us"], (name, p["first_us"], p["committed_us"])
-    ratio = {k: picks[k]["first_us"] / picks[k]["best_us"] for k in unseen}
-    assert ratio["v_d64_256"] <= 1.03 and ratio["clip77"] <= 1.11
-    assert sum(r <= 1.10 for r in ratio.values()) == len(unseen) - 1
+    ratio = {k: picks[k]["first_us"] / picks[k]["best_us"] for k in shapes}
+    assert all(r <= 1.10 for r in ratio.values()), ratio

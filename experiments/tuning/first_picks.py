@@ -4,8 +4,8 @@
 Usage:  python experiments/tuning/first_picks.py [--art .art] [--json OUT]
 
 A round is a set of candidates of one workload timed on the H100: the unseen-shapes rounds
-(``experiments/results/unseen_shapes*_h100.json``, 8 each), the BERT/ViT subgraph rounds
-(``experiments/tuning/e2e_rounds_h100.json``, 8 each; their schedules are read from the batch
+(``experiments/results/unseen_shapes*_h100.json``, 8 each, the harness's attention shapes among them), the
+BERT/ViT subgraph rounds (``experiments/tuning/e2e_rounds_h100.json``, 8 each; their schedules are read from the batch
 manifests under ``--art``, skipped when absent) and the tuning runs of ``h100_records.json`` (every
 candidate measured there).  Each round's candidates are ordered as the tuner orders its first batch
 (``search.prior.first_round_order``: the analytical estimate, its ties broken by the shipped prior);
@@ -70,7 +70,7 @@ def _rebuilt(shape: str, knobs: dict, key: str) -> dict | None:
 def rounds(art: Path | None) -> Iterator[Round]:
     """(name, key -> schedule JSON, key -> median us of the ok ones, committed first key or None)."""
     index = _schedule_index(art)
-    for f in ("unseen_shapes_h100.json", "unseen_shapes_validation_h100.json"):
+    for f in ("unseen_shapes_h100.json", "unseen_shapes_validation_h100.json", "unseen_shapes_harness_h100.json"):
         for e in json.loads((RESULTS / f).read_text())["shapes"]:
             k = e["shape"]["key"]
             rows = [r for r in e["rows"] if r["system"] == "spacefusion"]

@@ -747,8 +747,8 @@ def tma_reason(p: WarpTileProgram) -> str | None:
     score layout (Softmax-GEMM's S)."""
     if not p.wgmma:
         return "its tiles are not wgmma's swizzled ones (wgmma=True)"
-    if p.wgmma_ss:
-        return "blocks slice the steps" if p.slices != 1 else None
+    if p.wgmma_ss:  # (blocks slicing the steps: each block's coordinates along L start at its first step)
+        return None
     if p.tiles_in and p.step % 64:
         return f"the step {p.step} is not whole 64-column bands of the inputs staged in the score layout"
     if p.gemm is not None and p.gemm.b_trans:

@@ -42,7 +42,7 @@ STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streame
 PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
-SLICES = (4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
+SLICES = (2, 4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
 #: more slices where even 8 leave the SMs short (a GQA decoder's few kv heads at one sequence: 8 row
 #: tiles x 8 slices ran 46 us against cuDNN's 33 on the H100), up to this many blocks per SM in all
 MORE_SLICES, SLICED_BLOCKS_PER_SM = (16, 32), 4
@@ -226,11 +226,14 @@ class SearchSpace:
                 continue
             earlies = (False, True) if stages > 1 and split == 1 else (False,)
             lazies = (False, True) if self.running_max else (False,)
-            for early, lazy in itertools.product(earlies, lazies):
+            tma = self.hopper and self.one_reduction
+            # blocks slicing a plain GEMM's steps: by TMA and by cp.async (measured apart: the ring's fill
+            # is a larger share of a slice's few steps)
+            for early, lazy, by_tma in itertools.product(earlies, lazies, (True, False) if tma and sl > 1 else (tma,)):
                 yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True, stages,
                             warps, split=split, slices=sl, reload_a=rl, early_scores=early, lazy_rescale=lazy,
                             mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
-                            tma=self.hopper and not early and self.one_reduction, fast_math=self.fast_math)
+                            tma=by_tma and not early, fast_math=self.fast_math)
             if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
                 yield from self._producer_knobs(tiles, serial, step, movers[-1], warps)
             if (self.hopper and self.first_gemm and serial not in self.first_gemm and (split, sl) == (1, 1)

@@ -264,8 +264,11 @@ class Builder:
                 (channel, *window.values()), "sum")
         return self._emit(op)
 
-    def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None) -> Tensor:
-        """Generalised (batched) matmul: contract ``reduce``; shared dims are batch dims."""
+    def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None,
+               order: tuple[str, ...] | None = None) -> Tensor:
+        """Generalised (batched) matmul: contract ``reduce``; shared dims are batch dims.  The output's
+        dims are A's then B's others, or ``order`` (a permutation of them: the output's memory order, e.g.
+        stacked GEMMs' [t, m, n] where B carries t)."""
         self._own(a, b)
         for t in (a, b):
             if reduce not in t.dims:
@@ -275,6 +278,10 @@ class Builder:
         out_dims = tuple(d for d in a.dims if d != reduce) + tuple(
             d for d in b.dims if d != reduce and d not in a.dims
         )
+        if order is not None:
+            if sorted(order) != sorted(out_dims):
+                raise UnknownAxisError(f"matmul output order {order} is not a permutation of {out_dims}")
+            out_dims = tuple(order)
         accs = (Access(a.name, a.dims), Access(b.name, b.dims))
         if a.name == b.name:
             if a.dims != b.dims:

@@ -22,17 +22,23 @@ def test_bert_layer_is_qkv_attention_two_gemm_norms_and_gelu_gemm() -> None:
     m = BertModel(BertConfig.tiny(layers=LAYERS))
     p = _partition(m, *m.example_inputs(2, 16))
     c = p.counts()
-    # per layer: Q, K, V, attention output and FFN output GEMMs + bias; FFN input GEMM + GELU; pooler + tanh
+    # per layer: Q, K, V as one stacked GEMM + bias; attention output and FFN output GEMMs + bias; FFN input
+    # GEMM + GELU; pooler + tanh
     assert c["attention"] == LAYERS
     assert c["residual_norm"] == 2 * LAYERS  # post-LN: LayerNorm(dense(h) + input), twice a layer
     assert c["norm"] == 1  # the embeddings' LayerNorm (its add broadcasts positions over the batch)
     labels = [s.label for s in p.subgraphs if s.kind == "gemm"]
     assert sum("gelu" in lb for lb in labels) == LAYERS
     assert sum("tanh" in lb for lb in labels) == 1
-    assert len(labels) == 6 * LAYERS + 1
-    # identical layers share SMGs: 7 distinct (LN, 3 GEMM shapes, attention, residual LN, pooler)
-    assert len(p.distinct) == 7
-    assert max(len(v) for v in p.distinct.values()) == 4 * LAYERS  # Q, K, V, attention output
+    assert len(labels) == 3 * LAYERS + 1
+    qkv = [s for s in p.subgraphs if s.kind == "stacked_gemm"]
+    assert len(qkv) == LAYERS and all(s.smg.shape("Y") == (3, 32, 64) for s in qkv)
+    assert [r.index for r in qkv[0].results] == [0, 1, 2]
+    assert [o.stack for o in qkv[0].operands if o.space == "Bw"] == [
+        tuple(f"encoder.layer.0.attention.self.{p}.weight" for p in ("query", "key", "value"))]
+    # identical layers share SMGs: 8 distinct (LN, QKV, 3 GEMM shapes, attention, residual LN, pooler)
+    assert len(p.distinct) == 8
+    assert max(len(v) for v in p.distinct.values()) == 2 * LAYERS  # attention output and the residual norms
     reasons = {op.op: op.reason for op in p.left}
     assert reasons["Embedding"] == GATHER
     # split_heads' / merge_heads' transposes are the bshd attention's; their unflatten/flatten views stay
@@ -43,7 +49,7 @@ def test_vit_pre_ln_keeps_the_residual_sum_as_a_second_output() -> None:
     m = ViTModel(ViTConfig.tiny(layers=LAYERS))
     p = _partition(m, *m.example_inputs(2))
     c = p.counts()
-    assert (c["attention"], c["gemm"], c["norm"]) == (LAYERS, 6 * LAYERS + 1, 1)
+    assert (c["attention"], c["stacked_gemm"], c["gemm"], c["norm"]) == (LAYERS, LAYERS, 3 * LAYERS + 1, 1)
     # x + attn feeds layernorm_after and the next residual: its sum is kept; the last layer's sum
     # feeds only the final LayerNorm
     kept = [s for s in p.subgraphs if s.kind == "residual_norm" and len(s.results) == 2]
@@ -60,7 +66,11 @@ def test_llama_prefill_gated_mlp_gqa_and_rope(kv_heads: int) -> None:
     m = LlamaModel(LlamaConfig.tiny(layers=LAYERS, kv_heads=kv_heads))
     p = _partition(m, *m.example_inputs(1, 16))
     c = p.counts()
-    assert (c["attention"], c["gated_gemm"], c["gemm"]) == (LAYERS, LAYERS, 5 * LAYERS)
+    # Q, K and V share the input norm's output: one stacked GEMM (GQA: Q alone, K and V stacked)
+    assert (c["attention"], c["gated_gemm"], c["stacked_gemm"]) == (LAYERS, LAYERS, LAYERS)
+    assert c["gemm"] == (2 if kv_heads == 4 else 3) * LAYERS
+    stacked = next(s for s in p.subgraphs if s.kind == "stacked_gemm")
+    assert stacked.smg.shape("Y")[0] == (3 if kv_heads == 4 else 2)
     assert (c["norm"], c["residual_norm"]) == (1, 2 * LAYERS)
     att = next(s for s in p.subgraphs if s.kind == "attention").smg
     assert dict(att.attrs)["causal"] == "True" and dict(att.attrs)["kv_heads"] == str(kv_heads)
@@ -173,9 +183,9 @@ def test_decoding_gemms_read_the_weights_as_stored(seq: int, past: int, layout: 
     m = LlamaModel(LlamaConfig.tiny(kv_heads=2), seed=1)
     p = _partition(m, *m.example_inputs(1, seq, past=past))
     weights = {(s.kind, op.space): (s.smg.space(op.space).dims, op.transpose) for s in p.subgraphs
-               for op in s.operands if op.source == "param" and s.kind in ("gemm", "gated_gemm")}
-    assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("gated_gemm", "Wu")} <= set(weights)
-    assert all(dims == layout and transpose == (layout == ("k", "n")) for dims, transpose in weights.values())
+               for op in s.operands if op.source == "param" and s.kind in ("gemm", "gated_gemm", "stacked_gemm")}
+    assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("gated_gemm", "Wu"), ("stacked_gemm", "Bw")} <= set(weights)
+    assert all(dims[-2:] == layout and transpose == (layout == ("k", "n")) for dims, transpose in weights.values())
     fused = fuse(m, *m.example_inputs(1, seq, past=past), backend="reference")
     with torch.no_grad():
         want, got = m(*m.example_inputs(1, seq, past=past)), fused(*m.example_inputs(1, seq, past=past))

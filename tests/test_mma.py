@@ -32,7 +32,7 @@ from smg.fold import fold_dims
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
-from spacefusion.frontend.builders import gated_gemm
+from spacefusion.frontend.builders import gated_gemm, stacked_gemm
 from spacefusion.lower.mma import row_tile_order, tile_kept
 
 CASES = {
@@ -185,8 +185,26 @@ CASES = {
                                  {"wgmma": True, "tma": True, "producer": True, "persistent": 5, "pingpong": True}),
     # blocks slicing the k steps (what the search offers a grid smaller than the SMs): both accumulators'
     # partials merged from the workspace
+    # TMA rings in blocks slicing the k steps (a deep GEMM with a small output: BERT's FFN output): each
+    # block's tensor-map coordinates start at its first step; uneven slices (7 steps in 3), a stacked GEMM
+    "gemm_wgmma_tma_slices2": (lambda: patterns.gemm_epilogue(200, 320, 512, "none", True, dtype="float16"),
+                               {"m": 128, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "slices": 2, "warps": 8}),
+    "gemm_wgmma_tma_slices3_gelu": (lambda: patterns.gemm_epilogue(100, 192, 448, "gelu", True, dtype="float16"),
+                                    {"m": 64, "n": 64}, 64, 4, {"wgmma": True, "tma": True, "slices": 3}),
+    "gemm_gated_tma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
+                               {"wgmma": True, "tma": True, "slices": 2}),
+    "gemm_stacked_tma_slices4": (lambda: stacked_gemm(2, 64, 128, 512, "none", False, "float16"),
+                                 {"m": 64, "n": 128}, 64, 2, {"wgmma": True, "tma": True, "slices": 4}),
     "gemm_gated_wgmma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
                                  {"wgmma": True, "slices": 2}),
+    # Q/K/V projections as one stacked GEMM (Y[t, m, n], X broadcast along t, each t a block coordinate):
+    # wgmma + TMA (B's 3-d tensor map) with bias and row/column tails, mma.sync with GELU, a producer in bf16
+    "gemm_stacked_wgmma_tma": (lambda: stacked_gemm(3, 200, 192, 128, "none", True, "float16"),
+                               {"m": 64, "n": 64}, 64, 3, {"wgmma": True, "tma": True}),
+    "gemm_stacked_gelu_tails": (lambda: stacked_gemm(2, 100, 160, 96, "gelu", True, "float16"), {"m": 64, "n": 64},
+                                32, 2),
+    "gemm_stacked_ws_bf16": (lambda: stacked_gemm(3, 256, 256, 192, "none", False, "bfloat16"),
+                             {"m": 128, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True}),
     # attention over the projections' own layout (layout="bshd": Q/O [b, s, h, d], rows h * d apart): every
     # block one (batch, head); mma.sync with tails, GQA (Q [b, m, kv head, member, d]), causal with split
     # groups, wgmma + TMA (K/V tensor maps in (d, l, h, b) order), d = 80 on wgmma, a producer warpgroup,
@@ -677,9 +695,12 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
              if s.tensor_cores}
     assert (128, 128, 64, True) in tiles and not any(w and step != 64 for _, _, step, w in tiles)
     assert not any(s.wgmma for s in SearchSpace(g, A100).candidates())
-    # TMA loads come with every wgmma GEMM candidate on sm_90 (one block per tile), and nowhere else
+    # TMA loads come with every unsliced wgmma GEMM candidate on sm_90 (one block per tile), and nowhere
+    # else; blocks slicing the steps come both by TMA and by cp.async
     cands = [s for s in SearchSpace(g, H100).candidates() if s.tensor_cores]
-    assert all(s.tma == (s.wgmma and s.slices == 1) for s in cands) and any(s.tma for s in cands)
+    assert all(s.tma == s.wgmma for s in cands if s.slices == 1) and any(s.tma for s in cands)
+    sliced = {(s.tiles["m"], s.tiles["n"], s.stages, s.slices, s.tma) for s in cands if s.slices > 1 and s.wgmma}
+    assert any(k[-1] for k in sliced) and all((*k[:-1], not k[-1]) in sliced for k in sliced if k[2] > 1)
     att = SearchSpace(patterns.attention(1, 2, 128, 128, 64), H100, max_step=64)
     assert not any(k.tma for k in att.knobs())  # attention's K/V by TMA measured a wash: a user's choice
     # a producer warpgroup only with TMA, rings of 2..4 slots, persistent over the SMs where the tiles outnumber them
@@ -1031,9 +1052,10 @@ def test_tma_is_refused_where_the_ring_is_not_wgmmas() -> None:
     with pytest.raises(ScheduleError, match="tma loads the ring.*the step 32 is not whole 64-column bands"):
         _ = schedule(softmax_gemm(100, 296, 64), tiles={"m": 64}, step=32, tensor_cores=True, stages=2,
                      wgmma=True, tma=True)
-    with pytest.raises(ScheduleError, match="tma loads the ring.*blocks slice the steps"):
-        _ = schedule(patterns.gemm_epilogue(64, 64, 256, "relu", True, "float16"), tiles={"m": 64, "n": 64},
-                     serial="k", step=64, tensor_cores=True, stages=2, wgmma=True, tma=True, slices=2)
+    # blocks slicing a plain GEMM's steps load theirs by TMA too (each from its first step's coordinates)
+    s = schedule(patterns.gemm_epilogue(64, 64, 256, "relu", True, "float16"), tiles={"m": 64, "n": 64},
+                 serial="k", step=64, tensor_cores=True, stages=2, wgmma=True, tma=True, slices=2)
+    assert s.tma and s.slices == 2 and s.num_blocks == 2
 
 
 def test_tma_loads_attentions_k_and_v_bands() -> None:
@@ -1162,7 +1184,6 @@ def test_search_offers_gated_gemms_on_wgmma_and_ranks_one_first() -> None:
     ((256, 256, 200), {}, "divide 'k' = 200"),
     ((256, 192, 256), {"tiles": {"m": 128, "n": 96}}, "96 columns per block must be a multiple of 64"),
     ((256, 256, 256), {"split": 2}, "no split or early_scores"),
-    ((256, 256, 256), {"tma": True, "slices": 2}, "tma loads the ring.*blocks slice the steps"),
 ])
 def test_gated_gemm_wgmma_refusals(mnk, kwargs, match) -> None:
     opts = {"tiles": {"m": 128, "n": 128}, "serial": "k", "step": 64, "stages": 2, "warps": 8} | kwargs

@@ -27,21 +27,25 @@ class FusedKernel(nn.Module):
         self.consts = tuple(op.space for op in sub.operands if op.source == "param")
         for op in sub.operands:
             if op.source == "param":
-                t = _attr(root, op.ref).detach()
-                self.register_buffer(op.space, (t.t() if op.transpose else t).contiguous().reshape(op.shape),
-                                     persistent=False)
+                ts = [_attr(root, ref).detach() for ref in (op.stack or (op.ref,))]
+                ts = [t.t() if op.transpose else t for t in ts]
+                t = torch.stack(ts) if op.stack else ts[0]
+                self.register_buffer(op.space, t.contiguous().reshape(op.shape), persistent=False)
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = {op.space: (a.permute(op.permute) if op.permute else a).reshape(op.shape)
                   for op, a in zip(self.values, args)}
         inputs |= {name: getattr(self, name) for name in self.consts}
         out = self.kernel(inputs)
-        return tuple(_view(out[r.space], r.permute, r.shape) for r in self.sub.results)
+        return tuple(_view(out[r.space], r.permute, r.shape, r.index) for r in self.sub.results)
 
 
-def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...]) -> torch.Tensor:
-    """A kernel output seen as its node: permuted (RoPE's [b, s, h, d] as [b, h, s, d]), then reshaped
-    where the shape differs (a reshape to the same shape could restride its unit dims)."""
+def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...], index: int | None = None
+          ) -> torch.Tensor:
+    """A kernel output seen as its node: sliced (one linear of a stacked GEMM), permuted (RoPE's
+    [b, s, h, d] as [b, h, s, d]), then reshaped where the shape differs (a reshape to the same shape could
+    restride its unit dims)."""
+    t = t[index] if index is not None else t
     t = t.permute(permute) if permute else t
     return t if tuple(t.shape) == tuple(shape) else t.reshape(shape)
 

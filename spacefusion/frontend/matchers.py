@@ -227,6 +227,45 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     return _subgraph("gemm", label, (node, out) if act else (node,), smg, ops, {"Y": out})
 
 
+def _stack_key(lin: Linear, node: fx.Node, ctx: Context) -> tuple | None:
+    """What linears must share to be one stacked GEMM (None: this one cannot join)."""
+    user = single_user(node)
+    act = activation_of(user, ctx.gm) if user is not None and ctx.free(user) else None
+    if not ctx.free(node) or dtype(node) is None or shape(lin.x) is None:
+        return None
+    return lin.k, lin.n, lin.bias is not None, act, dtype(node)
+
+
+def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``node`` and the other ``nn.Linear`` of its input with equal shapes, bias use and activation (Q/K/V
+    projections; GQA's K/V) -> one ``builders.stacked_gemm``: the weights stacked once, each linear's output
+    a contiguous slice of Y[t, m, n], so the attention or RoPE reading it binds it without a copy.
+    Horizontal fusion: one launch instead of ``t``, and ``t`` times the blocks of a small GEMM."""
+    first = linear_of(node, ctx.gm)
+    if first is None or not isinstance(first.x, fx.Node) or (key := _stack_key(first, node, ctx)) is None:
+        return None
+    group = [(u, lin) for u in first.x.users if (lin := linear_of(u, ctx.gm)) is not None and lin.x is first.x
+             and _stack_key(lin, u, ctx) == key]
+    if len(group) < 2:
+        return None
+    (k, n, bias, act, dt), t, m = key, len(group), rows(shape(first.x))
+    smg = _build(ctx, group[0][0], lambda: builders.stacked_gemm(t, m, n, k, act or "none", bias, dt, b_layout(m)))
+    if smg is None:
+        return None
+    nk = b_layout(m) == "nk"
+    lins = [lin for _, lin in group]
+    ops = [_value("A", first.x, (m, k)),
+           Operand("Bw", "param", lins[0].weight, (t, n, k) if nk else (t, k, n), not nk,
+                   stack=tuple(lin.weight for lin in lins))]
+    if bias:
+        ops.append(Operand("bias", "param", lins[0].bias, (t, n), stack=tuple(lin.bias for lin in lins)))
+    outs = [single_user(u) if act else u for u, _ in group]
+    results = tuple(Result("Y", o.name, shape(o), index=i) for i, o in enumerate(outs))
+    nodes = [u.name for u, _ in group] + ([o.name for o in outs] if act else [])
+    label = f"{t} stacked gemms{' + bias' if bias else ''}{f' + {act}' if act else ''} {m}x{n}x{k} {dt}"
+    return Subgraph("stacked_gemm", label, tuple(nodes), smg, tuple(ops), results)
+
+
 def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     """LayerNorm / RMSNorm over the last dim -> ``norm``; when its input is ``a + b`` of one shape the add
     is fused too (``residual_norm``), and the sum is a second output where something else reads it."""
@@ -318,4 +357,4 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
 
 #: in priority order: a node taken by an earlier matcher is not offered to later ones
 MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
-    match_attention, match_gated_gemm, match_linear, match_norm, match_rope)
+    match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_norm, match_rope)

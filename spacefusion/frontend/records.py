@@ -16,6 +16,8 @@ class Operand:
     ``transpose``: an ``nn.Linear`` stores W[n, k]; the GEMM patterns take B[k, n] (torch's ``A @ B``).
     ``permute``: the value is viewed through this permutation of its dims before the reshape: a
     [b, h, s, d] value lying as [b, s, h, d] (after RoPE) is bound to a bshd space without a copy.
+    ``stack``: a "param" operand that is these parameters (each transposed where ``transpose``) stacked
+    along a new first dim, once at build time: the stacked Q/K/V weights of one GEMM (``ref`` is the first).
     """
 
     space: str
@@ -24,6 +26,7 @@ class Operand:
     shape: tuple[int, ...]
     transpose: bool = False
     permute: tuple[int, ...] | None = None
+    stack: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -31,18 +34,20 @@ class Result:
     """An SMG output standing for an fx node, viewed back to the node's shape.
 
     ``permute``: the output is viewed through this permutation of its dims before the reshape: RoPE's
-    [b, s, h, d] output goes back as the [b, h, s, d] view torch's RoPE returns (same strides, no copy)."""
+    [b, s, h, d] output goes back as the [b, h, s, d] view torch's RoPE returns (same strides, no copy).
+    ``index``: the node is this slice of the output's first dim (one linear of a stacked GEMM: contiguous)."""
 
     space: str
     node: str
     shape: tuple[int, ...]
     permute: tuple[int, ...] | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)
 class Subgraph:
-    """Fx nodes fused into one SMG (one kernel); ``kind`` is attention, gemm, gated_gemm, norm, residual_norm,
-    rope."""
+    """Fx nodes fused into one SMG (one kernel); ``kind`` is attention, gemm, stacked_gemm, gated_gemm, norm,
+    residual_norm, rope."""
 
     kind: str
     label: str

@@ -362,13 +362,14 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
             self.stage_base, end = end, end + staged_elements(self.s, p)
         else:  # the output tiles reuse the ring after the loop
             self.stage_base, end = 0, max(end, staged_elements(self.s, p))
-        if p.tma:  # the ring's mbarriers (mbarrier_bytes), 8-byte aligned, past everything else
-            self.mbar_base = -(-end // 4) * 4
-            end = self.mbar_base + mbarrier_bytes(p) // 2
         # the slices' arrival flag is static shared memory, which puts the dynamic arena after it: then
         # the swizzled tiles move up to the next 1 KB of the shared window, found at run time
         skewed = p.wgmma and p.slices > 1
-        arena = T.alloc_buffer((end + (SWIZZLE_ATOM if skewed else 0),), self.half, scope="shared.dyn")
+        end += SWIZZLE_ATOM if skewed else 0
+        if p.tma:  # the ring's mbarriers (mbarrier_bytes), 8-byte aligned, past everything else (the skew too)
+            self.mbar_base = -(-end // 4) * 4
+            end = self.mbar_base + mbarrier_bytes(p) // 2
+        arena = T.alloc_buffer((end,), self.half, scope="shared.dyn")
         self.arena = arena
         skew = tirx.const(0, I32)
         if p.wgmma:  # the arena's shared-window address, for the wgmma descriptors

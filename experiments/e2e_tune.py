@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny configs (for --runner llvm)")
     ap.add_argument("--batch", type=int, default=1, help="batch size (e2e_gpu.py's runs: 8 for BERT and ViT)")
     ap.add_argument("--kinds", nargs="+", default=None,
-                    help="tune only subgraphs of these kinds (attention, gemm, stacked_gemm, gated_gemm, norm, residual_norm, rope)")
+                    help="tune only subgraphs of these kinds (attention, gemm, stacked_gemm, gated_gemm, norm, "
+                         "residual_norm, rope)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     parts = []

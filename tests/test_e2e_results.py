@@ -27,15 +27,19 @@ def test_every_system_was_checked_then_timed(model: str) -> None:
 
 
 def test_a_cuda_graph_takes_the_launch_cost_away() -> None:
-    """Launch by launch the runtime's Python costs tens of us a kernel (BERT 10.6 ms); replayed as one CUDA
+    """Launch by launch the runtime's Python costs tens of us a kernel (BERT 8.5 ms); replayed as one CUDA
     graph the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size), and
-    come within 20% of eager and torch.compile in CUDA graphs (0.83-0.93x) without beating them."""
+    come within 10% of torch.compile in CUDA graphs (0.92x, 0.91x) without beating it.  With Q/K/V stacked,
+    BERT is ahead of eager's graph (874 against 910 us); ViT, whose FFN output GEMM is 33.6 us against
+    cuBLAS's 18.4, is 5% behind it."""
     m = _models()
     for model in ("bert", "vit"):
         t = {k: v["median_us"] for k, v in m[model]["systems"].items()}
         assert t["spacefusion+graph"] < t["spacefusion"] / 5
         assert t["spacefusion+graph"] < min(t["eager"], t["torch.compile"]) / 2
-        assert t["eager+graph"] < t["spacefusion+graph"] < 1.25 * t["torch.compile(reduce-overhead)"]
+        assert t["spacefusion+graph"] < 1.1 * t["torch.compile(reduce-overhead)"]
+    bert, vit = ({k: v["median_us"] for k, v in m[x]["systems"].items()} for x in ("bert", "vit"))
+    assert bert["spacefusion+graph"] < bert["eager+graph"] and vit["spacefusion+graph"] < 1.1 * vit["eager+graph"]
 
 
 def test_llama_prefill_ahead_of_eager_and_decode_twice_eager() -> None:
@@ -57,14 +61,33 @@ def test_llama_prefill_ahead_of_eager_and_decode_twice_eager() -> None:
 
 
 def test_bert_at_512_tokens_and_gqa_decode_within_ten_percent_of_the_graph_baselines() -> None:
-    """BERT-base 8x512 (first picks, never tuned on the GPU): ahead of eager in a CUDA graph and of default
-    torch.compile, within 10% of torch.compile's CUDA graphs.  LLaMA-2-7B GQA (8 KV heads) decode: 4x
-    eager, behind torch.compile's CUDA graphs (0.87x)."""
+    """BERT-base 8x512 (first picks but for the pooler it shares with BERT-128): ahead of eager in a CUDA
+    graph and of default torch.compile, level with torch.compile's CUDA graphs (1.03x).  LLaMA-2-7B GQA
+    (8 KV heads) decode: 1.85x eager, ahead of eager's graph, behind torch.compile's CUDA graphs (0.94x)."""
     m = _models()
     t = {k: v["median_us"] for k, v in m["bert512"]["systems"].items()}
     assert (m["bert512"]["manifest"]["batch"], m["bert512"]["manifest"]["seq"]) == (8, 512)
     assert t["spacefusion+graph"] < min(t["eager+graph"], t["torch.compile"] / 1.5)
     assert t["spacefusion+graph"] < 1.1 * t["torch.compile(reduce-overhead)"]
     g = {k: v["median_us"] for k, v in m["llama_gqa_decode"]["systems"].items()}
-    assert g["spacefusion+graph"] < g["eager"] / 4
-    assert g["spacefusion+graph"] < 1.2 * g["torch.compile(reduce-overhead)"]
+    assert g["spacefusion+graph"] < min(g["eager"] / 1.8, g["eager+graph"])
+    assert g["spacefusion+graph"] < 1.1 * g["torch.compile(reduce-overhead)"]
+
+
+def test_the_stacked_qkv_gemm_beats_three_separate_gemms_in_the_measured_rounds() -> None:
+    """The rounds behind the models' picks (``experiments/tuning/e2e_rounds*_h100.json``): every candidate
+    was checked against the numpy reference before it was timed, and the best stacked Q/K/V GEMM of BERT and
+    ViT (one launch, X read once) takes under half of three launches of the best separate projection."""
+    tuning = RESULTS.parents[1] / "tuning"
+    rounds = [r for f in ("e2e_rounds_h100.json", "e2e_rounds2_h100.json")
+              for r in json.loads((tuning / f).read_text())["rounds"] if "H100" in r["device"]]
+    best: dict[tuple, float] = {}
+    for r in rounds:
+        dims = {d["name"]: d["size"] for d in r["workload"]["dims"]}
+        for x in r["results"]:
+            assert x["error"] is None and x["max_abs_err"] < 0.5, (r["batch"], x["schedule_key"])
+            key = (r["workload"]["name"], dims["m"], dims.get("t", 1), dims["k"], dims["n"])
+            best[key] = min(best.get(key, float("inf")), x["latencies_us"][0])
+    for m in (1024, 1576):
+        stacked, single = best[("stacked_gemm_none", m, 3, 768, 768)], best[("gemm_none", m, 1, 768, 768)]
+        assert stacked < 3 * single / 2, (m, stacked, single)

@@ -368,3 +368,48 @@ def test_a_graphed_replay_keeps_what_its_launches_read(tmp_path: Path, monkeypat
     torch.testing.assert_close(replay(), want)
     torch.cuda.synchronize()
     del churn
+
+
+class _Fence:
+    """A stand-in for a CUDA event: the stream has passed it once ``done``."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_evicted_tensor_maps_live_until_the_stream_passes_the_fence() -> None:
+    """Regression: the kernel's map cache was cleared at 64 entries while launches reading the maps were
+    still queued; freed, a map's memory went to the next tensor and the TMA unit read garbage (LLaMA-2's
+    32 layers: CUDA_ERROR_ILLEGAL_INSTRUCTION).  Evicted maps now stay referenced until a fence recorded at
+    eviction has passed, and nothing is evicted under graph capture (fence None)."""
+    import weakref
+
+    from spacefusion.runtime.gpu import MapCache
+
+    class Map:  # a device tensor map: its lifetime is what matters
+        pass
+
+    cache, fences = MapCache(limit=2), []
+
+    def fence() -> _Fence:
+        fences.append(_Fence())
+        return fences[-1]
+
+    first = cache.get(("B", 1), Map, fence)
+    assert cache.get(("B", 1), Map, fence) is first  # encoded once per address
+    alive = weakref.ref(first)
+    cache.get(("B", 2), Map, fence)
+    del first
+    cache.get(("B", 3), Map, fence)  # the third evicts both, behind a fence
+    assert len(fences) == 1 and alive() is not None
+    cache.get(("B", 3), Map, fence)
+    assert alive() is not None  # the stream has not passed the fence: a queued launch may read it
+    fences[0].done = True
+    cache.get(("B", 3), Map, fence)
+    assert alive() is None and set(cache.maps) == {("B", 3)}
+    for i in range(4, 8):  # under capture: kept, however many
+        cache.get(("B", i), Map, None)
+    assert len(cache.maps) == 5 and len(fences) == 1

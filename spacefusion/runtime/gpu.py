@@ -102,6 +102,35 @@ def compile_cubin(source: str, arch: str, options: Sequence[str] = DEFAULT_NVCC_
 _GRAPHED_MAPS: dict[int, Any] = {}
 
 
+#: tensor maps a kernel keeps before it retires them all (freed once its stream has passed a fence)
+MAX_MAPS = 64
+
+
+class MapCache:
+    """A kernel's device tensor maps by (param, address, strides, device).
+
+    A launch reads its map by address when it runs, not when it is queued: a map dropped from the cache
+    while a launch that reads it is still queued would be freed, its memory handed to the next tensor, and
+    the TMA unit would read garbage (CUDA_ERROR_ILLEGAL_INSTRUCTION on LLaMA-2's 32 layers, whose stacked
+    Q/K/V weights gave one kernel more maps than the cache kept).  So evicted maps stay referenced until a
+    fence recorded on the launching stream at eviction has passed (``fence`` None: under graph capture,
+    where nothing is evicted and the graph keeps its maps)."""
+
+    def __init__(self, limit: int = MAX_MAPS) -> None:
+        self.limit = limit
+        self.maps: dict[tuple, Any] = {}
+        self.retired: list[tuple[Any, list[Any]]] = []  # (fence, maps a queued launch may still read)
+
+    def get(self, key: tuple, make: Callable[[], Any], fence: Callable[[], Any] | None) -> Any:
+        self.retired = [(f, ms) for f, ms in self.retired if not f.query()]
+        if key not in self.maps:
+            if len(self.maps) >= self.limit and fence is not None:
+                self.retired.append((fence(), list(self.maps.values())))
+                self.maps.clear()
+            self.maps[key] = make()
+        return self.maps[key]
+
+
 class CudaKernel:
     """A launchable artefact kernel: validates torch tensors against the params, then launches.
 
@@ -123,7 +152,7 @@ class CudaKernel:
         self.compile_errors: dict[str, str] = {}
         self._kernels: dict[int, Any] = {}  # device index -> cupy.RawKernel
         self._scratch: dict[int, dict[str, Any]] = {}  # device index -> zeroed workspaces, kept
-        self._maps: dict[tuple[str, int, int], Any] = {}  # (param, tensor address, device) -> tensor map
+        self._maps = MapCache()  # (param, tensor address, strides, device) -> tensor map
 
     def __repr__(self) -> str:
         art = self.artefact
@@ -245,18 +274,22 @@ class CudaKernel:
 
         from .tensormap import TensorMapError, encode_tiled
 
-        key = (p.name, t.data_ptr(), tuple(t.stride()), device)
-        if key not in self._maps:
-            if len(self._maps) >= 64:
-                self._maps.clear()  # maps a captured graph reads stay alive in _GRAPHED_MAPS
+        def make() -> torch.Tensor:
             _, box, swizzle = p.tensor_map
             try:
-                self._maps[key] = encode_tiled(t, box, swizzle, p.tensor_map_dims)
+                return encode_tiled(t, box, swizzle, p.tensor_map_dims)
             except TensorMapError as e:
                 raise KernelLaunchError(f"{self.artefact.kernel_name}: tensor map {p.name!r} of "
                                         f"{p.tensor_map[0]!r}: {e}") from None
-        m = self._maps[key]
-        if torch.cuda.is_current_stream_capturing():  # a replay reads it by address: never free it
+
+        def fence() -> torch.cuda.Event:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+            return ev
+
+        capturing = torch.cuda.is_current_stream_capturing()
+        m = self._maps.get((p.name, t.data_ptr(), tuple(t.stride()), device), make, None if capturing else fence)
+        if capturing:  # a replay reads it by address: never free it
             _GRAPHED_MAPS.setdefault(m.data_ptr(), m)
         return m
 

@@ -77,7 +77,8 @@ def test_bert_at_512_tokens_and_gqa_decode_within_ten_percent_of_the_graph_basel
 def test_the_stacked_qkv_gemm_beats_three_separate_gemms_in_the_measured_rounds() -> None:
     """The rounds behind the models' picks (``experiments/tuning/e2e_rounds*_h100.json``): every candidate
     was checked against the numpy reference before it was timed, and the best stacked Q/K/V GEMM of BERT and
-    ViT (one launch, X read once) takes under half of three launches of the best separate projection."""
+    ViT (one launch, X read once) takes about half of three launches of the best separate projection (0.45x,
+    0.51x)."""
     tuning = RESULTS.parents[1] / "tuning"
     rounds = [r for f in ("e2e_rounds_h100.json", "e2e_rounds2_h100.json")
               for r in json.loads((tuning / f).read_text())["rounds"] if "H100" in r["device"]]
@@ -86,8 +87,9 @@ def test_the_stacked_qkv_gemm_beats_three_separate_gemms_in_the_measured_rounds(
         dims = {d["name"]: d["size"] for d in r["workload"]["dims"]}
         for x in r["results"]:
             assert x["error"] is None and x["max_abs_err"] < 0.5, (r["batch"], x["schedule_key"])
-            key = (r["workload"]["name"], dims["m"], dims.get("t", 1), dims["k"], dims["n"])
-            best[key] = min(best.get(key, float("inf")), x["latencies_us"][0])
+            if "k" in dims:  # the GEMMs' rounds
+                key = (r["workload"]["name"], dims["m"], dims.get("t", 1), dims["k"], dims["n"])
+                best[key] = min(best.get(key, float("inf")), x["latencies_us"][0])
     for m in (1024, 1576):
         stacked, single = best[("stacked_gemm_none", m, 3, 768, 768)], best[("gemm_none", m, 1, 768, 768)]
-        assert stacked < 3 * single / 2, (m, stacked, single)
+        assert stacked < 0.55 * 3 * single, (m, stacked, single)

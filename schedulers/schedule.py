@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,22 @@ MAX_VECTOR_BYTES = 16  # the widest global load/store of one thread
 
 #: where ``Schedule.key`` splices the SMG's canonical text into the schedule's
 _SMG_SLOT = "@@spacefusion-smg-canonical-text@@"
+
+
+def _plan_dict(p: TemporalPlan) -> dict[str, Any]:
+    return {"streamed": list(p.streamed), "inlined": list(p.inlined), "states": [vars(u) for u in p.states],
+            "finalize": [list(f) for f in p.finalize], "second_pass": list(p.second_pass)}
+
+
+@lru_cache(maxsize=1024)
+def _plan_text(p: TemporalPlan) -> str:
+    """The canonical text of a plan as ``to_dict`` writes it (plans are shared by a search's candidates)."""
+    return canonical_text(_plan_dict(p))
+
+
+@lru_cache(maxsize=1024)
+def _spatial_text(decisions: tuple[DimDecision, ...]) -> str:
+    return canonical_text([vars(d) for d in decisions])
 
 
 @dataclass(frozen=True)
@@ -119,11 +135,15 @@ class Schedule:
 
     @cached_property
     def key(self) -> str:
-        """``content_key(self.to_dict())``, with the SMG's canonical text (built once per graph) spliced
-        in rather than re-serialised for every candidate: the same digest, a fifth of ranking time less."""
+        """``content_key(self.to_dict())``, with the canonical texts of the SMG (built once per graph), the
+        temporal plan and the spatial decisions (once per plan and per decision tuple, which a search's
+        candidates share) spliced in rather than re-serialised for every candidate: the same digest."""
         body = self._fields()
-        body["smg"] = _SMG_SLOT
-        text = canonical_text(body).replace(f'"smg":"{_SMG_SLOT}"', '"smg":' + self.smg.canonical_text, 1)
+        texts = {"smg": self.smg.canonical_text, "plan": _plan_text(self.plan),
+                 "spatial": _spatial_text(self.spatial)}
+        text = canonical_text(body | {k: f"{_SMG_SLOT}{k}" for k in texts})
+        for k, t in texts.items():
+            text = text.replace(f'"{k}":"{_SMG_SLOT}{k}"', f'"{k}":' + t, 1)
         return text_key(text)
 
     @property
@@ -181,20 +201,13 @@ class Schedule:
 
     def _fields(self) -> dict[str, Any]:
         """Every field of ``to_dict`` but the SMG."""
-        p = self.plan
         return {
             "format": FORMAT,
             "block": [list(b) for b in self.block],
             "thread_dim": self.thread_dim,
             "serial": self.serial,
             "step": self.step,
-            "plan": {
-                "streamed": list(p.streamed),
-                "inlined": list(p.inlined),
-                "states": [vars(u) for u in p.states],
-                "finalize": [list(f) for f in p.finalize],
-                "second_pass": list(p.second_pass),
-            },
+            "plan": _plan_dict(self.plan),
             "memory": [list(m) for m in self.memory],
             "spatial": [vars(d) for d in self.spatial],
         } | ({"lanes": self.lanes} if self.lanes != 1 else {}) | (  # absent at defaults: older keys stay valid

@@ -273,3 +273,19 @@ def test_automatic_serial_dim_is_one_the_temporal_slicer_accepts() -> None:
     smg = g.build(o)
     assert make_schedule(smg, serial="l", step=1).serial == "l"  # l is a valid choice
     assert make_schedule(smg, step=1).serial == "l"
+
+
+def test_the_spliced_key_is_the_content_key_of_the_schedule() -> None:
+    """``Schedule.key`` splices the cached canonical texts of the SMG, the plan and the spatial decisions
+    (shared by a search's candidates) into the rest: the digest is the sha256 of ``to_dict``'s canonical form,
+    as a database written before the splice keyed it."""
+    from schedulers.hardware import H100
+    from search.space import SearchSpace
+    from smg.hashing import content_key
+    from spacefusion.frontend.builders import stacked_gemm
+
+    for g in (stacked_gemm(3, 64, 64, 64, "gelu", True, "float16"), mha(1, 2, 64, 64, 32)):
+        cands = SearchSpace(g, H100).candidates()
+        assert len(cands) > 50
+        for s in cands[:: max(1, len(cands) // 40)]:
+            assert s.key == content_key(s.to_dict())

@@ -58,16 +58,24 @@ def _b_dims(k: int, n: int, b_layout: str) -> dict[str, int]:
 
 
 def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = True,
-                  dtype: str = "float32", b_layout: str = "kn") -> SMG:
+                  dtype: str = "float32", b_layout: str = "kn", stack: int = 0) -> SMG:
     """``Y = act(A @ B + bias)``; ``act`` is any unary operator or ``"none"``; ``b_layout`` "nk" stores B
-    as [n, k] (``Y = A @ Bw.T``, an ``nn.Linear`` weight as it is)."""
+    as [n, k] (``Y = A @ Bw.T``, an ``nn.Linear`` weight as it is).
+
+    ``stack`` = t > 0: ``Y[i] = act(A @ B_i + bias_i)`` for t linears of one input (Q/K/V projections) as
+    one GEMM whose B stacks the weights along t ([t, k, n]; "nk": [t, n, k]) and whose output is [t, m, n],
+    so each ``Y[i]`` is a contiguous [m, n] slice a consumer binds without a copy.  A is broadcast
+    (One-to-All) along t, which the spatial slicer cuts: one batch dim of a warp-tile GEMM.  Unlike
+    ``horizontal_gemms`` (one output per GEMM), the t GEMMs share one output space, hence one epilogue."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
-    g = Builder(f"gemm_{act}", dtype)
-    a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", _b_dims(k, n, b_layout))
-    y = g.matmul(a, b, reduce="k", name="C" if bias or act != "none" else "Y")
+    t = {"t": stack} if stack else {}
+    g = Builder(f"{'stacked_' if stack else ''}gemm_{act}", dtype)
+    a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", t | _b_dims(k, n, b_layout))
+    y = g.matmul(a, b, reduce="k", name="C" if bias or act != "none" else "Y",
+                 order=("t", "m", "n") if stack else None)
     if bias:
-        y = g.binary("add", y, g.input("bias", {"n": n}), name="Cb" if act != "none" else "Y")
+        y = g.binary("add", y, g.input("bias", t | {"n": n}), name="Cb" if act != "none" else "Y")
     if act != "none":
         y = g.unary(act, y, name="Y")
     return g.build(y)

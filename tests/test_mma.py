@@ -32,7 +32,7 @@ from smg.fold import fold_dims
 from smg.reference import evaluate
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
-from spacefusion.frontend.builders import gated_gemm, stacked_gemm
+from spacefusion.frontend.builders import gated_gemm
 from spacefusion.lower.mma import row_tile_order, tile_kept
 
 CASES = {
@@ -193,17 +193,17 @@ CASES = {
                                     {"m": 64, "n": 64}, 64, 4, {"wgmma": True, "tma": True, "slices": 3}),
     "gemm_gated_tma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
                                {"wgmma": True, "tma": True, "slices": 2}),
-    "gemm_stacked_tma_slices4": (lambda: stacked_gemm(2, 64, 128, 512, "none", False, "float16"),
+    "gemm_stacked_tma_slices4": (lambda: patterns.gemm_epilogue(64, 128, 512, "none", False, "float16", stack=2),
                                  {"m": 64, "n": 128}, 64, 2, {"wgmma": True, "tma": True, "slices": 4}),
     "gemm_gated_wgmma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
                                  {"wgmma": True, "slices": 2}),
     # Q/K/V projections as one stacked GEMM (Y[t, m, n], X broadcast along t, each t a block coordinate):
     # wgmma + TMA (B's 3-d tensor map) with bias and row/column tails, mma.sync with GELU, a producer in bf16
-    "gemm_stacked_wgmma_tma": (lambda: stacked_gemm(3, 200, 192, 128, "none", True, "float16"),
+    "gemm_stacked_wgmma_tma": (lambda: patterns.gemm_epilogue(200, 192, 128, "none", True, "float16", stack=3),
                                {"m": 64, "n": 64}, 64, 3, {"wgmma": True, "tma": True}),
-    "gemm_stacked_gelu_tails": (lambda: stacked_gemm(2, 100, 160, 96, "gelu", True, "float16"), {"m": 64, "n": 64},
-                                32, 2),
-    "gemm_stacked_ws_bf16": (lambda: stacked_gemm(3, 256, 256, 192, "none", False, "bfloat16"),
+    "gemm_stacked_gelu_tails": (lambda: patterns.gemm_epilogue(100, 160, 96, "gelu", True, "float16", stack=2),
+                                {"m": 64, "n": 64}, 32, 2),
+    "gemm_stacked_ws_bf16": (lambda: patterns.gemm_epilogue(256, 256, 192, "none", False, "bfloat16", stack=3),
                              {"m": 128, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True}),
     # attention over the projections' own layout (layout="bshd": Q/O [b, s, h, d], rows h * d apart): every
     # block one (batch, head); mma.sync with tails, GQA (Q [b, m, kv head, member, d]), causal with split

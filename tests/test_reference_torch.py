@@ -13,7 +13,7 @@ import pytest
 from smg import patterns
 from smg.reference import evaluate, random_inputs
 from smg.reference_torch import SMG_FILE, evaluate_torch, load_smg, save_smg
-from spacefusion.frontend.builders import gated_gemm, stacked_gemm
+from spacefusion.frontend.builders import gated_gemm
 
 torch = pytest.importorskip("torch")
 
@@ -24,8 +24,8 @@ GRAPHS = {
     "attention": lambda: patterns.attention(1, 2, 16, 24, 8, dtype="float32"),
     "layernorm": lambda: patterns.layernorm(8, 32, "float32"),
     "horizontal": lambda: patterns.horizontal_gemms(8, 16, 24),
-    "stacked_gelu": lambda: stacked_gemm(3, 8, 24, 16, "gelu", True, "float32"),
-    "stacked_nk": lambda: stacked_gemm(2, 1, 24, 16, "none", False, "float32", "nk"),
+    "stacked_gelu": lambda: patterns.gemm_epilogue(8, 24, 16, "gelu", True, "float32", stack=3),
+    "stacked_nk": lambda: patterns.gemm_epilogue(1, 24, 16, "none", False, "float32", "nk", stack=2),
     "rope": lambda: patterns.rope(2, 5, 3, 8, tables="per_batch", dtype="float32", layout="bshd"),
 }
 

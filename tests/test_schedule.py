@@ -282,9 +282,9 @@ def test_the_spliced_key_is_the_content_key_of_the_schedule() -> None:
     from schedulers.hardware import H100
     from search.space import SearchSpace
     from smg.hashing import content_key
-    from spacefusion.frontend.builders import stacked_gemm
+    from smg.patterns import gemm_epilogue
 
-    for g in (stacked_gemm(3, 64, 64, 64, "gelu", True, "float16"), mha(1, 2, 64, 64, 32)):
+    for g in (gemm_epilogue(64, 64, 64, "gelu", True, "float16", stack=3), mha(1, 2, 64, 64, 32)):
         cands = SearchSpace(g, H100).candidates()
         assert len(cands) > 50
         for s in cands[:: max(1, len(cands) // 40)]:

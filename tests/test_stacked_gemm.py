@@ -14,22 +14,22 @@ from torch import nn
 
 from smg.errors import UnknownAxisError, UnknownOperatorError
 from smg.ops import Builder
+from smg.patterns import gemm_epilogue
 from spacefusion.api import build, schedule
 from spacefusion.frontend import capture, fuse, partition
-from spacefusion.frontend.builders import stacked_gemm
 
 _ACTS = {"none": lambda v: v, "relu": lambda v: np.maximum(v, 0),
          "gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))}
 
 
 def test_the_smg_broadcasts_x_along_t_and_lays_y_out_t_first() -> None:
-    g = stacked_gemm(3, 32, 48, 16, "none", True, "float16")
+    g = gemm_epilogue(32, 48, 16, "none", True, "float16", stack=3)
     assert g.shape("Y") == (3, 32, 48) and g.shape("Bw") == (3, 16, 48) and g.shape("bias") == (3, 48)
-    assert stacked_gemm(2, 1, 48, 16, b_layout="nk").shape("Bw") == (2, 48, 16)
+    assert gemm_epilogue(1, 48, 16, b_layout="nk", stack=2).shape("Bw") == (2, 48, 16)
     text = str(g)
     assert "A -> C.it  t:1:A" in text  # One-to-All: every projection reads the same X
     with pytest.raises(UnknownOperatorError, match="unknown activation 'swish'"):
-        stacked_gemm(2, 4, 4, 4, "swish")
+        gemm_epilogue(4, 4, 4, "swish", stack=2)
 
 
 def test_matmul_order_must_permute_its_dims() -> None:
@@ -43,7 +43,7 @@ def test_matmul_order_must_permute_its_dims() -> None:
 @given(t=st.integers(2, 3), m=st.integers(1, 40), n=st.sampled_from([8, 24, 40]), k=st.sampled_from([8, 32]),
        bias=st.booleans(), act=st.sampled_from(sorted(_ACTS)), nk=st.booleans())
 def test_llvm_kernel_matches_the_unfused_linears(t, m, n, k, bias, act, nk) -> None:
-    g = stacked_gemm(t, m, n, k, act, bias, "float32", "nk" if nk else "kn")
+    g = gemm_epilogue(m, n, k, act, bias, "float32", "nk" if nk else "kn", stack=t)
     rng = np.random.default_rng(m * 7 + n)
     x = {"A": rng.standard_normal((m, k), dtype=np.float32),
          "Bw": rng.standard_normal(g.shape("Bw"), dtype=np.float32)}

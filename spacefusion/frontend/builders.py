@@ -1,7 +1,7 @@
 """SMGs the frontend fuses that ``smg.patterns`` has no builder for, written with ``smg.ops.Builder``.
 
 Each one exists because a model needs it: LLaMA's gated MLP input (two GEMMs sharing X with a SiLU
-product), the Q/K/V projections as one stacked GEMM, RMSNorm after a residual add, and a pre-LN residual
+product), RMSNorm after a residual add, and a pre-LN residual
 stream whose sum is both normalised and carried on to the next residual (so the sum ``T`` is an output
 beside ``Y``).
 """
@@ -25,25 +25,6 @@ def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32"
     gate = g.matmul(x, g.input("Wg", dims), reduce="k", name="G")
     up = g.matmul(x, g.input("Wu", dims), reduce="k", name="U")
     return g.build(g.binary("mul", g.unary(act, gate, name="Ga"), up, name="Y"))
-
-
-def stacked_gemm(t: int, m: int, n: int, k: int, act: str = "none", bias: bool = True, dtype: str = "float32",
-                 b_layout: str = "kn") -> SMG:
-    """``Y[i] = act(X @ W_i + bias_i)`` for ``t`` linears of one input (Q/K/V projections): one GEMM whose
-    B stacks the weights along ``t`` ([t, k, n], "nk": [t, n, k]) and whose output is [t, m, n], so each
-    ``Y[i]`` is a contiguous [m, n] slice a consumer binds without a copy.  The SMG is the join of the
-    ``t`` GEMMs on X's space: X is broadcast (One-to-All) along ``t``, which the spatial slicer cuts."""
-    if act != "none" and act not in UNARY:
-        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
-    g = Builder(f"stacked_gemm_{act}", dtype)
-    x = g.input("A", {"m": m, "k": k})
-    w = g.input("Bw", {"t": t, **patterns._b_dims(k, n, b_layout)})
-    y = g.matmul(x, w, reduce="k", name="C" if bias or act != "none" else "Y", order=("t", "m", "n"))
-    if bias:
-        y = g.binary("add", y, g.input("bias", {"t": t, "n": n}), name="Cb" if act != "none" else "Y")
-    if act != "none":
-        y = g.unary(act, y, name="Y")
-    return g.build(y)
 
 
 def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float) -> SMG:

@@ -212,9 +212,8 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     if xs is None or dt is None:
         ctx.refuse(node, f"linear on a non-float or unshaped input ({node.meta.get('tensor_meta')})")
         return None
-    user = single_user(node)
-    act = activation_of(user, ctx.gm) if user is not None and ctx.free(user) else None
-    out = user if act else node
+    act = _activation_after(node, ctx)
+    out = single_user(node) if act else node
     m = rows(xs)
     smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, act or "none", lin.bias is not None,
                                                            dtype=dt, b_layout=b_layout(m)))
@@ -227,10 +226,15 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     return _subgraph("gemm", label, (node, out) if act else (node,), smg, ops, {"Y": out})
 
 
+def _activation_after(node: fx.Node, ctx: Context) -> str | None:
+    """The activation a linear's only (unclaimed) reader applies, fused into its epilogue."""
+    user = single_user(node)
+    return activation_of(user, ctx.gm) if user is not None and ctx.free(user) else None
+
+
 def _stack_key(lin: Linear, node: fx.Node, ctx: Context) -> tuple | None:
     """What linears must share to be one stacked GEMM (None: this one cannot join)."""
-    user = single_user(node)
-    act = activation_of(user, ctx.gm) if user is not None and ctx.free(user) else None
+    act = _activation_after(node, ctx)
     if not ctx.free(node) or dtype(node) is None or shape(lin.x) is None:
         return None
     return lin.k, lin.n, lin.bias is not None, act, dtype(node)
@@ -238,8 +242,9 @@ def _stack_key(lin: Linear, node: fx.Node, ctx: Context) -> tuple | None:
 
 def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``node`` and the other ``nn.Linear`` of its input with equal shapes, bias use and activation (Q/K/V
-    projections; GQA's K/V) -> one ``builders.stacked_gemm``: the weights stacked once, each linear's output
-    a contiguous slice of Y[t, m, n], so the attention or RoPE reading it binds it without a copy.
+    projections; GQA's K/V) -> one stacked ``patterns.gemm_epilogue`` (``stack``): the weights stacked once,
+    each linear's output a contiguous slice of Y[t, m, n], so the attention or RoPE reading it binds it
+    without a copy.
     Horizontal fusion: one launch instead of ``t``, and ``t`` times the blocks of a small GEMM."""
     first = linear_of(node, ctx.gm)
     if first is None or not isinstance(first.x, fx.Node) or (key := _stack_key(first, node, ctx)) is None:
@@ -249,7 +254,8 @@ def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
     if len(group) < 2:
         return None
     (k, n, bias, act, dt), t, m = key, len(group), rows(shape(first.x))
-    smg = _build(ctx, group[0][0], lambda: builders.stacked_gemm(t, m, n, k, act or "none", bias, dt, b_layout(m)))
+    smg = _build(ctx, group[0][0],
+                 lambda: patterns.gemm_epilogue(m, n, k, act or "none", bias, dt, b_layout(m), stack=t))
     if smg is None:
         return None
     nk = b_layout(m) == "nk"

@@ -468,8 +468,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     memory = _override_levels(memory, levels or {}, smg.inputs)
     if split not in (1, 2, 4, 8):
         raise ScheduleError(f"split {split} must be 1, 2, 4 or 8 warp groups")
-    if stages not in (1, 2, 3, 4):
-        raise ScheduleError(f"stages {stages} must be 1..4 (shared buffers per streamed tile)")
+    if not 1 <= stages <= 8:
+        raise ScheduleError(f"stages {stages} must be 1..8 (shared buffers per streamed tile)")
     nsteps = math.ceil(sizes[serial] / step)
     if not 1 <= slices <= min(32, nsteps):
         raise ScheduleError(f"slices {slices} must be 1..32 blocks and at most the {nsteps} steps of {step} "

@@ -416,8 +416,8 @@ def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, b
     if len(xs) != 1:
         raise ScheduleError(f"state {u.state!r} body {u.body!r} is not (input over {n!r}) * factor")
     x = xs[0]
-    factor = _quotient(u.body, x.name)
-    if x in factor.free_symbols or sp.Symbol(n) in factor.free_symbols:
+    factor, free = _factor_of(u.body, x.name)
+    if x.name in free or n in free:
         raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}")
     xd = smg.space(x.name).dims
     if xd[-1] != n or L not in xd or set(xd) - set(batch) - {L, n}:  # L anywhere: a bshd V is [b, L, h, n]
@@ -427,7 +427,15 @@ def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, b
     if n_tile % 16 or smg.dim_sizes[n] % 8:
         raise ScheduleError(f"GEMM dim {n!r}: {n_tile} columns per block must be a multiple of 16 "
                             f"(and {n!r} = {smg.dim_sizes[n]} of 8)")
-    return GemmState(u, x.name, n, str(factor), n_tile)
+    return GemmState(u, x.name, n, factor, n_tile)
+
+
+@functools.lru_cache(maxsize=1024)
+def _factor_of(body: str, x: str) -> tuple[str, frozenset[str]]:
+    """The factor of ``x`` in a GEMM state's body, printed, and its symbols' names: cached, as the
+    search asks again for every candidate of a graph (sympy's printing was a fifth of its time)."""
+    factor = _quotient(body, x)
+    return str(factor), frozenset(sym.name for sym in factor.free_symbols)
 
 
 def warp_tile_reason(s) -> str | None:

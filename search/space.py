@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -39,7 +39,17 @@ from smg.ir import SMG
 
 LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
+#: deeper rings offered for GEMMs (their ring holds only the A and B tiles), in blocks taking all of a
+#: row tile's steps or half: BERT's and ViT's FFN output GEMMs (K = 3072) ran 17.8 and 24.9 us at 6
+#: stages against 24.1 and 33.6 at 3 stages in 4 slices on the H100
+GEMM_STAGES = (4, 6)
 PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
+DEEP_PRODUCER_STAGES = (6, 8)  # and deeper (8: 16.0 us on BERT's FFN output GEMM)
+#: the deep rings and the 192-column tiles are offered for grids of at most this many waves of one block
+#: per SM, where a block alone must keep its loads in flight (BERT's and ViT's GEMMs: 48-208 tiles); on
+#: LLaMA's 2048-row GEMMs (700-2800 tiles) the analytical model preferred them and they measured slower
+#: (4 layers 6997 against 6243 us)
+DEEP_WAVES = 2
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 SLICES = (2, 4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
@@ -53,11 +63,19 @@ MORE_SLICES, SLICED_BLOCKS_PER_SM = (16, 32), 4
 FA3_MIN_SERIAL = 1024
 #: largest tensor-core tile per dim the search tries (wgmma's N; two 64-row halves per warpgroup)
 TC_MAX_TILE = 256
+#: tensor-core tiles besides the powers of two: 192 columns (three 64-column swizzle atoms) fill the
+#: H100's 132 SMs where 128 or 256 leave a partial wave (BERT's FFN input GEMM, 1024 x 3072: 128
+#: blocks of 128 x 192, 15.4 us against 17.9 for the best power-of-two tile)
+TC_EXTRA_TILES = (192,)
 #: the search folds a broadcast pair of dims into one row dim (``smg.fold``) where the inner one is
 #: shorter than this: a warpgroup's 64 MMA rows (a GQA decoder's single query row per head)
 FOLD_BELOW = 64
 #: row tiles padding a dim shorter than them: one mma.sync tile, one warpgroup
 PADDED_TILES = (16, 64)
+
+
+#: given a graph's tensor-core candidates, why its CUDA-core ones need not be enumerated (or None)
+SimtVeto = Callable[[list[Schedule]], "str | None"]
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -107,11 +125,13 @@ class SpaceReport:
     valid: int = 0
     fits: int = 0
     pruned: dict[str, int] = field(default_factory=dict)
+    skipped: str = ""  # why the CUDA-core points were not enumerated at all
 
     def __str__(self) -> str:
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.pruned.items(), key=lambda kv: -kv[1]))
         return (f"search space: {self.total} points, {self.valid} valid schedules, {self.fits} fit the hardware"
-                + (f" (pruned: {why})" if why else ""))
+                + (f" (pruned: {why})" if why else "") + (f"; CUDA-core points skipped: {self.skipped}"
+                                                          if self.skipped else ""))
 
 
 class SearchSpace:
@@ -169,8 +189,10 @@ class SearchSpace:
             if threads <= limit and threads >= floor:
                 yield dict(zip(self.cut_dims, combo))
 
-    def knobs(self) -> Iterator[Knobs]:
+    def knobs(self, simt: bool = True, tc: bool = True) -> Iterator[Knobs]:
+        """The space's points: CUDA-core ones (``simt``) and tensor-core ones (``tc``)."""
         sizes = self.smg.dim_sizes
+        tc = tc and self.tensor_cores and self.tensor_core_dtypes
         for serial in self.serials:
             steps = _pow2_upto(min(sizes[serial], self.max_step or sizes[serial]), lo=min(8, sizes[serial]))
             if sizes[serial] not in steps:
@@ -178,7 +200,8 @@ class SearchSpace:
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
                 threads = math.prod(tiles.values())
-                for thread_dim, step, lanes, vec in itertools.product(movers, steps, LANES, self.vectors):
+                simt_points = itertools.product(movers, steps, LANES, self.vectors) if simt else ()
+                for thread_dim, step, lanes, vec in simt_points:
                     if lanes > step or (vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):
                         continue
                     if not self.block_threads_floor <= threads * lanes <= self.hw.max_threads_per_block:
@@ -186,10 +209,13 @@ class SearchSpace:
                     base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes,
                                  vector=vec)
                     yield from self._level_variants(base)
-                if (self.tensor_cores and self.tensor_core_dtypes and len(movers) <= 2 and max(tiles.values()) >= 16
+                # whole MMA tiles (16 x 16, or WMMA's 8 x 32) along every dim a block spans: the warp-tile
+                # programs refuse the rest and TVM's WMMA tensorizer pads them (they were half of a GEMM's
+                # tensor-core points, 3 s of its search)
+                if (tc and len(movers) <= 2 and max(tiles.values()) >= 16 and all(tiles[d] % 8 == 0 for d in movers)
                         and threads >= self.block_threads_floor):
                     yield from self._tc_knobs(serial, steps, tiles, movers)
-            if self.tensor_cores and self.tensor_core_dtypes:  # warp-tile blocks larger than a thread each
+            if tc:  # warp-tile blocks larger than a thread each
                 for tiles in self.tc_tilings():
                     yield from self._tc_knobs(serial, steps, tiles, [d for d, t in tiles.items() if t > 1])
 
@@ -200,8 +226,13 @@ class SearchSpace:
         sizes, limit = self.smg.dim_sizes, self.hw.max_threads_per_block
         for movers in itertools.chain(itertools.combinations(self.cut_dims, 1),
                                       itertools.combinations(self.cut_dims, 2)):
-            opts = [[t for t in _pow2_upto(min(sizes[d], TC_MAX_TILE)) if t >= 16] for d in movers]
+            opts = [[t for t in (*_pow2_upto(min(sizes[d], TC_MAX_TILE)), *TC_EXTRA_TILES) if 16 <= t <= sizes[d]]
+                    for d in movers]
             for combo in itertools.product(*opts):
+                grid = math.prod(-(-sizes[d] // t) for d, t in zip(movers, combo)) * math.prod(
+                    sizes[d] for d in self.cut_dims if d not in movers)
+                if any(t in TC_EXTRA_TILES for t in combo) and grid > DEEP_WAVES * self.hw.num_sms:
+                    continue
                 if math.prod(combo) > limit:
                     yield {d: dict(zip(movers, combo)).get(d, 1) for d in self.cut_dims}
         ins = [self.smg.space(n).dims for n in self.smg.inputs]
@@ -221,8 +252,12 @@ class SearchSpace:
             parts += [(1, sl) for sl in SLICES]
             parts += [(1, sl) for sl in MORE_SLICES if blocks * sl <= SLICED_BLOCKS_PER_SM * self.hw.num_sms]
         reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
-        for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES, WARPS, parts, reloads):
+        small = blocks <= DEEP_WAVES * self.hw.num_sms
+        deep = GEMM_STAGES if self.hopper and self.one_reduction and small else ()
+        for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES + deep, WARPS, parts, reloads):
             if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
+                continue
+            if stages in deep and (split > 1 or sl > 2):
                 continue
             earlies = (False, True) if stages > 1 and split == 1 else (False,)
             lazies = (False, True) if self.running_max else (False,)
@@ -235,7 +270,7 @@ class SearchSpace:
                             mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
                             tma=by_tma and not early, fast_math=self.fast_math)
             if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
-                yield from self._producer_knobs(tiles, serial, step, movers[-1], warps)
+                yield from self._producer_knobs(tiles, serial, step, movers[-1], warps, small)
             if (self.hopper and self.first_gemm and serial not in self.first_gemm and (split, sl) == (1, 1)
                     and stages == PRODUCER_STAGES[0] and warps == 8 and step >= 64
                     and sizes[serial] >= FA3_MIN_SERIAL):
@@ -251,14 +286,16 @@ class SearchSpace:
     # and only over long rows (FA3_MIN_SERIAL).  H100: LLaMA 426.8 against 520.7 us, causal 275.4
     # against 322.8 in the harness.
     def _producer_knobs(self, tiles: dict[str, int], serial: str, step: int, thread_dim: str,
-                        warps: int) -> Iterator[Knobs]:
+                        warps: int, deep: bool = False) -> Iterator[Knobs]:
         """A TMA GEMM's warp-specialised variants: a producer warpgroup, rings of 2..4 slots (it keeps
-        the deeper rings fed: 4 stages were the fastest of 2..4 on the H100's 128 x 256 tiles), one block
+        the deeper rings fed: 4 stages were the fastest of 2..4 on the H100's 128 x 256 tiles), also 6
+        and 8 on a ``deep`` (small) grid (8 on BERT's 3072-deep K with 64 x 128 tiles), one block
         per tile or a persistent grid of one block per SM (204.7 against 212.2 us estimated, 202.8
         measured for the persistent 8192^2 x 1024 GEMM), the latter also with two MMA warpgroups
         taking turns on alternate tiles (pingpong)."""
         modes = ((0, False), (self.hw.num_sms, False), (self.hw.num_sms, True))
-        for stages, (persistent, pingpong) in itertools.product(PRODUCER_STAGES, modes):
+        rings = PRODUCER_STAGES + (DEEP_PRODUCER_STAGES if deep else ())
+        for stages, (persistent, pingpong) in itertools.product(rings, modes):
             yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, 1, True, stages, warps,
                         wgmma=True, tma=True, producer=True, persistent=persistent, pingpong=pingpong,
                         fast_math=self.fast_math)
@@ -368,12 +405,14 @@ class SearchSpace:
                             min_threads=self.min_threads, tensor_cores=self.tensor_cores, cuda=self.cuda,
                             fast_math=self.fast_math) for o, i in self.folds]
 
-    def candidates(self) -> list[Schedule]:
+    def candidates(self, skip_simt: SimtVeto | None = None) -> list[Schedule]:
         """Valid schedules that fit ``hw``, of the graph and of its offered folds; ``self.report``
-        counts what was pruned and why."""
-        out = {s.key: s for s in self._candidates()}
+        counts what was pruned and why.  ``skip_simt``, given the tensor-core candidates, may veto
+        enumerating the CUDA-core ones (returning why): on a GEMM of 1024 rows they are 96% of the
+        space and never rank near the tensor cores."""
+        out = {s.key: s for s in self._candidates(skip_simt)}
         for sub in self.folded():
-            out.update((s.key, s) for s in sub.candidates())
+            out.update((s.key, s) for s in sub.candidates(skip_simt))
             self.report.total += sub.report.total
             self.report.valid += sub.report.valid
             for why, n in sub.report.pruned.items():
@@ -381,10 +420,22 @@ class SearchSpace:
         self.report.fits = len(out)
         return list(out.values())
 
-    def _candidates(self) -> list[Schedule]:
+    def _candidates(self, skip_simt: SimtVeto | None = None) -> list[Schedule]:
         rep = self.report = SpaceReport()
         out: dict[str, Schedule] = {}
-        for k in self.knobs():
+        self._add(self.knobs(simt=False), out)
+        why = skip_simt(list(out.values())) if skip_simt is not None and out else None
+        if why:
+            rep.skipped = why
+        else:
+            self._add(self.knobs(tc=False), out)
+        rep.fits = len(out)
+        return list(out.values())
+
+    def _add(self, knobs: Iterator[Knobs], out: dict[str, Schedule]) -> None:
+        """Build each knob's schedule into ``out`` (by key) if it is valid and fits; count the rest."""
+        rep = self.report
+        for k in knobs:
             rep.total += 1
             try:
                 s = self._schedule(k)
@@ -398,14 +449,13 @@ class SearchSpace:
                 rep.pruned[_reason(str(e))] = rep.pruned.get(_reason(str(e)), 0) + 1
                 continue
             out.setdefault(s.key, s)
-        rep.fits = len(out)
-        return list(out.values())
 
     def describe(self) -> str:
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
                 f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
-                f"(stages {list(STAGES)}, warps {list(WARPS)}, split {list(SPLITS)}, slices {list(SLICES)} (up to "
+                f"(stages {list(STAGES)}, for GEMMs also {list(GEMM_STAGES)}, warps {list(WARPS)}, split "
+                f"{list(SPLITS)}, slices {list(SLICES)} (up to "
                 f"{MORE_SLICES[-1]} for the smallest) for grids smaller than the SMs, A fragments held or reloaded) "
                 f"where the plan is one"
                 + (f"; also over the graph with {', '.join(f'{o}*{i}' for o, i in self.folds)} folded into one row "

@@ -27,7 +27,7 @@ import numpy as np
 
 from schedulers.hardware import H100, HardwareModel
 from schedulers.schedule import Schedule
-from search.cost import estimate_us
+from search.cost import estimate_us, simt_veto
 from search.database import TuningDatabase, cache_enabled, key_parts, tuning_key
 from search.learned import LearnedCostModel
 from search.metrics import spearman, top1_slowdown
@@ -184,7 +184,7 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
             return summary
     space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step, cuda=not target.startswith("llvm"),
                         fast_math=fast_math)
-    cands = space.candidates()
+    cands = space.candidates(skip_simt=simt_veto(hw))
     summary.space = space.report
     measured = db.measured_keys(key)
     remaining = {s.key: s for s in cands if s.key not in measured}

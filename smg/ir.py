@@ -172,6 +172,8 @@ class SMG:
             raise ShapeError(f"SMG {self.name!r} declares a dimension twice: {names}")
         known = set(names)
         space_names = {s.name for s in self.spaces}
+        if len(space_names) != len(self.spaces):
+            raise ValueError(f"SMG {self.name!r} declares a space twice: {[s.name for s in self.spaces]}")
         if known & space_names:
             raise ValueError(f"SMG {self.name!r}: names used both for a dim and a space: {sorted(known & space_names)}")
         for s in self.spaces:
@@ -215,11 +217,15 @@ class SMG:
     def dim_sizes(self) -> dict[str, int]:
         return {d.name: d.size for d in self.dims}
 
+    @cached_property
+    def _spaces_by_name(self) -> dict[str, DataSpace]:
+        return {s.name: s for s in self.spaces}
+
     def space(self, name: str) -> DataSpace:
-        for s in self.spaces:
-            if s.name == name:
-                return s
-        raise UnknownAxisError(f"SMG {self.name!r} has no space {name!r}")
+        try:
+            return self._spaces_by_name[name]
+        except KeyError:
+            raise UnknownAxisError(f"SMG {self.name!r} has no space {name!r}") from None
 
     def producer(self, space: str) -> Op | None:
         for op in self.ops:
@@ -230,8 +236,9 @@ class SMG:
     def consumers(self, space: str) -> tuple[Op, ...]:
         return tuple(op for op in self.ops if any(a.space == space for a in op.inputs))
 
-    @property
+    @cached_property
     def inputs(self) -> tuple[str, ...]:
+        """Spaces no op produces (cached: the search asks for them per candidate, 600k times a GEMM)."""
         produced = {op.out for op in self.ops}
         return tuple(s.name for s in self.spaces if s.name not in produced)
 

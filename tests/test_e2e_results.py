@@ -27,19 +27,18 @@ def test_every_system_was_checked_then_timed(model: str) -> None:
 
 
 def test_a_cuda_graph_takes_the_launch_cost_away() -> None:
-    """Launch by launch the runtime's Python costs tens of us a kernel (BERT 8.5 ms); replayed as one CUDA
-    graph the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size), and
-    come within 10% of torch.compile in CUDA graphs (0.92x, 0.91x) without beating it.  With Q/K/V stacked,
-    BERT is ahead of eager's graph (874 against 910 us); ViT, whose FFN output GEMM is 33.6 us against
-    cuBLAS's 18.4, is 5% behind it."""
+    """Launch by launch the runtime's Python costs tens of us a kernel (BERT 7.7 ms); replayed as one CUDA
+    graph the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size) and
+    eager's graph.  With the GEMMs on deeper rings and 192-column tiles (BERT's FFN output GEMM 24.9 -> 16.6
+    us), BERT beats torch.compile in CUDA graphs by 1.21x (664 against 807 us) and ViT by 1.07x."""
     m = _models()
     for model in ("bert", "vit"):
         t = {k: v["median_us"] for k, v in m[model]["systems"].items()}
         assert t["spacefusion+graph"] < t["spacefusion"] / 5
         assert t["spacefusion+graph"] < min(t["eager"], t["torch.compile"]) / 2
-        assert t["spacefusion+graph"] < 1.1 * t["torch.compile(reduce-overhead)"]
-    bert, vit = ({k: v["median_us"] for k, v in m[x]["systems"].items()} for x in ("bert", "vit"))
-    assert bert["spacefusion+graph"] < bert["eager+graph"] and vit["spacefusion+graph"] < 1.1 * vit["eager+graph"]
+        assert t["spacefusion+graph"] < min(t["torch.compile(reduce-overhead)"], t["eager+graph"])
+    bert = {k: v["median_us"] for k, v in m["bert"]["systems"].items()}
+    assert bert["spacefusion+graph"] * 1.2 < bert["torch.compile(reduce-overhead)"]
 
 
 def test_llama_prefill_ahead_of_eager_and_decode_twice_eager() -> None:
@@ -61,14 +60,14 @@ def test_llama_prefill_ahead_of_eager_and_decode_twice_eager() -> None:
 
 
 def test_bert_at_512_tokens_and_gqa_decode_within_ten_percent_of_the_graph_baselines() -> None:
-    """BERT-base 8x512 (first picks but for the pooler it shares with BERT-128): ahead of eager in a CUDA
-    graph and of default torch.compile, level with torch.compile's CUDA graphs (1.03x).  LLaMA-2-7B GQA
+    """BERT-base 8x512 (first picks but where BERT-128's rounds measured it): ahead of eager in a CUDA graph
+    and of default torch.compile, ahead of torch.compile's CUDA graphs (1.08x).  LLaMA-2-7B GQA
     (8 KV heads) decode: 1.85x eager, ahead of eager's graph, behind torch.compile's CUDA graphs (0.94x)."""
     m = _models()
     t = {k: v["median_us"] for k, v in m["bert512"]["systems"].items()}
     assert (m["bert512"]["manifest"]["batch"], m["bert512"]["manifest"]["seq"]) == (8, 512)
-    assert t["spacefusion+graph"] < min(t["eager+graph"], t["torch.compile"] / 1.5)
-    assert t["spacefusion+graph"] < 1.1 * t["torch.compile(reduce-overhead)"]
+    assert t["spacefusion+graph"] < min(t["eager+graph"], t["torch.compile"] / 1.4)
+    assert t["spacefusion+graph"] < t["torch.compile(reduce-overhead)"]
     g = {k: v["median_us"] for k, v in m["llama_gqa_decode"]["systems"].items()}
     assert g["spacefusion+graph"] < min(g["eager"] / 1.8, g["eager+graph"])
     assert g["spacefusion+graph"] < 1.1 * g["torch.compile(reduce-overhead)"]
@@ -80,7 +79,7 @@ def test_the_stacked_qkv_gemm_beats_three_separate_gemms_in_the_measured_rounds(
     ViT (one launch, X read once) takes about half of three launches of the best separate projection (0.45x,
     0.51x)."""
     tuning = RESULTS.parents[1] / "tuning"
-    rounds = [r for f in ("e2e_rounds_h100.json", "e2e_rounds2_h100.json")
+    rounds = [r for f in ("e2e_rounds_h100.json", "e2e_rounds2_h100.json", "e2e_rounds3_h100.json")
               for r in json.loads((tuning / f).read_text())["rounds"] if "H100" in r["device"]]
     best: dict[tuple, float] = {}
     for r in rounds:
@@ -93,3 +92,29 @@ def test_the_stacked_qkv_gemm_beats_three_separate_gemms_in_the_measured_rounds(
     for m in (1024, 1576):
         stacked, single = best[("stacked_gemm_none", m, 3, 768, 768)], best[("gemm_none", m, 1, 768, 768)]
         assert stacked < 0.55 * 3 * single, (m, stacked, single)
+
+
+def test_deeper_rings_beat_slices_on_the_deep_ffn_output_gemms() -> None:
+    """BERT's and ViT's FFN output GEMMs (K = 3072, N = 768: 48-78 tiles of 128 x 128 for 132 SMs) were
+    best in 4 slices through a workspace in the first rounds (24.1 and 32.4 us); one block per tile on a
+    ring of 6-8 stages (the third rounds, ``e2e_rounds3_h100.json``) takes 16.0 and 20.6 us."""
+    tuning = RESULTS.parents[1] / "tuning"
+
+    def best(files: tuple[str, ...], deep: bool) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for f in files:
+            for r in json.loads((tuning / f).read_text())["rounds"]:
+                dims = {d["name"]: d["size"] for d in r["workload"]["dims"]}
+                if "H100" not in r["device"] or (r["workload"]["name"], dims.get("k"), dims.get("n")) != \
+                        ("gemm_none", 3072, 768):
+                    continue
+                for x in r["results"]:
+                    s = r["schedules"][x["schedule_key"]] if deep else {}
+                    if not deep or (s.get("slices", 1) == 1 and s.get("stages", 1) >= 6):
+                        out[dims["m"]] = min(out.get(dims["m"], float("inf")), x["latencies_us"][0])
+        return out
+
+    before = best(("e2e_rounds_h100.json", "e2e_rounds2_h100.json"), deep=False)
+    after = best(("e2e_rounds3_h100.json",), deep=True)
+    for m in (1024, 1576):
+        assert after[m] < 0.75 * before[m], (m, after[m], before[m])

@@ -31,7 +31,8 @@ def test_speedups_are_over_eager() -> None:
     assert all(v["eager"] == 1.0 for v in sp.values())
     assert sp["bert"]["spacefusion+graph"] > sp["bert"]["torch.compile"]  # launch-bound compile
     assert sp["bert"]["spacefusion+graph"] > sp["bert"]["eager+graph"]  # Q/K/V stacked: ahead of eager's graph
-    assert sp["vit"]["spacefusion+graph"] < sp["vit"]["eager+graph"]  # its deep FFN GEMM behind cuBLAS's
+    # deeper GEMM rings: ViT ahead of eager's graph and of torch.compile's CUDA graphs too
+    assert sp["vit"]["spacefusion+graph"] > max(sp["vit"]["eager+graph"], sp["vit"]["torch.compile(reduce-overhead)"])
     assert len(F.unseen_ratios()) == 20
 
 

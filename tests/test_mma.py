@@ -688,7 +688,7 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
     """The GEMM's 128 x 128 tile (16384 elements, 128 threads) is in the space, on warpgroup MMA
     where make_schedule takes it, and on mma.sync for a target without it (A100)."""
     from schedulers.hardware import A100, H100
-    from search.space import SearchSpace
+    from search.space import DEEP_PRODUCER_STAGES, GEMM_STAGES, PRODUCER_STAGES, SearchSpace
 
     g = patterns.gemm_epilogue(1024, 1024, 256, "sigmoid", True, "float16")
     tiles = {(s.tiles["m"], s.tiles["n"], s.step, s.wgmma) for s in SearchSpace(g, H100).candidates()
@@ -703,9 +703,14 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
     assert any(k[-1] for k in sliced) and all((*k[:-1], not k[-1]) in sliced for k in sliced if k[2] > 1)
     att = SearchSpace(patterns.attention(1, 2, 128, 128, 64), H100, max_step=64)
     assert not any(k.tma for k in att.knobs())  # attention's K/V by TMA measured a wash: a user's choice
-    # a producer warpgroup only with TMA, rings of 2..4 slots, persistent over the SMs where the tiles outnumber them
+    # a producer warpgroup only with TMA, rings of 2..8 slots, persistent over the SMs where the tiles outnumber them
     ws = [s for s in cands if s.producer]
-    assert ws and all(s.tma and s.stages >= 2 for s in ws) and {s.stages for s in ws} == {2, 3, 4}
+    rings = {*PRODUCER_STAGES, *DEEP_PRODUCER_STAGES}  # the deeper ones on this grid of 64-256 tiles
+    assert ws and all(s.tma and s.stages >= 2 for s in ws) and {s.stages for s in ws} == rings
+    # a GEMM's deeper cp.async / TMA rings in blocks taking a row tile's steps whole or halved; not attention's
+    deep = [s for s in cands if not s.producer and s.stages in GEMM_STAGES]
+    assert deep and all(s.split == 1 and s.slices <= 2 for s in deep) and {s.slices for s in deep} == {1, 2}
+    assert not any(k.stages in GEMM_STAGES for k in att.knobs())
     assert {s.persistent for s in ws} == {0, H100.num_sms} and all(s.num_tiles > s.persistent for s in ws)
     assert not any(k.producer for k in att.knobs())
 

@@ -289,3 +289,16 @@ def test_the_spliced_key_is_the_content_key_of_the_schedule() -> None:
         assert len(cands) > 50
         for s in cands[:: max(1, len(cands) // 40)]:
             assert s.key == content_key(s.to_dict())
+
+
+def test_ring_depth_up_to_eight_and_a_clear_error_past_it() -> None:
+    """Deep-K GEMMs want 6-8 ring slots (BERT's FFN output GEMM: 16.0 us at 8 against 24.1 in slices of 3);
+    past 8 the schedule is refused by name, before any lowering."""
+    from smg import patterns
+
+    g = patterns.gemm_epilogue(256, 256, 1024, "none", True, "float16")
+    s = make_schedule(g, {"m": 128, "n": 64}, serial="k", step=64, tensor_cores=True, stages=8, warps=8,
+                      wgmma=True, tma=True, producer=True)
+    assert s.stages == 8 and s.producer
+    with pytest.raises(ScheduleError, match="stages 9 must be 1..8"):
+        make_schedule(g, {"m": 128, "n": 64}, serial="k", step=64, tensor_cores=True, stages=9, wgmma=True)

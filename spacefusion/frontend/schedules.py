@@ -39,11 +39,11 @@ def from_database(db, hw: HardwareModel = H100, target: str = "llvm",
 def ranked(smg: SMG, hw: HardwareModel = H100) -> list[Schedule]:
     """``smg``'s candidates in the order the tuner's first round measures them: the analytical model's
     estimates, ties broken by the prior learned from the committed measurements (``search.prior``)."""
-    from search.cost import estimate_us
+    from search.cost import estimate_us, simt_veto
     from search.prior import first_round_order, load_prior
     from search.space import SearchSpace
 
-    cands = {s.key: s for s in SearchSpace(smg, hw).candidates()}
+    cands = {s.key: s for s in SearchSpace(smg, hw).candidates(skip_simt=simt_veto(hw))}
     est = {k: estimate_us(s, hw) for k, s in cands.items()}
     return [cands[k] for k in first_round_order(cands, est, load_prior(hw))]
 

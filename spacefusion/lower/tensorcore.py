@@ -12,11 +12,13 @@ tensor cores.  Launch configuration is read from the lowered device function.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from smg.expr import body_expr
+from smg.ir import Op
 
 F32 = "float32"
 
@@ -29,8 +31,7 @@ def tensorcore_reason(s: Schedule) -> str | None:
     op = smg.producer(plan.states[0].state)
     if op.reduce != (s.serial,) or op.combiner != "sum" or len(op.inputs) != 2:
         return f"state {op.out!r} is not a two-operand sum over the serial dim {s.serial!r}"
-    if str(body_expr(op)) not in (f"{op.inputs[0].space}*{op.inputs[1].space}",
-                                  f"{op.inputs[1].space}*{op.inputs[0].space}"):
+    if not _is_product(op):
         return f"state {op.out!r} has body {op.body!r}, not a product of its operands"
     for a in op.inputs:
         if smg.space(a.space).dtype != "float16" or a.space not in smg.inputs:
@@ -43,6 +44,13 @@ def tensorcore_reason(s: Schedule) -> str | None:
     if plan.second_pass:
         return "outputs keep the serial dim"
     return None
+
+
+@lru_cache(maxsize=1024)
+def _is_product(op: Op) -> bool:
+    """Whether ``op``'s body is the product of its two operands (cached: the search asks per candidate)."""
+    return str(body_expr(op)) in (f"{op.inputs[0].space}*{op.inputs[1].space}",
+                                  f"{op.inputs[1].space}*{op.inputs[0].space}")
 
 
 def _te_graph(s: Schedule) -> tuple[list[Any], list[Any]]:

@@ -49,11 +49,22 @@ def load_prior(hw: HardwareModel) -> LearnedCostModel | None:
 
 
 def read_records(path: Path) -> tuple[list[Schedule], list[MeasureResult], list[str]]:
-    """Schedules, results and groups (workload + tuning key) of a ``spacefusion-records/1`` file, or of
-    ``warp_tile_calibration.json`` (rows of schedule, workload and median)."""
+    """Schedules, results and groups (workload + tuning key) of a ``spacefusion-records/1`` file, of
+    ``warp_tile_calibration.json`` (rows of schedule, workload and median), or of the models' tuning rounds
+    (``spacefusion-e2e-rounds/2``: each round's SMG stored once; H100 rounds only)."""
     data = json.loads(Path(path).read_text())
     scheds, res, groups = [], [], []
-    if "records" in data:
+    if "rounds" in data:
+        for rnd in data["rounds"]:
+            if "H100" not in rnd["device"] or "schedules" not in rnd:
+                continue
+            dims = "x".join(f"{d['name']}{d['size']}" for d in rnd["workload"]["dims"])
+            for r in rnd["results"]:
+                s = Schedule.from_json(json.dumps({**rnd["schedules"][r["schedule_key"]], "smg": rnd["smg"]}))
+                scheds.append(s)
+                res.append(MeasureResult.from_dict(r))
+                groups.append(f"e2e_{rnd['workload']['name']}_{dims}:{rnd['round']}")
+    elif "records" in data:
         for r in data["records"]:
             s = Schedule.from_json(json.dumps(r["schedule"]))
             scheds.append(s)

@@ -31,15 +31,17 @@ def test_a_cuda_graph_takes_the_launch_cost_away() -> None:
     """Launch by launch the runtime's Python costs tens of us a kernel (BERT 7.7 ms); replayed as one CUDA
     graph the fused BERT and ViT beat eager and default torch.compile (both launch-bound at this size) and
     eager's graph.  With the GEMMs on deeper rings and 192-column tiles (BERT's FFN output GEMM 24.9 -> 16.6
-    us), BERT beats torch.compile in CUDA graphs by 1.21x (664 against 807 us) and ViT by 1.08x."""
+    us), BERT beats torch.compile in CUDA graphs by 1.21x (664 against 807 us); ViT, its patch-embedding conv
+    run as the GEMM of its patches, by 1.22x (974 against 1191)."""
     m = _models()
     for model in ("bert", "vit"):
         t = {k: v["median_us"] for k, v in m[model]["systems"].items()}
         assert t["spacefusion+graph"] < t["spacefusion"] / 5
         assert t["spacefusion+graph"] < min(t["eager"], t["torch.compile"]) / 2
         assert t["spacefusion+graph"] < min(t["torch.compile(reduce-overhead)"], t["eager+graph"])
-    bert = {k: v["median_us"] for k, v in m["bert"]["systems"].items()}
-    assert bert["spacefusion+graph"] * 1.2 < bert["torch.compile(reduce-overhead)"]
+    for model in ("bert", "vit"):
+        t = {k: v["median_us"] for k, v in m[model]["systems"].items()}
+        assert t["spacefusion+graph"] * 1.2 < t["torch.compile(reduce-overhead)"], model
 
 
 def test_llama_prefill_ahead_of_eager_and_decode_twice_eager() -> None:
@@ -124,7 +126,7 @@ def test_deeper_rings_beat_slices_on_the_deep_ffn_output_gemms() -> None:
 def test_measured_rounds_beat_the_first_picks() -> None:
     """With nothing measured (the search's first picks: the analytical model and the prior) BERT and ViT run
     ahead of eager in a CUDA graph and about level with torch.compile's graphs; the GPU rounds make BERT 1.3x
-    faster than that (863 -> 664 us) and ViT 1.09x (1210 -> 1110)."""
+    faster than that (863 -> 664 us) and ViT 1.10x (1068 -> 974)."""
     m = _models()
     for model in ("bert", "vit"):
         first = {k: v["median_us"] for k, v in m[f"{model}_first_picks"]["systems"].items()}

@@ -49,15 +49,18 @@ def test_vit_pre_ln_keeps_the_residual_sum_as_a_second_output() -> None:
     m = ViTModel(ViTConfig.tiny(layers=LAYERS))
     p = _partition(m, *m.example_inputs(2))
     c = p.counts()
-    assert (c["attention"], c["stacked_gemm"], c["gemm"], c["norm"]) == (LAYERS, LAYERS, 3 * LAYERS + 1, 1)
+    # the GEMMs: out-projection and MLP per layer, the pooler, and the patch embedding (a conv of kernel =
+    # stride: the GEMM of its patches)
+    assert (c["attention"], c["stacked_gemm"], c["gemm"], c["norm"]) == (LAYERS, LAYERS, 3 * LAYERS + 2, 1)
     # x + attn feeds layernorm_after and the next residual: its sum is kept; the last layer's sum
     # feeds only the final LayerNorm
     kept = [s for s in p.subgraphs if s.kind == "residual_norm" and len(s.results) == 2]
     assert len(kept) == 2 * LAYERS - 1
     assert c["residual_norm"] == 2 * LAYERS
     assert {s.smg.shape("Y") for s in kept} == {(2 * 17, 64)}
-    conv = next(op for op in p.left if op.op == "Conv2d")
-    assert "stride" in conv.reason
+    assert not any(op.op == "Conv2d" for op in p.left)
+    patch = next(s for s in p.subgraphs if s.label.startswith("patch conv 8x8"))
+    assert patch.smg.shape("A") == (2 * 16, 3 * 8 * 8) and patch.results[0].shape == (2, 64, 4, 4)
     assert any(op.op == "torch.cat" and op.reason == CONCAT for op in p.left)
 
 

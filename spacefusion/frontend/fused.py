@@ -28,24 +28,30 @@ class FusedKernel(nn.Module):
         for op in sub.operands:
             if op.source == "param":
                 ts = [_attr(root, ref).detach() for ref in (op.stack or (op.ref,))]
-                ts = [t.t() if op.transpose else t for t in ts]
+                ts = [t.reshape(t.shape[0], -1).t() if op.transpose else t for t in ts]
                 t = torch.stack(ts) if op.stack else ts[0]
                 self.register_buffer(op.space, t.contiguous().reshape(op.shape), persistent=False)
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs = {op.space: (a.permute(op.permute) if op.permute else a).reshape(op.shape)
-                  for op, a in zip(self.values, args)}
+        inputs = {op.space: _bind(a, op) for op, a in zip(self.values, args)}
         inputs |= {name: getattr(self, name) for name in self.consts}
         out = self.kernel(inputs)
-        return tuple(_view(out[r.space], r.permute, r.shape, r.index) for r in self.sub.results)
+        return tuple(_view(out[r.space], r.permute, r.shape, r.index, r.split) for r in self.sub.results)
 
 
-def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...], index: int | None = None
-          ) -> torch.Tensor:
-    """A kernel output seen as its node: sliced (one linear of a stacked GEMM), permuted (RoPE's
-    [b, s, h, d] as [b, h, s, d]), then reshaped where the shape differs (a reshape to the same shape could
-    restride its unit dims)."""
+def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
+    """A graph value as the operand's space: split, permuted, then reshaped (a copy where not a view)."""
+    a = a.reshape(op.split) if op.split else a
+    return (a.permute(op.permute) if op.permute else a).reshape(op.shape)
+
+
+def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...], index: int | None = None,
+          split: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A kernel output seen as its node: sliced (one linear of a stacked GEMM), split (a patch GEMM's rows
+    as [b, nh, nw]), permuted (RoPE's [b, s, h, d] as [b, h, s, d]), then reshaped where the shape differs (a
+    reshape to the same shape could restride its unit dims)."""
     t = t[index] if index is not None else t
+    t = t.reshape(split) if split else t
     t = t.permute(permute) if permute else t
     return t if tuple(t.shape) == tuple(shape) else t.reshape(shape)
 

@@ -143,6 +143,32 @@ def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
     return None
 
 
+@dataclass(frozen=True)
+class PatchConv:
+    """An ``nn.Conv2d`` whose kernel is its stride, unpadded, undilated and ungrouped (ViT's patch
+    embedding): its windows tile the image without overlap, so it is one GEMM of a row per patch,
+    [b * nh * nw, c * kh * kw] @ W.T[c * kh * kw, c_out]."""
+
+    x: fx.Node
+    weight: str
+    bias: str | None
+    c: int
+    kh: int
+    kw: int
+    cout: int
+
+
+def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> PatchConv | None:
+    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.Conv2d):
+        return None
+    if (mod.kernel_size != mod.stride or mod.dilation != (1, 1) or mod.groups != 1
+            or mod.padding not in ((0, 0), "valid") or not isinstance(node.args[0], fx.Node)):
+        return None
+    bias = f"{node.target}.bias" if mod.bias is not None else None
+    (kh, kw) = mod.kernel_size
+    return PatchConv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, kh, kw, mod.out_channels)
+
+
 _ACT_FUNCTIONS = {F.gelu: "gelu", torch.tanh: "tanh", F.silu: "silu", F.relu: "relu", torch.relu: "relu",
                   torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh"}
 _ACT_METHODS = {"tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu"}

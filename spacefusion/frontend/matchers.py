@@ -28,6 +28,7 @@ from spacefusion.frontend.graph import (
     is_function,
     linear_of,
     norm_of,
+    patch_conv_of,
     rows,
     shape,
     single_user,
@@ -226,6 +227,38 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     return _subgraph("gemm", label, (node, out) if act else (node,), smg, ops, {"Y": out})
 
 
+def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """A ``nn.Conv2d`` with kernel = stride (ViT's patch embedding, ``graph.PatchConv``) -> the GEMM of its
+    patches, ``patterns.gemm_epilogue``: A is the image split into patches (torch's copy, im2col without
+    overlap), B the weight as a linear's, and Y[b * nh * nw, c_out] goes back as the conv's [b, c_out, nh, nw]
+    with channels-last strides, which the usual ``flatten(2).transpose(1, 2)`` after it reads as a view."""
+    pc = patch_conv_of(node, ctx.gm)
+    if pc is None or not ctx.free(node):
+        return None
+    xs, dt = shape(pc.x), dtype(node)
+    if xs is None or dt is None or len(xs) != 4:
+        ctx.refuse(node, f"patch conv on a non-float or non-4D input ({node.meta.get('tensor_meta')})")
+        return None
+    b, c, h, w = xs
+    if h % pc.kh or w % pc.kw:
+        ctx.refuse(node, f"a {h}x{w} image is not a whole number of {pc.kh}x{pc.kw} patches (the conv drops the "
+                         f"rest; the patch GEMM reads whole patches)")
+        return None
+    nh, nw = h // pc.kh, w // pc.kw
+    m, k, n = b * nh * nw, c * pc.kh * pc.kw, pc.cout
+    smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, n, k, "none", pc.bias is not None, dtype=dt,
+                                                           b_layout=b_layout(m)))
+    if smg is None:
+        return None
+    ops = [Operand("A", "value", pc.x.name, (m, k), permute=(0, 2, 4, 1, 3, 5), split=(b, c, nh, pc.kh, nw, pc.kw)),
+           _weight("Bw", pc.weight, m, k, n)]
+    if pc.bias:
+        ops.append(_param("bias", pc.bias, (n,)))
+    out = Result("Y", node.name, shape(node), permute=(0, 3, 1, 2), split=(b, nh, nw, n))
+    label = f"patch conv {pc.kh}x{pc.kw} as gemm{' + bias' if pc.bias else ''} {m}x{n}x{k} {dt}"
+    return Subgraph("gemm", label, (node.name,), smg, tuple(ops), (out,))
+
+
 def _activation_after(node: fx.Node, ctx: Context) -> str | None:
     """The activation a linear's only (unclaimed) reader applies, fused into its epilogue."""
     user = single_user(node)
@@ -363,4 +396,4 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
 
 #: in priority order: a node taken by an earlier matcher is not offered to later ones
 MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
-    match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_norm, match_rope)
+    match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_patch_conv, match_norm, match_rope)

@@ -18,6 +18,9 @@ class Operand:
     [b, h, s, d] value lying as [b, s, h, d] (after RoPE) is bound to a bshd space without a copy.
     ``stack``: a "param" operand that is these parameters (each transposed where ``transpose``) stacked
     along a new first dim, once at build time: the stacked Q/K/V weights of one GEMM (``ref`` is the first).
+    ``split``: the value is first viewed with this shape (dims split), then permuted: an image [b, c, H, W]
+    as [b, c, nh, kh, nw, kw] -> [b, nh, nw, c, kh, kw], one patch per GEMM row (a copy: torch's im2col).
+    A parameter of more than two dims is transposed as [dim 0, the rest] (a conv weight as a linear's).
     """
 
     space: str
@@ -27,6 +30,7 @@ class Operand:
     transpose: bool = False
     permute: tuple[int, ...] | None = None
     stack: tuple[str, ...] = ()
+    split: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,16 @@ class Result:
 
     ``permute``: the output is viewed through this permutation of its dims before the reshape: RoPE's
     [b, s, h, d] output goes back as the [b, h, s, d] view torch's RoPE returns (same strides, no copy).
-    ``index``: the node is this slice of the output's first dim (one linear of a stacked GEMM: contiguous)."""
+    ``index``: the node is this slice of the output's first dim (one linear of a stacked GEMM: contiguous).
+    ``split``: the output is first viewed with this shape, then permuted: a patch GEMM's Y[b * nh * nw, c]
+    as [b, nh, nw, c] -> the conv's [b, c, nh, nw] (channels-last strides, no copy)."""
 
     space: str
     node: str
     shape: tuple[int, ...]
     permute: tuple[int, ...] | None = None
     index: int | None = None
+    split: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -73,12 +73,13 @@ def _build(ctx: Context, node: fx.Node, make: Callable[[], SMG]) -> SMG | None:
         return None
 
 
-def _heads_split(x: fx.Node, sdpa: fx.Node, ctx: Context) -> fx.Node | None:
-    """The [b, s, h, d] node that ``x`` (an SDPA operand) is the ``transpose(1, 2)`` of, when that node is
-    a packed tensor (the unflatten of a projection's output) and the transpose feeds only the attention:
-    the bshd attention then reads it where it lies."""
+def _heads_split(x: fx.Node, readers: tuple[fx.Node, ...], ctx: Context) -> fx.Node | None:
+    """The [b, s, h, d] node that ``x`` [b, h, s, d] is the ``transpose(1, 2)`` of (HF's split_heads), when
+    that node is a packed tensor (the unflatten of a projection's output) and only ``readers`` read the
+    transpose (the attention, or RoPE's ops): the pattern takes the transpose in and reads the packed
+    tensor where it lies."""
     src = swapped_dims_1_2(x)
-    if src is None or single_user(x) is not sdpa or not ctx.free(x) or not contiguous(src):
+    if src is None or not ctx.free(x) or not contiguous(src) or not set(x.users) <= set(readers):
         return None
     b, h, s, d = shape(x)
     return src if shape(src) == (b, s, h, d) else None
@@ -98,7 +99,7 @@ def _bshd(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, ctx: Context
     out = single_user(node)
     if out is None or swapped_dims_1_2(out) is not node or not ctx.free(out):
         return None
-    srcs = tuple(_heads_split(x, node, ctx) for x in (q, k, v))
+    srcs = tuple(_heads_split(x, (node,), ctx) for x in (q, k, v))
     if all(x is not None for x in srcs):
         return srcs, None, out  # type: ignore[return-value]
     if all(heads_interleaved(x) for x in (q, k, v)):
@@ -342,10 +343,8 @@ def _rope_input(x: fx.Node, inside: tuple[fx.Node, ...], ctx: Context
     RoPE's input ``x`` [b, h, s, d]: HF's split_heads view of a packed [b, s, h, d] projection (the
     transpose is taken in and X is the projection), a value lying as [b, s, h, d] (read through
     ``TO_BSHD``), or a packed [b, h, s, d] value (bhsd).  None: strided otherwise (a copy to bind)."""
-    b, h, s, d = shape(x)
-    src = swapped_dims_1_2(x)
-    if (src is not None and contiguous(src) and shape(src) == (b, s, h, d) and ctx.free(x)
-            and set(x.users) <= set(inside)):
+    src = _heads_split(x, inside, ctx)
+    if src is not None:
         return src, None, "bshd", (x,)
     if heads_interleaved(x):
         return x, TO_BSHD, "bshd", ()

@@ -229,12 +229,11 @@ class SearchSpace:
             opts = [[t for t in (*_pow2_upto(min(sizes[d], TC_MAX_TILE)), *TC_EXTRA_TILES) if 16 <= t <= sizes[d]]
                     for d in movers]
             for combo in itertools.product(*opts):
-                grid = math.prod(-(-sizes[d] // t) for d, t in zip(movers, combo)) * math.prod(
-                    sizes[d] for d in self.cut_dims if d not in movers)
-                if any(t in TC_EXTRA_TILES for t in combo) and grid > DEEP_WAVES * self.hw.num_sms:
+                tiles = {d: dict(zip(movers, combo)).get(d, 1) for d in self.cut_dims}
+                if any(t in TC_EXTRA_TILES for t in combo) and not self._small_grid(tiles):
                     continue
                 if math.prod(combo) > limit:
-                    yield {d: dict(zip(movers, combo)).get(d, 1) for d in self.cut_dims}
+                    yield tiles
         ins = [self.smg.space(n).dims for n in self.smg.inputs]
         for d in self.cut_dims:  # GEMM rows (an input lacks them) fewer than an MMA tile: one padded tile
             if not any(d not in x for x in ins):
@@ -243,16 +242,24 @@ class SearchSpace:
                 for t in (t for t in PADDED_TILES if t > sizes[d]):
                     yield {c: t if c == d else 1 for c in self.cut_dims}
 
+    def _blocks(self, tiles: dict[str, int]) -> int:
+        """Blocks of a grid of ``tiles`` (one per tile of the cut dims)."""
+        return math.prod(-(-self.smg.dim_sizes[d] // t) for d, t in tiles.items())
+
+    def _small_grid(self, tiles: dict[str, int]) -> bool:
+        """Whether ``tiles`` make at most ``DEEP_WAVES`` waves of one block per SM (deep rings, 192 tiles)."""
+        return self._blocks(tiles) <= DEEP_WAVES * self.hw.num_sms
+
     def _tc_knobs(self, serial: str, steps: list[int], tiles: dict[str, int], movers: list[str]) -> Iterator[Knobs]:
         sizes = self.smg.dim_sizes
         steps16 = [s for s in steps if s % 16 == 0]
-        blocks = math.prod(-(-sizes[d] // t) for d, t in tiles.items())
+        blocks = self._blocks(tiles)
         parts = [(sp, 1) for sp in SPLITS]
         if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
             parts += [(1, sl) for sl in SLICES]
             parts += [(1, sl) for sl in MORE_SLICES if blocks * sl <= SLICED_BLOCKS_PER_SM * self.hw.num_sms]
         reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
-        small = blocks <= DEEP_WAVES * self.hw.num_sms
+        small = self._small_grid(tiles)
         deep = GEMM_STAGES if self.hopper and self.one_reduction and small else ()
         for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES + deep, WARPS, parts, reloads):
             if sl > -(-sizes[serial] // step):  # a slice needs a step of its own

@@ -50,7 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the shared loader
-from gpu_runtime import runtime_module  # noqa: E402
+from gpu_runtime import compare_tensors, load_file, runtime_module, tolerance_module  # noqa: E402
 
 HARDWARE_FILE = REPO_ROOT / "schedulers" / "hardware.py"
 HARDWARE_MOD = "_spacefusion_hardware"
@@ -60,10 +60,6 @@ if str(HERE) not in sys.path:
 
 import harness_workloads as hwl  # noqa: E402
 
-#: Absolute tolerance per output dtype for outputs of order 1, scaled by max(1, max|ref|)
-#: (the same table as experiments/run_artefacts_gpu.py's ATOL).
-ATOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
-DEFAULT_ATOL = 2e-2
 #: Fewest timed runs of a spacefusion kernel under --sf-budget-s.
 MIN_BUDGET_ITERS = 5
 SDPA_BACKENDS = (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION"),
@@ -144,10 +140,6 @@ def add_metrics(row: dict[str, Any], w: hwl.Workload, peak_flops_per_s: float | 
     return row
 
 
-def tolerance(dtype: str, ref_absmax: float) -> float:
-    return ATOL.get(dtype, DEFAULT_ATOL) * max(1.0, ref_absmax)
-
-
 def budget_iters(first_launch_s: float, warmup: int, iters: int, budget_s: float | None) -> tuple[int, int]:
     """(warmup, iters) so that a kernel taking ``first_launch_s`` a launch fits ``budget_s`` (at least 5 runs)."""
     if budget_s is None or first_launch_s * (warmup + iters) <= budget_s:
@@ -158,16 +150,16 @@ def budget_iters(first_launch_s: float, warmup: int, iters: int, budget_s: float
 
 # ---- rows, CSV, JSON -------------------------------------------------------------------------------
 
-CSV_COLUMNS = ("workload", "label", "shape", "dtype", "system", "status", "max_abs_err", "tol", "median_us",
-               "p10_us", "p90_us", "spread", "iters", "warmup", "roofline", "perf", "perf_unit", "tflops", "gbps",
-               "roofline_fraction", "flops", "bytes", "first_call_s", "backend", "artefact", "error")
+CSV_COLUMNS = ("workload", "label", "shape", "dtype", "system", "status", "max_abs_err", "rtol", "atol",
+               "median_us", "p10_us", "p90_us", "spread", "iters", "warmup", "roofline", "perf", "perf_unit",
+               "tflops", "gbps", "roofline_fraction", "flops", "bytes", "first_call_s", "backend", "artefact", "error")
 
 
 def new_row(w: hwl.Workload, system: str) -> dict[str, Any]:
     return {
         "workload": w.key, "label": w.label, "shape": dict(w.shape), "dtype": w.dtype, "system": system,
-        "status": None, "error": None, "max_abs_err": None, "tol": None, "median_us": None, "p10_us": None,
-        "p90_us": None, "iters": None, "warmup": None, "roofline": w.roofline, "flops": w.flops,
+        "status": None, "error": None, "max_abs_err": None, "rtol": None, "atol": None, "median_us": None,
+        "p10_us": None, "p90_us": None, "iters": None, "warmup": None, "roofline": w.roofline, "flops": w.flops,
         "bytes": w.nbytes, "reference_for": w.reference_for,
     }
 
@@ -251,15 +243,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def load_hardware_module() -> ModuleType:
     """schedulers/hardware.py (stdlib only) by file path, so the ``schedulers`` package is never imported."""
-    if HARDWARE_MOD in sys.modules:
-        return sys.modules[HARDWARE_MOD]
-    spec = importlib.util.spec_from_file_location(HARDWARE_MOD, HARDWARE_FILE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {HARDWARE_FILE}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[HARDWARE_MOD] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_file(HARDWARE_MOD, HARDWARE_FILE)
 
 
 def hardware_info(dtype: str = "float16") -> dict[str, Any]:
@@ -429,14 +413,14 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def check_system(w: hwl.Workload, system: System, ref: Any, tol: float,
-                 cfg: Settings) -> tuple[dict[str, Any], Callable[[], Any] | None]:
-    """Build ``system`` and check one run against the reference; its row, and the function to time
-    only if it matched (None otherwise: the row says why).  Never raises."""
+def check_system(w: hwl.Workload, system: System, ref: Any, cfg: Settings) -> tuple[dict[str, Any],
+                                                                                     Callable[[], Any] | None]:
+    """Build ``system`` and check one run against the reference (smg/tolerance.py's rule, for the workload's
+    dtype and reduction length; BASELINE_SLACK times it for systems other than spacefusion); its row, and the
+    function to time only if it matched (None otherwise: the row says why).  Never raises."""
     import torch
 
     row = new_row(w, system.name)
-    row["tol"] = tol
     try:
         fn, post, info = system.make()
         row.update(info)
@@ -453,16 +437,15 @@ def check_system(w: hwl.Workload, system: System, ref: Any, tol: float,
         torch.cuda.synchronize()
         row["first_call_s"] = time.perf_counter() - t0
         got = post(out) if post is not None else out
-        diff = (got.float().reshape(ref.shape) - ref).abs()
-        err = float(diff.max()) if bool(torch.isfinite(diff).all()) else math.nan
-        del out, got, diff
+        check = compare_tensors(got.reshape(ref.shape), ref, w.dtype, w.reduction_length, name=w.output,
+                                baseline=system.name != SPACEFUSION)
+        del out, got
     except Exception as exc:
         row.update(status="error", error=f"run: {_error(exc)}", traceback=traceback.format_exc())
         return row, None
-    row["max_abs_err"] = None if math.isnan(err) else err
-    if math.isnan(err) or err > tol:
-        why = "non-finite output" if math.isnan(err) else f"max abs err {err:.3g} > tol {tol:.3g}"
-        row.update(status="failed", error=f"numerics: {why}")
+    row.update(max_abs_err=check.max_abs_err, rtol=check.tolerance.rtol, atol=check.atol)
+    if not check.ok:
+        row.update(status="failed", error=f"numerics: {check.problem}")
         return row, None
     row["warmup"], row["iters"] = cfg.warmup, cfg.iters
     if system.budgeted:
@@ -514,7 +497,6 @@ def run_workload(w: hwl.Workload, folder: Path | None, cfg: Settings, hw: Mappin
         with torch.no_grad():
             ref = f(*[x[n].float() for n in w.inputs]).reshape(w.outputs[w.output])
         torch.cuda.synchronize()
-        tol = tolerance(w.dtype, float(ref.abs().max()))
         systems = [] if not w.wants_artefact else [spacefusion_system(w, x, folder)]
         systems += baseline_systems(w, x, cfg.use_compile)
     except Exception as exc:
@@ -522,7 +504,7 @@ def run_workload(w: hwl.Workload, folder: Path | None, cfg: Settings, hw: Mappin
         row.update(status="error", error=f"setup: {_error(exc)}", traceback=traceback.format_exc())
         return [row]
     with torch.no_grad():
-        checked = [check_system(w, system, ref, tol, cfg) for system in systems]
+        checked = [check_system(w, system, ref, cfg) for system in systems]
         for _ in range(cfg.repeats):  # the systems take turns, so a slow spell hits one repeat of each
             for row, fn in checked:
                 if fn is not None and row.get("status") != "error":
@@ -625,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
                    "sf_budget_s": cfg.sf_budget_s, "sf_min_iters": MIN_BUDGET_ITERS, "repeats": cfg.repeats},
         "seed": cfg.seed,
         "note": args.note,
-        "check": {"reference": "float32 torch on the same inputs, TF32 off", "atol": ATOL,
-                  "rule": "max|out - ref| <= atol[dtype] * max(1, max|ref|)"},
+        "check": {"reference": "float32 torch on the same inputs, TF32 off", "rule": tolerance_module().RULE,
+                  "baseline_slack": tolerance_module().BASELINE_SLACK, "rule_source": "smg/tolerance.py"},
         "workloads": [w.describe() for w in workloads],
         "artefacts": {k: None if p is None else str(p) for k, p in chosen.items()},
         "unused_artefacts": unused,

@@ -99,6 +99,13 @@ class Workload:
         """Attention's softmax scale, 1/sqrt(d)."""
         return 1.0 / math.sqrt(self.shape["d"]) if self.kind == "attention" else 1.0
 
+    @property
+    def reduction_length(self) -> int:
+        """The most terms one reduction sums (the ``K`` of the output check, smg/tolerance.py)."""
+        s = self.shape
+        return {"attention": max(s.get("l", 1), s.get("d", 1)), "softmax_gemm": s.get("l", 1),
+                "residual_layernorm": s.get("n", 1)}.get(self.kind, s.get("k", 1))
+
     # ---- FLOPs, bytes, roofline ----------------------------------------------------------------
 
     @property

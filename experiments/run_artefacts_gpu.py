@@ -4,9 +4,10 @@
 Usage (from the repo root):
     python experiments/run_artefacts_gpu.py ARTEFACT_DIR [ARTEFACT_DIR ...] --out results.json
 
-For each artefact: seeded random inputs, a float32 torch reference, one launch checked against it,
-and, only if it matches, timings of the kernel and of torch baselines measured in the same process;
-after the timed launches, one more launch on fresh inputs is checked too (state kept between launches).
+For each artefact: seeded random inputs, a float32 torch reference, one launch checked against it
+(smg/tolerance.py's rule, loaded by file path), and, only if it matches, timings of the kernel and of torch
+baselines measured in the same process; after the timed launches, one more launch on fresh inputs is checked
+too (state kept between launches).
 
 The runtime is loaded from its file path as a private package (``_spacefusion_runtime``), so the
 top-level ``spacefusion`` package, and whatever heavy dependencies it imports, is never touched.
@@ -26,17 +27,10 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the shared loader
-from gpu_runtime import runtime_module  # noqa: E402
+from gpu_runtime import compare_tensors, runtime_module, tolerance_module  # noqa: E402
 
 if str(REPO_ROOT) not in sys.path:  # smg (numpy + sympy, no TVM): the graph saved beside an artefact
     sys.path.insert(1, str(REPO_ROOT))
-
-#: Absolute tolerance per output dtype, for outputs of order 1 (scaled up for larger outputs).
-ATOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
-
-
-
-
 
 
 @dataclass
@@ -300,6 +294,17 @@ def max_abs_err(out: Any, ref: Any) -> float:
     return float(diff.max())
 
 
+def reduction_bound(art: Any) -> int:
+    """An upper bound on the longest reduction of an artefact's workload: its inputs' largest dim (the
+    ``K`` of the output check, smg/tolerance.py; it matters for fp32 outputs only)."""
+    return max((n for p in art.inputs for n in p.shape), default=1)
+
+
+def check(art: Any, out: Any, case: Case) -> Any:
+    """``out`` (the kernel's output tensor) against ``case.reference`` under smg/tolerance.py's rule."""
+    return compare_tensors(out, case.reference, art.param(case.output).dtype, reduction_bound(art), case.output)
+
+
 def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bool,
             flush: str = "read") -> dict[str, Any]:
     """Check one artefact and, if it matches the reference, time it and its baselines."""
@@ -341,11 +346,10 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
     }
     kernel.launch(case.inputs, outputs)
     torch.cuda.synchronize()
-    err = max_abs_err(outputs[case.output], case.reference)
-    atol = ATOL.get(out_spec.dtype, 2e-2)
-    tol = atol * max(1.0, float(case.reference.abs().max()))
-    row.update(max_abs_err=None if math.isnan(err) else err, tol=tol, ok=(not math.isnan(err)) and err <= tol)
-    if not row["ok"]:
+    first = check(art, outputs[case.output], case)
+    row.update(max_abs_err=first.max_abs_err, rtol=first.tolerance.rtol, atol=first.atol, ok=first.ok)
+    if not first.ok:
+        row["error"] = f"numerics: {first.problem}"
         return row
 
     kern_t = timing.time_cuda(lambda: kernel.launch(case.inputs, outputs), warmup=warmup, iters=iters,
@@ -357,10 +361,10 @@ def run_one(folder: Path, *, seed: int, warmup: int, iters: int, use_compile: bo
              for p in art.outputs}
     kernel.launch(again.inputs, fresh)
     torch.cuda.synchronize()
-    err2 = max_abs_err(fresh[again.output], again.reference)
-    row["relaunch_max_abs_err"] = None if math.isnan(err2) else err2
-    if math.isnan(err2) or err2 > atol * max(1.0, float(again.reference.abs().max())):
-        row["ok"] = False
+    second = check(art, fresh[again.output], again)
+    row["relaunch_max_abs_err"] = second.max_abs_err
+    if not second.ok:
+        row.update(ok=False, error=f"numerics after {warmup + iters} launches: {second.problem}")
         return row
     row["kernel"] = kern_t.as_dict()
     for bname, fn in case.baselines.items():
@@ -461,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
             "stat": "median of CUDA events",
         },
         "seed": args.seed,
+        "check": {"reference": "float32 torch on the same inputs, TF32 off", "rule": tolerance_module().RULE,
+                  "rule_source": "smg/tolerance.py"},
         "artefacts": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

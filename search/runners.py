@@ -33,7 +33,7 @@ import numpy as np
 from schedulers.schedule import Schedule
 from search.records import RECORD_FORMAT, MeasureInput, MeasureResult
 from smg.ir import SMG
-from smg.reference import DEFAULT_TOLERANCE, TOLERANCE, check_numerics, evaluate, random_inputs, tolerance
+from smg.reference import check_numerics, evaluate, random_inputs
 from smg.serialize import smg_to_dict
 
 MANIFEST_FORMAT = "spacefusion-batch/1"
@@ -523,7 +523,7 @@ class RayRunner:
 
 
 __all__ = [
-    "DEFAULT_TOLERANCE", "MANIFEST_FILE", "MANIFEST_FORMAT", "RESULTS_FILE", "RESULTS_FORMAT", "TOLERANCE",
+    "MANIFEST_FILE", "MANIFEST_FORMAT", "RESULTS_FILE", "RESULTS_FORMAT",
     "LLVMRunner", "LocalGPURunner", "OfflineBatchRunner", "RayRunner", "build_candidate", "check_numerics",
-    "export_batch", "gpu_unavailable_reason", "import_batch", "tolerance",
+    "export_batch", "gpu_unavailable_reason", "import_batch",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
@@ -12,6 +13,7 @@ import sympy as sp
 from smg.errors import ShapeError
 from smg.expr import body_expr, index_symbols, symbol
 from smg.ir import SMG, Op
+from smg.tolerance import compare
 
 
 def _lambdify(op: Op):
@@ -116,39 +118,30 @@ def random_inputs(smg: SMG, seed: int = 0, scale: float = 1.0) -> dict[str, np.n
     }
 
 
-#: absolute tolerance per output dtype for outputs of order 1, scaled by max(1, max|ref|)
-TOLERANCE: dict[str, float] = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-8}
-DEFAULT_TOLERANCE = 2e-2
-
-
-def tolerance(dtype: str, ref: np.ndarray) -> float:
-    """Allowed max |out - ref| for an output of ``dtype``: relative for large outputs, absolute near 0."""
-    finite = ref[np.isfinite(ref)]
-    scale = float(np.abs(finite).max()) if finite.size else 1.0
-    return TOLERANCE.get(dtype, DEFAULT_TOLERANCE) * max(1.0, scale)
+def reduction_length(smg: SMG) -> int:
+    """The most terms any one reduction of ``smg`` sums (1 if nothing is reduced): the ``K`` of the
+    tolerance's accumulation term (``smg.tolerance``)."""
+    sizes = smg.dim_sizes
+    return max((math.prod(sizes[d] for d in op.reduce) for op in smg.ops if op.reduce), default=1)
 
 
 def check_numerics(smg: SMG, ref: Mapping[str, np.ndarray],
                    got: Mapping[str, Any]) -> tuple[float | None, str | None]:
-    """Compare every output with the float64 reference: ``(max_abs_err, error)``, error None when all pass.
+    """Compare every output with the float64 reference under ``smg.tolerance``'s rule:
+    ``(max_abs_err, error)``, error None when all pass.
 
     Non-finite values where the reference is finite (an element never written, an overflow) give
     ``max_abs_err=None`` and an error saying so, rather than a NaN/inf that strict JSON cannot hold.
     """
     worst = 0.0
+    k = reduction_length(smg)
     for name, r in ref.items():
         if name not in got:
             return None, f"numerics: kernel returned no output {name!r} (got {sorted(got)})"
-        g = np.asarray(got[name], dtype=np.float64)
-        if g.size != r.size:
-            return None, f"numerics: output {name!r} has {g.size} elements, the reference {r.size}"
-        g = g.reshape(r.shape)
-        fin = np.isfinite(r)
-        if not np.isfinite(g[fin]).all() or not np.array_equal(g[~fin], r[~fin]):
-            return None, f"numerics: output {name!r} has non-finite values where the reference is finite"
-        err = float(np.abs(g[fin] - r[fin]).max()) if fin.any() else 0.0
-        tol = tolerance(smg.space(name).dtype, r)
-        worst = max(worst, err)
-        if err > tol:
-            return worst, f"numerics: max abs err {err:.3g} > tol {tol:.3g} (output {name!r})"
+        c = compare(got[name], r, smg.space(name).dtype, k, name=f"output {name!r}")
+        if c.max_abs_err is None:
+            return None, f"numerics: {c.problem}"
+        worst = max(worst, c.max_abs_err)
+        if c.problem is not None:
+            return worst, f"numerics: {c.problem}"
     return worst, None

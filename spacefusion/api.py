@@ -7,6 +7,7 @@
     kern = build(s, "llvm")          # TVM -> CPU; kern(inputs) -> outputs
     art = build(s, "cuda:sm_90a")    # TVM -> CUDA source + launch metadata
     art.save("out/mha")
+    check_numerics(g, evaluate(g, x), kern(x))  # (max abs error, None or why it is not close enough)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from schedulers.interpreter import interpret
 from schedulers.schedule import Schedule, make_schedule
 from schedulers.traffic import traffic
 from smg.ir import SMG
-from smg.reference import evaluate, random_inputs
+from smg.reference import check_numerics, evaluate, random_inputs
 
 
 def schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
@@ -33,4 +34,4 @@ def build(s: Schedule, target: str = "llvm"):
     return build_llvm(s) if kind == "llvm" else build_cuda(s, arch)
 
 
-__all__ = ["build", "evaluate", "interpret", "random_inputs", "schedule", "traffic"]
+__all__ = ["build", "check_numerics", "evaluate", "interpret", "random_inputs", "schedule", "traffic"]

@@ -173,13 +173,21 @@ def test_budget_iters(harness: ModuleType) -> None:
     assert harness.budget_iters(1e-4, 10, 100, 5.0) == (10, 100)  # fits: unchanged
     assert harness.budget_iters(0.5, 10, 100, 5.0) == (3, 10)
     assert harness.budget_iters(3.0, 10, 100, 5.0) == (1, 5)  # never fewer than 5 runs
-    assert harness.tolerance("float16", 0.5) == pytest.approx(2e-2)
-    assert harness.tolerance("float16", 10.0) == pytest.approx(0.2)
 
 
-def test_atol_matches_run_artefacts_gpu(harness: ModuleType) -> None:
+def test_scripts_check_outputs_by_the_one_rule(harness: ModuleType, hwl: ModuleType) -> None:
+    """The harness and run_artefacts_gpu.py keep no tolerance table: both check through smg/tolerance.py,
+    loaded by file path (numpy only), with each workload's dtype and reduction length."""
+    from smg import tolerance
+
     gpu_script = _load("_run_artefacts_gpu_for_harness", REPO / "experiments" / "run_artefacts_gpu.py")
-    assert harness.ATOL == gpu_script.ATOL
+    for mod in (harness, gpu_script):
+        assert not hasattr(mod, "ATOL") and not hasattr(mod, "tolerance")
+        assert mod.tolerance_module().RULE == tolerance.RULE
+        loaded = mod.tolerance_module().tolerance("float16", 64)
+        assert loaded.as_dict() == tolerance.tolerance("float16", 64).as_dict()
+    assert [hwl.BY_KEY[k].reduction_length for k in ("mha_llama", "softmax_gemm", "layernorm", "gemm")] == \
+        [2048, 4096, 4096, 1024]
 
 
 def test_table_and_json_cleaning(harness: ModuleType, hwl: ModuleType, tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ from schedulers.errors import ScheduleError
 from schedulers.warp_tile import staged_output, tma_dims, tma_maps
 from smg import patterns
 from smg.fold import foldable
-from smg.reference import evaluate
+from smg.reference import evaluate, reduction_length
+from smg.tolerance import assert_close
 from spacefusion.api import build, schedule
 from spacefusion.frontend import CudaBackend, capture, fuse, partition
 from spacefusion.frontend.schedules import default_schedule
@@ -87,7 +88,7 @@ def test_bshd_llvm_build_matches_numpy(args, kw, how) -> None:
         tiles = {"m": 8, "h": 1} | ({"r": 1} if "r" in g1.dim_sizes else {})
         s = schedule(g1, tiles=tiles, step=16, thread_dim="m")
     got = build(s, "llvm")(x1)["O"]
-    np.testing.assert_allclose(got, evaluate(g1, x1)["O"], atol=2e-5)
+    assert_close(got, evaluate(g1, x1)["O"], g1.space("O").dtype, reduction_length(g1))  # smg/tolerance.py
 
 
 def _tc(g, tiles: dict[str, int], step: int, stages: int, **kw):

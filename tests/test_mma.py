@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,8 @@ from schedulers.warp_tile import (
 )
 from smg import patterns
 from smg.fold import fold_dims
-from smg.reference import evaluate
+from smg.reference import evaluate, reduction_length
+from smg.tolerance import assert_close
 from smg.workloads import softmax_gemm
 from spacefusion.api import build, schedule
 from spacefusion.frontend.builders import gated_gemm
@@ -830,9 +832,9 @@ def test_score_scaling_folds_into_exp_and_max() -> None:
     assert ") * 0x1.71547652b82fep+0f/*1.442695e+00*/))" in causal  # exp2((s - m) * log2 e)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
+def _gpu_kernel(name: str, tmp_path) -> tuple[Schedule, Any, Any, dict[str, np.ndarray]]:
+    """(schedule, torch, the kernel, seeded standard-normal inputs rounded to the input dtype, in float64);
+    skips without a GPU, torch or cupy."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("cupy")
     if not torch.cuda.is_available():
@@ -842,14 +844,47 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
     s = _schedule(name)
     kernel = CudaKernel(build(s, "cuda").save(tmp_path / name))
     rng = np.random.default_rng(0)
-    dtype = s.smg.space(s.smg.inputs[0]).dtype
-    xs = {n: rng.standard_normal(s.smg.shape(n)).astype(np.float32) for n in s.smg.inputs}
-    tdt = getattr(torch, dtype)
-    xs = {n: torch.from_numpy(v).to("cuda", tdt) for n, v in xs.items()}
-    out = kernel.launch(xs)
-    ref = evaluate(s.smg, {n: v.float().cpu().numpy().astype(np.float64) for n, v in xs.items()})
-    for n, v in out.items():
-        np.testing.assert_allclose(v.float().cpu().numpy(), ref[n], atol=3e-2 if dtype == "bfloat16" else 5e-3)
+    dtype = getattr(torch, s.smg.space(s.smg.inputs[0]).dtype)
+    xs = {n: torch.from_numpy(rng.standard_normal(s.smg.shape(n))).to(dtype) for n in s.smg.inputs}
+    return s, torch, kernel, {n: v.double().numpy() for n, v in xs.items()}
+
+
+def _launch(torch, kernel, s: Schedule, xs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    dtype = getattr(torch, s.smg.space(s.smg.inputs[0]).dtype)
+    out = kernel.launch({n: torch.from_numpy(v).to("cuda", dtype) for n, v in xs.items()})
+    return {n: v.double().cpu().numpy() for n, v in out.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
+    s, torch, kernel, xs = _gpu_kernel(name, tmp_path)
+    out = _launch(torch, kernel, s, xs)
+    ref = evaluate(s.smg, xs)
+    for n, v in out.items():  # the one rule (smg/tolerance.py): a correctly rounded output passes at any size
+        assert_close(v, ref[n], s.smg.space(n).dtype, reduction_length(s.smg), name=n)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gemm_wgmma_tma_slices2", "gemm_relu_wgmma_tma_bf16_2wg"])  # fp16, bf16
+def test_the_check_catches_a_bias_dropped_on_one_column_on_gpu(name, tmp_path) -> None:
+    """A planted error on the GPU: the kernel gets the bias with one column's entry zeroed, which is what an
+    epilogue that drops the bias on that column computes, and is checked against the reference of the real
+    bias (1.0 there, a typical entry).  The correct run passes the rule; this one fails it, at that column."""
+    s, torch, kernel, xs = _gpu_kernel(name, tmp_path)
+    col = 37
+    xs["bias"][col] = 1.0
+    ref = evaluate(s.smg, xs)
+    (out_name,) = s.smg.outputs
+    dtype, k = s.smg.space(out_name).dtype, reduction_length(s.smg)
+    assert_close(_launch(torch, kernel, s, xs)[out_name], ref[out_name], dtype, k)
+    dropped = {**xs, "bias": xs["bias"].copy()}
+    dropped["bias"][col] = 0.0
+    got = _launch(torch, kernel, s, dropped)[out_name]
+    with pytest.raises(AssertionError, match=rf"elements over atol \+ rtol\*\|ref\|.*worst at \(\d+, {col}\)"):
+        assert_close(got, ref[out_name], dtype, k)
+    others = np.arange(ref[out_name].shape[1]) != col
+    assert_close(got[:, others], ref[out_name][:, others], dtype, k)  # every other column is still right
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -19,7 +19,8 @@ from schedulers.spatial import analyse_spatial, elementwise_serial
 from search.cost import estimate
 from smg import patterns
 from smg.ops import Builder
-from smg.reference import evaluate, random_inputs
+from smg.reference import evaluate, random_inputs, reduction_length
+from smg.tolerance import assert_close
 from spacefusion.api import build
 from spacefusion.frontend.schedules import model_pick, ranked
 
@@ -115,8 +116,7 @@ def _check_llvm(g, **kw) -> None:
     ins = random_inputs(g, seed=3)
     out = build(make_schedule(g, **kw), "llvm")(ins)
     for name, want in evaluate(g, ins).items():
-        np.testing.assert_allclose(out[name], want, rtol=2e-3 if g.space(name).dtype == "float16" else 1e-5,
-                                   atol=2e-3 if g.space(name).dtype == "float16" else 1e-5)
+        assert_close(out[name], want, g.space(name).dtype, reduction_length(g), name)  # smg/tolerance.py
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

@@ -25,8 +25,9 @@ from search.runners import (
     import_batch,
 )
 from smg.patterns import layernorm
-from smg.reference import evaluate, random_inputs
+from smg.reference import evaluate, random_inputs, reduction_length
 from smg.serialize import smg_from_dict
+from smg.tolerance import rms, scale, tolerance
 from smg.workloads import gemm, mha
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,8 +86,8 @@ def test_wrong_kernel_is_caught_before_timing(monkeypatch, schedules) -> None:
 
     monkeypatch.setattr(runners, "build_candidate", off_by_one)
     (r,) = LLVMRunner(repeats=3).measure([MeasureInput(schedules[0], "llvm")])
-    assert r.error is not None and r.error.startswith("numerics: max abs err"), r.error
-    assert "> tol" in r.error and r.latencies_us == () and not r.ok
+    assert r.error is not None and r.error.startswith("numerics: output 'C': 1024 of 1024 elements over"), r.error
+    assert "atol + rtol*|ref|" in r.error and r.latencies_us == () and not r.ok
     assert r.max_abs_err == pytest.approx(1.0, abs=1e-4)
     assert len(calls) == 1  # checked once, never warmed up or timed
 
@@ -109,20 +110,28 @@ def test_build_failure_is_a_result_and_the_others_are_measured(monkeypatch, sche
 
 
 def test_check_numerics_tolerance_and_non_finite() -> None:
+    """check_numerics applies smg/tolerance.py's rule to every output, for the output's dtype."""
     g = layernorm(4, 8)
     ref = evaluate(g, random_inputs(g, 0))
     assert check_numerics(g, ref, ref) == (0.0, None)
-    err, msg = check_numerics(g, ref, {"Y": ref["Y"] + 5e-5})
-    assert msg is None and err == pytest.approx(5e-5)
-    err, msg = check_numerics(g, ref, {"Y": ref["Y"] + 1e-3})
-    assert msg is not None and msg.startswith("numerics: max abs err 0.001 > tol")
+    tol = tolerance("float32", reduction_length(g))
+    atol = tol.atol(rms(ref["Y"]))  # the smallest atol of any element: rows larger than the whole get more
+    err, msg = check_numerics(g, ref, {"Y": ref["Y"] + 0.5 * atol})
+    assert msg is None and err == pytest.approx(0.5 * atol)
+    off = ref["Y"].copy()
+    off[1, 2] += 2 * tol.bound(off[1, 2], scale(ref["Y"])[1, 0])  # one element off
+    err, msg = check_numerics(g, ref, {"Y": off})
+    assert msg is not None and msg.startswith("numerics: output 'Y': 1 of 32 elements over atol + rtol*|ref|")
+    assert "worst at (1, 2)" in msg
     nan = ref["Y"].copy()
     nan[0, 0] = np.nan
     assert check_numerics(g, ref, {"Y": nan}) == (None, "numerics: output 'Y' has non-finite values where the "
-                                                         "reference is finite")
+                                                         "reference is finite (or differs where it is not)")
     assert check_numerics(g, ref, {})[1].startswith("numerics: kernel returned no output 'Y'")
     fp16 = layernorm(4, 8, dtype="float16")
-    assert check_numerics(fp16, ref, {"Y": ref["Y"] + 1e-2})[1] is None  # fp16 allows 2e-2 * max(1, max|ref|)
+    rounded = {"Y": ref["Y"].astype(np.float16)}
+    assert check_numerics(fp16, ref, rounded)[1] is None  # correctly rounded to fp16: passes
+    assert check_numerics(g, ref, rounded)[1] is not None  # the same values as an fp32 output: too far
 
 
 # ---- local GPU ----------------------------------------------------------------------------------
@@ -225,9 +234,9 @@ def test_measure_batch_numerics_match_the_runners() -> None:
     g = gemm(8, 8, 4)  # float32
     ref = evaluate(g, random_inputs(g, 1))
     assert check_numerics(g, ref, {"C": ref["C"]}) == (0.0, None)
-    assert check_numerics(g, ref, {"C": ref["C"] + 5e-5})[1] is None
+    assert check_numerics(g, ref, {"C": ref["C"].astype(np.float32)})[1] is None  # rounded to the output dtype
     err, problem = check_numerics(g, ref, {"C": ref["C"] + 3e-3})
-    assert err == pytest.approx(3e-3) and problem.startswith("numerics: max abs err")
+    assert err == pytest.approx(3e-3) and problem.startswith("numerics: output 'C': 64 of 64 elements over")
     assert "non-finite" in check_numerics(g, ref, {"C": ref["C"] + np.nan})[1]
 
 
@@ -237,8 +246,8 @@ def _script_results(script: ModuleType, inputs: list[MeasureInput], path: Path) 
     for i, inp in enumerate(inputs):
         entry = {"schedule_key": inp.key, "target": inp.target}
         if i % 2:
-            rows.append(script.record(entry, error="numerics: max abs err 0.5 > tol 0.0001", max_abs_err=0.5,
-                                      meta={"runner": "measure_batch"}))
+            rows.append(script.record(entry, error="numerics: output 'C': 3 of 1024 elements over atol + rtol*|ref|",
+                                      max_abs_err=0.5, meta={"runner": "measure_batch"}))
         else:
             rows.append(script.record(entry, [12.5 + i], 1e-6, None, {"runner": "measure_batch", "p10_us": 12.0}))
     path.write_text(json.dumps({"format": script.RESULTS_FORMAT, "device": "fake", "results": rows}))

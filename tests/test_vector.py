@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import shutil
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +16,8 @@ from schedulers.schedule import Schedule
 from search.space import SearchSpace
 from smg import patterns as P
 from smg import workloads as W
+from smg.reference import reduction_length
+from smg.tolerance import assert_close
 from spacefusion.api import build, evaluate, random_inputs, schedule
 
 
@@ -25,7 +26,7 @@ def _check_llvm(g, **kw) -> None:
     out = build(schedule(g, **kw), "llvm")(ins)
     ref = evaluate(g, ins)
     for name, want in ref.items():
-        np.testing.assert_allclose(out[name], want, rtol=2e-4, atol=2e-4)
+        assert_close(out[name], want, g.space(name).dtype, reduction_length(g), name)  # smg/tolerance.py
 
 
 @settings(max_examples=6, deadline=None)

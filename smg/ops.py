@@ -30,6 +30,8 @@ UNARY: dict[str, str] = {
     "relu": "Max({x}, 0)",
     "silu": "({x})/(1 + exp(-({x})))",
     "gelu": "({x})*(1 + erf(({x})/sqrt(2)))/2",
+    # GELU's tanh approximation (HF's gelu_new / gelu_pytorch_tanh, F.gelu(approximate="tanh")): sqrt(2/pi)
+    "gelu_tanh": "({x})*(1 + tanh(0.7978845608028654*(({x}) + 0.044715*({x})**3)))/2",
 }
 
 #: Element-wise binary functions (with broadcast) over ``{a}`` and ``{b}``.

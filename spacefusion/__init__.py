@@ -12,6 +12,10 @@ def __getattr__(name: str):
         from spacefusion import api
 
         return getattr(api, name)
+    if name == "compile":  # torch.compile with the spacefusion backend (frontend.dynamo)
+        from spacefusion.frontend.dynamo import compile
+
+        return compile
     if name == "workloads":
         import smg.workloads
 

@@ -43,3 +43,18 @@ def test_gated_gemm_on_wgmma_shares_the_a_tile_and_refuses_with_a_schedule_error
     with pytest.raises(ScheduleError, match=r"wgmma: the step 32 must be 64"):
         make_schedule(g, {"m": 64, "n": 64}, step=32, wgmma=True, **opts)
     assert make_schedule(g, {"m": 64, "n": 64}, step=64, **opts).warp_tile is not None
+
+
+def test_gelu_tanh_epilogue_compiles_for_sm90a_on_the_first_pick(tmp_path) -> None:
+    """GPT-2's and ALBERT's GELU (tanh form) in a tensor-core GEMM epilogue: the first pick builds, and
+    nvcc compiles it for sm_90a where nvcc is (the GPU run is tests/test_dynamo.py's cuda test)."""
+    import shutil
+
+    from spacefusion.frontend.schedules import model_pick
+
+    g = patterns.gemm_epilogue(256, 768, 768, "gelu_tanh", True, dtype="float16")
+    be = CudaBackend(tmp_path, schedule_for=lambda s: model_pick(s)[0])
+    path = be.export(g, cubin=shutil.which("nvcc") is not None)
+    assert "tanh" in (path / "kernel.cu").read_text()
+    if shutil.which("nvcc"):
+        assert (path / "kernel.cubin").stat().st_size > 0

@@ -89,9 +89,12 @@ class CudaBackend(_Cached):
 
     name = "cuda"
 
-    def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule) -> None:
+    def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule,
+                 build_missing: bool = False, load: bool = True) -> None:
         super().__init__()
         self.folder, self.arch, self.schedule_for = Path(folder), arch, schedule_for
+        self.build_missing = build_missing  # export an artefact not found (TVM and the GPU in one process)
+        self.load = load  # False: export only (where TVM is and no GPU); the kernel refuses to run
 
     def artefact_dir(self, smg: SMG) -> Path:
         return self.folder / smg.key[:16]
@@ -104,19 +107,46 @@ class CudaBackend(_Cached):
         return art.save(self.artefact_dir(smg), compile_cubin=cubin)
 
     def _compile(self, smg: SMG) -> Kernel:
-        from spacefusion.runtime.gpu import load_kernel
+        from spacefusion.runtime.gpu import load_kernel, torch_dtype
 
         path = self.artefact_dir(smg)
+        if not (path / "kernel.json").is_file() and self.build_missing:
+            self.export(smg)
         if not (path / "kernel.json").is_file():
             raise FrontendError(f"no CUDA artefact for {smg.name} at {path}: run CudaBackend.export where TVM is")
+        if not self.load:
+            def exported(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                raise FrontendError(f"{smg.name}: exported to {path} only (load=False); run it on the GPU")
+
+            return exported
         kernel = load_kernel(path)
         # a folded schedule's kernel (smg.fold) takes the same memory with merged dims: view, never copy
         shapes = {p.name: p.shape for p in (*kernel.artefact.inputs, *kernel.artefact.outputs)}
+        ins = [p.name for p in kernel.artefact.inputs]
+        dtypes = [torch_dtype(p.dtype) for p in kernel.artefact.inputs]
+        outs = [(p.name, smg.shape(p.name)) for p in kernel.artefact.outputs]
+        fast: dict[int, Callable] = {}
+
+        def positional(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """The inputs in artefact order, as the kernel's shapes; the outputs in artefact order, as the
+            SMG's.  The first call on a device checks every tensor (and a changed dtype is checked again,
+            to raise); later ones launch unchecked: the views fix the element counts, the graph the rest."""
+            xs = tuple(x.contiguous().view(shapes[k]) for k, x in zip(ins, xs))
+            device = xs[0].device.index
+            launch = fast.get(device)
+            if launch is None or any(x.dtype != dt for x, dt in zip(xs, dtypes)):
+                out = kernel(**dict(zip(ins, xs)))
+                if device is not None and hasattr(kernel, "launcher"):
+                    fast[device] = kernel.launcher(device)
+                return tuple(out[k].view(shape) for k, shape in outs)
+            return tuple(t.view(shape) for (_, shape), t in zip(outs, launch(*xs)))
 
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            out = kernel(**{k: v.contiguous().view(shapes[k]) for k, v in inputs.items()})
-            return {k: v.view(smg.shape(k)) for k, v in out.items()}
+            return dict(zip((k for k, _ in outs), positional(*(inputs[k] for k in ins))))
 
+        run.positional = positional  # type: ignore[attr-defined]
+        run.inputs = tuple(ins)  # type: ignore[attr-defined]
+        run.outputs = tuple(k for k, _ in outs)  # type: ignore[attr-defined]
         return run
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 
 from spacefusion.frontend.backends import Kernel, get_backend
-from spacefusion.frontend.capture import capture
+from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import LeftOp, Operand, Partition, Subgraph
 
@@ -32,11 +32,42 @@ class FusedKernel(nn.Module):
                 t = torch.stack(ts) if op.stack else ts[0]
                 self.register_buffer(op.space, t.contiguous().reshape(op.shape), persistent=False)
 
+        self._fast: Any = None
+
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs = {op.space: _bind(a, op) for op, a in zip(self.values, args)}
-        inputs |= {name: getattr(self, name) for name in self.consts}
-        out = self.kernel(inputs)
-        return tuple(_view(out[r.space], r.permute, r.shape, r.index, r.split) for r in self.sub.results)
+        if self._fast is None:
+            self._fast = self._plan()
+        return self._fast(*args)
+
+    def _plan(self) -> Any:
+        """The call, planned once: each kernel input taken from an argument (viewed as its space) or a
+        buffer, in the kernel's order, and each result viewed from its output.  A kernel without a
+        positional form (llvm, reference) gets its inputs by name."""
+        kernel, results = self.kernel, self.sub.results
+        if not hasattr(kernel, "positional"):
+            def by_name(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                inputs = {op.space: _bind(a, op) for op, a in zip(self.values, args)}
+                inputs |= {name: self._buffers[name] for name in self.consts}
+                out = self.kernel(inputs)
+                return tuple(_view(out[r.space], r.permute, r.shape, r.index, r.split) for r in results)
+
+            return by_name
+
+        arg_of = {op.space: (i, op) for i, op in enumerate(self.values)}
+        take = [arg_of.get(name, (None, name)) for name in kernel.inputs]
+        plain = [op is not None and not isinstance(op, str) and not op.split and not op.permute
+                 for _, op in take]
+        out_at = {name: j for j, name in enumerate(kernel.outputs)}
+        views = [(out_at[r.space], r) for r in results]
+        buffers, launch = self._buffers, kernel.positional
+
+        def positional(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            xs = [buffers[op] if i is None else args[i].reshape(op.shape) if p else _bind(args[i], op)
+                  for (i, op), p in zip(take, plain)]
+            out = launch(*xs)
+            return tuple(_view(out[j], r.permute, r.shape, r.index, r.split) for j, r in views)
+
+        return positional
 
 
 def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
@@ -144,10 +175,17 @@ class FusedModel(nn.Module):
 
 
 def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = False, **kwargs: Any) -> FusedModel:
-    """Capture ``model`` on the example inputs, partition it, build one kernel per distinct subgraph on
-    ``backend`` ("llvm", "reference", or a backend object) and return the fused model; ``verbose`` prints
-    the partition (what is fused, what torch runs and why)."""
-    cap = capture(model, *args, **kwargs)
+    """Capture ``model`` on the example inputs (``torch.fx``), partition it, build one kernel per distinct
+    subgraph on ``backend`` ("llvm", "reference", or a backend object) and return the fused model;
+    ``verbose`` prints the partition (what is fused, what torch runs and why).  ``torch.compile(model,
+    backend="spacefusion")`` (``frontend.dynamo``) captures through TorchDynamo instead."""
+    return fuse_captured(capture(model, *args, **kwargs), backend, verbose)
+
+
+def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -> FusedModel:
+    """Partition a captured graph (its nodes carry ``tensor_meta``, its parameters are ``get_attr`` nodes),
+    build its kernels on ``backend`` and return it rewritten with one call per fused subgraph.  A subgraph
+    whose kernel cannot be built stays with torch, with the reason in the partition."""
     part = partition(cap.module)
     be = get_backend(backend)
     by_name = {n.name: n for n in cap.module.graph.nodes}

@@ -126,6 +126,11 @@ class Linear:
     bias: str | None
     k: int
     n: int
+    stored_kn: bool = False  # the weight lies as [k, n] (GPT-2's Conv1D), not nn.Linear's [n, k]
+
+
+def _param_shape(gm: fx.GraphModule, ref: str) -> tuple[int, ...]:
+    return tuple(gm.get_parameter(ref).shape if ref in dict(gm.named_parameters()) else gm.get_buffer(ref).shape)
 
 
 def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
@@ -138,8 +143,15 @@ def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
         b = param_ref(b_node)
         if w is None or (b_node is not None and b is None):
             return None
-        n, k = gm.get_parameter(w).shape if w in dict(gm.named_parameters()) else gm.get_buffer(w).shape
+        n, k = _param_shape(gm, w)
         return Linear(node.args[0], w, b, k, n)
+    if is_function(node, (torch.addmm,)) and len(node.args) == 3 and not node.kwargs:
+        # GPT-2's Conv1D: addmm(bias, x[m, k], W[k, n]) = x @ W + bias
+        b, x, w = (param_ref(a) if i != 1 else a for i, a in enumerate(node.args))
+        if b is None or w is None or not isinstance(x, fx.Node) or len(_param_shape(gm, w)) != 2:
+            return None
+        k, n = _param_shape(gm, w)
+        return Linear(x, w, b, k, n, stored_kn=True) if _param_shape(gm, b) == (n,) else None
     return None
 
 
@@ -158,7 +170,23 @@ class PatchConv:
     cout: int
 
 
+def _pair(v: Any) -> Any:
+    return tuple(v) if isinstance(v, tuple | list) else (v, v) if isinstance(v, int) else v
+
+
 def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> PatchConv | None:
+    if is_function(node, (torch.conv2d, F.conv2d)):  # Dynamo inlines nn.Conv2d into this call
+        a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
+        w, b_node = param_ref(a.get("weight")), a.get("bias")
+        b = param_ref(b_node)
+        if w is None or (b_node is not None and b is None) or not isinstance(a["input"], fx.Node):
+            return None
+        cout, c, kh, kw = _param_shape(gm, w)
+        padding = _pair(a.get("padding", 0))
+        if (_pair(a.get("stride", 1)) != (kh, kw) or _pair(a.get("dilation", 1)) != (1, 1)
+                or a.get("groups", 1) != 1 or padding not in ((0, 0), "valid")):
+            return None
+        return PatchConv(a["input"], w, b, c, kh, kw, cout)
     if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.Conv2d):
         return None
     if (mod.kernel_size != mod.stride or mod.dilation != (1, 1) or mod.groups != 1
@@ -169,8 +197,8 @@ def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> PatchConv | None:
     return PatchConv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, kh, kw, mod.out_channels)
 
 
-_ACT_FUNCTIONS = {F.gelu: "gelu", torch.tanh: "tanh", F.silu: "silu", F.relu: "relu", torch.relu: "relu",
-                  torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh"}
+_ACT_FUNCTIONS = {F.gelu: "gelu", torch._C._nn.gelu: "gelu", torch.tanh: "tanh", F.silu: "silu", F.relu: "relu",
+                  torch.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh"}
 _ACT_METHODS = {"tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu"}
 _ACT_MODULES = {nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu", nn.ReLU: "relu", nn.Sigmoid: "sigmoid"}
 
@@ -178,17 +206,18 @@ _ACT_MODULES = {nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu", nn.ReLU: "rel
 def activation_of(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """The SMG unary (``smg.ops.UNARY``) that ``node`` applies to its one input, or None.
 
-    GELU must be the exact (erf) form: the tanh approximation is a different function."""
+    GELU's exact (erf) form is ``gelu``, its tanh approximation ``gelu_tanh``: different functions."""
     if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
-        if node.target is F.gelu and node.kwargs.get("approximate", "none") != "none":
-            return None
+        if node.target in (F.gelu, torch._C._nn.gelu):
+            approx = node.args[1] if len(node.args) > 1 else node.kwargs.get("approximate", "none")
+            return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
         return _ACT_FUNCTIONS[node.target]
     if node.op == "call_method" and node.target in _ACT_METHODS:
         return _ACT_METHODS[node.target]
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         act = _ACT_MODULES.get(type(mod))
-        return None if act == "gelu" and mod.approximate != "none" else act
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(mod.approximate) if act == "gelu" else act
     return None
 
 
@@ -202,6 +231,7 @@ class Norm:
     bias: str | None
     eps: float
     dims: int  # how many trailing dims it normalises
+    inner: tuple[fx.Node, ...] = ()  # the nodes of a norm written out in ops (HF's RMSNorm), ``node`` excluded
 
 
 def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
@@ -225,4 +255,66 @@ def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
         eps = a.get("eps")
         return Norm("rmsnorm", a["input"], param_ref(a.get("weight")), None,
                     eps if eps is not None else torch.finfo(torch.float32).eps, len(a["normalized_shape"]))
+    if is_function(node, MUL):
+        return _written_rms_norm(node)
+    return None
+
+
+_TO_FLOAT = frozenset({"to", "float", "half", "bfloat16", "type_as"})
+
+
+def _cast_of(node: Any) -> fx.Node | None:
+    """The input of a dtype cast (``x.to(dtype)``, ``x.float()``, ``x.type_as(y)``), else None."""
+    if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _TO_FLOAT \
+            and isinstance(node.args[0], fx.Node) and "device" not in node.kwargs:
+        rest = node.args[1:] + tuple(node.kwargs.values())
+        if node.target != "to" or all(isinstance(a, torch.dtype) for a in rest):
+            return node.args[0]
+    return None
+
+
+def _uncast(node: Any) -> Any:
+    return _cast_of(node) or node
+
+
+def _method_or_function(node: Any, name: str, fns: tuple[Any, ...]) -> bool:
+    return isinstance(node, fx.Node) and (node.op == "call_method" and node.target == name
+                                          or node.op == "call_function" and node.target in fns)
+
+
+def _written_rms_norm(node: fx.Node) -> Norm | None:
+    """HF's RMSNorm written in ops (LLaMA's, Mistral's, T5's LayerNorm):
+    ``w * (x * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``, the casts optional,
+    x in the product and under the mean the same value up to casts (T5 multiplies the uncast x)."""
+    for w_node, h in (node.args, node.args[::-1]):
+        w = param_ref(w_node)
+        if w is None or not isinstance(h, fx.Node) or len(node.args) != 2:
+            continue
+        inner = [h] if _cast_of(h) is not None else []
+        h = _uncast(h)
+        if not is_function(h, MUL) or len(h.args) != 2:
+            continue
+        for xb, r in (h.args, h.args[::-1]):
+            if not _method_or_function(r, "rsqrt", (torch.rsqrt,)) or not is_function(r.args[0], ADD):
+                continue
+            var, eps = r.args[0].args if len(r.args[0].args) == 2 else (None, None)
+            if isinstance(var, float | int) and isinstance(eps, fx.Node):
+                var, eps = eps, var
+            if not isinstance(eps, float | int) or not _method_or_function(var, "mean", (torch.mean,)):
+                continue
+            margs = dict(zip(("dim", "keepdim"), var.args[1:])) | dict(var.kwargs)
+            dim, keep = margs.get("dim"), margs.get("keepdim", False)
+            dim = dim[0] if isinstance(dim, tuple | list) and len(dim) == 1 else dim
+            sq = var.args[0]
+            if dim not in (-1,) and not (isinstance(dim, int) and shape(sq) and dim == len(shape(sq)) - 1) \
+                    or not keep:
+                continue
+            if not _method_or_function(sq, "pow", (torch.pow,)) or len(sq.args) != 2 or sq.args[1] != 2:
+                continue
+            x = _uncast(sq.args[0])
+            if _uncast(xb) is not x or not isinstance(x, fx.Node):
+                continue
+            casts = [c for c in dict.fromkeys((sq.args[0], xb)) if c is not x]
+            inner += [h, r, r.args[0], var, sq, *casts]
+            return Norm("rmsnorm", x, w, None, float(eps), 1, tuple(dict.fromkeys(inner)))
     return None

@@ -16,6 +16,7 @@ from smg import patterns
 from smg.errors import SpaceFusionError
 from smg.ir import SMG
 from spacefusion.frontend import builders
+from spacefusion.frontend.activations import Activation, activation_after
 from spacefusion.frontend.graph import (
     ADD,
     MUL,
@@ -165,9 +166,11 @@ def b_layout(m: int) -> str:
     return "nk" if m < GEMV_ROWS else "kn"
 
 
-def _weight(space: str, ref: str, m: int, k: int, n: int) -> Operand:
+def _weight(space: str, ref: str, m: int, k: int, n: int, stored_kn: bool = False) -> Operand:
+    """B of a GEMM of ``m`` rows from a weight stored [n, k] (``nn.Linear``) or [k, n] (GPT-2's ``Conv1D``):
+    transposed once at build time where the layout ``b_layout`` picks is not the stored one."""
     nk = b_layout(m) == "nk"
-    return _param(space, ref, (n, k) if nk else (k, n), transpose=not nk)
+    return _param(space, ref, (n, k) if nk else (k, n), transpose=nk == stored_kn)
 
 
 def _gated_parts(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node, fx.Node, str, Linear, Linear] | None:
@@ -215,17 +218,17 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
         ctx.refuse(node, f"linear on a non-float or unshaped input ({node.meta.get('tensor_meta')})")
         return None
     act = _activation_after(node, ctx)
-    out = single_user(node) if act else node
+    out, name = (act.out, act.name) if act else (node, None)
     m = rows(xs)
-    smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, act or "none", lin.bias is not None,
+    smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, name or "none", lin.bias is not None,
                                                            dtype=dt, b_layout=b_layout(m)))
     if smg is None:
         return None
-    ops = [_value("A", lin.x, (m, lin.k)), _weight("Bw", lin.weight, m, lin.k, lin.n)]
+    ops = [_value("A", lin.x, (m, lin.k)), _weight("Bw", lin.weight, m, lin.k, lin.n, lin.stored_kn)]
     if lin.bias:
         ops.append(_param("bias", lin.bias, (lin.n,)))
-    label = f"gemm{' + bias' if lin.bias else ''}{f' + {act}' if act else ''} {m}x{lin.n}x{lin.k} {dt}"
-    return _subgraph("gemm", label, (node, out) if act else (node,), smg, ops, {"Y": out})
+    label = f"gemm{' + bias' if lin.bias else ''}{f' + {name}' if act else ''} {m}x{lin.n}x{lin.k} {dt}"
+    return _subgraph("gemm", label, (node, *act.nodes) if act else (node,), smg, ops, {"Y": out})
 
 
 def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -260,18 +263,36 @@ def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     return Subgraph("gemm", label, (node.name,), smg, tuple(ops), (out,))
 
 
-def _activation_after(node: fx.Node, ctx: Context) -> str | None:
-    """The activation a linear's only (unclaimed) reader applies, fused into its epilogue."""
+def _activation_after(node: fx.Node, ctx: Context) -> Activation | None:
+    """The activation applied to a linear's output (``activations.activation_after``), fused into its
+    epilogue when none of its nodes is claimed; a view between them that keeps the rows (GPT-2's
+    ``addmm(...).view(b, s, n)``) is taken in too."""
+    via: tuple[fx.Node, ...] = ()
     user = single_user(node)
-    return activation_of(user, ctx.gm) if user is not None and ctx.free(user) else None
+    if user is not None and _row_view(user, node):
+        via, y = (user,), user
+    else:
+        y = node
+    act = activation_after(y, ctx.gm)
+    if act is None:
+        return None
+    nodes = (*via, *act.nodes)
+    return Activation(act.name, nodes, act.out) if ctx.free(*nodes) else None
+
+
+def _row_view(node: fx.Node, src: fx.Node) -> bool:
+    """``node`` is a view/reshape of ``src`` that keeps its last dim (rows regrouped: [m, n] as [b, s, n])."""
+    return (node.op == "call_method" and node.target in ("view", "reshape") and shape(node) is not None
+            and shape(src) is not None and shape(node)[-1] == shape(src)[-1])
 
 
 def _stack_key(lin: Linear, node: fx.Node, ctx: Context) -> tuple | None:
-    """What linears must share to be one stacked GEMM (None: this one cannot join)."""
+    """What linears must share to be one stacked GEMM (None: this one cannot join): a written-out
+    activation or a view before it would need per-slice results, so only a one-op activation joins."""
     act = _activation_after(node, ctx)
-    if not ctx.free(node) or dtype(node) is None or shape(lin.x) is None:
+    if not ctx.free(node) or dtype(node) is None or shape(lin.x) is None or (act and len(act.nodes) > 1):
         return None
-    return lin.k, lin.n, lin.bias is not None, act, dtype(node)
+    return lin.k, lin.n, lin.bias is not None, lin.stored_kn, act.name if act else None, dtype(node)
 
 
 def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -287,7 +308,7 @@ def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
              and _stack_key(lin, u, ctx) == key]
     if len(group) < 2:
         return None
-    (k, n, bias, act, dt), t, m = key, len(group), rows(shape(first.x))
+    (k, n, bias, stored_kn, act, dt), t, m = key, len(group), rows(shape(first.x))
     smg = _build(ctx, group[0][0],
                  lambda: patterns.gemm_epilogue(m, n, k, act or "none", bias, dt, b_layout(m), stack=t))
     if smg is None:
@@ -295,7 +316,7 @@ def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
     nk = b_layout(m) == "nk"
     lins = [lin for _, lin in group]
     ops = [_value("A", first.x, (m, k)),
-           Operand("Bw", "param", lins[0].weight, (t, n, k) if nk else (t, k, n), not nk,
+           Operand("Bw", "param", lins[0].weight, (t, n, k) if nk else (t, k, n), nk == stored_kn,
                    stack=tuple(lin.weight for lin in lins))]
     if bias:
         ops.append(Operand("bias", "param", lins[0].bias, (t, n), stack=tuple(lin.bias for lin in lins)))
@@ -310,7 +331,7 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     """LayerNorm / RMSNorm over the last dim -> ``norm``; when its input is ``a + b`` of one shape the add
     is fused too (``residual_norm``), and the sum is a second output where something else reads it."""
     nm = norm_of(node, ctx.gm)
-    if nm is None or not ctx.free(node):
+    if nm is None or not ctx.free(node, *nm.inner):
         return None
     xs, dt = shape(nm.x), dtype(node)
     if nm.dims != 1 or nm.weight is None or (nm.kind == "layernorm" and nm.bias is None) or xs is None or dt is None:
@@ -320,7 +341,7 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     x = nm.x
     residual = (is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and ctx.free(x)
                 and all(shape(a) == xs for a in x.args))
-    keep_sum = residual and len(x.users) > 1
+    keep_sum = residual and any(u is not node and u not in nm.inner for u in x.users)
     m, n = rows(xs), xs[-1]
     smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps)))
     if smg is None:
@@ -334,7 +355,8 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
         ops.append(_param("B", nm.bias, (n,)))
     kind = "residual_norm" if residual else "norm"
     label = f"{'add + ' if residual else ''}{nm.kind}{' (sum kept)' if keep_sum else ''} {m}x{n} {dt}"
-    return _subgraph(kind, label, (x, node) if residual else (node,), smg, ops, {"Y": node, "T": x})
+    nodes = (*((x,) if residual else ()), *nm.inner, node)
+    return _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x})
 
 
 def _rope_input(x: fx.Node, inside: tuple[fx.Node, ...], ctx: Context

@@ -69,6 +69,8 @@ def reason(node: fx.Node, gm: fx.GraphModule) -> str:
         return "no SMG pattern covers this module"
     if node.target is operator.getitem:
         return LAYOUT
+    if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
+        return GATHER
     if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
         return SHAPE
     if name in LAYOUT_METHODS:

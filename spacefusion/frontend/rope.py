@@ -1,8 +1,9 @@
 """Recognising HF's rotate-half RoPE in an fx graph: ``x * cos_u + rotate_half(x) * sin_u``.
 
 HF writes it (``apply_rotary_pos_emb``) as ``cos_u, sin_u = cos.unsqueeze(1), sin.unsqueeze(1)`` and
-``rotate_half(x) = cat((-x2, x1), dim=-1)`` of ``x1, x2 = x.chunk(2, dim=-1)``.  The match is exact and
-conservative: those nodes in that structure, the chunk in two along the last dim, the halves concatenated
+``rotate_half(x) = cat((-x2, x1), dim=-1)`` of ``x1, x2 = x[..., : d // 2], x[..., d // 2 :]`` (or
+``x.chunk(2, dim=-1)``).  The match is exact and
+conservative: those nodes in that structure, the halves of the last dim, the halves concatenated
 as (-x2, x1), the tables unsqueezed at dim 1, one dtype throughout.  A graph that has the shape of it (a sum
 of two products, one of them over a concatenation of a chunk's halves) but differs in a detail gets the
 difference as its reason; anything else is not RoPE (None).
@@ -58,19 +59,32 @@ def _unsqueezed(node: Any) -> fx.Node | None:
         else None
 
 
-def _half(node: Any) -> tuple[fx.Node, int] | None:
-    """(chunk node, index) where ``node`` is ``chunk[index]``."""
-    if not (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-            and _is_method(node.args[0], "chunk", torch.chunk) and isinstance(node.args[1], int)):
+def _half(node: Any) -> tuple[fx.Node, int, fx.Node | None] | None:
+    """(rotated value, half index, its chunk node or None) where ``node`` is ``x.chunk(2, -1)[i]`` or HF's
+    slice of ``x``: ``x[..., : d // 2]`` (0) or ``x[..., d // 2 :]`` (1)."""
+    if not (isinstance(node, fx.Node) and node.target is operator.getitem and isinstance(node.args[0], fx.Node)):
         return None
-    return node.args[0], node.args[1]
+    src, index = node.args
+    if _is_method(src, "chunk", torch.chunk) and isinstance(index, int):
+        return (src.args[0], index, src) if isinstance(src.args[0], fx.Node) else None
+    d = (shape(src) or (None,))[-1]
+    if not isinstance(index, tuple) or len(index) != 2 or index[0] is not Ellipsis or not isinstance(d, int):
+        return None
+    sl = index[1]
+    if not isinstance(sl, slice) or sl.step not in (None, 1) or d % 2:
+        return None
+    if sl.start in (None, 0) and sl.stop == d // 2:
+        return src, 0, None
+    if sl.start == d // 2 and (sl.stop is None or sl.stop >= d):
+        return src, 1, None
+    return None
 
 
-def _part(node: Any) -> tuple[fx.Node, int, bool] | None:
-    """(chunk, half index, negated) of a concatenated part ``chunk[i]`` or ``-chunk[i]``."""
+def _part(node: Any) -> tuple[fx.Node, int, bool, fx.Node | None] | None:
+    """(rotated value, half index, negated, chunk node) of a concatenated part ``half`` or ``-half``."""
     neg = isinstance(node, fx.Node) and is_function(node, NEG) and len(node.args) == 1
     half = _half(node.args[0] if neg else node)
-    return None if half is None else (*half, neg)
+    return None if half is None else (half[0], half[1], neg, half[2])
 
 
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -79,9 +93,9 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return node.args[0], node.args[1]
 
 
-def _rotation(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[tuple[fx.Node, int, bool]]] | None:
-    """(mul, cat, other factor, chunk, parts) where one factor of ``mul`` concatenates two halves of one
-    chunk, each possibly negated (the shape of a rotate-half, whatever its order)."""
+def _rotation(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[tuple[fx.Node, int, bool, Any]]] | None:
+    """(mul, cat, other factor, rotated value, parts) where one factor of ``mul`` concatenates two halves of
+    one value, each possibly negated (the shape of a rotate-half, whatever its order)."""
     for cat, other in (mul.args, mul.args[::-1]):
         if not is_function(cat, (torch.cat,)):
             continue
@@ -89,7 +103,7 @@ def _rotation(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[tu
         if not isinstance(parts, tuple | list) or len(parts) != 2:
             continue
         got = [_part(p) for p in parts]
-        if all(g is not None for g in got) and got[0][0] is got[1][0]:
+        if all(g is not None for g in got) and got[0][0] is got[1][0] and got[0][3] is got[1][3]:
             return mul, cat, other, got[0][0], got
     return None
 
@@ -107,24 +121,24 @@ def rope_of(node: fx.Node) -> Rope | str | None:
     rots = [r for m in muls if (r := _rotation(m)) is not None]
     if len(muls) != 2 or len(rots) != 1:
         return None
-    rot_mul, cat, sin_u, chunk, got = rots[0]
+    rot_mul, cat, sin_u, x, got = rots[0]
+    chunk = got[0][3]
     plain_mul = muls[1] if muls[0] is rot_mul else muls[0]
     cat_args = _args(cat, ("tensors", "dim"))
     parts = cat_args["tensors"]
-    x = chunk.args[0]
-    if not isinstance(x, fx.Node) or x not in plain_mul.args:
+    if x not in plain_mul.args:
         return None
     # from here on it is a rotate-half of x: what differs from HF's form is the reason
     xs = shape(x)
     if xs is None or len(xs) != 4 or shape(node) != xs:
         return f"RoPE on a {xs} value giving {shape(node)}: the pattern rotates [batch, heads, seq, head_dim]"
-    ck = _args(chunk, ("chunks", "dim"), 1)
+    ck = _args(chunk, ("chunks", "dim"), 1) if chunk is not None else {"chunks": 2, "dim": -1}
     if ck.get("chunks") != 2 or not _last_dim(ck.get("dim", 0), 4) or xs[3] % 2:
         return (f"rotate-half chunks {ck.get('chunks')} along dim {ck.get('dim', 0)} of head dim {xs[3]}: the pattern "
                 f"takes two halves of an even last dim")
     if not _last_dim(cat_args.get("dim", 0), 4):
         return f"rotate-half concatenates along dim {cat_args.get('dim', 0)}: the pattern's halves are the last dim's"
-    order = [("-" if neg else "") + f"x{i + 1}" for _, i, neg in got]
+    order = [("-" if neg else "") + f"x{i + 1}" for _, i, neg, _ in got]
     if order != ["-x2", "x1"]:
         return f"rotate-half concatenates ({', '.join(order)}): HF's rotate_half is (-x2, x1), the pattern's"
     cos_u = plain_mul.args[1] if plain_mul.args[0] is x else plain_mul.args[0]
@@ -137,9 +151,11 @@ def rope_of(node: fx.Node) -> Rope | str | None:
     if len({dtype(n) for n in (x, cos, sin, node)}) != 1 or dtype(node) is None:
         types = [str(getattr(n.meta.get("tensor_meta"), "dtype", None)) for n in (x, cos, sin, node)]
         return f"RoPE with dtypes x/cos/sin/out {types}: the pattern takes one float32/float16/bfloat16 dtype"
-    (g0, g1) = sorted((p.args[0] if p.target in NEG else p for p in parts), key=lambda n: n.args[1])
+    (g0, g1) = (p.args[0] if p.target in NEG else p for p in parts[::-1])  # x1, x2 (the order checked above)
     neg = parts[0]
-    if not (_only_users(chunk, g0, g1) and _only_users(g0, cat) and _only_users(g1, neg) and _only_users(neg, cat)
-            and _only_users(cat, rot_mul) and _only_users(rot_mul, node) and _only_users(plain_mul, node)):
+    if not ((chunk is None or _only_users(chunk, g0, g1)) and _only_users(g0, cat) and _only_users(g1, neg)
+            and _only_users(neg, cat) and _only_users(cat, rot_mul) and _only_users(rot_mul, node)
+            and _only_users(plain_mul, node)):
         return "RoPE's intermediate values are read outside it: fused, they would not exist"
-    return Rope(x, cos, sin, (plain_mul, chunk, g0, g1, neg, cat, rot_mul, node), (cos_u, sin_u))
+    halves = (chunk, g0, g1) if chunk is not None else (g0, g1)
+    return Rope(x, cos, sin, (plain_mul, *halves, neg, cat, rot_mul, node), (cos_u, sin_u))

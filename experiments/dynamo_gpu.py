@@ -1,0 +1,218 @@
+"""`transformers` models through `torch.compile(backend="spacefusion")` on the GPU, against eager and
+torch.compile's modes, measured in one run per model (issue 27).
+
+Two halves, as the lowering and the GPU live on different machines here:
+
+    python experiments/dynamo_gpu.py export art/dynamo            # where TVM is (meta tensors, no GPU)
+    python experiments/dynamo_gpu.py run art/dynamo --out r.json  # on the GPU (torch + cupy, no TVM)
+
+``export`` captures every model with TorchDynamo on the meta device and writes the CUDA artefact of each
+fused SMG's first pick (``frontend.dynamo.export_cuda``).  ``run`` builds the same models with random weights
+in fp16 on the GPU, compiles them with ``spacefusion.compile(model, target=CudaBackend(art))`` (the
+artefacts named by SMG content key; a missing one leaves its subgraph to torch, reported), checks each
+system against float32 eager, and times eager, torch.compile (default, reduce-overhead), spacefusion as one
+CUDA graph replay per Dynamo graph and spacefusion launch by launch, interleaved ``--repeats`` times (CUDA
+events, L2 flushed by a read, median).  It also measures the host time of one fused launch without a graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: name -> (config class, model class, config kwargs, input kind, batch, seq); the real configs' defaults
+MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
+    "bert_base_8x128": ("BertConfig", "BertModel", {}, "ids", 8, 128),
+    "bert_base_8x128_padding": ("BertConfig", "BertModel", {}, "ids+mask", 8, 128),
+    "bert_base_8x512": ("BertConfig", "BertModel", {}, "ids", 8, 512),
+    "albert_base_8x128": ("AlbertConfig", "AlbertModel", {"hidden_size": 768, "num_attention_heads": 12,
+                                                          "intermediate_size": 3072}, "ids", 8, 128),
+    "t5_base_encoder_8x128": ("T5Config", "T5EncoderModel", {"d_model": 768, "d_ff": 3072, "num_layers": 12,
+                                                             "num_heads": 12, "d_kv": 64}, "ids", 8, 128),
+    "vit_b16_8": ("ViTConfig", "ViTModel", {}, "pixels", 8, 224),
+    "gpt2_4x512": ("GPT2Config", "GPT2Model", {}, "ids", 4, 512),
+    "llama2_7b_4layers_1x2048": ("LlamaConfig", "LlamaModel", {"hidden_size": 4096, "intermediate_size": 11008,
+                                                               "num_attention_heads": 32, "num_key_value_heads": 32,
+                                                               "num_hidden_layers": 4, "vocab_size": 32000,
+                                                               "max_position_embeddings": 4096},
+                                 "ids", 1, 2048),
+}
+
+
+def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
+    import transformers
+
+    cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, model_cls)(cfg).eval().half()
+    gen = torch.Generator().manual_seed(1)
+    if kind == "pixels":
+        x = {"pixel_values": torch.randn(b, 3, s, s, generator=gen).half()}
+    else:
+        x = {"input_ids": torch.randint(0, cfg.vocab_size, (b, s), generator=gen)}
+        if kind == "ids+mask":  # padding: lengths from s/4 to s
+            lengths = torch.linspace(s // 4, s, b).long()
+            x["attention_mask"] = (torch.arange(s)[None, :] < lengths[:, None]).long()
+    return model, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+def export(art: Path, names: list[str]) -> int:
+    from spacefusion.frontend.dynamo import export_cuda
+
+    for name in names:
+        torch._dynamo.reset()
+        t = time.perf_counter()
+        # decoders make a KV cache whose first append (cat onto an empty tensor) fake tensors refuse on meta
+        model, x = build(name, "cpu" if MODELS[name][1] in ("LlamaModel", "GPT2Model") else "meta")
+        backend = export_cuda(model, art / "kernels", **x)
+        took = time.perf_counter() - t
+        (art / f"{name}.partition.txt").write_text(str(backend) + "\n")
+        print(f"{name}: exported in {took:.1f} s\n{backend}\n", flush=True)
+    return 0
+
+
+def _last_hidden(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple | list) else out.last_hidden_state if hasattr(out, "last_hidden_state") \
+        else out
+
+
+def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, float]:
+    """Host time of one fused launch without a graph: a small fused kernel called ``calls`` times back to
+    back (the GPU queue keeps up; the CPU is the bound), per call; and the runtime's checked ``launch``."""
+    from spacefusion.frontend.fused import FusedKernel
+
+    report = compiled.spacefusion
+    mods = [m for c in report.compiled for m in c.fused.graph_module.modules() if isinstance(m, FusedKernel)]
+    if not mods:
+        return {}
+    fk = min(mods, key=lambda m: sum(math.prod(r.shape) for r in m.sub.results))
+    args = [torch.zeros(op.shape, dtype=torch.float16, device="cuda") for op in fk.values]
+    with torch.no_grad():
+        for _ in range(20):
+            fk(*args)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fk(*args)
+        host = (time.perf_counter() - t) / calls * 1e6
+        torch.cuda.synchronize()
+        w = torch.zeros(64, 64, dtype=torch.float16, device="cuda")
+        a = torch.zeros(16, 64, dtype=torch.float16, device="cuda")
+        t = time.perf_counter()
+        for _ in range(calls):  # for scale: one eager torch op's host time
+            torch.nn.functional.linear(a, w)
+        torch_op = (time.perf_counter() - t) / calls * 1e6
+        torch.cuda.synchronize()
+    return {"fused_call_us": round(host, 2), "kernel": fk.sub.label, "torch_linear_call_us": round(torch_op, 2)}
+
+
+def top_kernels(fn: Any, x: dict[str, Any], n: int = 12) -> list[tuple[str, float, int]]:
+    """(kernel, total µs, calls) of one forward under the profiler, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(**x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(**x)
+        torch.cuda.synchronize()
+    def us(e: Any) -> float:
+        return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+
+    rows = [(e.key[:90], round(us(e), 1), e.count) for e in prof.key_averages() if us(e) > 0]
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
+def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int) -> int:
+    from gpu_runtime import runtime_module
+
+    import spacefusion
+    from spacefusion.frontend import CudaBackend
+
+    time_cuda = runtime_module("timing").time_cuda
+    torch._dynamo.config.cache_size_limit = 64  # four compiled systems of one model: never fall back to eager
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
+    for name in names:
+        torch._dynamo.reset()
+        model, x = build(name, "cuda")
+        row: dict[str, Any] = {"inputs": {k: list(v.shape) for k, v in x.items() if isinstance(v, torch.Tensor)}}
+        with torch.no_grad():
+            exact = _last_hidden(model.float()(**{k: v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                                 else v for k, v in x.items()})).clone()
+            model.half()
+            systems: dict[str, Any] = {"eager": model}
+            t = time.perf_counter()
+            sf = spacefusion.compile(model, target=CudaBackend(art / "kernels"))
+            _last_hidden(sf(**x))
+            row["spacefusion_compile_s"] = round(time.perf_counter() - t, 1)
+            systems["spacefusion+graph"] = sf
+            nog = spacefusion.compile(model, target=CudaBackend(art / "kernels"), mode="max-autotune-no-cudagraphs")
+            systems["spacefusion"] = nog
+            for mode in ("default", "reduce-overhead"):
+                t = time.perf_counter()
+                c = torch.compile(model, mode=mode)
+                _last_hidden(c(**x))
+                row[f"compile_{mode}_s"] = round(time.perf_counter() - t, 1)
+                systems[f"torch.compile {mode}"] = c
+            # a whole fp16 model against float32: errors compound over the layers, so the bar is eager fp16's
+            # own distance from float32 (each system within twice that), not one kernel's rounding rule
+            row["check"] = {}
+            errs = {k: (_last_hidden(fn(**x)).float() - exact).abs().max().item() for k, fn in systems.items()}
+            for sys_name, err in errs.items():
+                row["check"][sys_name] = {"ok": err <= 2 * errs["eager"], "max_abs_err": round(err, 5),
+                                          "vs_eager_fp16": round(err / errs["eager"], 3)}
+            times: dict[str, list[float]] = {k: [] for k in systems}
+            for _ in range(repeats):
+                for sys_name, fn in systems.items():
+                    times[sys_name].append(time_cuda(lambda f=fn, x=x: f(**x), warmup=warmup, iters=iters).median_us)
+            row["us"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
+            row["partition"] = str(sf.spacefusion)
+            row["partition_no_graph"] = str(nog.spacefusion)
+            row["host"] = host_cost_us(nog)
+            row["top_kernels"] = top_kernels(nog, x)
+        best_compile = min(row["us"]["torch.compile default"], row["us"]["torch.compile reduce-overhead"])
+        row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
+                          "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
+        results["models"][name] = row
+        print(json.dumps({name: {k: row[k] for k in ("us", "speedup", "check", "host", "top_kernels")}}), flush=True)
+        print(row["partition"], flush=True)
+        out_path.write_text(json.dumps(results, indent=1) + "\n")
+        del systems, sf, nog, model
+        torch.cuda.empty_cache()
+    return 0
+
+
+def x_len(model: torch.nn.Module) -> int:
+    """The longest reduction of the model's GEMMs (its widest layer): the check's accumulation length."""
+    return max((m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)), default=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("phase", choices=("export", "run"))
+    ap.add_argument("art", type=Path)
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--out", type=Path, default=Path("dynamo_gpu.json"))
+    from gpu_runtime import timing_args
+
+    timing_args(ap, warmup=5, iters=30, repeats=3)
+    a = ap.parse_args(argv)
+    if a.phase == "export":
+        return export(a.art, a.models)
+    return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""TorchDynamo capture of real ``transformers`` models (tiny configs, random weights, no hub) against eager.
+
+``spacefusion.compile`` / ``torch.compile(backend="spacefusion")`` on the CPU backends: the reference
+backend evaluates each fused SMG in float64 numpy (a check of the partition and of every mapping), llvm
+builds the kernels with TVM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import spacefusion  # noqa: E402
+from spacefusion.frontend.dynamo import SpaceFusionBackend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _ids(b: int, s: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, 100, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _model(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(1)
+    T = transformers
+    if name == "bert_padding":
+        cfg = T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                           vocab_size=100)
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 11:] = 0
+        return T.BertModel(cfg), {"input_ids": _ids(2, 16), "attention_mask": mask}
+    if name == "albert":
+        cfg = T.AlbertConfig(hidden_size=64, embedding_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=128, vocab_size=100)
+        return T.AlbertModel(cfg), {"input_ids": _ids(2, 16)}
+    if name == "t5_encoder":
+        cfg = T.T5Config(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, vocab_size=100)
+        return T.T5EncoderModel(cfg), {"input_ids": _ids(2, 16)}
+    if name == "vit":
+        cfg = T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                          image_size=32, patch_size=8)
+        return T.ViTModel(cfg), {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))}
+    if name == "gpt2":
+        cfg = T.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
+                           eos_token_id=0)
+        return T.GPT2Model(cfg), {"input_ids": _ids(2, 16)}
+    if name == "llama_gqa":
+        cfg = T.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, vocab_size=100)
+        return T.LlamaModel(cfg), {"input_ids": _ids(1, 16)}
+    if name == "mistral_window":
+        cfg = T.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128, vocab_size=100, sliding_window=8)
+        return T.MistralModel(cfg), {"input_ids": _ids(1, 16)}
+    raise ValueError(name)
+
+
+#: what each model must get fused at least (kind: count), and a reason that must name what is left
+EXPECT = {
+    "bert_padding": ({"stacked_gemm": 2, "gemm": 7, "residual_norm": 4, "norm": 1}, "attn_mask"),
+    "albert": ({"attention": 2, "stacked_gemm": 2, "gemm": 7, "residual_norm": 4}, None),
+    "t5_encoder": ({"stacked_gemm": 2, "gemm": 6, "residual_norm": 4, "norm": 1}, "attn_mask"),
+    "vit": ({"attention": 2, "stacked_gemm": 2, "gemm": 8, "residual_norm": 4, "norm": 1}, None),
+    "gpt2": ({"attention": 2, "gemm": 8, "residual_norm": 4, "norm": 1}, None),
+    "llama_gqa": ({"attention": 2, "rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 1}, None),
+    "mistral_window": ({"rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 1}, "attn_mask"),
+}
+
+
+def _check(want: object, got: object) -> None:
+    want = want.to_tuple() if hasattr(want, "to_tuple") else want
+    got = got.to_tuple() if hasattr(got, "to_tuple") else got
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        if isinstance(w, torch.Tensor):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def _compiled_matches_eager(name: str, target: str) -> torch.nn.Module:
+    model, kw = _model(name)
+    model.eval()
+    compiled = spacefusion.compile(model, target=target)
+    with torch.no_grad():
+        _check(model(**kw), compiled(**kw))
+    return compiled
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_transformers_model_through_dynamo_matches_eager(name: str) -> None:
+    report = _compiled_matches_eager(name, "reference").spacefusion
+    assert report.graphs and all(g.skipped is None for g in report.graphs), str(report)
+    counts = sum((p.counts() for p in report.partitions), start=type(report.partitions[0].counts())())
+    kinds, reason = EXPECT[name]
+    for kind, n in kinds.items():
+        assert counts[kind] >= n, f"{name}: {kind} fused {counts[kind]} times, want {n}\n{report}"
+    if reason is not None:
+        assert any(reason in op.reason for p in report.partitions for op in p.left), str(report)
+
+
+@pytest.mark.parametrize("name", ["albert", "gpt2"])
+def test_transformers_model_on_llvm_kernels(name: str) -> None:
+    """The same capture with TVM's llvm kernels: GELU's tanh form (ALBERT) and Conv1D's addmm (GPT-2) built."""
+    compiled = _compiled_matches_eager(name, "llvm")
+    labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert any("gelu_tanh" in lab for lab in labels), labels
+
+
+def test_registered_backend_by_name() -> None:
+    """``torch.compile(model, backend="spacefusion")`` finds the backend through its entry point."""
+    assert "spacefusion" in torch._dynamo.list_backends()
+    model, kw = _model("vit")
+    model.eval()
+    compiled = torch.compile(model, backend="spacefusion", options={"target": "reference"})
+    with torch.no_grad():
+        _check(model(**kw), compiled(**kw))
+
+
+def test_unknown_backend_option_is_named() -> None:
+    model, kw = _model("vit")
+    compiled = torch.compile(model.eval(), backend="spacefusion", options={"tile": 3})
+    with torch.no_grad(), pytest.raises(Exception, match="unknown spacefusion backend options"):
+        compiled(**kw)
+
+
+def test_weights_changed_in_place_are_not_stale() -> None:
+    """Kernels bake the weights (W transposed once); an in-place update is seen on the next call."""
+    model, kw = _model("gpt2")
+    model.eval()
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        _check(model(**kw), compiled(**kw))
+        model.h[0].mlp.c_fc.weight.mul_(-2.0)
+        _check(model(**kw), compiled(**kw))
+
+
+def test_second_model_instance_runs_its_own_weights() -> None:
+    a, kw = _model("albert")
+    b, _ = _model("albert")
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    backend = SpaceFusionBackend("reference")
+    ca, cb = torch.compile(a.eval(), backend=backend, dynamic=False), torch.compile(b.eval(), backend=backend,
+                                                                                   dynamic=False)
+    with torch.no_grad():
+        _check(a(**kw), ca(**kw))
+        _check(b(**kw), cb(**kw))
+        assert not torch.allclose(a(**kw)[0], b(**kw)[0])
+
+
+class _Breaks(torch.nn.Module):
+    """Two linears with a data-dependent branch between them: Dynamo breaks the graph there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        if y.sum() > 0:  # data-dependent control flow
+            y = y * 2
+        return self.b(y)
+
+
+def test_graph_break_splits_into_fused_graphs_with_reasons() -> None:
+    torch.manual_seed(0)
+    model = _Breaks().eval()
+    x = torch.randn(4, 32)
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    report = compiled.spacefusion
+    assert len(report.graphs) >= 2
+    assert sum(p.counts()["gemm"] for p in report.partitions) == 2  # one linear on each side of the break
+    assert report.graph_breaks(), str(report)
+    assert "graph breaks" in str(report)
+
+
+def test_dynamic_shapes_are_left_to_torch_with_the_reason() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU()).eval()
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for rows in (8, 12):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert any(g.skipped and "dynamic=False" in g.skipped for g in backend.graphs), str(backend)
+
+
+def test_autograd_graphs_are_left_to_torch() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU())
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(8, 32)
+    out = compiled(x)
+    out.sum().backward()  # still differentiable: torch ran it
+    assert model[0].weight.grad is not None
+    assert "inference-only" in (backend.graphs[0].skipped or "")
+
+
+def test_each_compile_keeps_its_own_report() -> None:
+    """Two compiles of one model (say, with and without graphs) report apart; the model is untouched."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    a = spacefusion.compile(model, target="reference")
+    b = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        a(torch.randn(2, 8))
+    assert a.spacefusion is not b.spacefusion and not hasattr(model, "spacefusion")
+    assert len(a.spacefusion.graphs) == 1 and not b.spacefusion.graphs
+
+
+def test_unknown_target_and_mode_are_named() -> None:
+    with pytest.raises(spacefusion.frontend.FrontendError, match="unknown spacefusion target 'cuda:sm_75'"):
+        spacefusion.compile(torch.nn.Linear(4, 4), target="cuda:sm_75")
+    with pytest.raises(spacefusion.frontend.FrontendError, match="unknown mode 'fastest'"):
+        spacefusion.compile(torch.nn.Linear(4, 4), mode="fastest")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_target_without_a_gpu_says_so() -> None:
+    compiled = spacefusion.compile(torch.nn.Linear(8, 8).eval(), target="cuda")
+    with torch.no_grad(), pytest.raises(Exception, match="needs a CUDA GPU"):
+        compiled(torch.randn(2, 8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "vit"])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_transformers_model_on_gpu_kernels(name: str, mode: str | None, tmp_path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 on the GPU with the "cuda" target (TVM builds each first pick, the runtime launches it), as one
+    CUDA graph replay or launch by launch: against eager fp16, within what eager fp16 itself is off from
+    float32 (a few times that: the fused kernels round differently, not worse), on two inputs in a row."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path))
+    model, kw = _model(name)
+    model = model.eval().cuda()
+    second = {k: (v.flip(0) if v.dim() else v).cuda() for k, v in kw.items()}
+    kw = {k: v.cuda() for k, v in kw.items()}
+    with torch.no_grad():
+        exact = [model(**x)[0] for x in (kw, second)]  # float32
+        model.half()
+        kw, second = ({k: v.half() if v.is_floating_point() else v for k, v in x.items()} for x in (kw, second))
+        eager = [model(**x)[0] for x in (kw, second)]
+        compiled = spacefusion.compile(model, mode=mode)
+        got = [compiled(**x)[0].clone() for x in (kw, second)]
+    report = compiled.spacefusion
+    assert report.target == "cuda" and all(g.skipped is None for g in report.graphs), str(report)
+    assert all(g.replayed == (mode != "max-autotune-no-cudagraphs") for g in report.graphs), str(report)
+    assert sum(len(p.subgraphs) for p in report.partitions) >= 6, str(report)
+    for e, g, x in zip(eager, got, exact):
+        eager_err = (e.float() - x).abs().max().item()
+        ours = (g.float() - x).abs().max().item()
+        assert ours <= 4 * eager_err + 1e-3, f"{name}: fused fp16 off by {ours}, eager fp16 by {eager_err}\n{report}"

@@ -138,9 +138,24 @@ def horizontal_gemms(m: int, k: int, n: int, names: tuple[str, ...] = ("shift", 
 ATTENTION_LAYOUTS = ("bhsd", "bshd")
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreMod:
+    """An element-wise op on attention scores with inputs of its own (FlexAttention's ``score_mod`` and
+    ``mask_mod`` as one thing): ``body`` is a sympy expression of the scores ``{s}`` (after scaling and
+    any causal mask), of the index names ``b``, ``h`` (kv head), ``r`` (query head within a kv head's
+    group), ``m`` (query), ``l`` (key), and of ``inputs``: (name, dims) pairs, each dim one of those names
+    (a dim it lacks is broadcast: One-to-All).  A padding mask is ``Piecewise(({s}, Keep > 0.5), (-1e30,
+    True))`` over Keep[b, l]; an additive bias ``{s} + Bias`` over Bias[h, m, l]; ALiBi ``{s} + Slope *
+    (l - m)``.  The slicers derive the online softmax through it like through any streamed op."""
+
+    body: str
+    inputs: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    dtype: str | None = None  # the inputs' dtype (default: the attention's)
+
+
 def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv_heads: int | None = None,
               causal: bool = False, dtype: str = "float16", scale: float | None = None,
-              layout: str = "bhsd") -> SMG:
+              layout: str = "bhsd", mods: tuple[ScoreMod, ...] = ()) -> SMG:
     """``softmax(Q K^T * scale [+ causal mask]) V`` with optional grouped-query heads.
 
     Grouped-query attention is a broadcast, not a gather: the query heads are
@@ -175,10 +190,22 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
     s = g.scale(g.matmul(q, k, reduce="d", name="S"), sc, name="Ss")
     if causal:
         s = g.mask(s, "l <= m", name="Sm")
+    sizes = {"b": batch, "m": seq_q, "l": seq_kv, **hd, **group}
+    for i, mod in enumerate(mods):
+        ins = []
+        for name, mdims in mod.inputs:
+            unknown = [d for d in mdims if d not in sizes]
+            if unknown:
+                raise ShapeError(f"score mod input {name!r} has dims {mdims}; {unknown} are not dims of the scores "
+                                 f"{tuple(sizes)}")
+            ins.append(g.input(name, {d: sizes[d] for d in mdims}, dtype=mod.dtype))
+        s = g.map(mod.body.format(s=s.name), s, *ins, name=f"Smod{i}")
     o = g.matmul(g.softmax(s, "l", name="P"), v, reduce="l", name="O")
     attrs = (("scale", repr(sc)), ("causal", str(causal)), ("kv_heads", str(kv_heads)))
     if layout != "bhsd":  # the default's content key stays what it was
         attrs += (("layout", layout),)
+    if mods:
+        attrs += (("mods", repr([(m.body, m.inputs) for m in mods])),)
     return dataclasses.replace(g.build(o), attrs=attrs)
 
 

@@ -109,6 +109,9 @@ class CudaBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.runtime.gpu import load_kernel, torch_dtype
 
+        if dict(smg.attrs).get("mods"):
+            raise FrontendError(f"{smg.name} with a mask or bias on the scores: its GPU kernel is not yet checked "
+                                f"on a GPU against the reference, so torch runs it (the CPU targets fuse it)")
         path = self.artefact_dir(smg)
         if not (path / "kernel.json").is_file() and self.build_missing:
             self.export(smg)

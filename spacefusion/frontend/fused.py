@@ -55,8 +55,7 @@ class FusedKernel(nn.Module):
 
         arg_of = {op.space: (i, op) for i, op in enumerate(self.values)}
         take = [arg_of.get(name, (None, name)) for name in kernel.inputs]
-        plain = [op is not None and not isinstance(op, str) and not op.split and not op.permute
-                 for _, op in take]
+        plain = [not isinstance(op, str) and not (op.split or op.permute or op.select or op.cast) for _, op in take]
         out_at = {name: j for j, name in enumerate(kernel.outputs)}
         views = [(out_at[r.space], r) for r in results]
         buffers, launch = self._buffers, kernel.positional
@@ -71,7 +70,12 @@ class FusedKernel(nn.Module):
 
 
 def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
-    """A graph value as the operand's space: split, permuted, then reshaped (a copy where not a view)."""
+    """A graph value as the operand's space: broadcast dims dropped, cast, split, permuted, then reshaped (a
+    copy where not a view)."""
+    for d in sorted(op.select, reverse=True):
+        a = a.select(d, 0)
+    if op.cast is not None:
+        a = a.to(getattr(torch, op.cast))
     a = a.reshape(op.split) if op.split else a
     return (a.permute(op.permute) if op.permute else a).reshape(op.shape)
 

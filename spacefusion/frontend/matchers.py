@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from smg import patterns
@@ -19,6 +20,7 @@ from spacefusion.frontend import builders
 from spacefusion.frontend.activations import Activation, activation_after
 from spacefusion.frontend.graph import (
     ADD,
+    DTYPES,
     MUL,
     SDPA,
     Linear,
@@ -122,9 +124,6 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     a = dict(zip(names, node.args)) | dict(node.kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     sq, sk, sv = shape(q), shape(k), shape(v)
-    if a.get("attn_mask") is not None:
-        ctx.refuse(node, "attention with an attn_mask tensor: the attention pattern has no mask input")
-        return None
     if a.get("dropout_p", 0.0):
         ctx.refuse(node, "attention with dropout: random, not an index expression")
         return None
@@ -138,21 +137,67 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
                          f"the pattern takes one head dim and float32/float16/bfloat16")
         return None
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
+    mods, extra = (), []
+    if a.get("attn_mask") is not None:
+        got = _mask_mod(a["attn_mask"], (b, h, m, l), hk, dt)
+        if isinstance(got, str):
+            ctx.refuse(node, got)
+            return None
+        mods, extra = (got[0],), [got[1]]
     bshd = _bshd(node, q, k, v, ctx)
     layout = "bhsd" if bshd is None else "bshd"
     smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
-                                                       scale=scale, layout=layout))
+                                                       scale=scale, layout=layout, mods=mods))
     if smg is None:
         return None
-    label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''} {dt}"
+    what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
+    label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
     if bshd is None:
         q_shape = sq if hk == h else (b, hk, h // hk, m, d)
         return _subgraph("attention", label, (node,), smg, [_value("Q", q, q_shape), _value("K", k, sk),
-                                                             _value("V", v, sv)], {"O": node})
+                                                             _value("V", v, sv), *extra], {"O": node})
     (qs, ks, vs), permute, out = bshd
     ops = [_value(sp, x, smg.shape(sp), permute) for sp, x in (("Q", qs), ("K", ks), ("V", vs))]
     nodes = (*(dict.fromkeys((q, k, v)) if permute is None else ()), node, out)
-    return _subgraph("attention", f"{label} bshd", nodes, smg, ops, {"O": out})
+    return _subgraph("attention", f"{label} bshd", nodes, smg, [*ops, *extra], {"O": out})
+
+
+#: the masked-out score of a boolean mask: large and finite, so a fully masked tile of the online softmax
+#: gives no inf - inf (``smg.ops.Builder.mask``'s fill)
+MASKED = -1e30
+
+
+def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+              ) -> tuple[patterns.ScoreMod, Operand] | str:
+    """SDPA's ``attn_mask`` as a score mod over an input ``Mask`` with the mask's own dims: those of
+    [b, heads, m, l] it has (size > 1, not a stride-0 broadcast; the query heads as GQA's (h, r)).  A boolean
+    mask keeps the scores where it is true (``MASKED`` elsewhere), bound as 0/1 in the scores' dtype; a float
+    one is added.  A reason (str) where the mask cannot be an input of that kind."""
+    ms = shape(mask)
+    meta = mask.meta.get("tensor_meta") if isinstance(mask, fx.Node) else None
+    if ms is None or meta is None or len(ms) > 4:
+        return f"attention with an attn_mask that is not a tensor of at most 4 dims ({ms})"
+    pad = 4 - len(ms)
+    full, strides = (1,) * pad + tuple(ms), (0,) * pad + tuple(meta.stride)
+    if any(g not in (1, w) for g, w in zip(full, want)):
+        return f"attention with an attn_mask of shape {tuple(ms)}, which does not broadcast to {want}"
+    b, heads, m, l = want
+    names = {0: ("b",), 1: ("h", "r") if kv_heads != heads else ("h",), 2: ("m",), 3: ("l",)}
+    sizes = {0: (b,), 1: (kv_heads, heads // kv_heads) if kv_heads != heads else (heads,), 2: (m,), 3: (l,)}
+    kept = [i for i in range(4) if full[i] > 1 and strides[i] != 0]
+    if not kept:
+        return "attention with an attn_mask that is one value broadcast everywhere"
+    select = tuple(i - pad for i in range(pad, 4) if full[i] > 1 and strides[i] == 0)
+    dims = tuple(n for i in kept for n in names[i])
+    shp = tuple(n for i in kept for n in sizes[i])
+    if meta.dtype == torch.bool:
+        body, cast = f"Piecewise(({{s}}, Mask > 0.5), ({MASKED!r}, True))", dt
+    elif meta.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        body, cast = "{s} + Mask", None if DTYPES[meta.dtype] == dt else dt
+    else:
+        return f"attention with an attn_mask of dtype {meta.dtype}: the score mods take bool or float masks"
+    return (patterns.ScoreMod(body, (("Mask", dims),)),
+            Operand("Mask", "value", mask.name, shp or (1,), select=select, cast=cast))
 
 
 #: rows below one tensor-core tile (16): the GEMM is a GEMV (decoding), bound by reading W, whose kernel

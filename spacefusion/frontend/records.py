@@ -21,6 +21,8 @@ class Operand:
     ``split``: the value is first viewed with this shape (dims split), then permuted: an image [b, c, H, W]
     as [b, c, nh, kh, nw, kw] -> [b, nh, nw, c, kh, kw], one patch per GEMM row (a copy: torch's im2col).
     A parameter of more than two dims is transposed as [dim 0, the rest] (a conv weight as a linear's).
+    ``select`` and ``cast``: an attention mask [b, 1, m, l] that torch broadcast from [b, 1, 1, l] is read
+    as the [b, l] it is (its stride-0 dims at index 0), a boolean one as 0/1 in the scores' dtype.
     """
 
     space: str
@@ -31,6 +33,8 @@ class Operand:
     permute: tuple[int, ...] | None = None
     stack: tuple[str, ...] = ()
     split: tuple[int, ...] | None = None
+    select: tuple[int, ...] = ()  # dims read at index 0 first: broadcast (stride-0 or size-1) dims of a mask
+    cast: str | None = None  # converted to this dtype (a boolean attention mask as 0/1 of the scores' dtype)
 
 
 @dataclass(frozen=True)

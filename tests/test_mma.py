@@ -37,6 +37,11 @@ from spacefusion.api import build, schedule
 from spacefusion.frontend.builders import gated_gemm
 from spacefusion.lower.mma import row_tile_order, tile_kept
 
+MASK_PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),))
+MASK_BIAS = patterns.ScoreMod("{s} + Bias", (("Bias", ("h", "r", "m", "l")),))
+MASK_ALIBI = patterns.ScoreMod("{s} + Slope*(l - m)", (("Slope", ("h",)),))
+MASK_SOFTCAP = patterns.ScoreMod("5.0*tanh({s}/5.0)")
+
 CASES = {
     "attention": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 32}, 32, 2),
     "causal": (lambda: patterns.attention(1, 2, 100, 100, 64, causal=True), {"m": 32}, 16, 1),
@@ -233,6 +238,15 @@ CASES = {
                             64, 2, {"slices": 8}),
     "bshd_gqa_decode_rows_r": (lambda: patterns.attention(2, 8, 1, 300, 128, kv_heads=2, layout="bshd"),
                                {"r": 16, "m": 1, "h": 1}, 64, 2, {"slices": 2}),
+    # score mods (issue 27): a padding mask read per column from global memory, a full bias staged in the ring,
+    # ALiBi's index expression, soft-capping; with tails, GQA, causal, wgmma/TMA
+    "mask_padding": (lambda: patterns.attention(2, 3, 70, 90, 64, mods=(MASK_PADDING,)), {"m": 32}, 32, 2),
+    "mask_bias_bshd_gqa": (lambda: patterns.attention(1, 8, 50, 64, 64, kv_heads=2, layout="bshd",
+                                                      mods=(MASK_BIAS,)), {"m": 16, "h": 1, "r": 1}, 16, 2),
+    "mask_alibi_causal": (lambda: patterns.attention(1, 4, 100, 100, 64, causal=True, mods=(MASK_ALIBI,)),
+                          {"m": 32}, 16, 1),
+    "mask_softcap_wgmma_tma": (lambda: patterns.attention(2, 3, 70, 90, 64, mods=(MASK_SOFTCAP,)), {"m": 64}, 32,
+                               3, {"mma_row_sums": True, "wgmma": True, "tma": True}),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))

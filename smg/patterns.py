@@ -151,6 +151,9 @@ class ScoreMod:
     body: str
     inputs: tuple[tuple[str, tuple[str, ...]], ...] = ()
     dtype: str | None = None  # the inputs' dtype (default: the attention's)
+    #: one of ``inputs`` (0/1) that the probabilities are multiplied by: a query row whose every key a padding
+    #: row masks then gives 0, as torch's SDPA does, where the finite fill alone gives the mean of V
+    zero_v: str | None = None
 
 
 def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv_heads: int | None = None,
@@ -191,6 +194,7 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
     if causal:
         s = g.mask(s, "l <= m", name="Sm")
     sizes = {"b": batch, "m": seq_q, "l": seq_kv, **hd, **group}
+    zeros = []
     for i, mod in enumerate(mods):
         ins = []
         for name, mdims in mod.inputs:
@@ -200,12 +204,16 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
                                  f"{tuple(sizes)}")
             ins.append(g.input(name, {d: sizes[d] for d in mdims}, dtype=mod.dtype))
         s = g.map(mod.body.format(s=s.name), s, *ins, name=f"Smod{i}")
-    o = g.matmul(g.softmax(s, "l", name="P"), v, reduce="l", name="O")
+        zeros += [t for t in ins if t.name == mod.zero_v]
+    p = g.softmax(s, "l", name="P")
+    for i, keep in enumerate(zeros):
+        p = g.map(f"{p.name}*{keep.name}", p, keep, name=f"Pmod{i}")
+    o = g.matmul(p, v, reduce="l", name="O")
     attrs = (("scale", repr(sc)), ("causal", str(causal)), ("kv_heads", str(kv_heads)))
     if layout != "bhsd":  # the default's content key stays what it was
         attrs += (("layout", layout),)
     if mods:
-        attrs += (("mods", repr([(m.body, m.inputs) for m in mods])),)
+        attrs += (("mods", repr([(m.body, m.inputs, m.zero_v) for m in mods])),)
     return dataclasses.replace(g.build(o), attrs=attrs)
 
 

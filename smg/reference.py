@@ -16,10 +16,28 @@ from smg.ir import SMG, Op
 from smg.tolerance import compare
 
 
+class _Broadcasting:
+    """numpy's ``logical_and``/``logical_or`` whose ``reduce`` (what sympy prints for ``And``/``Or``) takes
+    operands of broadcastable shapes: a mask over Keep[b, l] and ``l <= m`` is one predicate."""
+
+    def __init__(self, fn: np.ufunc) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def reduce(self, args):
+        out = args[0]
+        for a in args[1:]:
+            out = self.fn(out, a)
+        return out
+
+
 def _lambdify(op: Op):
     from math import erf
 
-    mods = [{"Max": np.maximum, "Min": np.minimum, "erf": np.vectorize(erf)}, "numpy"]
+    mods = [{"Max": np.maximum, "Min": np.minimum, "erf": np.vectorize(erf),
+             "logical_and": _Broadcasting(np.logical_and), "logical_or": _Broadcasting(np.logical_or)}, "numpy"]
     args = [symbol(a.space) for a in op.inputs] + list(index_symbols(op))
     return sp.lambdify(args, body_expr(op), modules=mods)
 

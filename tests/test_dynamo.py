@@ -115,17 +115,17 @@ def test_transformers_model_on_llvm_kernels(name: str) -> None:
 
 
 def test_masks_read_their_own_dims() -> None:
-    """A mask is an input with the dims it has: BERT's boolean [b, 1, m, l] (HF builds it with an ``&`` of a
-    [1, 1, m, 1] and a [b, 1, 1, l] predicate, so it is a real [b, m, l] tensor) as [b, m, l] cast to the
-    scores' dtype; T5's float position bias [1, h, m, l] as [h, m, l], added as it lies."""
+    """BERT's boolean [b, 1, m, l] mask is built from index grids and the padding row (``maskexpr``), so the
+    attention reads the [b, l] padding row as ``Keep`` (cast to the scores' dtype), not an [m, l] tensor;
+    T5's float position bias [1, h, m, l] is an input ``Mask`` [h, m, l], added as it lies."""
     labels, masks = {}, {}
-    for name in ("bert_padding", "t5_encoder"):
+    for name, space in (("bert_padding", "Keep"), ("t5_encoder", "Mask")):
         report = _compiled_matches_eager(name, "reference").spacefusion
         att = [s for p in report.partitions for s in p.subgraphs if s.kind == "attention"]
         labels[name] = att[0].label
-        masks[name] = next(op for op in att[0].operands if op.space == "Mask")
-    assert "+ mask" in labels["bert_padding"] and "+ bias" in labels["t5_encoder"]
-    assert masks["bert_padding"].shape == (2, 16, 16) and masks["bert_padding"].cast == "float32"
+        masks[name] = next(op for op in att[0].operands if op.space == space)
+    assert "+ mask (index)" in labels["bert_padding"] and "+ bias" in labels["t5_encoder"]
+    assert masks["bert_padding"].shape == (2, 16) and masks["bert_padding"].cast == "float32"
     assert masks["t5_encoder"].shape == (2, 16, 16) and masks["t5_encoder"].cast is None
 
 
@@ -310,3 +310,26 @@ def test_a_broadcast_mask_is_read_without_its_stride_0_dims() -> None:
     (att,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs]
     mask = next(op for op in att.operands if op.space == "Mask")
     assert mask.shape == (2, 8) and mask.select == (2,) and att.smg.shape("Mask") == (2, 8)
+
+
+def test_padding_that_can_empty_a_query_row_is_exact_or_left_to_torch() -> None:
+    """BERT with an all-padding sequence: fused, and its output is torch's (0 from the attention there).
+    LLaMA with left padding: causal + padding masks every key of the first query rows, so that attention is
+    left to torch with the reason; the model's output is eager's either way."""
+    T = transformers
+    torch.manual_seed(1)
+    bert = T.BertModel(T.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                                    vocab_size=100)).eval()
+    llama = T.LlamaModel(T.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=128, vocab_size=100)).eval()
+    ids = _ids(2, 16)
+    for model, mask, fused in ((bert, [[1] * 16, [0] * 16], True), (llama, [[1] * 16, [0] * 4 + [1] * 12], False)):
+        compiled = spacefusion.compile(model, target="reference")
+        kw = {"input_ids": ids, "attention_mask": torch.tensor(mask)}
+        with torch.no_grad():
+            _check(model(**kw), compiled(**kw))
+        kinds = [s.kind for p in compiled.spacefusion.partitions for s in p.subgraphs]
+        assert ("attention" in kinds) == fused, str(compiled.spacefusion)
+        if not fused:
+            reasons = [op.reason for p in compiled.spacefusion.partitions for op in p.left]
+            assert any("may mask every key of a query row" in r for r in reasons)

@@ -37,9 +37,12 @@ def _case(name: str) -> tuple[torch.nn.Module, tuple, dict]:
 EXPECT = {
     "bert": {"attention": 2, "stacked_gemm": 2, "gemm": 7, "residual_norm": 4},
     "vit": {"attention": 2, "stacked_gemm": 2, "gemm": 8, "residual_norm": 4},
-    "llama": {"attention": 2, "rope": 4, "gated_gemm": 2, "stacked_gemm": 2},
-    "gpt2": {"attention": 2, "gemm": 8, "residual_norm": 4},
+    "llama": {"rope": 4, "gated_gemm": 2, "stacked_gemm": 2},
+    "gpt2": {"gemm": 8, "residual_norm": 4},
 }
+#: where the attention is left to torch, and why: without a cache GPT-2 and LLaMA build their causal mask with
+#: a packed-sequence test (cumsum/diff of the positions), not index arithmetic alone, as a [b, 1, m, l] tensor
+LEFT = {"gpt2": "may mask every key of a query row", "llama": "may mask every key of a query row"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECT))
@@ -54,6 +57,8 @@ def test_exported_program_fuses_and_matches_eager(name: str) -> None:
     counts = fused.partition.counts()
     for kind, n in EXPECT[name].items():
         assert counts[kind] >= n, f"{name}: {kind} fused {counts[kind]} times, want {n}\n{fused.partition}"
+    if name in LEFT:
+        assert any(LEFT[name] in op.reason for op in fused.partition.left), str(fused.partition)
 
 
 def test_aten_calls_become_the_torch_forms() -> None:

@@ -37,7 +37,8 @@ from spacefusion.api import build, schedule
 from spacefusion.frontend.builders import gated_gemm
 from spacefusion.lower.mma import row_tile_order, tile_kept
 
-MASK_PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),))
+MASK_PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),),
+                                zero_v="Mask")
 MASK_BIAS = patterns.ScoreMod("{s} + Bias", (("Bias", ("h", "r", "m", "l")),))
 MASK_ALIBI = patterns.ScoreMod("{s} + Slope*(l - m)", (("Slope", ("h",)),))
 MASK_SOFTCAP = patterns.ScoreMod("5.0*tanh({s}/5.0)")

@@ -19,7 +19,7 @@ from spacefusion.api import build, schedule
 
 B, H, HK, M, L, D = 2, 4, 2, 12, 20, 8
 
-PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),))
+PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),), zero_v="Mask")
 BIAS = patterns.ScoreMod("{s} + Bias", (("Bias", ("h", "r", "m", "l")),))
 ALIBI = patterns.ScoreMod("{s} + Slope*(l - m)", (("Slope", ("h", "r")),))
 SOFTCAP = patterns.ScoreMod("5.0*tanh({s}/5.0)")
@@ -68,12 +68,13 @@ def test_score_mod_kernel_matches_unfused_numpy(name: str, causal: bool) -> None
 
 def test_mods_change_the_content_key_and_two_mods_compose() -> None:
     plain = patterns.attention(B, H, M, L, D, kv_heads=HK, dtype="float32")
-    both = patterns.attention(B, H, M, L, D, kv_heads=HK, dtype="float32", mods=(PADDING, SOFTCAP))
+    both = patterns.attention(B, H, M, L, D, kv_heads=HK, dtype="float32", mods=(SOFTCAP, PADDING))
     assert plain.key != both.key != patterns.attention(B, H, M, L, D, kv_heads=HK, dtype="float32",
                                                        mods=(PADDING,)).key
     x = _inputs(both, seed=5)
     out = build(schedule(both, step=4), "llvm")(x)["O"]
-    want = _numpy_attention(x, lambda s, x_, mi, li: MODS["softcap"][1](MODS["padding"][1](s, x_, mi, li),
+    # FlexAttention's order: the score mod (soft-cap), then the mask
+    want = _numpy_attention(x, lambda s, x_, mi, li: MODS["padding"][1](MODS["softcap"][1](s, x_, mi, li),
                                                                         x_, mi, li), False)
     assert_close(out.reshape(B, H, M, D), want, "float32", L, "O")
 
@@ -94,3 +95,14 @@ def test_any_padding_lengths(lengths: list[int], seed: int) -> None:
     x["Mask"] = (np.arange(L)[None, :] < np.array(lengths)[:, None]).astype("float32")
     out = build(schedule(g, step=4), "llvm")(x)["O"]
     assert_close(out.reshape(B, H, M, D), _numpy_attention(x, MODS["padding"][1], False), "float32", L, "O")
+
+
+def test_a_query_row_with_no_key_gives_zero_as_torch_does() -> None:
+    """A padding row that masks every key (an empty sequence): the finite fill alone would average V over
+    all keys; V times the 0/1 row (``zero_v``) gives 0, what torch's SDPA returns there."""
+    g = patterns.attention(B, H, M, L, D, kv_heads=HK, dtype="float32", mods=(PADDING,))
+    x = random_inputs(g, seed=9)
+    x["Mask"] = (np.arange(L)[None, :] < np.array([L, 0])[:, None]).astype("float32")
+    out = build(schedule(g, step=4), "llvm")(x)["O"].reshape(B, H, M, D)
+    assert np.all(out[1] == 0.0)
+    assert_close(out[0], _numpy_attention(x, MODS["padding"][1], False)[0], "float32", L, "O")

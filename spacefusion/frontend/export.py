@@ -35,6 +35,12 @@ FUNCTIONS: dict[Any, Any] = {
     aten.cat.default: torch.cat, aten.pow.Tensor_Scalar: torch.pow, aten.embedding.default: F.embedding,
     aten.add.Tensor: operator.add, aten.mul.Tensor: operator.mul, aten.sub.Tensor: operator.sub,
     aten.div.Tensor: operator.truediv, aten.neg.default: operator.neg, aten.rms_norm.default: F.rms_norm,
+    # what attention masks are built from (``maskexpr`` reads them back as index expressions)
+    aten.arange.default: torch.arange, aten.ge.Scalar: operator.ge, aten.ge.Tensor: operator.ge,
+    aten.le.Scalar: operator.le, aten.le.Tensor: operator.le, aten.lt.Scalar: operator.lt,
+    aten.lt.Tensor: operator.lt, aten.gt.Scalar: operator.gt, aten.gt.Tensor: operator.gt,
+    aten.eq.Scalar: operator.eq, aten.eq.Tensor: operator.eq, aten.bitwise_and.Tensor: operator.and_,
+    aten.bitwise_or.Tensor: operator.or_, aten.bitwise_not.default: operator.invert,
 }
 #: ATen overload -> the tensor method it is
 METHODS: dict[Any, str] = {
@@ -52,9 +58,13 @@ def _embedding(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return (args[1], args[0]), {}  # aten.embedding(weight, indices) is F.embedding(indices, weight)
 
 
+def _arange(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {k: v for k, v in kwargs.items() if k in ("dtype", "device")}  # no pin_memory in torch.arange
+
+
 #: argument adapters where the ATen schema differs from the torch function's
 _ARGS: dict[Any, Callable[[tuple, dict], tuple[tuple, dict]]] = {
-    aten.layer_norm.default: _layer_norm, aten.embedding.default: _embedding}
+    aten.layer_norm.default: _layer_norm, aten.embedding.default: _embedding, aten.arange.default: _arange}
 
 
 def canonicalize(gm: fx.GraphModule) -> int:

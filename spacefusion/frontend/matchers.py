@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import sympy as sp
 import torch
 from torch import fx
 
@@ -37,6 +38,7 @@ from spacefusion.frontend.graph import (
     single_user,
     swapped_dims_1_2,
 )
+from spacefusion.frontend.maskexpr import SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
 from spacefusion.frontend.rope import rope_of
 
@@ -139,11 +141,12 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
     mods, extra = (), []
     if a.get("attn_mask") is not None:
-        got = _mask_mod(a["attn_mask"], (b, h, m, l), hk, dt)
+        got = _index_mask(a["attn_mask"], (b, h, m, l), hk, dt) or _mask_mod(a["attn_mask"], (b, h, m, l), hk, dt)
         if isinstance(got, str):
             ctx.refuse(node, got)
             return None
-        mods, extra = (got[0],), [got[1]]
+        causal = causal or got[0]
+        mods, extra = got[1], got[2]
     bshd = _bshd(node, q, k, v, ctx)
     layout = "bhsd" if bshd is None else "bshd"
     smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
@@ -151,6 +154,7 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     if smg is None:
         return None
     what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
+    what += " (index)" if mods and "Mask" not in mods[0].body else ""
     label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
     if bshd is None:
         q_shape = sq if hk == h else (b, hk, h // hk, m, d)
@@ -167,8 +171,45 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
 MASKED = -1e30
 
 
+def _index_mask(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+                ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | None:
+    """(causal, score mods, their operands) of a mask whose construction is index arithmetic
+    (``maskexpr``): all true is no mod, exactly ``l <= m`` the attention's causal mask, the rest a predicate
+    over the grid and the padding row ``Keep[b, l]``.  None: read the mask as a tensor (``_mask_mod``)."""
+    me = mask_expr(mask) if isinstance(mask, fx.Node) else None
+    if me is None:
+        return None
+    keep, causal = me.keep, False
+    if keep == sp.true:
+        return False, (), []
+    rule = sp.Le(SYMBOLS["l"], SYMBOLS["m"])
+    parts = sp.And.make_args(keep)
+    if rule in parts:
+        causal, keep = True, sp.And(*(p for p in parts if p != rule))
+        if keep == sp.true:
+            return True, (), []
+    if SYMBOLS["h"] in keep.free_symbols and kv_heads != want[1]:
+        return None  # a query head's predicate under GQA: the grid's h is the kv head there
+    body = f"Piecewise(({{s}}, {keep}), ({MASKED!r}, True))"
+    if me.padding is None:  # index arithmetic alone: fused where no query row loses every key
+        l, m = SYMBOLS["l"], SYMBOLS["m"]
+        diagonal = keep.subs(l, m) == sp.true and want[2] <= want[3]
+        return (causal, (patterns.ScoreMod(body),), []) if diagonal else None
+    if causal or keep != mask_expr_padding():
+        return None  # a padding row with structure (left padding + causal) can mask whole query rows: see below
+    if shape(me.padding) != (want[0], want[3]):
+        return None
+    mod = patterns.ScoreMod(body, (("Keep", ("b", "l")),), zero_v="Keep")
+    return False, (mod,), [Operand("Keep", "value", me.padding.name, (want[0], want[3]), cast=dt)]
+
+
+def mask_expr_padding() -> sp.Basic:
+    """The predicate of a padding row alone."""
+    return sp.Gt(sp.Symbol("Keep"), sp.Rational(1, 2))
+
+
 def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
-              ) -> tuple[patterns.ScoreMod, Operand] | str:
+              ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | str:
     """SDPA's ``attn_mask`` as a score mod over an input ``Mask`` with the mask's own dims: those of
     [b, heads, m, l] it has (size > 1, not a stride-0 broadcast; the query heads as GQA's (h, r)).  A boolean
     mask keeps the scores where it is true (``MASKED`` elsewhere), bound as 0/1 in the scores' dtype; a float
@@ -190,14 +231,19 @@ def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: 
     select = tuple(i - pad for i in range(pad, 4) if full[i] > 1 and strides[i] == 0)
     dims = tuple(n for i in kept for n in names[i])
     shp = tuple(n for i in kept for n in sizes[i])
+    zero_v = None
     if meta.dtype == torch.bool:
-        body, cast = f"Piecewise(({{s}}, Mask > 0.5), ({MASKED!r}, True))", dt
+        if set(dims) - {"b", "l"}:
+            return (f"attention with a boolean attn_mask over {dims}: it may mask every key of a query row, where "
+                    f"torch's SDPA gives 0 and the online softmax's finite fill the mean of V; fused are padding "
+                    f"rows [b, l] and masks built from index arithmetic that keep the diagonal")
+        body, cast, zero_v = f"Piecewise(({{s}}, Mask > 0.5), ({MASKED!r}, True))", dt, "Mask"
     elif meta.dtype in (torch.float16, torch.bfloat16, torch.float32):
         body, cast = "{s} + Mask", None if DTYPES[meta.dtype] == dt else dt
     else:
         return f"attention with an attn_mask of dtype {meta.dtype}: the score mods take bool or float masks"
-    return (patterns.ScoreMod(body, (("Mask", dims),)),
-            Operand("Mask", "value", mask.name, shp or (1,), select=select, cast=cast))
+    return False, (patterns.ScoreMod(body, (("Mask", dims),), zero_v=zero_v),), [
+        Operand("Mask", "value", mask.name, shp, select=select, cast=cast)]
 
 
 #: rows below one tensor-core tile (16): the GEMM is a GEMV (decoding), bound by reading W, whose kernel

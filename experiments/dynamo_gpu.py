@@ -194,11 +194,6 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
     return 0
 
 
-def x_len(model: torch.nn.Module) -> int:
-    """The longest reduction of the model's GEMMs (its widest layer): the check's accumulation length."""
-    return max((m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)), default=1)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("phase", choices=("export", "run"))

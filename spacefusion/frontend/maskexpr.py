@@ -24,6 +24,8 @@ from spacefusion.frontend.graph import shape
 GRID = ("b", "h", "m", "l")
 SYMBOLS = {d: sp.Symbol(d, integer=True, nonnegative=True) for d in GRID}
 KEEP = sp.Symbol("Keep")
+#: the predicate of the padding row alone (its 0/1 values, kept where 1)
+PADDING = sp.Gt(KEEP, sp.Rational(1, 2))
 _CMP = {operator.ge: sp.Ge, operator.gt: sp.Gt, operator.le: sp.Le, operator.lt: sp.Lt, operator.eq: sp.Eq,
         torch.ge: sp.Ge, torch.gt: sp.Gt, torch.le: sp.Le, torch.lt: sp.Lt, torch.eq: sp.Eq}
 _ARITH = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul,
@@ -138,4 +140,4 @@ def _getitem(node: fx.Node, memo: dict, state: dict) -> sp.Basic:
     if shape(row) is None or len(shape(row)) != 2 or state.get("padding") not in (None, row):
         raise _NotIndexExpr
     state["padding"] = row
-    return sp.Gt(KEEP, sp.Rational(1, 2))
+    return PADDING

@@ -38,7 +38,7 @@ from spacefusion.frontend.graph import (
     single_user,
     swapped_dims_1_2,
 )
-from spacefusion.frontend.maskexpr import SYMBOLS, mask_expr
+from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
 from spacefusion.frontend.rope import rope_of
 
@@ -195,17 +195,12 @@ def _index_mask(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt
         l, m = SYMBOLS["l"], SYMBOLS["m"]
         diagonal = keep.subs(l, m) == sp.true and want[2] <= want[3]
         return (causal, (patterns.ScoreMod(body),), []) if diagonal else None
-    if causal or keep != mask_expr_padding():
+    if causal or keep != PADDING:
         return None  # a padding row with structure (left padding + causal) can mask whole query rows: see below
     if shape(me.padding) != (want[0], want[3]):
         return None
     mod = patterns.ScoreMod(body, (("Keep", ("b", "l")),), zero_v="Keep")
     return False, (mod,), [Operand("Keep", "value", me.padding.name, (want[0], want[3]), cast=dt)]
-
-
-def mask_expr_padding() -> sp.Basic:
-    """The predicate of a padding row alone."""
-    return sp.Gt(sp.Symbol("Keep"), sp.Rational(1, 2))
 
 
 def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str

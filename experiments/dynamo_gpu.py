@@ -89,9 +89,14 @@ def _last_hidden(out: Any) -> torch.Tensor:
         else out
 
 
-def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, float]:
+def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, Any]:
     """Host time of one fused launch without a graph: a small fused kernel called ``calls`` times back to
-    back (the GPU queue keeps up; the CPU is the bound), per call; and the runtime's checked ``launch``."""
+    back (the GPU queue keeps up; the CPU is the bound), per call, at three depths (the module, the
+    backend's positional call, the runtime's planned launch), with cProfile's top functions of the module
+    call; and one eager torch op's for scale."""
+    import cProfile
+    import pstats
+
     from spacefusion.frontend.fused import FusedKernel
 
     report = compiled.spacefusion
@@ -100,23 +105,41 @@ def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, float]:
         return {}
     fk = min(mods, key=lambda m: sum(math.prod(r.shape) for r in m.sub.results))
     args = [torch.zeros(op.shape, dtype=torch.float16, device="cuda") for op in fk.values]
-    with torch.no_grad():
+
+    def per_call(fn: Any) -> float:
         for _ in range(20):
-            fk(*args)
+            fn()
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(calls):
-            fk(*args)
-        host = (time.perf_counter() - t) / calls * 1e6
+            fn()
+        us = (time.perf_counter() - t) / calls * 1e6
         torch.cuda.synchronize()
+        return round(us, 2)
+
+    out: dict[str, Any] = {"kernel": fk.sub.label}
+    with torch.no_grad():
+        out["fused_call_us"] = per_call(lambda: fk(*args))
+        kernel = fk.kernel
+        if hasattr(kernel, "positional"):
+            xs = [torch.zeros(math.prod(s), dtype=torch.float16, device="cuda") for s in kernel.input_shapes]
+            out["backend_call_us"] = per_call(lambda: kernel.positional(*xs))
+            launch = kernel.cuda_kernel.launcher(0)
+            out["runtime_launch_us"] = per_call(lambda: launch(*xs))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fk(*args)
+        prof.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(prof)
+        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]  # by own time
+        out["profile_own_us_per_call"] = [(f"{Path(k[0]).name}:{k[1]}:{k[2]}", round(v[2] / calls * 1e6, 2))
+                                          for k, v in top]
         w = torch.zeros(64, 64, dtype=torch.float16, device="cuda")
         a = torch.zeros(16, 64, dtype=torch.float16, device="cuda")
-        t = time.perf_counter()
-        for _ in range(calls):  # for scale: one eager torch op's host time
-            torch.nn.functional.linear(a, w)
-        torch_op = (time.perf_counter() - t) / calls * 1e6
-        torch.cuda.synchronize()
-    return {"fused_call_us": round(host, 2), "kernel": fk.sub.label, "torch_linear_call_us": round(torch_op, 2)}
+        out["torch_linear_call_us"] = per_call(lambda: torch.nn.functional.linear(a, w))
+    return out
 
 
 def top_kernels(fn: Any, x: dict[str, Any], n: int = 12) -> list[tuple[str, float, int]]:
@@ -135,13 +158,21 @@ def top_kernels(fn: Any, x: dict[str, Any], n: int = 12) -> list[tuple[str, floa
     return sorted(rows, key=lambda r: -r[1])[:n]
 
 
-def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int) -> int:
+def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int,
+        modes: tuple[str, ...] = ("default", "reduce-overhead"), build_missing: bool = False,
+        tune_trials: int = 0, db_path: Path | None = None, workers: int = 8) -> int:
     from gpu_runtime import runtime_module
 
     import spacefusion
     from spacefusion.frontend import CudaBackend
+    from spacefusion.frontend.dynamo import first_pick
 
     time_cuda = runtime_module("timing").time_cuda
+    db = None
+    if tune_trials:
+        from search.database import TuningDatabase
+
+        db = TuningDatabase(db_path or art / "tuning.db")
     torch._dynamo.config.cache_size_limit = 64  # four compiled systems of one model: never fall back to eager
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
     for name in names:
@@ -153,14 +184,29 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                                                  else v for k, v in x.items()})).clone()
             model.half()
             systems: dict[str, Any] = {"eager": model}
+            backend = CudaBackend(art / "kernels", schedule_for=first_pick, build_missing=build_missing)
             t = time.perf_counter()
-            sf = spacefusion.compile(model, target=CudaBackend(art / "kernels"))
+            sf = spacefusion.compile(model, target=backend)
             _last_hidden(sf(**x))
             row["spacefusion_compile_s"] = round(time.perf_counter() - t, 1)
             systems["spacefusion+graph"] = sf
-            nog = spacefusion.compile(model, target=CudaBackend(art / "kernels"), mode="max-autotune-no-cudagraphs")
+            nog = spacefusion.compile(model, target=backend, mode="max-autotune-no-cudagraphs")
             systems["spacefusion"] = nog
-            for mode in ("default", "reduce-overhead"):
+            if tune_trials:  # every distinct SMG measured on this GPU; the best of each built apart
+                from search.runners import LocalGPURunner
+                from spacefusion.frontend.tune import tune_partitions
+
+                t = time.perf_counter()
+                report = tune_partitions(sf.spacefusion.partitions, LocalGPURunner(), db, trials=tune_trials,
+                                         workers=workers, progress=False)
+                row["tune"] = {"s": round(time.perf_counter() - t, 1), "trials": tune_trials,
+                               "subgraphs": len(report.tuned), "cached": report.cached, "report": str(report)}
+                print(report, flush=True)
+                tuned = CudaBackend(art / "kernels_tuned", build_missing=True,
+                                    schedule_for=report.schedule_for(fallback=first_pick))
+                systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned)
+                _last_hidden(systems["spacefusion+graph tuned"](**x))
+            for mode in modes:
                 t = time.perf_counter()
                 c = torch.compile(model, mode=mode)
                 _last_hidden(c(**x))
@@ -182,9 +228,13 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             row["partition_no_graph"] = str(nog.spacefusion)
             row["host"] = host_cost_us(nog)
             row["top_kernels"] = top_kernels(nog, x)
-        best_compile = min(row["us"]["torch.compile default"], row["us"]["torch.compile reduce-overhead"])
+        best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
                           "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
+        if "spacefusion+graph tuned" in row["us"]:
+            tuned_us = row["us"]["spacefusion+graph tuned"]
+            row["speedup"] |= {"tuned_vs_eager": round(row["us"]["eager"] / tuned_us, 3),
+                               "tuned_vs_best_compile": round(best_compile / tuned_us, 3)}
         results["models"][name] = row
         print(json.dumps({name: {k: row[k] for k in ("us", "speedup", "check", "host", "top_kernels")}}), flush=True)
         print(row["partition"], flush=True)
@@ -203,10 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_runtime import timing_args
 
     timing_args(ap, warmup=5, iters=30, repeats=3)
+    ap.add_argument("--build-missing", action="store_true",
+                    help="build an SMG's first pick where its artefact is missing (TVM on the GPU machine)")
+    ap.add_argument("--tune", type=int, default=0, metavar="TRIALS",
+                    help="also tune every distinct SMG on this GPU (TVM here) and time the tuned kernels")
+    ap.add_argument("--db", type=Path, default=None, help="the tuning database (default ART/tuning.db)")
+    ap.add_argument("--workers", type=int, default=8, help="parallel TVM builds while tuning")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
     a = ap.parse_args(argv)
     if a.phase == "export":
         return export(a.art, a.models)
-    return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats)
+    modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
+    return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
+               a.tune, a.db, a.workers)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import sympy as sp
@@ -656,20 +656,32 @@ def swizzled_128b(r, j, rows: int, xor=operator.xor):
     return (band * (rows // 8) + r // 8) * 512 + (r % 8) * 64 + xor(jj, r % 8) * 8
 
 
-def mask_bound(smg, p: WarpTileProgram) -> tuple[int, int, int, bool] | None:
-    """(a, b, c, strict) of a killing mask ``a*L + b*R + c <= 0`` (``< 0`` if strict), a > 0."""
+#: a killing mask's affine condition: kept where ``a*L + b*R + c <= 0`` (``< 0`` if strict)
+Bound = tuple[int, int, int, bool]
+
+
+def mask_bound(smg, p: WarpTileProgram) -> Bound | None:
+    """(a, b, c, strict) of the killing mask that bounds L from above (a > 0: causal), if any."""
     found = killing_mask(smg, p)
     return None if found is None else found[1]
 
 
-def killing_mask(smg, p: WarpTileProgram) -> tuple[str, tuple[int, int, int, bool]] | None:
-    """The score op that is a killing mask (kept where ``a*L + b*R + c <= 0``, a > 0, else a fill
-    <= -1e30) and its (a, b, c, strict)."""
+def killing_mask(smg, p: WarpTileProgram) -> tuple[str, Bound] | None:
+    """The first killing mask that bounds L from above (a > 0) and its name."""
+    return next(((n, b) for n, b in killing_masks(smg, p) if b[0] > 0), None)
+
+
+def killing_masks(smg, p: WarpTileProgram) -> list[tuple[str, Bound]]:
+    """Every score op that is a killing mask (kept where ``a*L + b*R + c <= 0``, a != 0, else a fill
+    <= -1e30) with its (a, b, c, strict): a > 0 bounds L from above (causal), a < 0 from below (the far
+    edge of a sliding window).  Whole steps outside the bounds are skipped, whole tiles inside run
+    without the select."""
     L, R = sp.Symbol(p.serial, real=True), sp.Symbol(p.row, real=True)
+    found = []
     for name in p.score_ops:
         op = smg.producer(name)
         e = body_expr(op)
-        if op.kind != "mask" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
+        if op.kind not in ("mask", "map") or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
             continue
         (_, cond), (fill, _) = e.args
         if not fill.is_Number or float(fill) > -1e30:
@@ -684,30 +696,68 @@ def killing_mask(smg, p: WarpTileProgram) -> tuple[str, tuple[int, int, int, boo
         if not f.free_symbols <= {L, R} or not f.is_polynomial(L, R) or sp.Poly(f, L, R).total_degree() > 1:
             continue
         a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
-        if all(x.is_Integer for x in (a, b, c)) and a > 0:
-            return name, (int(a), int(b), int(c), strict)
-    return None
+        if all(x.is_Integer for x in (a, b, c)) and a != 0:
+            found.append((name, (int(a), int(b), int(c), strict)))
+    return found
+
+
+@dataclass(frozen=True)
+class IndexOps:
+    """The integer operations :func:`step_range` needs, for Python ints or for TIR expressions."""
+
+    min: Callable
+    max: Callable
+    floordiv: Callable
+    select: Callable  # (condition, then, else)
+    all: Callable  # (*conditions)
+
+
+INT_OPS = IndexOps(min, max, operator.floordiv, lambda c, x, y: x if c else y, lambda *c: all(c))
+
+
+def step_range(bounds: Sequence[Bound], r_lo, r_hi, step: int, length: int, ops: IndexOps = INT_OPS):
+    """The serial steps [lo, hi) that rows ``r_lo..r_hi`` need under killing masks ``bounds``: past the
+    last kept L of the tile's best row (upper bounds, a > 0) and before the first kept L of its best row
+    (lower bounds, where every bound has a = +-1: the kept interval's length is then affine in the row,
+    so its shortest row is at an end of the tile).  A tile with a row that keeps nothing runs every
+    step (such a row averages over all L).  Ints, or TIR with ``ops``: the lowering and the cost model
+    share it."""
+    total = -(-length // step)
+    upper, lower = [b for b in bounds if b[0] > 0], [b for b in bounds if b[0] < 0]
+    if not bounds or (lower and any(abs(b[0]) != 1 for b in bounds)):
+        return 0, total  # no mask, or one whose empty rows the tile's ends do not show: every step
+
+    def lmax(b: Bound, r):  # the largest L that ``b`` keeps in row r
+        a, rb, c, strict = b
+        return ops.floordiv(-rb * r - c - (1 if strict else 0), a)
+
+    def lmin(b: Bound, r):  # the smallest L that ``b`` (a = -1) keeps in row r
+        _, rb, c, strict = b
+        return rb * r + c + (1 if strict else 0)
+
+    def kept(r):  # row r keeps some L in [0, length)
+        hi = functools.reduce(ops.min, [lmax(b, r) for b in upper], length - 1)
+        lo = functools.reduce(ops.max, [lmin(b, r) for b in lower], 0)
+        return lo <= hi
+
+    hi = functools.reduce(ops.min, [ops.floordiv(lmax(b, r_hi if b[1] < 0 else r_lo), step) + 1 for b in upper],
+                          total)
+    lo = functools.reduce(ops.max, [ops.floordiv(lmin(b, r_lo if b[1] > 0 else r_hi), step) for b in lower], 0)
+    whole = ops.all(kept(r_lo), kept(r_hi))
+    return ops.select(whole, lo, 0), ops.select(whole, hi, total)
 
 
 def steps_per_row_tile(s, p: WarpTileProgram) -> list[int]:
-    """Serial steps each row tile runs (as the lowering's ``_steps_for_block``): all of them, or,
-    under a killing mask, up to the last step that keeps an element of the tile's best row (a row
-    with nothing kept averages over all L, so a tile with such a row runs every step)."""
+    """Serial steps each row tile runs (as the lowering's ``_step_range``): all of them, or, under
+    killing masks, those between the first and last steps that keep an element of the tile."""
     sizes = s.smg.dim_sizes
-    total, tiles = s.num_steps, -(-sizes[p.row] // p.rows)
-    bound = mask_bound(s.smg, p)
-    if bound is None:
-        return [total] * tiles
-    a, b, c, strict = bound
-
-    def lmax(r: int) -> int:  # the largest kept L of row r
-        return (-b * r - c - (1 if strict else 0)) // a
-
+    tiles = -(-sizes[p.row] // p.rows)
+    bounds = [b for _, b in killing_masks(s.smg, p)]
     out = []
     for i in range(tiles):
         r_lo, r_hi = i * p.rows, min((i + 1) * p.rows, sizes[p.row]) - 1
-        best, worst = (r_hi, r_lo) if b < 0 else (r_lo, r_hi)
-        out.append(max(min(total, lmax(best) // p.step + 1), 1) if lmax(worst) >= 0 else total)
+        lo, hi = step_range(bounds, r_lo, r_hi, p.step, sizes[p.serial])
+        out.append(hi - lo)
     return out
 
 

@@ -141,8 +141,8 @@ ATTENTION_LAYOUTS = ("bhsd", "bshd")
 @dataclasses.dataclass(frozen=True)
 class ScoreMod:
     """An element-wise op on attention scores with inputs of its own (FlexAttention's ``score_mod`` and
-    ``mask_mod`` as one thing): ``body`` is a sympy expression of the scores ``{s}`` (after scaling and
-    any causal mask), of the index names ``b``, ``h`` (kv head), ``r`` (query head within a kv head's
+    ``mask_mod`` as one thing): ``body`` is a sympy expression of the scores ``{s}`` (after scaling; the causal
+    mask comes after the mods), of the index names ``b``, ``h`` (kv head), ``r`` (query head within a kv head's
     group), ``m`` (query), ``l`` (key), and of ``inputs``: (name, dims) pairs, each dim one of those names
     (a dim it lacks is broadcast: One-to-All).  A padding mask is ``Piecewise(({s}, Keep > 0.5), (-1e30,
     True))`` over Keep[b, l]; an additive bias ``{s} + Bias`` over Bias[h, m, l]; ALiBi ``{s} + Slope *
@@ -191,8 +191,6 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
     k = g.input("K", dims({"l": seq_kv}, {"d": head_dim}))
     v = g.input("V", dims({"l": seq_kv}, {"n": head_dim}))
     s = g.scale(g.matmul(q, k, reduce="d", name="S"), sc, name="Ss")
-    if causal:
-        s = g.mask(s, "l <= m", name="Sm")
     sizes = {"b": batch, "m": seq_q, "l": seq_kv, **hd, **group}
     zeros = []
     for i, mod in enumerate(mods):
@@ -205,6 +203,8 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
             ins.append(g.input(name, {d: sizes[d] for d in mdims}, dtype=mod.dtype))
         s = g.map(mod.body.format(s=s.name), s, *ins, name=f"Smod{i}")
         zeros += [t for t in ins if t.name == mod.zero_v]
+    if causal:  # after the mods, as FlexAttention masks after its score_mod: a soft-cap must not lift -1e30
+        s = g.mask(s, "l <= m", name="Sm")
     p = g.softmax(s, "l", name="P")
     for i, keep in enumerate(zeros):
         p = g.map(f"{p.name}*{keep.name}", p, keep, name=f"Pmod{i}")

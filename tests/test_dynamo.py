@@ -7,6 +7,8 @@ builds the kernels with TVM.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -104,6 +106,28 @@ def test_transformers_model_through_dynamo_matches_eager(name: str) -> None:
         assert any(reason in op.reason for p in report.partitions for op in p.left), str(report)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_a_kv_caches_first_append_copies_nothing(name: str) -> None:
+    """HF's DynamicCache appends a prefill's K and V to empty tensors (``torch.cat([empty, k])``): the graph
+    reads K and V in place, no cat is left to torch, and the returned cache still equals eager's."""
+    model, kw = _model(name)
+    model.eval()
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        want, got = model(**kw), compiled(**kw)
+    report = str(compiled.spacefusion)
+    assert "concatenation/stack" not in report, report  # (LLaMA's RoPE tables keep a cat of their own)
+    assert want.past_key_values is not None
+    for layer in range(len(model.layers if hasattr(model, "layers") else model.h)):
+        for w, g in zip(_cache_layer(want.past_key_values, layer), _cache_layer(got.past_key_values, layer)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def _cache_layer(cache: object, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = cache.layers[i]
+    return layer.keys, layer.values
+
+
 @pytest.mark.parametrize("name", ["albert", "gpt2", "bert_padding"])
 def test_transformers_model_on_llvm_kernels(name: str) -> None:
     """The same capture with TVM's llvm kernels: GELU's tanh form (ALBERT), Conv1D's addmm (GPT-2), and
@@ -129,16 +153,20 @@ def test_masks_read_their_own_dims() -> None:
     assert masks["t5_encoder"].shape == (2, 16, 16) and masks["t5_encoder"].cast is None
 
 
-def test_masked_attention_stays_with_torch_on_the_gpu_backend(tmp_path) -> None:
-    """Until its tensor-core kernel is checked on a GPU, the cuda backend refuses an attention with score
-    mods with that reason (the subgraph then runs in torch)."""
+def test_masked_attention_exports_a_cuda_artefact(tmp_path) -> None:
+    """The cuda backend builds an attention with score mods like any other SMG (its tensor-core kernel is
+    checked on the GPU by test_mma's mask cases); without a GPU, ``load=False`` exports it and refuses to run."""
     from smg import patterns
     from spacefusion.frontend import CudaBackend, FrontendError
 
     mod = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),))
     g = patterns.attention(2, 2, 16, 16, 16, dtype="float16", mods=(mod,))
-    with pytest.raises(FrontendError, match="not yet checked on a GPU"):
-        CudaBackend(tmp_path).compile(g)
+    backend = CudaBackend(tmp_path, build_missing=True, load=False)
+    kernel = backend.compile(g)
+    meta = json.loads((backend.artefact_dir(g) / "kernel.json").read_text())
+    assert {"name": "Mask", "shape": [2, 16], "dtype": "float16", "role": "input"} in meta["params"]
+    with pytest.raises(FrontendError, match="exported to"):
+        kernel({})
 
 
 def test_registered_backend_by_name() -> None:
@@ -333,3 +361,30 @@ def test_padding_that_can_empty_a_query_row_is_exact_or_left_to_torch() -> None:
         if not fused:
             reasons = [op.reason for p in compiled.spacefusion.partitions for op in p.left]
             assert any("may mask every key of a query row" in r for r in reasons)
+
+
+@pytest.mark.cuda
+def test_the_lean_call_keeps_a_tensor_maps_shape(tmp_path) -> None:
+    """After its checked first call, a fused kernel takes its inputs as they come (flat here) and allocates
+    its outputs in the caller's shapes; an input that a TMA tensor map reads is still given the kernel's
+    shape (the map is encoded from it).  The first pick of this GEMM loads A and B by TMA."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from smg import patterns
+    from spacefusion.frontend import CudaBackend, FrontendError
+    from spacefusion.frontend.dynamo import first_pick
+
+    g = patterns.gemm_epilogue(1024, 768, 768, act="relu", dtype="float16")
+    schedule = first_pick(g)
+    assert schedule.tma, schedule
+    run = CudaBackend(tmp_path, schedule_for=first_pick, build_missing=True).compile(g)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(s, generator=gen, device="cuda", dtype=torch.float16) for s in run.input_shapes]
+    (want,) = run.positional(*xs)
+    lean = run.lean(0, [(1024 * 768,)])
+    (got,) = lean(*[x.flatten() for x in xs])
+    assert got.shape == (1024 * 768,)
+    torch.testing.assert_close(got, want.flatten(), rtol=0, atol=0)
+    with pytest.raises(FrontendError, match="elements where the kernel was built for"):
+        lean(*[x[:-1] for x in xs])

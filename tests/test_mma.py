@@ -19,12 +19,15 @@ from schedulers.warp_tile import (
     BAND,
     EARLY_SCORES_REGS,
     SWIZZLE_ATOM,
+    killing_masks,
     lazy_references,
     mask_bound,
     mbarrier_bytes,
     mma_row_sums,
     split_ring,
     staged_output,
+    step_range,
+    steps_per_row_tile,
     warp_tile_program,
     warp_tile_smem_bytes,
 )
@@ -42,6 +45,10 @@ MASK_PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", 
 MASK_BIAS = patterns.ScoreMod("{s} + Bias", (("Bias", ("h", "r", "m", "l")),))
 MASK_ALIBI = patterns.ScoreMod("{s} + Slope*(l - m)", (("Slope", ("h",)),))
 MASK_SOFTCAP = patterns.ScoreMod("5.0*tanh({s}/5.0)")
+#: a sliding window's far edge (with causal: Mistral's), and a band far right of the diagonal (a lower bound
+#: that empties the first slices)
+MASK_WINDOW = patterns.ScoreMod("Piecewise(({s}, m - l < 100), (-1e30, True))")
+MASK_FAR = patterns.ScoreMod("Piecewise(({s}, l - m > 600), (-1e30, True))")
 
 CASES = {
     "attention": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 32}, 32, 2),
@@ -248,6 +255,15 @@ CASES = {
                           {"m": 32}, 16, 1),
     "mask_softcap_wgmma_tma": (lambda: patterns.attention(2, 3, 70, 90, 64, mods=(MASK_SOFTCAP,)), {"m": 64}, 32,
                                3, {"mma_row_sums": True, "wgmma": True, "tma": True}),
+    # steps before a window's far edge skipped: on mma.sync, on the producer warpgroup's ring, in slices
+    "mask_window_causal": (lambda: patterns.attention(1, 2, 300, 300, 64, causal=True, mods=(MASK_WINDOW,)),
+                           {"m": 64}, 32, 2),
+    "mask_window_causal_ws": (lambda: patterns.attention(1, 2, 400, 400, 64, causal=True, layout="bshd",
+                                                         mods=(MASK_WINDOW,)),
+                              {"m": 128, "h": 1}, 64, 2, {"warps": 8, "reload_a": True, "mma_row_sums": True,
+                                                          "wgmma": True, "tma": True, "producer": True}),
+    "mask_far_band_slices4": (lambda: patterns.attention(1, 2, 64, 1024, 64, mods=(MASK_FAR,)), {"m": 64}, 64, 2,
+                              {"slices": 4}),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
@@ -789,7 +805,7 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
         assert (art.save(tmp_path / name) / "kernel.cubin").stat().st_size > 0
 
 
-@given(a=st.integers(1, 3), b=st.integers(-3, 3), c=st.integers(-6, 6), strict=st.booleans(),
+@given(a=st.sampled_from([-3, -2, -1, 1, 2, 3]), b=st.integers(-3, 3), c=st.integers(-6, 6), strict=st.booleans(),
        l0=st.integers(0, 20), step=st.integers(1, 8), r_lo=st.integers(0, 20), rows=st.integers(1, 8))
 @settings(max_examples=300, deadline=None)
 def test_tile_kept_is_exact_on_every_element(a, b, c, strict, l0, step, r_lo, rows) -> None:
@@ -862,6 +878,44 @@ def _gpu_kernel(name: str, tmp_path) -> tuple[Schedule, Any, Any, dict[str, np.n
     dtype = getattr(torch, s.smg.space(s.smg.inputs[0]).dtype)
     xs = {n: torch.from_numpy(rng.standard_normal(s.smg.shape(n))).to(dtype) for n in s.smg.inputs}
     return s, torch, kernel, {n: v.double().numpy() for n, v in xs.items()}
+
+
+_BOUND = st.tuples(st.sampled_from([-2, -1, 1, 2]), st.integers(-2, 2), st.integers(-40, 40), st.booleans())
+
+
+@given(bounds=st.lists(_BOUND, max_size=3), r_lo=st.integers(0, 40), rows=st.integers(1, 12),
+       step=st.integers(1, 9), length=st.integers(1, 60))
+@settings(max_examples=400, deadline=None)
+def test_step_range_covers_every_kept_element(bounds, r_lo, rows, step, length) -> None:
+    """The steps a row tile runs hold every element its killing masks keep; a tile with a row that keeps
+    nothing runs them all (that row averages over every L); one causal bound and one window edge give the
+    exact range."""
+    def keeps(L: int, R: int) -> bool:
+        return all((a * L + b * R + c < 0) if s else (a * L + b * R + c <= 0) for a, b, c, s in bounds)
+
+    total = -(-length // step)
+    rows_kept = [[L for L in range(length) if keeps(L, R)] for R in range(r_lo, r_lo + rows)]
+    lo, hi = step_range(bounds, r_lo, r_lo + rows - 1, step, length)
+    assert 0 <= lo < hi <= total
+    if not all(rows_kept):
+        assert (lo, hi) == (0, total)
+        return
+    need_lo = min(r[0] for r in rows_kept) // step
+    need_hi = max(r[-1] for r in rows_kept) // step + 1
+    assert lo <= need_lo and hi >= need_hi
+    ones = [b for b in bounds if abs(b[0]) == 1]
+    if len(bounds) == 2 and len(ones) == 2 and bounds[0][0] != bounds[1][0]:
+        assert (lo, hi) == (need_lo, need_hi)
+
+
+def test_a_windows_leading_steps_are_skipped() -> None:
+    """Causal with a 100-key window (steps of 32, rows of 64): each row tile runs only the steps from its
+    first row's window start to its last row's diagonal, and the search sees the same counts."""
+    s = _schedule("mask_window_causal")
+    assert [b for _, b in killing_masks(s.smg, s.warp_tile)] == [(-1, 1, -100, True), (1, -1, 0, False)]
+    expect = [(max(0, 64 * i - 99) // 32, min(299, 64 * i + 63) // 32 + 1) for i in range(5)]
+    assert steps_per_row_tile(s, s.warp_tile) == [hi - lo for lo, hi in expect]
+    assert [hi - lo for lo, hi in expect] == [2, 4, 6, 6, 6]
 
 
 def _launch(torch, kernel, s: Schedule, xs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -413,3 +413,35 @@ def test_evicted_tensor_maps_live_until_the_stream_passes_the_fence() -> None:
     for i in range(4, 8):  # under capture: kept, however many
         cache.get(("B", i), Map, None)
     assert len(cache.maps) == 5 and len(fences) == 1
+
+
+def test_direct_launch_hands_the_driver_a_block_of_the_addresses(monkeypatch) -> None:
+    """The planned launch's parameter block (made once, refilled per call) is what ``cuLaunchKernel`` reads:
+    an array of pointers, the i-th to the i-th 8-byte argument; grid, block, shared memory and stream as given."""
+    import ctypes
+    import sys
+    import types
+
+    from spacefusion.runtime.gpu import _direct_launch
+
+    seen: list[tuple] = []
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> None:
+        pointers = (ctypes.c_void_p * 3).from_address(params)
+        seen.append((f, (gx, gy, gz), (bx, by, bz), smem, stream, extra,
+                     [ctypes.c_uint64.from_address(p).value for p in pointers]))
+
+    driver = types.SimpleNamespace(launchKernel=launch_kernel)
+    cuda = types.SimpleNamespace(driver=driver)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.driver", driver)
+    raw_kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00))
+    go = _direct_launch(raw_kernel, (132, 1, 1), (384, 1, 1), 1024, 3)
+    go([0x7F0000001000, 2**64 - 1, 16], 0xABC)
+    go([1, 2, 3], 0)
+    assert seen == [(0xF00, (132, 1, 1), (384, 1, 1), 1024, 0xABC, 0, [0x7F0000001000, 2**64 - 1, 16]),
+                    (0xF00, (132, 1, 1), (384, 1, 1), 1024, 0, 0, [1, 2, 3])]
+    monkeypatch.setitem(sys.modules, "cupy.cuda.driver", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "cupy.cuda", types.SimpleNamespace(driver=types.SimpleNamespace()))
+    assert _direct_launch(raw_kernel, (1, 1, 1), (32, 1, 1), 0, 1) is None  # no binding: cupy's own call

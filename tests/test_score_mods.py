@@ -32,9 +32,9 @@ def _numpy_attention(x: dict[str, np.ndarray], mod, causal: bool) -> np.ndarray:
     k, v = x["K"].astype(np.float64), x["V"].astype(np.float64)
     s = np.einsum("bhrmd,bhld->bhrml", q, k) / math.sqrt(D)
     mi, li = np.arange(M)[:, None], np.arange(L)[None, :]
-    if causal:
-        s = np.where(li <= mi, s, -1e30)
     s = mod(s, x, mi, li)
+    if causal:  # after the mod, as FlexAttention masks after its score_mod
+        s = np.where(li <= mi, s, -1e30)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("bhrml,bhld->bhrmd", p, v).reshape(B, H, M, D)

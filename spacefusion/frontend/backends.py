@@ -8,6 +8,7 @@ SMG content key once, so identical subgraphs across layers share one kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,9 +110,6 @@ class CudaBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.runtime.gpu import load_kernel, torch_dtype
 
-        if dict(smg.attrs).get("mods"):
-            raise FrontendError(f"{smg.name} with a mask or bias on the scores: its GPU kernel is not yet checked "
-                                f"on a GPU against the reference, so torch runs it (the CPU targets fuse it)")
         path = self.artefact_dir(smg)
         if not (path / "kernel.json").is_file() and self.build_missing:
             self.export(smg)
@@ -147,7 +145,31 @@ class CudaBackend(_Cached):
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return dict(zip((k for k, _ in outs), positional(*(inputs[k] for k in ins))))
 
+        def lean(device: int, out_shapes: list[tuple[int, ...] | None]) -> Callable[..., tuple[torch.Tensor, ...]]:
+            """For a caller that has run ``positional`` once (checked): a call that reads only the inputs'
+            addresses (any shapes of the kernel's sizes; non-contiguous ones are packed), with each output
+            allocated in ``out_shapes`` (None: the SMG's shape), so nothing is viewed on the way in or out.
+            Sizes and dtypes are still compared (a few attribute reads): another shape raises, never reads
+            out of bounds."""
+            launch = kernel.launcher(device, [s if s is not None else shape for s, (_, shape) in zip(out_shapes, outs)])
+            # a tensor map is encoded from its tensor's sizes and strides: those inputs keep the kernel's shape
+            mapped = {p.tensor_map[0] for p in kernel.artefact.params if p.tensor_map is not None}
+            want = [(math.prod(shapes[k]), dt, shapes[k] if k in mapped else None) for k, dt in zip(ins, dtypes)]
+
+            def call(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                for x, (n, dt, _) in zip(xs, want):
+                    if x.numel() != n or x.dtype != dt:
+                        raise FrontendError(f"{smg.name}: an input of {x.numel()} {x.dtype} elements where the "
+                                            f"kernel was built for {n} {dt}")
+                return launch(*(x.contiguous().view(s) if s is not None else x if x.is_contiguous() else x.contiguous()
+                                for x, (_, _, s) in zip(xs, want)))
+
+            return call
+
         run.positional = positional  # type: ignore[attr-defined]
+        run.lean = lean  # type: ignore[attr-defined]
+        run.cuda_kernel = kernel  # type: ignore[attr-defined]
+        run.input_shapes = tuple(shapes[k] for k in ins)  # type: ignore[attr-defined]
         run.inputs = tuple(ins)  # type: ignore[attr-defined]
         run.outputs = tuple(k for k, _ in outs)  # type: ignore[attr-defined]
         return run

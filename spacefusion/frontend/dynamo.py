@@ -21,6 +21,7 @@ an in-place weight update or another model instance never runs on stale weights.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -112,16 +113,38 @@ def _same_view(node: fx.Node) -> bool:
             and tuple(src.shape) == tuple(out.shape) and tuple(src.stride) == tuple(out.stride))
 
 
+def _lone_operand_of_cat(node: fx.Node) -> fx.Node | None:
+    """The one operand of a ``torch.cat`` whose others ShapeProp saw empty (a KV cache's first append,
+    ``cat([empty, k])``: a copy of ``k`` that an inference graph may read in place), else None."""
+    if node.op != "call_function" or node.target not in (torch.cat, torch.concat):
+        return None
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    out = node.meta.get("tensor_meta")
+    if not isinstance(parts, list | tuple) or not hasattr(out, "shape"):
+        return None
+
+    def empty(x: Any) -> bool:
+        meta = x.meta.get("tensor_meta") if isinstance(x, fx.Node) else None
+        return hasattr(meta, "shape") and math.prod(meta.shape) == 0
+
+    kept = [x for x in parts if not empty(x)]
+    meta = kept[0].meta.get("tensor_meta") if len(kept) == 1 and isinstance(kept[0], fx.Node) else None
+    same = hasattr(meta, "shape") and tuple(meta.shape) == tuple(out.shape) and meta.dtype == out.dtype
+    return kept[0] if same else None
+
+
 def drop_noops(gm: fx.GraphModule) -> int:
-    """Remove inference dropouts, views to the same shape and ``.contiguous()`` of values ShapeProp saw
-    contiguous (run after shape propagation); returns how many nodes went."""
+    """Remove inference dropouts, views to the same shape, ``.contiguous()`` of values ShapeProp saw
+    contiguous and concatenations with empty tensors (run after shape propagation); returns how many
+    nodes went."""
     gone = 0
     for node in list(gm.graph.nodes):
         noop = _is_inference_dropout(node) or _same_view(node) or (
             node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1
             and contiguous(node.args[0]))
-        if noop and isinstance(node.args[0], fx.Node):
-            node.replace_all_uses_with(node.args[0])
+        src = node.args[0] if noop else _lone_operand_of_cat(node)
+        if isinstance(src, fx.Node):
+            node.replace_all_uses_with(src)
             gm.graph.erase_node(node)
             gone += 1
     gm.recompile()

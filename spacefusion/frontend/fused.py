@@ -64,9 +64,34 @@ class FusedKernel(nn.Module):
             xs = [buffers[op] if i is None else args[i].reshape(op.shape) if p else _bind(args[i], op)
                   for (i, op), p in zip(take, plain)]
             out = launch(*xs)
+            if hasattr(kernel, "lean") and xs[0].is_cuda:  # checked once: later calls take the lean path
+                self._fast = self._lean(take, plain, views, xs[0].device.index)
             return tuple(_view(out[j], r.permute, r.shape, r.index, r.split) for j, r in views)
 
         return positional
+
+    def _lean(self, take: list, plain: list[bool], views: list, device: int) -> Any:
+        """The GPU call after the first: plain operands passed as they are (only their addresses are read),
+        and each output the one result reads as a whole allocated in that result's shape (no view on the
+        way out).  Why: every torch view or reshape costs about a microsecond of host time, which adds up
+        to more than the launch itself in a model run kernel by kernel."""
+        uses: dict[int, int] = {}
+        for j, _ in views:
+            uses[j] = uses.get(j, 0) + 1
+        whole = [uses[j] == 1 and not (r.permute or r.split) and r.index is None for j, r in views]
+        shapes: list[tuple[int, ...] | None] = [None] * len(self.kernel.outputs)
+        for (j, r), w in zip(views, whole):
+            if w:
+                shapes[j] = tuple(r.shape)
+        call, buffers = self.kernel.lean(device, shapes), self._buffers
+        ready = [(j, r, w) for (j, r), w in zip(views, whole)]
+
+        def lean(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = call(*[buffers[op] if i is None else args[i] if p else _bind(args[i], op)
+                         for (i, op), p in zip(take, plain)])
+            return tuple(out[j] if w else _view(out[j], r.permute, r.shape, r.index, r.split) for j, r, w in ready)
+
+        return lean
 
 
 def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:

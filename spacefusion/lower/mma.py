@@ -33,14 +33,16 @@ from schedulers.warp_tile import (
     MMA_DTYPES,
     SWIZZLE_ATOM,
     GemmState,
+    IndexOps,
     WarpTileProgram,
     carry_factor,
-    killing_mask,
+    killing_masks,
     mask_bound,
     mbarrier_bytes,
     smem_layout,
     split_ring,
     staged_elements,
+    step_range,
     swizzled_128b,
     tile_columns,
     warp_tile_program,
@@ -52,6 +54,9 @@ from spacefusion.lower.mma_out import I32, NEG_INF, _f, _Outputs, _tree
 from spacefusion.lower.mma_tma import _TmaRing
 from spacefusion.lower.mma_ws import _WarpSpecialized
 from spacefusion.lower.tir import signature
+
+#: step_range's operations on TIR expressions
+TIR_OPS = IndexOps(tirx.min, tirx.max, tirx.floordiv, tirx.Select, tirx.all)
 
 
 class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
@@ -75,9 +80,9 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         self.fold_log2e = not piecewise
         # steps whose whole tile the killing mask keeps (below a causal diagonal) run a copy of the
         # step without it: no per-element select, and the scalings fold into exp2 again
-        self.mask = killing_mask(self.smg, p)
+        self.masks = dict(killing_masks(self.smg, p))
         self.unmasked = False
-        self.fold_unmasked = self.mask is not None and piecewise <= {self.mask[0]}
+        self.fold_unmasked = bool(self.masks) and piecewise <= set(self.masks)
         self.cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = {}  # per-step values by expression
         # max states that are only references (lazy_references): kept while the new max is within
         # the lag; ``moved`` holds this step's warp-uniform flag of each (0: kept, nothing to rescale)
@@ -136,10 +141,9 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
     def step_of(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
         """The serial step of this warp group's ``j``-th iteration (groups interleave steps; a
         slice's block starts at its first step)."""
-        first = self.first if self.p.slices > 1 else 0
         if self.p.split > 1:
-            return first + j * self.p.split + self.grp
-        return first + j
+            return self.first + j * self.p.split + self.grp
+        return self.first + j
 
     def slot_for(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
         """Ring slot of iteration ``j``: the group's own ``stages`` copies."""
@@ -386,26 +390,16 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
         self.acc = {gs.update.state: T.alloc_buffer((self.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
                     for gs in p.gemm_states}
 
-    def _steps_for_block(self) -> tirx.PrimExpr:
-        """Steps this block needs: all of them, unless a killing mask (fill <= -1e30, an affine
-        ``a*L + b*R + c <= 0`` with a > 0) leaves whole trailing steps masked for every row."""
+    def _step_range(self) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """The steps [lo, hi) this block needs: all of them, unless killing masks (fill <= -1e30, affine
+        in L and the row: causal, a sliding window) leave whole leading or trailing steps masked for every
+        row of its tile (``warp_tile.step_range``)."""
         p = self.p
-        total = tirx.const(self.s.num_steps, I32)
-        bound = mask_bound(self.smg, p)
-        if bound is None:
-            return total
-        a, b, c, strict = bound
-        r_lo = self.row0
+        if not self.masks:
+            return tirx.const(0, I32), tirx.const(self.s.num_steps, I32)
         r_hi = tirx.min(self.row0 + p.rows, self.sizes[p.row]) - 1
-
-        def lmax(r: tirx.PrimExpr) -> tirx.PrimExpr:  # largest kept L for row r
-            num = -b * r - c - (1 if strict else 0)
-            return tirx.floordiv(num, a)
-
-        best, worst = (r_hi, r_lo) if b < 0 else (r_lo, r_hi)
-        need = tirx.min(total, tirx.floordiv(lmax(best), p.step) + 1)
-        # a row with nothing kept averages over all L (finite fill): then skip nothing
-        return tirx.Select(lmax(worst) >= 0, tirx.max(need, 1), total)
+        lo, hi = step_range(list(self.masks.values()), self.row0, r_hi, p.step, self.sizes[p.serial], TIR_OPS)
+        return tirx.const(0, I32) + lo, tirx.const(0, I32) + hi
 
     def _body(self) -> None:
         p = self.p
@@ -423,17 +417,14 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
             g = p.gemm  # them or, with reload_a, every step)
             self.copy_tile(g.a, zero, p.row, self.row0, g.k, zero, block=True)
             T.evaluate(T.ptx.cp.async_.commit_group())
-        nsteps = self._steps_for_block()
-        # every group runs the same iteration count (the block-wide barriers), idle past the end
-        iters = tirx.floordiv(nsteps + (p.split - 1), p.split) if p.split > 1 else nsteps
-        self.first = tirx.const(0, I32)
-        if p.slices > 1:  # this block's contiguous range of steps (empty past a causal bound), which
+        self.first, nsteps = self._step_range()
+        if p.slices > 1:  # this block's contiguous range of steps (empty outside a mask's bounds), which
             per = self.s.steps_per_block  # its warp groups (split) interleave
-            self.first = self.slice * per
-            nsteps = tirx.min(nsteps, self.first + per)
-            iters = tirx.max(nsteps - self.first, 0)
-            if p.split > 1:
-                iters = tirx.floordiv(iters + (p.split - 1), p.split)
+            nsteps = tirx.min(nsteps, self.slice * per + per)
+            self.first = tirx.max(self.first, self.slice * per)
+        iters = tirx.max(nsteps - self.first, 0)
+        if p.split > 1:  # every group runs the same iteration count (the block-wide barriers), idle past the end
+            iters = tirx.floordiv(iters + (p.split - 1), p.split)
         # warpgroup MMA in a ring of 3+ leaves one step's wgmma group in flight while the next step
         # waits and loads: the load then reuses the slot of two steps back, one step less ahead
         self.lag = 1 if p.wgmma_ss and p.stages >= 3 else 0
@@ -516,17 +507,17 @@ class _Gen(_Outputs, _TmaRing, _WarpSpecialized):
                 self._step(qf)
 
     def _tile_kept(self) -> tirx.PrimExpr | None:
-        """Whether the killing mask keeps every element of this step's tile (None: no such mask):
-        ``a*L + b*R + c <= 0`` at the tile's largest L and its worst row."""
-        if self.mask is None:
+        """Whether the killing masks keep every element of this step's tile (None: no such mask):
+        each ``a*L + b*R + c <= 0`` at the tile's worst L and worst row."""
+        if not self.masks:
             return None
         r_hi = tirx.min(self.row0 + self.p.rows, self.sizes[self.p.row]) - 1
-        return tile_kept(self.mask[1], self.t0, self.p.step, self.row0, r_hi)
+        return tirx.all(*[tile_kept(b, self.t0, self.p.step, self.row0, r_hi) for b in self.masks.values()])
 
     def _score_body(self, name: str) -> sp.Expr:
         """The body of score op ``name``; on a kept tile the killing mask is its kept branch."""
         e = body_expr(self.smg.producer(name))
-        if self.unmasked and name == self.mask[0]:
+        if self.unmasked and name in self.masks:
             return e.args[0][0]
         return e
 
@@ -889,9 +880,9 @@ def _cp_async(dtype: str, dst: tirx.Buffer, doff: tirx.PrimExpr, src: tirx.Buffe
 
 def tile_kept(bound: tuple[int, int, int, bool], l0, step: int, r_lo, r_hi):
     """Whether ``a*L + b*R + c <= 0`` (``< 0`` if strict) holds on all of the tile
-    [l0, l0 + step) x [r_lo, r_hi]: at its largest L (a > 0) and its worst row (ints or TIR)."""
+    [l0, l0 + step) x [r_lo, r_hi]: at its worst L (the largest if a > 0) and its worst row (ints or TIR)."""
     a, b, c, strict = bound
-    f = a * (l0 + step - 1) + b * (r_lo if b < 0 else r_hi) + c
+    f = a * (l0 + step - 1 if a > 0 else l0) + b * (r_lo if b < 0 else r_hi) + c
     return f < 0 if strict else f <= 0
 
 

@@ -90,9 +90,10 @@ class _WarpSpecialized:
     def _produce(self, k: tirx.PrimExpr, _: tirx.PrimExpr) -> None:
         """Thread 0 of the producer: load every step of tile ``k`` into the ring, each into a slot
         the MMA warpgroups have handed back (the first ``stages`` are free); under a killing mask
-        (causal) only the steps the row tile needs."""
+        (causal, a window) only the steps the row tile needs."""
         p = self.p
-        n = self.s.num_steps if p.wgmma_ss else self._steps_for_block()
+        lo, hi = (0, self.s.num_steps) if p.wgmma_ss else self._step_range()
+        n = hi - lo
         with T.serial(0, n) as j:
             it = k * n + j  # the block's running step count: slot and phase continue across tiles
             slot = it % p.stages
@@ -101,7 +102,7 @@ class _WarpSpecialized:
                 with T.If(it >= p.stages):
                     with T.Then():
                         T.evaluate(T.cuda.mbarrier_wait(empty(slot), back))
-                self._tma_step(slot, j * p.step, None, names, full(slot))
+                self._tma_step(slot, (lo + j) * p.step, None, names, full(slot))
 
     def _ring_parts(self) -> list[tuple[tuple[str, ...], object, object]]:
         """(tiles, empty barrier, full barrier) of each part of a ring slot the producer loads apart:
@@ -171,7 +172,8 @@ class _WarpSpecialized:
         T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", A_BARRIER), T.uint32(32 * p.warps)))
         qf = None if p.reload_a else self._a_fragments()
         self.pf_keep = T.alloc_buffer((self.ns,), self.half, scope="local")  # P, until the next step
-        n = self._steps_for_block()
+        self.lo, hi = self._step_range()
+        n = hi - self.lo
         self.n = n
         if p.warps == 8:  # warpgroup 0 takes the first turn
             with T.If(self.warp // 4 == 1):
@@ -188,7 +190,7 @@ class _WarpSpecialized:
     def _consumer_step(self, j: tirx.PrimExpr | int, qf: tirx.Buffer | None) -> None:
         """Step ``j`` of the MMA warpgroups: wait for its K, run it."""
         p = self.p
-        self.j, self.slot, self.t0 = j, j % p.stages, j * p.step
+        self.j, self.slot, self.t0 = j, j % p.stages, (self.lo + j) * p.step
         T.evaluate(T.cuda.mbarrier_wait(self._mbar(self.slot), self._phase(j)))
         self._step_masked(qf)
 

@@ -6,7 +6,9 @@ tested) on machines without a GPU stack.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -268,14 +270,17 @@ class CudaKernel:
             kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
         return {p.name: tensors[p.name] for p in art.outputs}
 
-    def launcher(self, device: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def launcher(self, device: int, out_shapes: Sequence[Sequence[int] | None] | None = None
+                 ) -> Callable[..., tuple[torch.Tensor, ...]]:
         """A launch that re-checks nothing, for a caller whose tensors ``launch`` has checked once and whose
         shapes, dtypes, device and layout cannot change (a compiled graph's operands, fixed by its guards):
         ``run(*inputs)`` takes the inputs in ``artefact.inputs`` order and returns new outputs in
         ``artefact.outputs`` order.  Why: ``launch``'s checks and dict building cost more host time than
         the kernel takes at small shapes (the launch-bound regime of a fused model without a CUDA graph);
         here the argument list is a plan made once (workspace pointers fixed, tensor maps looked up per
-        call since they follow their tensor's address) and the launch goes to cupy's function directly."""
+        call since they follow their tensor's address) and the launch goes to the driver directly.  Only the
+        inputs' addresses are read: any contiguous tensors of the right sizes will do; ``out_shapes`` gives
+        an output another shape of its element count (None: the artefact's)."""
         import numpy
         import torch
 
@@ -289,32 +294,43 @@ class CudaKernel:
         slot = {p.name: i for i, p in enumerate(art.inputs)}
         slot |= {p.name: len(art.inputs) + i for i, p in enumerate(art.outputs)}
         maps = {p.name: p for p in art.params if p.tensor_map is not None}
-        outs = [(p.shape, torch_dtype(p.dtype)) for p in art.outputs]
+        shaped = list(out_shapes or [None] * len(art.outputs))
+        outs = [(tuple(s) if s is not None else p.shape, torch_dtype(p.dtype)) for p, s in zip(art.outputs, shaped)]
+        for (shape, _), p in zip(outs, art.outputs):
+            if math.prod(shape) != math.prod(p.shape):
+                raise KernelLaunchError(f"{art.kernel_name}: output {p.name} {list(p.shape)} cannot be given the "
+                                        f"shape {list(shape)}")
         u64 = numpy.uint64
         # the argument list: ("t", slot) a tensor's address, ("m", param, slot) a tensor map of one, or a
         # fixed address (a workspace: zeroed once and kept)
         plan: list[Any] = []
-        for name in art.param_order:
+        for name in art.param_order:  # (every parameter is 8 bytes: a pointer, or a tensor map's address)
             if name in maps:
                 plan.append(("m", maps[name], slot[maps[name].tensor_map[0]]))
             elif name in scratch:
-                plan.append(u64(scratch[name].data_ptr()))
+                plan.append(scratch[name].data_ptr())
             else:
                 plan.append(("t", slot[name]))
         fixed = all(not isinstance(a, tuple) or a[0] == "t" for a in plan)
         grid, block, smem = art.grid, art.block, art.dynamic_smem_bytes
-        empty, current = torch.empty, torch.cuda.current_stream
+        empty = torch.empty
+        direct = _direct_launch(kernel, grid, block, smem, len(plan))
+        raw_stream = _raw_stream()
         function = [getattr(kernel, "kernel", None)]  # cupy's Function: takes the stream as an argument
 
         def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             result = tuple(empty(shape, dtype=dt, device=dev) for shape, dt in outs)
             tensors = (*inputs, *result)
             if fixed:
-                args = tuple(u64(tensors[a[1]].data_ptr()) if isinstance(a, tuple) else a for a in plan)
+                args = [tensors[a[1]].data_ptr() if isinstance(a, tuple) else a for a in plan]
             else:
-                args = tuple(a if not isinstance(a, tuple) else u64(tensors[a[1]].data_ptr()) if a[0] == "t"
-                             else u64(self._tensor_map(a[1], tensors[a[2]], device).data_ptr()) for a in plan)
-            stream = _cupy_stream(current(dev).cuda_stream)
+                args = [a if not isinstance(a, tuple) else tensors[a[1]].data_ptr() if a[0] == "t"
+                        else self._tensor_map(a[1], tensors[a[2]], device).data_ptr() for a in plan]
+            if direct is not None:
+                direct(args, raw_stream(device))
+                return result
+            args = tuple(u64(a) for a in args)
+            stream = _cupy_stream(raw_stream(device))
             if function[0] is not None:
                 try:
                     function[0](grid, block, args, smem, stream)
@@ -408,6 +424,41 @@ def _cupy_stream(ptr: int) -> Any:
             stream = cupy.cuda.ExternalStream(ptr, key[0])
         _STREAMS[key] = stream
     return stream
+
+
+def _direct_launch(kernel: Any, grid: Sequence[int], block: Sequence[int], smem: int,
+                   count: int) -> Callable[[list[int], int], None] | None:
+    """``go(addresses, stream)``: ``cuLaunchKernel`` through cupy's driver binding with a parameter block
+    made once (``count`` 8-byte values and the pointer array to them; the driver copies the values at
+    launch, so the block is reused); None where cupy lacks the binding or the handle.  Why: cupy's
+    ``Function.__call__`` converts every argument on every call, which dominates a fused call's host time."""
+    try:
+        from cupy.cuda import driver
+
+        launch, f = driver.launchKernel, int(getattr(kernel, "kernel", kernel).ptr)  # RawKernel -> Function
+    except (ImportError, AttributeError):
+        return None
+    values = (ctypes.c_uint64 * max(count, 1))()
+    pointers = (ctypes.c_void_p * max(count, 1))(*[ctypes.addressof(values) + 8 * i for i in range(count)])
+    params, dims = ctypes.addressof(pointers), (*grid, *block)
+
+    def go(addresses: list[int], stream: int) -> None:
+        values[:count] = addresses
+        launch(f, *dims, smem, stream, params, 0)
+
+    go.keep = (values, pointers)  # type: ignore[attr-defined]
+    return go
+
+
+def _raw_stream() -> Callable[[int], int]:
+    """The current torch stream's handle on a device, by torch's cheapest call (the one Inductor's
+    launchers use), else through the Stream object."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> None:

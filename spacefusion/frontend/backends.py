@@ -91,13 +91,17 @@ class CudaBackend(_Cached):
     name = "cuda"
 
     def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule,
-                 build_missing: bool = False, load: bool = True) -> None:
+                 build_missing: bool = False, load: bool = True, by_schedule: bool = False) -> None:
         super().__init__()
         self.folder, self.arch, self.schedule_for = Path(folder), arch, schedule_for
         self.build_missing = build_missing  # export an artefact not found (TVM and the GPU in one process)
         self.load = load  # False: export only (where TVM is and no GPU); the kernel refuses to run
+        # artefacts named by the schedule too (a tuning database's pick may change; a first pick may not)
+        self.by_schedule = by_schedule
 
     def artefact_dir(self, smg: SMG) -> Path:
+        if self.by_schedule:
+            return self.folder / f"{smg.key[:16]}-{self.schedule_for(smg).key[:16]}"
         return self.folder / smg.key[:16]
 
     def export(self, smg: SMG, cubin: bool = True) -> Path:

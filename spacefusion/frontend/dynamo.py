@@ -224,6 +224,7 @@ class SpaceFusionBackend:
     verbose: bool = False
     mode: str | None = None
     export_only: bool = False  # build the kernels and report, but return the graph unfused (``export_cuda``)
+    db: str | Path | None = None  # a tuning database (``tune_model``): each SMG's best, the first pick where none
     graphs: list[GraphReport] = field(default_factory=list)
 
     @property
@@ -245,11 +246,13 @@ class SpaceFusionBackend:
                                 f"or a kernel backend object")
         self._kernels: Any = None
         self._seen = len(_break_reasons())
+        if self.db is not None:  # a database that cannot serve is an error now, not inside Dynamo's call
+            check_database(self.db, self.target)
 
     @property
     def kernels(self) -> Any:
         if self._kernels is None:
-            self._kernels = kernel_backend(self.target or "llvm")
+            self._kernels = kernel_backend(self.target or "llvm", self.db)
         return self._kernels
 
     def _resolve(self, example_inputs: Sequence[Any]) -> None:
@@ -318,17 +321,50 @@ def kernel_cache() -> Path:
     return Path(os.environ.get("SPACEFUSION_CACHE", Path.home() / ".cache" / "spacefusion")) / "kernels"
 
 
-def kernel_backend(target: Any) -> Any:
+def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
     """The kernel backend of a target: "reference", "llvm", "cuda" (TVM builds each SMG's first pick, the
     analytical model's best schedule for an H100, into ``kernel_cache()`` and the GPU runtime launches it:
-    TVM, nvcc and the GPU on one machine), or a backend object."""
+    TVM, nvcc and the GPU on one machine), or a backend object.  With ``db`` (a tuning database that
+    ``frontend.tune.tune_model`` filled) "llvm" and "cuda" build each SMG's best measured schedule there."""
+    if target == "llvm" and db is not None:
+        from spacefusion.frontend.backends import LLVMBackend
+        from spacefusion.frontend.schedules import default_schedule
+
+        return LLVMBackend(schedule_for=tuned(db, "llvm", default_schedule))
     if target != "cuda":
         return get_backend(target)
     if not torch.cuda.is_available():
         raise FrontendError("target 'cuda' needs a CUDA GPU (torch.cuda.is_available() is False); use 'llvm'")
     from spacefusion.frontend.backends import CudaBackend
 
-    return CudaBackend(kernel_cache(), schedule_for=first_pick, build_missing=True)
+    if db is None:
+        return CudaBackend(kernel_cache(), schedule_for=first_pick, build_missing=True)
+    return CudaBackend(kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick), build_missing=True,
+                       by_schedule=True)
+
+
+def check_database(db: str | Path, target: Any) -> None:
+    """Raise, naming the problem, unless ``db`` is a tuning database that ``target`` can build from."""
+    from search.database import DatabaseError, TuningDatabase
+
+    if target is not None and target not in ("llvm", "cuda"):
+        raise FrontendError(f"a tuning database applies to the 'llvm' and 'cuda' targets, not {target!r}")
+    if not Path(db).is_file():
+        raise FrontendError(f"no tuning database at {db} (spacefusion.frontend.tune.tune_model fills one)")
+    try:
+        TuningDatabase(db, readonly=True).close()
+    except DatabaseError as exc:
+        raise FrontendError(f"tuning database {db}: {exc}") from exc
+
+
+def tuned(db: str | Path, target: str, fallback: Any) -> Any:
+    """Each SMG's best schedule in the tuning database ``db`` for an H100 and ``target``, else ``fallback``'s;
+    a database that is missing or not one is an error naming it."""
+    from search.database import TuningDatabase
+    from spacefusion.frontend.schedules import from_database
+
+    check_database(db, target.split(":")[0])
+    return from_database(TuningDatabase(db, readonly=True), target=target, fallback=fallback)
 
 
 def first_pick(smg: Any) -> Any:
@@ -378,16 +414,18 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | No
     opts = dict(options or {})
     target = opts.pop("target", None)
     verbose = bool(opts.pop("verbose", False))
+    db = opts.pop("db", None)
     if opts:
-        raise FrontendError(f"unknown spacefusion backend options {sorted(opts)}; known: target, verbose")
-    return SpaceFusionBackend(target, verbose, mode)(gm, example_inputs)
+        raise FrontendError(f"unknown spacefusion backend options {sorted(opts)}; known: target, verbose, db")
+    return SpaceFusionBackend(target, verbose, mode, db=db)(gm, example_inputs)
 
 
 def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: str | None = None,  # noqa: A001
-            **kwargs: Any) -> nn.Module:
-    """``torch.compile(model, backend=SpaceFusionBackend(target, mode=mode), dynamic=False)``: returns the
-    compiled module, with the backend (its per-graph reports) as ``.spacefusion``."""
-    backend = SpaceFusionBackend(target, verbose, mode)
+            db: str | Path | None = None, **kwargs: Any) -> nn.Module:
+    """``torch.compile(model, backend=SpaceFusionBackend(target, mode=mode, db=db), dynamic=False)``: returns
+    the compiled module, with the backend (its per-graph reports) as ``.spacefusion``.  ``db``: a tuning
+    database (``frontend.tune.tune_model``) whose best schedules the kernels are built from."""
+    backend = SpaceFusionBackend(target, verbose, mode, db=db)
     kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=backend, **kwargs)
     # on the wrapper itself: OptimizedModule's setattr would put it on ``model``, shared by every compile

@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from torch import nn
 from tqdm import tqdm
 
 from schedulers.hardware import H100, HardwareModel
@@ -20,6 +22,8 @@ from search.database import TuningDatabase
 from search.records import Runner
 from search.tuner import TuneSummary, tune
 from smg.ir import SMG
+from spacefusion.frontend.backends import Kernel, _Cached
+from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.records import Partition, Subgraph
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
 
@@ -98,3 +102,56 @@ def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner 
     if progress:
         print(f"total tuning time {report.wall_s:.1f} s for {len(tuned)} distinct subgraphs ({report.cached} cached)")
     return report
+
+
+#: where ``tune_model`` measures: "gpu" (TVM and a GPU in this process, CUDA for sm_90a) or "llvm" (this CPU)
+RUNNERS = {"gpu": "cuda:sm_90a", "llvm": "llvm"}
+
+
+class _Collect(_Cached):
+    """A kernel backend that builds nothing: the capture for tuning needs the partitions, not kernels."""
+
+    name = "capture"
+
+    def _compile(self, smg: SMG) -> Kernel:
+        def never(inputs: dict) -> dict:
+            raise FrontendError(f"{smg.name}: captured for tuning only")
+
+        return never
+
+
+def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu", trials: int = 16,
+               workers: int = 2, progress: bool = True, **kwargs: Any) -> TuningReport:
+    """Capture ``model`` with TorchDynamo on the example inputs as ``spacefusion.compile`` would (nothing built;
+    the model runs unfused once) and tune every distinct fused SMG into the database ``db``: ``trials``
+    candidates each, measured on ``runner`` ("gpu": TVM and the GPU in this process; "llvm": this CPU).
+    Then ``spacefusion.compile(model, db=db)`` builds each SMG's best; a database tuned before (this model or
+    another sharing its SMGs) is reused, so a second call costs only the capture."""
+    import torch
+
+    from spacefusion.frontend.dynamo import SpaceFusionBackend
+
+    if runner not in RUNNERS:
+        raise FrontendError(f"unknown tuning runner {runner!r}; known: {', '.join(RUNNERS)}")
+    if trials < 1:
+        raise FrontendError(f"trials must be at least 1, got {trials}")
+    if runner == "gpu":
+        from search.runners import LocalGPURunner, gpu_unavailable_reason
+
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            raise FrontendError(f"runner 'gpu' needs a CUDA GPU here ({reason}); tune with runner='llvm'")
+        measure: Runner = LocalGPURunner()
+    else:
+        from search.runners import LLVMRunner
+
+        measure = LLVMRunner()
+    capture = SpaceFusionBackend(_Collect(), export_only=True)
+    with torch.no_grad():
+        torch.compile(model, backend=capture, dynamic=False)(*args, **kwargs)
+    skipped = [g.skipped for g in capture.graphs if g.skipped]
+    if not capture.partitions:
+        raise FrontendError(f"nothing to tune: no Dynamo graph of {type(model).__name__} was partitioned"
+                            + (f" ({skipped[0]})" if skipped else ""))
+    return tune_partitions(capture.partitions, measure, db, target=RUNNERS[runner], trials=trials,
+                           workers=workers, progress=progress)

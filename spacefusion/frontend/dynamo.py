@@ -39,6 +39,7 @@ from spacefusion.frontend.capture import Captured
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.fused import FusedModel, fuse_captured
 from spacefusion.frontend.graph import contiguous
+from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
 from spacefusion.frontend.replay import GraphReplay
 
@@ -188,6 +189,8 @@ class _Compiled:
         baked = lift_parameters(gm, example_inputs)
         with torch.no_grad():
             ShapeProp(gm).propagate(*example_inputs)
+            if split_projections(gm):  # new nodes: their shapes
+                ShapeProp(gm).propagate(*example_inputs)
         drop_noops(gm)
         fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose)
         self.report.partition = fused.partition

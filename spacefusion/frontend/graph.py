@@ -107,6 +107,12 @@ def users(node: fx.Node) -> list[fx.Node]:
     return list(node.users)
 
 
+def row_view(node: fx.Node, src: fx.Node) -> bool:
+    """``node`` is a view/reshape of ``src`` that keeps its last dim (rows regrouped: [m, n] as [b, s, n])."""
+    return (node.op == "call_method" and node.target in ("view", "reshape") and shape(node) is not None
+            and shape(src) is not None and shape(node)[-1] == shape(src)[-1])
+
+
 def single_user(node: fx.Node) -> fx.Node | None:
     us = users(node)
     return us[0] if len(us) == 1 else None

@@ -33,6 +33,7 @@ from spacefusion.frontend.graph import (
     linear_of,
     norm_of,
     patch_conv_of,
+    row_view,
     rows,
     shape,
     single_user,
@@ -355,7 +356,7 @@ def _activation_after(node: fx.Node, ctx: Context) -> Activation | None:
     ``addmm(...).view(b, s, n)``) is taken in too."""
     via: tuple[fx.Node, ...] = ()
     user = single_user(node)
-    if user is not None and _row_view(user, node):
+    if user is not None and row_view(user, node):
         via, y = (user,), user
     else:
         y = node
@@ -364,12 +365,6 @@ def _activation_after(node: fx.Node, ctx: Context) -> Activation | None:
         return None
     nodes = (*via, *act.nodes)
     return Activation(act.name, nodes, act.out) if ctx.free(*nodes) else None
-
-
-def _row_view(node: fx.Node, src: fx.Node) -> bool:
-    """``node`` is a view/reshape of ``src`` that keeps its last dim (rows regrouped: [m, n] as [b, s, n])."""
-    return (node.op == "call_method" and node.target in ("view", "reshape") and shape(node) is not None
-            and shape(src) is not None and shape(node)[-1] == shape(src)[-1])
 
 
 def _stack_key(lin: Linear, node: fx.Node, ctx: Context) -> tuple | None:

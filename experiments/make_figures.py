@@ -38,6 +38,41 @@ def e2e_speedups() -> dict[str, dict[str, float]]:
     return out
 
 
+#: the `transformers` models through TorchDynamo (dynamo_h100.json): systems and models in the figure's order
+HF_SYSTEMS = (("eager", "eager PyTorch"), ("torch.compile default", "torch.compile"),
+              ("torch.compile reduce-overhead", "torch.compile (reduce-overhead)"),
+              ("spacefusion+graph", "spacefusion + CUDA graph"))
+HF_MODELS = (("bert_base_8x128", "BERT-base 8x128"), ("bert_base_8x128_padding", "BERT-base 8x128, padding mask"),
+             ("bert_base_8x512", "BERT-base 8x512"), ("albert_base_8x128", "ALBERT-base 8x128"),
+             ("t5_base_encoder_8x128", "T5-base encoder 8x128"), ("vit_b16_8", "ViT-B/16 batch 8"),
+             ("gpt2_4x512", "GPT-2 4x512"), ("llama2_7b_4layers_1x2048", "LLaMA-2-7B 4 layers 1x2048"))
+#: the paper's own model set (its 3.54x average over HuggingFace eager)
+PAPER_SET = ("bert_base_8x128", "albert_base_8x128", "t5_base_encoder_8x128", "vit_b16_8", "llama2_7b_4layers_1x2048")
+
+
+def transformers_speedups() -> dict[str, dict[str, float]]:
+    """Per `transformers` model, each system's speedup over eager, from dynamo_h100.json (every system there
+    was checked against float32 eager before it was timed)."""
+    models = json.loads((RESULTS / "dynamo_h100.json").read_text())["models"]
+    out = {}
+    for key, _ in HF_MODELS:
+        us, ok = models[key]["us"], models[key]["check"]
+        out[key] = {s: us["eager"] / us[s] for s, _ in HF_SYSTEMS if s in us and ok[s]["ok"]}
+    return out
+
+
+def transformers_table() -> str:
+    sp = transformers_speedups()
+    head = "| model | " + " | ".join(label for _, label in HF_SYSTEMS) + " |"
+    lines = [head, "|---" * (len(HF_SYSTEMS) + 1) + "|"]
+    for key, label in HF_MODELS:
+        lines.append(f"| {label} | " + " | ".join(f"{sp[key][s]:.2f}x" for s, _ in HF_SYSTEMS) + " |")
+    mean = {s: sum(sp[k][s] for k in PAPER_SET) / len(PAPER_SET) for s, _ in HF_SYSTEMS}
+    lines.append("| mean of BERT, ALBERT, T5, ViT, LLaMA (the paper's set) | "
+                 + " | ".join(f"{mean[s]:.2f}x" for s, _ in HF_SYSTEMS) + " |")
+    return "\n".join(lines)
+
+
 def unseen_ratios() -> list[tuple[str, float, float, float]]:
     """(shape, first pick / cuDNN speed, best / cuDNN, best / flash) for the 20 unseen shapes."""
     import unseen_shapes as U
@@ -184,6 +219,13 @@ def draw() -> list[Path]:
     ax.set_ylabel("speedup over eager PyTorch")
     ax.set_title("Whole models on the H100 (fp16); paper: 3.54x average over HuggingFace")
     out.append(_save(fig, ax, "e2e_h100.png"))
+    hf = transformers_speedups()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    _bars(ax, [label for _, label in HF_MODELS],
+          {label: [hf[k].get(s, float("nan")) for k, _ in HF_MODELS] for s, label in HF_SYSTEMS})
+    ax.set_ylabel("speedup over eager PyTorch")
+    ax.set_title("transformers models through torch.compile(backend='spacefusion') on the H100 (fp16, first picks)")
+    out.append(_save(fig, ax, "e2e_transformers_h100.png"))
     rows = unseen_ratios()
     fig, ax = plt.subplots(figsize=(10, 4))
     _bars(ax, [r[0] for r in rows], {"first pick / cuDNN": [r[1] for r in rows],
@@ -238,6 +280,7 @@ def main() -> int:
     for p in draw():
         print(f"wrote {p.relative_to(ROOT)}")
     print(e2e_table())
+    print(transformers_table())
     if (RESULTS / "e2e_subgraphs_h100.json").is_file():
         print(subgraph_table())
         print(traffic_table())

@@ -16,12 +16,13 @@ README = ROOT / "paper_figures" / "README.md"
 def test_the_tables_are_the_results_files() -> None:
     text = README.read_text()
     assert F.e2e_table() in text and F.subgraph_table() in text and F.traffic_table() in text
+    assert F.transformers_table() in text
 
 
 def test_every_named_figure_is_a_committed_png() -> None:
     names = set(re.findall(r"\(([\w.]+\.png)\)", README.read_text()))
-    assert names == {"e2e_h100.png", "attention_unseen_h100.png", "subgraphs_h100.png", "traffic_h100.png",
-                     "tuning_time.png"}
+    assert names == {"e2e_h100.png", "e2e_transformers_h100.png", "attention_unseen_h100.png", "subgraphs_h100.png",
+                     "traffic_h100.png", "tuning_time.png"}
     for n in names:
         assert (ROOT / "paper_figures" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", n
 
@@ -53,3 +54,13 @@ def test_fusion_cuts_the_measured_bytes_where_the_model_says() -> None:
 def test_attention_beats_the_unfused_ops_and_meets_the_libraries() -> None:
     rows = {r["kind"]: r for r in F.subgraph_speedups()}
     assert rows["attention"]["vs_unfused"] > 5 and rows["attention"]["vs_library"] >= 1.0
+
+
+def test_transformers_speedups_are_over_eager_and_checked() -> None:
+    """Every system of every `transformers` model was checked before it was timed, and the mean over the
+    paper's model set is computed from the same rows the table shows."""
+    sp = F.transformers_speedups()
+    assert set(sp) == {k for k, _ in F.HF_MODELS}
+    assert all(v["eager"] == 1.0 and len(v) == len(F.HF_SYSTEMS) for v in sp.values())
+    mean = sum(sp[k]["spacefusion+graph"] for k in F.PAPER_SET) / len(F.PAPER_SET)
+    assert f"{mean:.2f}x |" in F.transformers_table().splitlines()[-1]

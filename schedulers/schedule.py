@@ -236,9 +236,11 @@ class Schedule:
             tag = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise ScheduleError(f"not a spacefusion schedule (format tag {tag!r})")
         try:
-            return cls._from_dict(d)
+            s = cls._from_dict(d)
         except (KeyError, TypeError, ValueError) as e:
             raise ScheduleError(f"schedule JSON is incomplete or malformed: {e!r}") from None
+        _check_loaded(s)
+        return s
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> Schedule:
@@ -289,6 +291,27 @@ class Schedule:
         from schedulers.display import schedule_html
 
         return schedule_html(self)
+
+
+def _check_loaded(s: Schedule) -> None:
+    """The numbers of a schedule read from JSON, checked as ``make_schedule`` checks them (an edited file
+    with step 0 or tile -5 would otherwise reach the lowering: a ZeroDivisionError, or TVM's InternalError)."""
+    sizes = s.smg.dim_sizes
+    if s.serial not in sizes:
+        raise ScheduleError(f"schedule JSON: serial dim {s.serial!r} is not a dim of {s.smg.name!r}")
+    if not 1 <= s.step <= sizes[s.serial]:
+        raise ScheduleError(f"schedule JSON: step {s.step} for serial dim {s.serial!r} must be 1..{sizes[s.serial]}")
+    for d, tile in s.block:
+        if d not in sizes:
+            raise ScheduleError(f"schedule JSON: block dim {d!r} is not a dim of {s.smg.name!r}")
+        if tile < 1 or (tile > sizes[d] and not s.tensor_cores):
+            raise ScheduleError(f"schedule JSON: tile {tile} for dim {d!r} must be 1..{sizes[d]}")
+    for name, value, ok in (("stages", s.stages, s.stages >= 1), ("warps", s.warps, s.warps >= 0),
+                            ("lanes", s.lanes, s.lanes in LANES), ("vector", s.vector, s.vector >= 1),
+                            ("split", s.split, s.split in (1, 2, 4, 8)), ("slices", s.slices, s.slices >= 1),
+                            ("persistent", s.persistent, s.persistent >= 0)):
+        if not ok:
+            raise ScheduleError(f"schedule JSON: {name} {value} is out of range")
 
 
 def _override_levels(memory: list[tuple[str, str]], levels: dict[str, str], inputs: tuple[str, ...]
@@ -367,8 +390,12 @@ def _pads_rows(tile: int, size: int) -> bool:
     return tile % 16 == 0 and tile <= max(64, -(-size // 16) * 16)
 
 
+#: the serial step when none is given (capped at the serial dim's size)
+DEFAULT_STEP = 32
+
+
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
-                  step: int = 32, thread_dim: str | None = None, recompute: bool = False,
+                  step: int | None = None, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
                   lanes: int = 1, tensor_cores: bool = False, stages: int = 1, warps: int = 0,
                   vector: int = 1, split: int = 1, slices: int = 1, reload_a: bool = False,
@@ -443,6 +470,10 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
         raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
+    if step is None:  # the default step, never longer than the serial dim (a 16-key attention: step 16)
+        step = min(DEFAULT_STEP, sizes[serial])
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ScheduleError(f"step {step!r} for serial dim {serial!r} must be a whole number")
     if step <= 0:
         raise ScheduleError(f"step {step} for serial dim {serial!r} must be positive")
     if step > sizes[serial]:

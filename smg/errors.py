@@ -21,3 +21,7 @@ class UnknownAxisError(SpaceFusionError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class DTypeError(SpaceFusionError, ValueError):
+    """A dtype the SMG ops cannot compute in (unknown, or an integer type)."""

@@ -9,11 +9,12 @@ edge -- is derived from those expressions, so it cannot drift from them.
 from __future__ import annotations
 
 import enum
+import numbers
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from smg.errors import ShapeError, UnknownAxisError
+from smg.errors import DTypeError, ShapeError, UnknownAxisError
 from smg.hashing import canonical_text, text_key
 
 COMBINERS = ("none", "sum", "max")
@@ -44,6 +45,8 @@ class Dim:
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
             raise ValueError(f"dimension name {self.name!r} is not an identifier")
+        if isinstance(self.size, bool) or not isinstance(self.size, numbers.Real) or int(self.size) != self.size:
+            raise ShapeError(f"dimension {self.name!r} has size {self.size!r}: sizes are whole numbers")
         if int(self.size) <= 0:
             raise ShapeError(f"dimension {self.name!r} has non-positive size {self.size}")
 
@@ -55,6 +58,26 @@ class DataSpace:
     name: str
     dims: tuple[str, ...]
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype, self.name)
+
+
+#: the element types SMG ops compute in (float64: the reference's own)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "bool")
+
+
+def check_dtype(dtype: str, where: str = "") -> None:
+    """Raise ``DTypeError`` naming the problem unless ``dtype`` is one the ops compute in: every op is a
+    floating-point index expression (sums, exp, division, the online softmax's rescales), so an integer space
+    would wrap or truncate silently (an int8 GEMM of 3200 gives -128)."""
+    at = f" of {where!r}" if where else ""
+    if dtype in INTEGER_DTYPES:
+        raise DTypeError(f"dtype {dtype!r}{at}: integer types are not supported (the ops compute in floating "
+                         f"point, an integer result would wrap or truncate); use one of {', '.join(FLOAT_DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"unknown dtype {dtype!r}{at}; known: {', '.join(FLOAT_DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from smg.errors import ShapeError, UnknownAxisError, UnknownOperatorError
-from smg.ir import SMG, Access, DataSpace, Dim, Op, join_smgs
+from smg.ir import SMG, Access, DataSpace, Dim, Op, check_dtype, join_smgs
 
 #: Element-wise unary functions: sympy body templates over ``{x}``.
 UNARY: dict[str, str] = {
@@ -73,6 +73,7 @@ class Builder:
     """Collects per-operator SMGs; ``build`` joins them into one fused SMG."""
 
     def __init__(self, name: str, dtype: str = "float32") -> None:
+        check_dtype(dtype, name)  # at once: not first at random_inputs, nor wrong results from an int type
         self.name = name
         self.dtype = dtype
         self.dims: dict[str, int] = {}

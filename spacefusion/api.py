@@ -20,9 +20,10 @@ from smg.reference import check_numerics, evaluate, random_inputs
 
 
 def schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
-             step: int = 32, **options) -> Schedule:
-    """Slice ``smg`` spatially then temporally; ``options`` (``thread_dim``, ``recompute``,
-    ``hw``, ``lanes``, ``tensor_cores``, ``stages``, ``warps``) as in ``schedulers.schedule.make_schedule``."""
+             step: int | None = None, **options) -> Schedule:
+    """Slice ``smg`` spatially then temporally (``step``: default 32, or the serial dim if shorter);
+    ``options`` (``thread_dim``, ``recompute``, ``hw``, ``lanes``, ``tensor_cores``, ``stages``, ``warps``)
+    as in ``schedulers.schedule.make_schedule``."""
     return make_schedule(smg, tiles=tiles, serial=serial, step=step, **options)
 
 

@@ -81,7 +81,7 @@ def build_cmd(args: argparse.Namespace) -> int:
         if not args.workload or not args.shape:
             raise SpaceFusionError("build needs a workload and --shape, or --schedule FILE")
         g = _workload(args.workload, args.shape, args.dtype)
-        tiles = {d: t for d, t in (("m", args.tile_m), ("n", args.tile_n)) if t} or None
+        tiles = {d: t for d, t in (("m", args.tile_m), ("n", args.tile_n)) if t is not None} or None
         defaults = inspect.signature(make_schedule).parameters
         opts = {k: getattr(args, k) for k in KNOBS if getattr(args, k) != defaults[k].default}
         s = schedule(g, tiles=tiles, serial=args.serial, step=args.step, tensor_cores=args.tensor_cores, **opts)
@@ -90,6 +90,12 @@ def build_cmd(args: argparse.Namespace) -> int:
         print(f"llvm check: {_verdict(err, problem)}")
         if problem is not None:
             return 1
+    if args.target == "llvm":  # a CPU kernel is a loaded module, not an artefact to save: built and checked
+        err, problem = verify_llvm(s)
+        print(s)
+        print(f"llvm kernel built and run against the numpy reference: {_verdict(err, problem)} "
+              f"(nothing written: --out is for CUDA artefacts)")
+        return 0 if problem is None else 1
     art = build(s, args.target)
     path = art.save(args.out)
     print(s)
@@ -125,7 +131,13 @@ def tune_cmd(args: argparse.Namespace) -> int:
     else:
         runner = runners.RayRunner(address=args.ray_address)
     if args.import_results:
+        from search.runners import MANIFEST_FILE
         from search.tuner import import_offline
+
+        for need in (MANIFEST_FILE, "results.json"):
+            if not (Path(args.import_results) / need).is_file():
+                raise SpaceFusionError(f"--import-results {args.import_results}: no {need} there (an offline batch "
+                                       f"folder holds the manifest it was exported with and the GPU's results.json)")
 
         n = import_offline(args.db, args.import_results, get_hardware(hw_name))
         print(f"imported {n} records from {args.import_results}")
@@ -138,6 +150,21 @@ def tune_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _whole(least: int):
+    """An argparse type: a whole number >= ``least``, else a usage error that names the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+        return value
+
+    parse.__name__ = f"whole number >= {least}"
+    return parse
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The command line's parser, apart from running it, so the docs' command lines can be checked against it."""
     p = argparse.ArgumentParser(prog="spacefusion", description=__doc__)
@@ -146,7 +173,7 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--shape", type=int, nargs=5, default=[1, 2, 197, 197, 64],
                    metavar=("B", "H", "SQ", "SKV", "D"))
     d.add_argument("--dtype", default="float16", choices=DTYPES)
-    d.add_argument("--step", type=int, default=32)
+    d.add_argument("--step", type=_whole(1), default=32)
     d.add_argument("--out", default="spacefusion_out")
     from schedulers.schedule import make_schedule
 
@@ -156,15 +183,15 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", type=int, nargs="+", default=None)
     b.add_argument("--dtype", default="float16", choices=DTYPES)
     b.add_argument("--target", default="cuda:sm_90a")
-    b.add_argument("--tile-m", type=int, default=0, help="rows per block")
-    b.add_argument("--tile-n", type=int, default=0, help="a GEMM's output columns per block")
+    b.add_argument("--tile-m", type=_whole(1), default=None, help="rows per block (default: derived)")
+    b.add_argument("--tile-n", type=_whole(1), default=None, help="a GEMM's output columns per block")
     b.add_argument("--serial", default=None, help="the dim sliced into serial steps (default: derived)")
-    b.add_argument("--step", type=int, default=32)
+    b.add_argument("--step", type=_whole(1), default=None, help="serial step (default: 32, or the dim if shorter)")
     b.add_argument("--tensor-cores", action="store_true", help="the warp-tile kernel: mma.sync, ldmatrix, cp.async")
-    b.add_argument("--stages", type=int, default=knob["stages"], help="cp.async ring depth (tensor cores)")
-    b.add_argument("--warps", type=int, default=knob["warps"], help="warps per block (tensor cores; 0: up to 4)")
-    b.add_argument("--split", type=int, default=knob["split"], help="warp groups dividing a block's steps")
-    b.add_argument("--slices", type=int, default=knob["slices"], help="blocks dividing a row tile's steps")
+    b.add_argument("--stages", type=_whole(1), default=knob["stages"], help="cp.async ring depth (tensor cores)")
+    b.add_argument("--warps", type=_whole(0), default=knob["warps"], help="warps per block (tensor cores; 0: up to 4)")
+    b.add_argument("--split", type=_whole(1), default=knob["split"], help="warp groups dividing a block's steps")
+    b.add_argument("--slices", type=_whole(1), default=knob["slices"], help="blocks dividing a row tile's steps")
     b.add_argument("--reload-a", action="store_true", help="re-read the first GEMM's A operand every step")
     b.add_argument("--early-scores", action="store_true", help="wait for K apart from V")
     b.add_argument("--lazy-rescale", action="store_true", help="keep a reference max within ln 256")
@@ -172,7 +199,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--wgmma", action="store_true", help="a plain GEMM on Hopper's warpgroup MMA (sm_90a)")
     b.add_argument("--tma", action="store_true", help="with --wgmma: load the ring's tiles by TMA (sm_90a)")
     b.add_argument("--producer", action="store_true", help="with --tma: a producer warpgroup issues the loads")
-    b.add_argument("--persistent", type=int, default=knob["persistent"],
+    b.add_argument("--persistent", type=_whole(0), default=knob["persistent"],
                    help="with --producer: launch this many blocks, each looping over the tiles (0: one per tile)")
     b.add_argument("--pingpong", action="store_true", help="with --persistent: two MMA warpgroups on alternate tiles")
     b.add_argument("--fast-math", action="store_true", help="tanh and sigmoid on tanh.approx.f32 (16-bit outputs)")
@@ -189,10 +216,10 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--ray-address", default=None)
     t.add_argument("--import-results", default=None, help="first add an offline batch's results (its folder)")
     t.add_argument("--db", default="spacefusion_tuning.db")
-    t.add_argument("--trials", type=int, default=64)
-    t.add_argument("--batch", type=int, default=16)
-    t.add_argument("--workers", type=int, default=2)
-    t.add_argument("--iters", type=int, default=0)
+    t.add_argument("--trials", type=_whole(1), default=64)
+    t.add_argument("--batch", type=_whole(1), default=16)
+    t.add_argument("--workers", type=_whole(1), default=2)
+    t.add_argument("--iters", type=_whole(1), default=None, help="timed runs per candidate (default: the runner's)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", default=None, help="write the summary as JSON here")
     t.add_argument("--quiet", action="store_true")

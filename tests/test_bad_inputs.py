@@ -94,3 +94,16 @@ def test_importing_a_folder_without_a_batch_says_what_is_missing(tmp_path, capsy
     assert main(["tune", "attention", "--shape", "1", "2", "64", "64", "64", "--runner", "llvm", "--trials", "1",
                  "--db", str(tmp_path / "t.db"), "--import-results", str(tmp_path)]) == 2
     assert f"--import-results {tmp_path}: no manifest.json there" in capsys.readouterr().err
+
+
+def test_rmsnorm_before_a_gemm_fuses_into_one_kernel() -> None:
+    """``rmsnorm(x) @ W`` was refused ("derived update for 'O' disagrees with the exact chain"): the check
+    drew the streamed x**2 independently of x, so the sum of squares came out negative under the sqrt.  The
+    derivation itself (the GEMM on x, the row's 1/rms applied after the loop) is right: one kernel, correct."""
+    b = Builder("rms_gemm", "float32")
+    x, w = b.input("X", {"m": 64, "k": 128}), b.input("W", {"n": 64, "k": 128})
+    g = b.build(b.matmul(b.rmsnorm(x, "k"), w, reduce="k", name="O"))
+    s = schedule(g)
+    assert s.serial == "k" and dict(s.plan.finalize)["O"].count("sqrt") == 1
+    xs = random_inputs(g, seed=0)
+    assert_close(build(s, "llvm")(xs)["O"], evaluate(g, xs)["O"], "float32", reduction_length(g), "O")

@@ -5,8 +5,10 @@ candidates with the analytical model until the learned (XGBoost) model has
 records to learn from, then with the learned model; measure a batch (mostly
 the best-ranked, some at random so the learned model sees the whole space);
 store every record as it arrives; retrain; repeat until the trial budget is
-spent.  A cached best for the same tuning key is reused at once unless
-``SPACEFUSION_NO_CACHE`` is set.  Before each measured batch the learned
+spent.  The trial budget counts the key's records already in the database: a
+tune that holds ``trials`` of them reuses its best at once, and one cut short
+(killed between batches) measures only the rest when run again; with
+``SPACEFUSION_NO_CACHE`` set, ``trials`` new candidates are measured.  Before each measured batch the learned
 model's predictions are recorded, so its ranking quality is always reported
 on records it was not trained on.
 """
@@ -176,12 +178,13 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     parts = key_parts(smg, hw, target, flags)
     summary = TuneSummary(smg.name, key, None, None)
     if cache_enabled():
-        cached = db.best(key)
-        if cached is not None:
+        cached, have = db.best(key), db.count(key)
+        if cached is not None and have >= trials:
             summary.best, summary.best_result = cached
             summary.from_cache = True
             summary.wall_s = time.perf_counter() - t_start
             return summary
+        trials -= have  # a tune cut short (killed, or asked for fewer before) resumes: its records count
     space = SearchSpace(smg, hw, recompute=recompute, max_step=max_step, cuda=not target.startswith("llvm"),
                         fast_math=fast_math)
     cands = space.candidates(skip_simt=simt_veto(hw))

@@ -202,3 +202,18 @@ def test_fast_math_is_a_separate_search_and_database_key(tmp_path) -> None:
     assert db.best(key) is not None and db.best(tuning_key(g, H100, "cuda:sm_90a", _flags(False))) is None
     assert key_parts(g, H100, "cuda:sm_90a", _flags(True)) != key_parts(g, H100, "cuda:sm_90a", _flags(False))
     db.close()
+
+
+def test_a_tune_cut_short_resumes_its_remaining_trials(tmp_path, monkeypatch) -> None:
+    """A tune killed after its first batch left 4 records; run again with the same budget it measures the
+    other 4 (not 8, and not none because a best exists), then reuses the best at once."""
+    monkeypatch.delenv("SPACEFUSION_NO_CACHE", raising=False)
+    g, db = P.layernorm(32, 256), tmp_path / "t.db"
+    first = tune(g, LLVMRunner(repeats=1), target="llvm", db=db, trials=4, batch=4, progress=False)
+    assert first.measured == 4
+    rest = tune(g, LLVMRunner(repeats=1), target="llvm", db=db, trials=8, batch=4, progress=False)
+    assert not rest.from_cache and rest.measured == 4
+    with TuningDatabase(db) as d:
+        assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == 8
+    again = tune(g, LLVMRunner(repeats=1), target="llvm", db=db, trials=8, batch=4, progress=False)
+    assert again.from_cache and again.measured == 0

@@ -26,10 +26,12 @@ import json
 import math
 import os
 import re
+import socket
 import sqlite3
 import time
 import tomllib
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -395,6 +397,44 @@ class TuningDatabase:
             self._transaction(write)
         return len(rows)
 
+    # -- claims: concurrent tuners measure disjoint candidates ---------------------------
+    def claim(self, key: str, schedule_keys: Iterable[str], owner: str, ttl_s: float = 6 * 3600) -> list[str]:
+        """Of ``schedule_keys``, those ``owner`` may measure now: not measured yet and not claimed by another
+        live tuner; they are claimed for ``owner`` in the same transaction.  A claim lapses when its process
+        (``owner`` is ``host/pid/token``) is gone from this host, or after ``ttl_s``: a killed tune's
+        candidates return.  Why: two tunes on one database measured the same candidates twice."""
+        wanted, granted = list(dict.fromkeys(schedule_keys)), []
+        host = socket.gethostname()
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("CREATE TABLE IF NOT EXISTS claims (tuning_key TEXT NOT NULL, schedule_key TEXT NOT NULL, "
+                         "owner TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (tuning_key, schedule_key))")
+            now = time.time()
+            held = {}
+            for sk, who, at in conn.execute("SELECT schedule_key, owner, at FROM claims WHERE tuning_key = ?",
+                                            (key,)):
+                if who != owner and now - at < ttl_s and _alive(who, host):
+                    held[sk] = who
+            done = {r[0] for r in conn.execute("SELECT schedule_key FROM records WHERE tuning_key = ?", (key,))}
+            for sk in wanted:
+                if sk not in held and sk not in done:
+                    conn.execute("INSERT INTO claims (tuning_key, schedule_key, owner, at) VALUES (?, ?, ?, ?) "
+                                 "ON CONFLICT (tuning_key, schedule_key) DO UPDATE SET owner = excluded.owner, "
+                                 "at = excluded.at", (key, sk, owner, now))
+                    granted.append(sk)
+
+        self._transaction(write)
+        return granted
+
+    def release(self, key: str, owner: str) -> None:
+        """Drop ``owner``'s claims under ``key`` (its candidates are measured, or it gives up)."""
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("CREATE TABLE IF NOT EXISTS claims (tuning_key TEXT NOT NULL, schedule_key TEXT NOT NULL, "
+                         "owner TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (tuning_key, schedule_key))")
+            conn.execute("DELETE FROM claims WHERE tuning_key = ? AND owner = ?", (key, owner))
+
+        self._transaction(write)
+
     # -- reading -------------------------------------------------------------------------
     def _parse(self, row: tuple[Any, ...]) -> tuple[Schedule, MeasureResult]:
         rid, schedule_key, schedule_json, result_json = row
@@ -441,3 +481,24 @@ class TuningDatabase:
             return json.loads(rows[0][0])
         except ValueError as e:
             raise self._err(f"workload {key[:12]}: stored parts are not JSON ({e})") from None
+
+
+def claim_owner() -> str:
+    """A tuner's name in the claims table: this host, this process, and a token of its own (two tunes in one
+    process are two owners)."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:12]}"
+
+
+def _alive(owner: str, host: str) -> bool:
+    """Whether the process named by ``owner`` may still be measuring: on another host, assume so (the claim's
+    age decides); on this one, whether the pid exists."""
+    parts = owner.split("/")
+    if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+        return True
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -30,7 +30,7 @@ import numpy as np
 from schedulers.hardware import H100, HardwareModel
 from schedulers.schedule import Schedule
 from search.cost import estimate_us, simt_veto
-from search.database import TuningDatabase, cache_enabled, key_parts, tuning_key
+from search.database import TuningDatabase, cache_enabled, claim_owner, key_parts, tuning_key
 from search.learned import LearnedCostModel
 from search.metrics import spearman, top1_slowdown
 from search.prior import first_round_order, load_prior
@@ -200,7 +200,7 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     bar = _Progress(min(trials, len(remaining)), progress)
     held = {"analytical": ([], []), "learned": ([], [])}
     best_us = min((r.median_us for _, r in history), default=math.inf)
-    done = 0
+    done, owner = 0, claim_owner()  # a claim outlives an exception only as long as this process
     while done < trials and remaining:
         keys = list(remaining)
         if model.is_trained:
@@ -217,6 +217,14 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
         if n - len(pick) > 0 and rest:
             pick += list(rng.choice(rest, size=min(n - len(pick), len(rest)), replace=False))
         inputs = [MeasureInput(remaining[k], target) for k in pick]
+        if not db.readonly:  # another tune on this database measures what it claimed: not here as well
+            granted = set(db.claim(key, [i.key for i in inputs], owner))
+            for i in inputs:
+                if i.key not in granted:
+                    remaining.pop(i.key, None)
+            inputs = [i for i in inputs if i.key in granted]
+            if not inputs:
+                continue
         pred_learned = list(model.predict([i.schedule for i in inputs])) if model.is_trained else None
         summary.built += len(inputs)
         prebuild(inputs, workers)
@@ -245,6 +253,8 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
         if sum(r.ok for _, r in history) >= MIN_RECORDS_TO_LEARN:
             model.fit([s for s, _ in history], [r for _, r in history], [key] * len(history))
     bar.close()
+    if not db.readonly:
+        db.release(key, owner)
     best = db.best(key)
     if best is not None:
         summary.best, summary.best_result = best

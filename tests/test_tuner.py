@@ -217,3 +217,53 @@ def test_a_tune_cut_short_resumes_its_remaining_trials(tmp_path, monkeypatch) ->
         assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == 8
     again = tune(g, LLVMRunner(repeats=1), target="llvm", db=db, trials=8, batch=4, progress=False)
     assert again.from_cache and again.measured == 0
+
+
+class _SlowRunner:
+    """Measures nothing: a fixed latency per schedule after a pause, so that two tunes overlap in time."""
+
+    name = "fake"
+
+    def measure(self, inputs: list) -> list[MeasureResult]:
+        import time as _time
+
+        _time.sleep(0.05)
+        return [MeasureResult(i.key, i.target, (float(int(i.key[:6], 16) % 97 + 1),), 0.0) for i in inputs]
+
+
+def test_claims_keep_concurrent_tuners_apart(tmp_path) -> None:
+    """A candidate another live tuner claimed is not handed out again; a claim lapses with its process."""
+    from search.database import claim_owner
+
+    g = P.layernorm(32, 256)
+    key = tuning_key(g, H100, "llvm", COMPILE_FLAGS)
+    with TuningDatabase(tmp_path / "t.db") as db:
+        a, b = claim_owner(), claim_owner()
+        assert db.claim(key, ["s1", "s2", "s3"], a) == ["s1", "s2", "s3"]
+        assert db.claim(key, ["s2", "s3", "s4"], b) == ["s4"]
+        db.release(key, a)
+        assert db.claim(key, ["s2"], b) == ["s2"]
+        gone = claim_owner().split("/")[0] + "/999999999/dead"  # no such pid on this host
+        assert db.claim(key, ["s5"], gone) == ["s5"] and db.claim(key, ["s5"], a) == ["s5"]
+
+
+def test_two_tunes_on_one_database_measure_disjoint_candidates(tmp_path, monkeypatch) -> None:
+    """Two tunes at once, 8 trials each: 16 distinct records (before claims, 2 x 16 measurements left 22)."""
+    import threading
+
+    monkeypatch.delenv("SPACEFUSION_NO_CACHE", raising=False)
+    g, db = P.layernorm(32, 256), tmp_path / "t.db"
+    TuningDatabase(db).close()
+    out: list = []
+
+    def run() -> None:
+        out.append(tune(g, _SlowRunner(), target="llvm", db=db, trials=8, batch=4, progress=False))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    with TuningDatabase(db) as d:
+        assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == sum(s.measured for s in out)
+    assert all(s.measured > 0 for s in out), [s.measured for s in out]

@@ -94,10 +94,11 @@ def test_levels_colour_and_annotate_data_spaces() -> None:
 
 
 def test_text_is_escaped() -> None:
-    """Names are identifiers via the Builder, but the SMG name, op kinds, dtypes and levels are free text."""
+    """Names are identifiers via the Builder, but the SMG name, op kinds and levels are free text (dtypes are
+    checked where a space is made)."""
     weird = 'a<b & "c">'
     g = SMG(name=weird, dims=(Dim("m", 4),),
-            spaces=(DataSpace("x<&>", ("m",), dtype="f<&>"), DataSpace("y", ("m",))),
+            spaces=(DataSpace("x<&>", ("m",), dtype="float16"), DataSpace("y", ("m",))),
             ops=(Op(weird, "y", ("m",), (Access("x<&>", ("m",)),), "x"),), outputs=("y",))
     svg = smg_svg(g, levels={"x<&>": "<lvl&>", "y": "global"}, title=weird)
     root = parse(svg)

@@ -135,8 +135,13 @@ class Linear:
     stored_kn: bool = False  # the weight lies as [k, n] (GPT-2's Conv1D), not nn.Linear's [n, k]
 
 
+def param_tensor(gm: fx.GraphModule, ref: str) -> torch.Tensor:
+    """The parameter or buffer ``ref`` of ``gm`` (a lifted weight is either)."""
+    return gm.get_parameter(ref) if ref in dict(gm.named_parameters()) else gm.get_buffer(ref)
+
+
 def _param_shape(gm: fx.GraphModule, ref: str) -> tuple[int, ...]:
-    return tuple(gm.get_parameter(ref).shape if ref in dict(gm.named_parameters()) else gm.get_buffer(ref).shape)
+    return tuple(param_tensor(gm, ref).shape)
 
 
 def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:

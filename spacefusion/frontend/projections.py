@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from spacefusion.frontend.graph import is_function, linear_of, row_view, shape, single_user
+from spacefusion.frontend.graph import is_function, linear_of, param_tensor, row_view, shape, single_user
 
 
 def split_columns(node: fx.Node) -> tuple[fx.Node | None, fx.Node, list[fx.Node]] | None:
@@ -56,8 +56,8 @@ def split_projections(gm: fx.GraphModule) -> int:
             continue
         view, sp, items = found
         t = len(items)
-        w = _tensor(gm, lin.weight)
-        b = None if lin.bias is None else _tensor(gm, lin.bias)
+        w = param_tensor(gm, lin.weight)
+        b = None if lin.bias is None else param_tensor(gm, lin.bias)
         with gm.graph.inserting_before(node):
             for i, item in enumerate(items):
                 w_i = _constant(gm, f"{lin.weight}__cols{i}of{t}", w.detach().chunk(t, dim=1 if addmm else 0)[i])
@@ -75,10 +75,6 @@ def split_projections(gm: fx.GraphModule) -> int:
     if done:
         gm.recompile()
     return done
-
-
-def _tensor(gm: fx.GraphModule, ref: str) -> torch.Tensor:
-    return gm.get_parameter(ref) if ref in dict(gm.named_parameters()) else gm.get_buffer(ref)
 
 
 def _constant(gm: fx.GraphModule, ref: str, value: torch.Tensor) -> fx.Node:

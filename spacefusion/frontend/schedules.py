@@ -9,9 +9,6 @@ from schedulers.schedule import Schedule, make_schedule, pick_serial
 from schedulers.spatial import analyse_spatial
 from smg.ir import SMG
 
-#: the serial step of a default schedule (capped at the serial dim's size)
-DEFAULT_STEP = 32
-
 ScheduleFor = Callable[[SMG], Schedule]
 
 
@@ -19,7 +16,7 @@ def default_schedule(smg: SMG) -> Schedule:
     """``make_schedule``'s defaults (64 threads along the output's innermost cut dim, the serial dim the
     slicer picks) with a step no longer than that dim: a correct kernel for any shape, not a fast one."""
     serial = pick_serial(smg, analyse_spatial(smg))
-    return make_schedule(smg, serial=serial, step=min(DEFAULT_STEP, smg.dim_sizes[serial]))
+    return make_schedule(smg, serial=serial)  # make_schedule's default step is capped at the serial dim
 
 
 def from_database(db, hw: HardwareModel = H100, target: str = "llvm",

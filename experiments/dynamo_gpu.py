@@ -193,8 +193,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             nog = spacefusion.compile(model, target=backend, mode="max-autotune-no-cudagraphs")
             systems["spacefusion"] = nog
             if tune_trials:  # every distinct SMG measured on this GPU; the best of each built apart
-                from search.runners import LocalGPURunner
                 from spacefusion.frontend.tune import tune_partitions
+                from spacefusion.runners import LocalGPURunner
 
                 t = time.perf_counter()
                 report = tune_partitions(sf.spacefusion.partitions, LocalGPURunner(), db, trials=tune_trials,

@@ -1,7 +1,7 @@
 """Tune every distinct fused subgraph of issue 18's models into one database (part 2's CPU half).
 
 ``--runner llvm`` measures on this CPU (small configs: ``--layers``, ``--tiny``); ``--runner offline``
-exports one batch per subgraph under ``--out`` for the GPU machine (``experiments/measure_batch.py`` on each
+exports one batch per subgraph under ``--out`` for the GPU machine (``spacefusion-measure`` on each
 folder) and picks the results up when run again.  The total tuning time is printed.
 
     python experiments/e2e_tune.py --model bert128 --runner offline --out batches/ --db e2e.db --trials 16
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from schedulers.hardware import get_hardware
-from search import runners
+from spacefusion import runners
 from spacefusion.frontend import capture, partition
 from spacefusion.frontend.tune import tune_partitions
 from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel

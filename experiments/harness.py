@@ -50,10 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the shared loader
-from gpu_runtime import compare_tensors, load_file, runtime_module, tolerance_module  # noqa: E402
-
-HARDWARE_FILE = REPO_ROOT / "schedulers" / "hardware.py"
-HARDWARE_MOD = "_spacefusion_hardware"
+from gpu_runtime import compare_tensors, runtime_module, tolerance_module  # noqa: E402
 
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
@@ -234,7 +231,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ---- loading the runtime and the hardware model by file path ---------------------------------------
+# ---- the hardware model ----------------------------------------------------------------------------
 
 
 
@@ -242,8 +239,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def load_hardware_module() -> ModuleType:
-    """schedulers/hardware.py (stdlib only) by file path, so the ``schedulers`` package is never imported."""
-    return load_file(HARDWARE_MOD, HARDWARE_FILE)
+    """``schedulers.hardware`` (stdlib only: it imports none of the schedulers' sympy or islpy)."""
+    import importlib
+
+    return importlib.import_module("schedulers.hardware")
 
 
 def hardware_info(dtype: str = "float16") -> dict[str, Any]:

@@ -5,12 +5,11 @@ Usage (from the repo root):
     python experiments/run_artefacts_gpu.py ARTEFACT_DIR [ARTEFACT_DIR ...] --out results.json
 
 For each artefact: seeded random inputs, a float32 torch reference, one launch checked against it
-(smg/tolerance.py's rule, loaded by file path), and, only if it matches, timings of the kernel and of torch
+(smg/tolerance.py's rule), and, only if it matches, timings of the kernel and of torch
 baselines measured in the same process; after the timed launches, one more launch on fresh inputs is checked
 too (state kept between launches).
 
-The runtime is loaded from its file path as a private package (``_spacefusion_runtime``), so the
-top-level ``spacefusion`` package, and whatever heavy dependencies it imports, is never touched.
+The runtime is imported as the package ``spacefusion.runtime``, which needs no TVM, islpy or xgboost.
 """
 
 from __future__ import annotations

@@ -120,8 +120,8 @@ def build(art: Path, keys: list[str], trials: int, workers: int) -> int:
 
     from schedulers.hardware import H100
     from search.cost import estimate_us
-    from search.runners import OfflineBatchRunner
     from search.tuner import tune
+    from spacefusion.runners import OfflineBatchRunner
 
     art.mkdir(parents=True, exist_ok=True)
     for k in keys:
@@ -317,6 +317,7 @@ def records(art: Path, results: Path, out: Path) -> int:
     from search.database import tuning_key
     from search.records import MeasureResult
     from search.tuner import _flags
+    from spacefusion.runners import TVMBuilder
 
     data = json.loads(results.read_text())
     rows_out = []
@@ -324,7 +325,7 @@ def records(art: Path, results: Path, out: Path) -> int:
         k = e["shape"]["key"]
         scheds = {c["schedule_key"]: c["schedule"] for c in json.loads((art / k / "manifest.json").read_text())
                   ["candidates"]}
-        key = tuning_key(smg_of(BY_KEY[k]), H100, "cuda:sm_90a", _flags(False))
+        key = tuning_key(smg_of(BY_KEY[k]), H100, "cuda:sm_90a", _flags(TVMBuilder(), False))
         for r in e["rows"]:
             if r["system"] != "spacefusion" or r.get("status") != "ok":
                 continue

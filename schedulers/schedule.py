@@ -515,8 +515,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"({sizes[padded[0]]}): only a warp-tile program's row tile may pad its dim to whole "
                             f"MMA row tiles")
     if tensor_cores:
+        from schedulers.tensorcore_fit import tensorcore_reason
         from schedulers.warp_tile import warp_tile_reason
-        from spacefusion.lower.tensorcore import tensorcore_reason
 
         if out.warp_tile is None:  # the warp-tile reading is tried first (cached on the Schedule)
             warp = warp_tile_reason(out)

@@ -1,5 +1,6 @@
-"""What the tuner measures and remembers: the records shared by runners, the
-database and the learned cost model.
+"""What the tuner measures and remembers, and the interfaces it measures through: the records
+shared by runners, the database and the learned cost model; the ``Builder`` and ``Runner`` protocols
+whose implementations (TVM, a GPU) live above this layer and are handed to the tuner.
 
 A ``MeasureInput`` is a schedule and a target; a ``MeasureResult`` is what a
 runner observed (numerics first, then timings).  Both are plain, frozen and
@@ -12,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from schedulers.schedule import Schedule
+if TYPE_CHECKING:  # only a type here: the GPU runtime reads records without importing the schedulers
+    from schedulers.schedule import Schedule
 
 RECORD_FORMAT = "spacefusion-record/1"
 
@@ -98,4 +100,25 @@ class Runner(Protocol):
 
     def measure(self, inputs: list[MeasureInput]) -> list[MeasureResult]:
         """One result per input, in order; a failure is a result with ``error``, not an exception."""
+        ...
+
+
+class Builder(Protocol):
+    """Lowers schedules to something a runner can check and time (an implementation: TVM's, in
+    ``spacefusion.runners.builder``); the tuner calls it only through this interface."""
+
+    name: str
+    #: compile flags that decide a result besides the schedule: part of every tuning key
+    flags: tuple[str, ...]
+
+    def build(self, schedule: Schedule, target: str) -> Any:
+        """The built candidate (a CPU callable, or a CUDA artefact with ``save``); raises if it cannot lower."""
+        ...
+
+    def target_kind(self, target: str) -> str:
+        """``"llvm"`` or ``"cuda"`` for a target string; ValueError naming an unknown one."""
+        ...
+
+    def prebuild(self, inputs: list[MeasureInput], workers: int) -> float:
+        """Build ``inputs`` ahead of measuring (e.g. in parallel into a cache); seconds spent."""
         ...

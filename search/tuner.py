@@ -11,16 +11,18 @@ tune that holds ``trials`` of them reuses its best at once, and one cut short
 ``SPACEFUSION_NO_CACHE`` set, ``trials`` new candidates are measured.  Before each measured batch the learned
 model's predictions are recorded, so its ranking quality is always reported
 on records it was not trained on.
+
+The tuner lowers and measures only through the ``Builder`` and ``Runner``
+interfaces of ``search.records``; the implementations (TVM, the GPU runtime)
+live in ``spacefusion.runners``, so this layer never imports them.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from search.database import TuningDatabase, cache_enabled, claim_owner, key_part
 from search.learned import LearnedCostModel
 from search.metrics import spearman, top1_slowdown
 from search.prior import first_round_order, load_prior
-from search.records import MeasureInput, MeasureResult, Runner
+from search.records import Builder, MeasureInput, MeasureResult, Runner
 from search.space import SearchSpace, SpaceReport
 from smg.ir import SMG
 
@@ -109,31 +111,6 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _prebuild_one(args: tuple[str, str, str]) -> str | None:
-    """Worker: lower one candidate and compile its cubin into the content-hashed cache."""
-    schedule_json, target, folder = args
-    from spacefusion.api import build
-
-    try:
-        build(Schedule.from_json(schedule_json), target).save(folder)
-        return None
-    except Exception as exc:  # reported by the runner when it builds the same candidate
-        return f"{type(exc).__name__}: {exc}"
-
-
-def prebuild(inputs: list[MeasureInput], workers: int) -> float:
-    """Build CUDA candidates in parallel processes (``import tvm`` is 1.6 s, nvcc 1.3 s per kernel):
-    the cubins land in the content-hashed cache, so the runner's own build is a cache hit."""
-    cuda = [i for i in inputs if i.target.startswith(("cuda", "sm_"))]
-    if not cuda or workers <= 1:
-        return 0.0
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(workers) as pool:
-        jobs = [(i.schedule.to_json(), i.target, os.path.join(tmp, i.key)) for i in cuda]
-        list(pool.map(_prebuild_one, jobs))
-    return time.perf_counter() - t0
-
-
 def _quality(pred: list[float], measured: list[float]) -> dict[str, float]:
     ok = [(p, m) for p, m in zip(pred, measured) if math.isfinite(m)]
     if len(ok) < 2:
@@ -146,34 +123,39 @@ def _quality(pred: list[float], measured: list[float]) -> dict[str, float]:
 def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
          db: TuningDatabase | str | Path | None = None, trials: int = 64, batch: int = 16, explore: float = 0.25,
          seed: int = 0, workers: int = 2, progress: bool = True, recompute: bool = False,
-         max_step: int | None = None, fast_math: bool = False, use_prior: bool = True) -> TuneSummary:
+         max_step: int | None = None, fast_math: bool = False, use_prior: bool = True,
+         builder: Builder | None = None) -> TuneSummary:
     """Find a fast schedule of ``smg`` on ``runner``; see the module docstring.  ``fast_math`` lets
     tensor-core candidates compute tanh and logistics on tanh.approx (``Schedule.fast_math``); it is
     part of the database key, so approximate and exact results never stand in for each other.
     ``use_prior`` breaks the analytical model's ties in the first round with the ranker learned from
-    the committed measurements of ``hw`` (``search.prior``), where there is one."""
+    the committed measurements of ``hw`` (``search.prior``), where there is one.  ``builder`` lowers the
+    candidates (prebuilt in ``workers`` processes) and its flags key the database; by default the runner's
+    own (``runner.builder``), as every runner of ``spacefusion.runners`` has one."""
+    builder = builder if builder is not None else getattr(runner, "builder", None)
+    if builder is None:
+        raise TypeError(f"tune needs a builder: pass builder=..., or a runner with a .builder "
+                        f"({type(runner).__name__} has none)")
     t_start = time.perf_counter()
     own_db = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db if db is not None else Path(tempfile.mkdtemp()) / "tuning.db") if own_db else db
     try:
-        return _tune(smg, runner, hw, target, database, trials, batch, explore, seed, workers, progress,
+        return _tune(smg, runner, builder, hw, target, database, trials, batch, explore, seed, workers, progress,
                      recompute, max_step, t_start, fast_math, use_prior)
     finally:
         if own_db:
             database.close()
 
 
-def _flags(fast_math: bool) -> tuple[str, ...]:
-    """What besides the schedule decides a tuning result: the compile flags, and fast_math's numerics."""
-    from spacefusion.lower.build import COMPILE_FLAGS
-
-    return (*COMPILE_FLAGS, *(("fast_math",) if fast_math else ()))
+def _flags(builder: Builder, fast_math: bool) -> tuple[str, ...]:
+    """What besides the schedule decides a tuning result: the builder's flags, and fast_math's numerics."""
+    return (*builder.flags, *(("fast_math",) if fast_math else ()))
 
 
-def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDatabase, trials: int, batch: int,
-          explore: float, seed: int, workers: int, progress: bool, recompute: bool, max_step: int | None,
-          t_start: float, fast_math: bool = False, use_prior: bool = True) -> TuneSummary:
-    flags = _flags(fast_math)
+def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target: str, db: TuningDatabase,
+          trials: int, batch: int, explore: float, seed: int, workers: int, progress: bool, recompute: bool,
+          max_step: int | None, t_start: float, fast_math: bool = False, use_prior: bool = True) -> TuneSummary:
+    flags = _flags(builder, fast_math)
     key = tuning_key(smg, hw, target, flags)
     parts = key_parts(smg, hw, target, flags)
     summary = TuneSummary(smg.name, key, None, None)
@@ -227,7 +209,7 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
                 continue
         pred_learned = list(model.predict([i.schedule for i in inputs])) if model.is_trained else None
         summary.built += len(inputs)
-        prebuild(inputs, workers)
+        builder.prebuild(inputs, workers)
         results = runner.measure(inputs)
         pending = [r for r in results if dict(r.meta).get("pending")]
         if pending:
@@ -263,38 +245,6 @@ def _tune(smg: SMG, runner: Runner, hw: HardwareModel, target: str, db: TuningDa
     summary.learned = _quality(*held["learned"])
     summary.wall_s = time.perf_counter() - t_start
     return summary
-
-
-def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: HardwareModel = H100) -> int:
-    """Add the records of an offline batch (its manifest + the GPU script's results.json) to ``db``.
-
-    The schedules come from the manifest, so a batch can be imported whatever ranking chose it.
-    """
-    import json
-
-    from search.runners import MANIFEST_FILE, import_batch
-
-    folder = Path(folder)
-    manifest = json.loads((folder / MANIFEST_FILE).read_text())
-    by_key = {c["schedule_key"]: c for c in manifest["candidates"]}
-    # a batch exported by a fast_math tune holds fast_math candidates: its records go under that key
-    flags = _flags(any(c["schedule"].get("fast_math") for c in manifest["candidates"]))
-    own = not isinstance(db, TuningDatabase)
-    database = TuningDatabase(db) if own else db
-    try:
-        n = 0
-        for res in import_batch(folder / "results.json"):
-            entry = by_key.get(res.schedule_key)
-            if entry is None:
-                raise ValueError(f"{folder}: result for {res.schedule_key[:12]} has no manifest entry")
-            sched = Schedule.from_json(json.dumps(entry["schedule"]))
-            key = tuning_key(sched.smg, hw, res.target, flags)
-            database.add(key, sched, res, key_parts(sched.smg, hw, res.target, flags))
-            n += 1
-        return n
-    finally:
-        if own:
-            database.close()
 
 
 def summary_dict(s: TuneSummary) -> dict[str, Any]:

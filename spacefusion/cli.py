@@ -112,8 +112,8 @@ def tune_cmd(args: argparse.Namespace) -> int:
     import json
 
     from schedulers.hardware import get_hardware
-    from search import runners
     from search.tuner import summary_dict, tune
+    from spacefusion import runners
 
     if args.target not in TARGETS:
         raise SpaceFusionError(f"unknown target {args.target!r}; known: {sorted(TARGETS)}")
@@ -131,8 +131,7 @@ def tune_cmd(args: argparse.Namespace) -> int:
     else:
         runner = runners.RayRunner(address=args.ray_address)
     if args.import_results:
-        from search.runners import MANIFEST_FILE
-        from search.tuner import import_offline
+        from spacefusion.runners import MANIFEST_FILE, import_offline
 
         for need in (MANIFEST_FILE, "results.json"):
             if not (Path(args.import_results) / need).is_file():
@@ -228,12 +227,23 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: what ``spacefusion[tvm]`` brings; the core (IR, reference, GPU runtime) runs without them
+COMPILER_MODULES = frozenset({"tvm", "tvm_ffi", "islpy", "xgboost", "tqdm"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         return {"demo": demo, "build": build_cmd, "tune": tune_cmd}[args.cmd](args)
     except (SpaceFusionError, KeyError) as e:
         print(f"spacefusion: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name not in COMPILER_MODULES:
+            raise
+        print(f"spacefusion: error: {args.cmd} needs the compiler, and {e.name!r} is not installed: "
+              f"pip install 'spacefusion[tvm]' (a GPU machine that only measures needs 'spacefusion[gpu]' "
+              f"and the spacefusion-measure command)", file=sys.stderr)
         return 2
 
 

@@ -107,3 +107,14 @@ def test_rmsnorm_before_a_gemm_fuses_into_one_kernel() -> None:
     assert s.serial == "k" and dict(s.plan.finalize)["O"].count("sqrt") == 1
     xs = random_inputs(g, seed=0)
     assert_close(build(s, "llvm")(xs)["O"], evaluate(g, xs)["O"], "float32", reduction_length(g), "O")
+
+
+def test_a_core_install_without_the_compiler_names_the_extra(monkeypatch, capsys, tmp_path) -> None:
+    """The core install (IR, reference, GPU runtime) has no TVM: a command that lowers says which extra
+    brings it, instead of a ModuleNotFoundError traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tvm", None)  # as after ``pip install spacefusion`` without [tvm]
+    assert main(["build", "gemm", "--shape", "8", "8", "8", "--target", "llvm", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "build needs the compiler, and 'tvm' is not installed: pip install 'spacefusion[tvm]'" in err

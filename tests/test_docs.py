@@ -80,9 +80,9 @@ def test_command_lines_parse(path: Path) -> None:
 
 def test_readme_starts_with_the_ci_commands() -> None:
     """.ci/run runs exactly these two lines; the README shows them first."""
-    assert blocks(README, "bash")[0] == 'pip install -e ".[test,ray]" && spacefusion demo\npython -m pytest tests\n'
+    assert blocks(README, "bash")[0] == 'pip install -e ".[tvm,test,ray]" && spacefusion demo\npython -m pytest tests\n'
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -e ".[test,ray]" && spacefusion demo' in ci and "python -m pytest tests" in ci
+    assert 'pip install -e ".[tvm,test,ray]" && spacefusion demo' in ci and "python -m pytest tests" in ci
 
 
 def test_readme_is_short() -> None:

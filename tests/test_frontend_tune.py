@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from search.database import TuningDatabase
-from search.runners import LLVMRunner
 from smg import patterns
 from spacefusion.frontend import LLVMBackend, capture, fuse, partition
 from spacefusion.frontend.schedules import default_schedule, from_database
 from spacefusion.frontend.tune import tune_partitions
+from spacefusion.runners import LLVMRunner
 
 
 class _Block(nn.Module):

@@ -2,45 +2,43 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
 from schedulers.schedule import Schedule, make_schedule
-from search import runners
 from search.records import MeasureInput, MeasureResult
-from search.runners import (
+from smg.patterns import layernorm
+from smg.reference import check_numerics, evaluate, random_inputs, reduction_length
+from smg.serialize import smg_from_dict
+from smg.tolerance import rms, scale, tolerance
+from smg.workloads import gemm, mha
+from spacefusion.runners import (
     LLVMRunner,
     LocalGPURunner,
     OfflineBatchRunner,
     RayRunner,
-    check_numerics,
+    TVMBuilder,
     export_batch,
     import_batch,
 )
-from smg.patterns import layernorm
-from smg.reference import evaluate, random_inputs, reduction_length
-from smg.serialize import smg_from_dict
-from smg.tolerance import rms, scale, tolerance
-from smg.workloads import gemm, mha
+from spacefusion.runtime import batch as gpu_batch
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "experiments" / "measure_batch.py"
 
 
-def _load_script() -> ModuleType:
-    """experiments/measure_batch.py as a module (it is a script, not part of a package)."""
-    spec = importlib.util.spec_from_file_location("_measure_batch_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+class _Builder(TVMBuilder):
+    """TVM's builder with its ``build`` replaced: how a test hands the runner a wrong or failing kernel."""
+
+    def __init__(self, build) -> None:
+        self._build = build
+
+    def build(self, schedule, target):
+        return self._build(schedule, target)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +69,9 @@ def test_llvm_runner_checks_and_times_in_input_order(schedules, llvm_results) ->
         assert MeasureResult.from_dict(json.loads(r.to_json())) == r  # JSON round trip, as the database stores it
 
 
-def test_wrong_kernel_is_caught_before_timing(monkeypatch, schedules) -> None:
+def test_wrong_kernel_is_caught_before_timing(schedules) -> None:
     calls = []
-    real = runners.build_candidate
+    real = TVMBuilder().build
 
     def off_by_one(s, target):
         kern = real(s, target)
@@ -84,16 +82,15 @@ def test_wrong_kernel_is_caught_before_timing(monkeypatch, schedules) -> None:
 
         return wrong
 
-    monkeypatch.setattr(runners, "build_candidate", off_by_one)
-    (r,) = LLVMRunner(repeats=3).measure([MeasureInput(schedules[0], "llvm")])
+    (r,) = LLVMRunner(repeats=3, builder=_Builder(off_by_one)).measure([MeasureInput(schedules[0], "llvm")])
     assert r.error is not None and r.error.startswith("numerics: output 'C': 1024 of 1024 elements over"), r.error
     assert "atol + rtol*|ref|" in r.error and r.latencies_us == () and not r.ok
     assert r.max_abs_err == pytest.approx(1.0, abs=1e-4)
     assert len(calls) == 1  # checked once, never warmed up or timed
 
 
-def test_build_failure_is_a_result_and_the_others_are_measured(monkeypatch, schedules) -> None:
-    real = runners.build_candidate
+def test_build_failure_is_a_result_and_the_others_are_measured(schedules) -> None:
+    real = TVMBuilder().build
     bad = schedules[1].key
 
     def flaky(s, target):
@@ -101,9 +98,8 @@ def test_build_failure_is_a_result_and_the_others_are_measured(monkeypatch, sche
             raise RuntimeError("simulated lowering failure")
         return real(s, target)
 
-    monkeypatch.setattr(runners, "build_candidate", flaky)
     inputs = [MeasureInput(s, "llvm") for s in schedules[:2]] + [MeasureInput(schedules[0], "cuda:sm_90a")]
-    ok, failed, wrong_target = LLVMRunner(repeats=2).measure(inputs)
+    ok, failed, wrong_target = LLVMRunner(repeats=2, builder=_Builder(flaky)).measure(inputs)
     assert ok.ok
     assert failed.error == "build: RuntimeError: simulated lowering failure" and failed.latencies_us == ()
     assert wrong_target.error is not None and wrong_target.error.startswith("target:")
@@ -196,30 +192,32 @@ def test_export_batch_writes_manifest_and_artefacts(batch) -> None:
         assert Schedule.from_json(json.dumps(c["schedule"])).key == inp.key
 
 
-def test_measure_batch_rejects_a_bad_manifest(tmp_path, capsys) -> None:
-    script = _load_script()
-    assert script.main([str(tmp_path)]) == 2
+def test_measure_command_rejects_a_bad_manifest(tmp_path, capsys) -> None:
+    assert gpu_batch.main([str(tmp_path)]) == 2
+    assert "no manifest" in capsys.readouterr().err
     (tmp_path / "manifest.json").write_text('{"format": "something-else"}')
-    assert script.main([str(tmp_path)]) == 2
+    assert gpu_batch.main([str(tmp_path)]) == 2
     assert "expected 'spacefusion-batch/1'" in capsys.readouterr().err
 
 
-def test_measure_batch_never_imports_tvm_spacefusion_or_search(batch) -> None:
-    """The GPU machine has no TVM: the script's reference path and runtime loading stay clear of it."""
+def test_gpu_runtime_never_imports_tvm_or_the_compiler(batch) -> None:
+    """The GPU machine has no TVM, islpy or xgboost: the batch command's reference path and the runtime,
+    imported as the installed package, stay clear of them and of the layers that use them."""
     folder, _ = batch
     code = f"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("mb", {str(SCRIPT)!r})
-mb = importlib.util.module_from_spec(spec); spec.loader.exec_module(mb)
-manifest = mb.load_manifest(__import__("pathlib").Path({str(folder)!r}))
+import json, sys
+from pathlib import Path
+from spacefusion.runtime import batch as mb, gpu, timing
+from spacefusion.runtime.artefact import KernelArtefact
+manifest = mb.load_manifest(Path({str(folder)!r}))
 c = manifest["candidates"][0]
 smg, x, ref = mb.References().get(c["workload"], c["seed"])
 from smg.reference import check_numerics
 assert check_numerics(smg, ref, ref) == (0.0, None)
-mb.runtime_module("artefact").KernelArtefact.load({str(folder)!r} + "/" + c["artefact"])
-mb.runtime_module("timing"); mb.runtime_module("gpu")
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("tvm", "tvm_ffi", "islpy", "spacefusion", "search",
-                                                              "schedulers", "xgboost"))
+KernelArtefact.load({str(folder)!r} + "/" + c["artefact"])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("tvm", "tvm_ffi", "islpy", "schedulers", "xgboost")
+               or m.startswith(("spacefusion.lower", "spacefusion.frontend", "spacefusion.api", "spacefusion.runners",
+                                "search.tuner", "search.database", "search.space")))
 print(json.dumps(heavy))
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
@@ -227,37 +225,34 @@ print(json.dumps(heavy))
     assert json.loads(res.stdout) == []
 
 
-def test_measure_batch_numerics_match_the_runners() -> None:
-    """The GPU script and the runners share one check (smg.reference.check_numerics)."""
-    assert "def check_numerics" not in SCRIPT.read_text()
-    assert "from smg.reference import check_numerics" in SCRIPT.read_text()
-    g = gemm(8, 8, 4)  # float32
-    ref = evaluate(g, random_inputs(g, 1))
-    assert check_numerics(g, ref, {"C": ref["C"]}) == (0.0, None)
-    assert check_numerics(g, ref, {"C": ref["C"].astype(np.float32)})[1] is None  # rounded to the output dtype
-    err, problem = check_numerics(g, ref, {"C": ref["C"] + 3e-3})
-    assert err == pytest.approx(3e-3) and problem.startswith("numerics: output 'C': 64 of 64 elements over")
-    assert "non-finite" in check_numerics(g, ref, {"C": ref["C"] + np.nan})[1]
+def test_measure_command_is_installed() -> None:
+    """``spacefusion-measure`` is a console script of the package (what OfflineBatchRunner names)."""
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == gpu_batch.COMMAND]
+    assert ep.value == "spacefusion.runtime.batch:main"
+    assert OfflineBatchRunner("b").command().startswith(f"{gpu_batch.COMMAND} b --out ")
 
 
-def _script_results(script: ModuleType, inputs: list[MeasureInput], path: Path) -> None:
-    """A results file exactly as measure_batch.py writes it (without needing a GPU)."""
+def _gpu_results(inputs: list[MeasureInput], path: Path) -> None:
+    """A results file as the GPU command writes it (its records, without needing a GPU)."""
     rows = []
     for i, inp in enumerate(inputs):
-        entry = {"schedule_key": inp.key, "target": inp.target}
         if i % 2:
-            rows.append(script.record(entry, error="numerics: output 'C': 3 of 1024 elements over atol + rtol*|ref|",
-                                      max_abs_err=0.5, meta={"runner": "measure_batch"}))
+            rows.append(MeasureResult(inp.key, inp.target, (), 0.5,
+                                      "numerics: output 'C': 3 of 1024 elements over atol + rtol*|ref|",
+                                      (("runner", gpu_batch.RUNNER),)))
         else:
-            rows.append(script.record(entry, [12.5 + i], 1e-6, None, {"runner": "measure_batch", "p10_us": 12.0}))
-    path.write_text(json.dumps({"format": script.RESULTS_FORMAT, "device": "fake", "results": rows}))
+            rows.append(MeasureResult(inp.key, inp.target, (12.5 + i,), 1e-6, None,
+                                      (("p10_us", 12.0), ("runner", gpu_batch.RUNNER))))
+    path.write_text(json.dumps({"format": gpu_batch.RESULTS_FORMAT, "device": "fake",
+                                "results": [r.to_dict() for r in rows]}))
 
 
 def test_import_batch_round_trip_and_collect_order(tmp_path, batch) -> None:
-    script = _load_script()
     _, inputs = batch
     path = tmp_path / "results.json"
-    _script_results(script, inputs, path)
+    _gpu_results(inputs, path)
     got = import_batch(path)
     assert [(r.schedule_key, r.target) for r in got] == [(i.key, i.target) for i in inputs]
     assert got[0].ok and got[0].median_us == 12.5 and dict(got[0].meta)["p10_us"] == 12.0
@@ -282,15 +277,14 @@ def test_import_batch_rejects_malformed_files(tmp_path, text, match) -> None:
 
 
 def test_offline_runner_exports_then_picks_up_results(tmp_path, schedules) -> None:
-    script = _load_script()
     runner = OfflineBatchRunner(tmp_path / "b", cubin=False)
     inputs = [MeasureInput(s, "cuda:sm_90a") for s in schedules[:2]]
     pending = runner.measure(inputs)
     assert all(not r.ok and dict(r.meta)["pending"] for r in pending)
-    assert pending[0].error.startswith(f"pending: exported 2 candidates to {tmp_path / 'b'}; run "
-                                       "experiments/measure_batch.py there and import the results")
+    assert pending[0].error.startswith(f"pending: exported 2 candidates to {tmp_path / 'b'}; measure them on the "
+                                       f"GPU machine and import the results (spacefusion-measure {tmp_path / 'b'}")
     assert (tmp_path / "b" / "manifest.json").is_file()
-    _script_results(script, inputs, runner.results_path)  # what the GPU machine sends back
+    _gpu_results(inputs, runner.results_path)  # what the GPU machine sends back
     done = runner.measure(inputs)
     assert [r.schedule_key for r in done] == [i.key for i in inputs] and done[0].ok
 

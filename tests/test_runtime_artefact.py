@@ -246,7 +246,7 @@ def test_runtime_imports_no_heavy_dependencies() -> None:
     assert not any(loaded.values()), loaded
 
 
-def test_gpu_script_loads_runtime_by_file_path() -> None:
+def test_gpu_script_imports_runtime_as_the_package() -> None:
     script = REPO_ROOT / "experiments" / "run_artefacts_gpu.py"
     loaded = _modules_after(
         "import importlib.util, sys\n"
@@ -254,8 +254,9 @@ def test_gpu_script_loads_runtime_by_file_path() -> None:
         "mod = sys.modules['run_artefacts_gpu'] = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(mod)\n"
         "gpu = mod.runtime_module('gpu'); mod.runtime_module('timing')\n"
-        "assert gpu.CudaKernel.__module__ == '_spacefusion_runtime.gpu'\n"
-        "assert not any(m == 'spacefusion' or m.startswith('spacefusion.') for m in sys.modules)"
+        "assert gpu.CudaKernel.__module__ == 'spacefusion.runtime.gpu'\n"
+        "assert not any(m.startswith(('spacefusion.lower', 'spacefusion.frontend', 'spacefusion.api')) "
+        "for m in sys.modules)"
     )
     assert not any(loaded.values()), loaded
 

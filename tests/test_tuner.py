@@ -14,13 +14,13 @@ from schedulers.schedule import make_schedule
 from search.cost import estimate
 from search.database import DatabaseError, TuningDatabase, tuning_key
 from search.records import MeasureResult
-from search.runners import LLVMRunner
 from search.space import SearchSpace
 from search.tuner import tune
 from smg import patterns as P
 from smg.workloads import gemm, mha
 from spacefusion.cli import main
 from spacefusion.lower.build import COMPILE_FLAGS
+from spacefusion.runners import LLVMRunner, TVMBuilder
 
 # -- search space ----------------------------------------------------------------------------------
 
@@ -181,26 +181,29 @@ def test_fast_math_is_a_separate_search_and_database_key(tmp_path) -> None:
     import json
 
     from search.database import key_parts
-    from search.tuner import _flags, import_offline
+    from search.tuner import _flags
+    from spacefusion.runners import MANIFEST_FORMAT, TVMBuilder, import_offline
 
     g = P.gemm_epilogue(1024, 1024, 256, "sigmoid", True, "float16")
     exact = SearchSpace(g, H100).candidates()
     fast = SearchSpace(g, H100, fast_math=True).candidates()
     assert not any(s.fast_math for s in exact)
     assert all(s.fast_math == (s.warp_tile is not None) for s in fast) and any(s.fast_math for s in fast)
-    assert tuning_key(g, H100, "cuda:sm_90a", _flags(True)) != tuning_key(g, H100, "cuda:sm_90a", _flags(False))
+    exact_flags, fast_flags = _flags(TVMBuilder(), False), _flags(TVMBuilder(), True)
+    assert tuning_key(g, H100, "cuda:sm_90a", fast_flags) != tuning_key(g, H100, "cuda:sm_90a", exact_flags)
     s = next(x for x in fast if x.fast_math)
     folder = tmp_path / "batch"
     folder.mkdir()
-    (folder / "manifest.json").write_text(json.dumps({"candidates": [{"schedule_key": s.key,
-                                                                      "schedule": s.to_dict()}]}))
+    entry = {"schedule_key": s.key, "target": "cuda:sm_90a", "artefact": s.key, "workload": {}, "seed": 0,
+             "schedule": s.to_dict()}
+    (folder / "manifest.json").write_text(json.dumps({"format": MANIFEST_FORMAT, "candidates": [entry]}))
     rec = MeasureResult(s.key, "cuda:sm_90a", (12.5,), 1e-4)
     (folder / "results.json").write_text(json.dumps([rec.to_dict()]))
     db = TuningDatabase(tmp_path / "t.db")
     assert import_offline(db, folder, H100) == 1
-    key = tuning_key(g, H100, "cuda:sm_90a", _flags(True))
-    assert db.best(key) is not None and db.best(tuning_key(g, H100, "cuda:sm_90a", _flags(False))) is None
-    assert key_parts(g, H100, "cuda:sm_90a", _flags(True)) != key_parts(g, H100, "cuda:sm_90a", _flags(False))
+    key = tuning_key(g, H100, "cuda:sm_90a", fast_flags)
+    assert db.best(key) is not None and db.best(tuning_key(g, H100, "cuda:sm_90a", exact_flags)) is None
+    assert key_parts(g, H100, "cuda:sm_90a", fast_flags) != key_parts(g, H100, "cuda:sm_90a", exact_flags)
     db.close()
 
 
@@ -223,6 +226,7 @@ class _SlowRunner:
     """Measures nothing: a fixed latency per schedule after a pause, so that two tunes overlap in time."""
 
     name = "fake"
+    builder = TVMBuilder()  # its flags key the database; nothing is built
 
     def measure(self, inputs: list) -> list[MeasureResult]:
         import time as _time
@@ -267,3 +271,32 @@ def test_two_tunes_on_one_database_measure_disjoint_candidates(tmp_path, monkeyp
     with TuningDatabase(db) as d:
         assert d.count(tuning_key(g, H100, "llvm", COMPILE_FLAGS)) == sum(s.measured for s in out)
     assert all(s.measured > 0 for s in out), [s.measured for s in out]
+
+
+def test_tuner_takes_its_builder_as_an_argument(tmp_path) -> None:
+    """The tuner lowers only through the Builder it is handed: its flags key the database, its prebuild
+    runs per batch; a runner without a builder and no builder= is refused with a sentence, not a crash."""
+
+    class _Flagged(TVMBuilder):
+        flags = ("-test-flag",)
+        prebuilt: list[int] = []
+
+        def prebuild(self, inputs, workers):
+            self.prebuilt.append(len(inputs))
+            return 0.0
+
+    g = P.layernorm(32, 256)
+    builder = _Flagged()
+    with TuningDatabase(tmp_path / "t.db") as db:
+        s = tune(g, _SlowRunner(), builder=builder, target="llvm", db=db, trials=4, batch=2, progress=False)
+        assert s.measured == 4 and builder.prebuilt == [2, 2]
+        assert s.key == tuning_key(g, H100, "llvm", ("-test-flag",)) != tuning_key(g, H100, "llvm", COMPILE_FLAGS)
+
+    class _NoBuilder:
+        name = "bare"
+
+        def measure(self, inputs):
+            return []
+
+    with pytest.raises(TypeError, match="tune needs a builder.*_NoBuilder has none"):
+        tune(g, _NoBuilder(), target="llvm", trials=1, progress=False)

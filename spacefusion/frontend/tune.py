@@ -136,14 +136,14 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
     if trials < 1:
         raise FrontendError(f"trials must be at least 1, got {trials}")
     if runner == "gpu":
-        from search.runners import LocalGPURunner, gpu_unavailable_reason
+        from spacefusion.runners import LocalGPURunner, gpu_unavailable_reason
 
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise FrontendError(f"runner 'gpu' needs a CUDA GPU here ({reason}); tune with runner='llvm'")
         measure: Runner = LocalGPURunner()
     else:
-        from search.runners import LLVMRunner
+        from spacefusion.runners import LLVMRunner
 
         measure = LLVMRunner()
     capture = SpaceFusionBackend(_Collect(), export_only=True)

@@ -12,45 +12,14 @@ tensor cores.  Launch configuration is read from the lowered device function.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
+from schedulers.tensorcore_fit import tensorcore_reason
 from smg.expr import body_expr
-from smg.ir import Op
 
 F32 = "float32"
-
-
-def tensorcore_reason(s: Schedule) -> str | None:
-    """Why ``s`` cannot use the tensor-core path (None when it can)."""
-    smg, plan = s.smg, s.plan
-    if len(plan.states) != 1:
-        return f"the plan has {len(plan.states)} running states; the tensor-core path takes one GEMM"
-    op = smg.producer(plan.states[0].state)
-    if op.reduce != (s.serial,) or op.combiner != "sum" or len(op.inputs) != 2:
-        return f"state {op.out!r} is not a two-operand sum over the serial dim {s.serial!r}"
-    if not _is_product(op):
-        return f"state {op.out!r} has body {op.body!r}, not a product of its operands"
-    for a in op.inputs:
-        if smg.space(a.space).dtype != "float16" or a.space not in smg.inputs:
-            return f"GEMM operand {a.space!r} must be a float16 input"
-    for other in smg.ops:
-        if other is not op and (other.reduce or s.serial in other.iter_dims):
-            return f"op {other.out!r} is not an element-wise epilogue"
-        if any(not a.plain for a in other.inputs):
-            return f"op {other.out!r} gathers through an index expression"
-    if plan.second_pass:
-        return "outputs keep the serial dim"
-    return None
-
-
-@lru_cache(maxsize=1024)
-def _is_product(op: Op) -> bool:
-    """Whether ``op``'s body is the product of its two operands (cached: the search asks per candidate)."""
-    return str(body_expr(op)) in (f"{op.inputs[0].space}*{op.inputs[1].space}",
-                                  f"{op.inputs[1].space}*{op.inputs[0].space}")
 
 
 def _te_graph(s: Schedule) -> tuple[list[Any], list[Any]]:

@@ -1,9 +1,9 @@
 """GPU-side runtime for spacefusion kernel artefacts.
 
-Import-light on purpose: it must run where TVM, islpy, xgboost and sympy are absent, and must not
-import the rest of spacefusion. Modules here import each other only relatively, so the folder can also
-be loaded from its file path under another package name (see experiments/run_artefacts_gpu.py).
-torch/cupy-backed names are resolved lazily on first attribute access.
+Import-light on purpose: it runs on the GPU machine, where TVM, islpy and xgboost are absent
+(``pip install --no-build-isolation -e ".[gpu]"`` there), and imports nothing of spacefusion's compiler.
+Importing it needs numpy only; ``batch`` (the measuring command) reads workloads with ``smg`` (sympy)
+when it runs.  torch/cupy-backed names are resolved lazily on first attribute access.
 """
 
 from __future__ import annotations

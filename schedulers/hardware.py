@@ -45,9 +45,15 @@ _SMEM_BYTES_PER_CLK = 128
 class HardwareError(ValueError):
     """A hardware model is malformed, unknown, or lacks the number asked for."""
 
+    def __init__(self, message: str = "", *, code: str = "hardware") -> None:
+        super().__init__(message)
+        self.code = code  # stable: the search counts refusals by it
+
 
 class ResourceError(HardwareError):
-    """A block does not fit the hardware; the message names the resource, the need and the limit."""
+    """A block does not fit the hardware; the message names the resource, the need and the limit, and
+    ``code`` (``resource.shared_memory``, ``resource.threads``, ``resource.registers``, ``resource.sm``)
+    the resource."""
 
 
 _INT_FIELDS = (
@@ -285,7 +291,8 @@ class HardwareModel:
         if self.kind == "npu":
             if smem_bytes > self.smem_per_block_bytes:
                 raise ResourceError(f"shared memory: block needs {_kib(smem_bytes)}, {self.name} allows "
-                                    f"{_kib(self.smem_per_block_bytes)} of on-chip SRAM per core")
+                                    f"{_kib(self.smem_per_block_bytes)} of on-chip SRAM per core",
+                code="resource.shared_memory")
             return
         limit = self.smem_per_block_bytes if dynamic else self.smem_static_per_block_bytes
         if smem_bytes > limit:
@@ -294,19 +301,21 @@ class HardwareModel:
                 hint = " (it would fit as dynamic shared memory with the opt-in attribute)"
             raise ResourceError(f"shared memory: block needs {_kib(smem_bytes)}, {self.name} allows "
                                 f"{_kib(self.smem_static_per_block_bytes)} static / "
-                                f"{_kib(self.smem_per_block_bytes)} dynamic per block{hint}")
+                                f"{_kib(self.smem_per_block_bytes)} dynamic per block{hint}",
+                                code="resource.shared_memory")
         if threads > self.max_threads_per_block:
             raise ResourceError(f"threads: block needs {threads} threads, {self.name} allows "
-                                f"{self.max_threads_per_block} per block")
+                                f"{self.max_threads_per_block} per block", code="resource.threads")
         if regs_per_thread is not None:
             if regs_per_thread > self.regs_per_thread_max:
                 raise ResourceError(f"registers: block needs {regs_per_thread} registers per thread, {self.name} "
-                                    f"allows {self.regs_per_thread_max} per thread")
+                                    f"allows {self.regs_per_thread_max} per thread", code="resource.registers")
             need = self._regs_per_warp(regs_per_thread) * math.ceil(threads / self.warp_size)
             if need > self.regs_per_block:
                 raise ResourceError(f"registers: block needs {need} registers ({threads} threads x "
                                     f"{regs_per_thread} per thread, allocated per warp in units of "
-                                    f"{_REG_ALLOC_UNIT}), {self.name} allows {self.regs_per_block} per block")
+                                    f"{_REG_ALLOC_UNIT}), {self.name} allows {self.regs_per_block} per block",
+                                    code="resource.registers")
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

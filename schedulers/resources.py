@@ -119,5 +119,5 @@ def check_resources(s: Schedule, hw: HardwareModel) -> BlockResources:
                    dynamic=r.shared_bytes > hw.smem_static_per_block_bytes)
     if hw.occupancy_blocks_per_sm(r.shared_bytes, r.threads, r.registers_per_thread) == 0:
         raise ResourceError(f"{hw.name}: a block of {r.threads} threads with {r.shared_bytes} B shared memory and "
-                            f"~{r.registers_per_thread} registers/thread does not fit on one SM")
+                            f"~{r.registers_per_thread} registers/thread does not fit on one SM", code="resource.sm")
     return r

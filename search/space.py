@@ -23,15 +23,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from functools import cached_property
 
 import numpy as np
 
 from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
+from schedulers.options import KNOB_FIELDS, MAX_VECTOR_BYTES
 from schedulers.resources import check_resources
-from schedulers.schedule import MAX_VECTOR_BYTES, Schedule, make_schedule
+from schedulers.schedule import Schedule, make_schedule
 from schedulers.spatial import analyse_spatial, elementwise_serial
 from schedulers.temporal import plan_temporal
 from smg.fold import fold_dims, foldable
@@ -88,33 +89,18 @@ def _pow2_upto(n: int, lo: int = 1) -> list[int]:
     return out
 
 
-@dataclass(frozen=True)
-class Knobs:
-    """One point of the space; ``build`` turns it into a Schedule."""
+#: One point of the space; ``SearchSpace._schedule`` turns it into a Schedule.  Its fields are the
+#: slicing choices then every knob of ``schedulers.options``' groups, derived from them (not listed again).
+Knobs = make_dataclass("Knobs", [
+    ("tiles", tuple[tuple[str, int], ...]), ("serial", str), ("step", int), ("thread_dim", str),
+    ("levels", tuple[tuple[str, str], ...], field(default=())), ("recompute", bool, field(default=False)),
+    ("tensor_cores", bool, field(default=False)),
+    *((f.name, f.type, field(default=f.default)) for f in KNOB_FIELDS)], frozen=True)
+Knobs.__module__, Knobs.__doc__ = __name__, "One point of the space: the slicing choices, then every knob."
 
-    tiles: tuple[tuple[str, int], ...]
-    serial: str
-    step: int
-    thread_dim: str
-    levels: tuple[tuple[str, str], ...] = ()
-    recompute: bool = False
-    lanes: int = 1
-    tensor_cores: bool = False
-    stages: int = 1
-    warps: int = 0
-    vector: int = 1
-    split: int = 1
-    slices: int = 1
-    reload_a: bool = False
-    early_scores: bool = False
-    lazy_rescale: bool = False
-    mma_row_sums: bool = False
-    wgmma: bool = False
-    tma: bool = False
-    producer: bool = False
-    persistent: int = 0
-    pingpong: bool = False
-    fast_math: bool = False
+_DEFAULTS = {f.name: f.default for f in KNOB_FIELDS}
+#: knobs offered where they may apply and dropped, one at a time, where the schedule refuses them
+DROPPABLE = ("mma_row_sums", "wgmma", "tma", "producer", "persistent", "pingpong", "fast_math")
 
 
 @dataclass
@@ -206,7 +192,7 @@ class SearchSpace:
                         continue
                     if not self.block_threads_floor <= threads * lanes <= self.hw.max_threads_per_block:
                         continue
-                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes,
+                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes=lanes,
                                  vector=vec)
                     yield from self._level_variants(base)
                 # whole MMA tiles (16 x 16, or WMMA's 8 x 32) along every dim a block spans: the warp-tile
@@ -272,8 +258,9 @@ class SearchSpace:
             # blocks slicing a plain GEMM's steps: by TMA and by cp.async (measured apart: the ring's fill
             # is a larger share of a slice's few steps)
             for early, lazy, by_tma in itertools.product(earlies, lazies, (True, False) if tma and sl > 1 else (tma,)):
-                yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True, stages,
-                            warps, split=split, slices=sl, reload_a=rl, early_scores=early, lazy_rescale=lazy,
+                yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, tensor_cores=True,
+                            stages=stages, warps=warps, split=split, slices=sl, reload_a=rl, early_scores=early,
+                            lazy_rescale=lazy,
                             mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
                             tma=by_tma and not early, fast_math=self.fast_math)
             if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
@@ -282,8 +269,9 @@ class SearchSpace:
                     and stages == PRODUCER_STAGES[0] and warps == 8 and step >= 64
                     and sizes[serial] >= FA3_MIN_SERIAL):
                 for lazy in lazies:
-                    yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, 1, True, stages,
-                                warps, reload_a=rl, lazy_rescale=lazy, wgmma=True, tma=True, producer=True,
+                    yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute,
+                                tensor_cores=True, stages=stages, warps=warps, reload_a=rl, lazy_rescale=lazy,
+                                wgmma=True, tma=True, producer=True,
                                 fast_math=self.fast_math)
 
     # A score GEMM per step (attention) with a producer warpgroup is FlashAttention-3's structure (K and V
@@ -303,8 +291,9 @@ class SearchSpace:
         modes = ((0, False), (self.hw.num_sms, False), (self.hw.num_sms, True))
         rings = PRODUCER_STAGES + (DEEP_PRODUCER_STAGES if deep else ())
         for stages, (persistent, pingpong) in itertools.product(rings, modes):
-            yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, 1, True, stages, warps,
-                        wgmma=True, tma=True, producer=True, persistent=persistent, pingpong=pingpong,
+            yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, tensor_cores=True,
+                        stages=stages, warps=warps, wgmma=True, tma=True, producer=True, persistent=persistent,
+                        pingpong=pingpong,
                         fast_math=self.fast_math)
 
     @cached_property
@@ -371,27 +360,21 @@ class SearchSpace:
         shared = [n for n, lvl in s.memory if lvl == "shared"]
         for alt in itertools.product((False, True), repeat=len(shared)):
             levels = tuple((n, "global" if n in s.smg.inputs else "register") for n, a in zip(shared, alt) if a)
-            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, k.lanes, vector=k.vector)
+            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, lanes=k.lanes, vector=k.vector)
 
     def _schedule(self, k: Knobs) -> Schedule:
-        """The schedule of ``k``; the knobs offered on where they may apply (``mma_row_sums``,
-        ``wgmma``, ``tma``, ``producer``, ``persistent``, ``pingpong``, ``fast_math``) are dropped, one at a
-        time, where make_schedule refuses them."""
-        opts = {"mma_row_sums": k.mma_row_sums, "wgmma": k.wgmma, "tma": k.tma, "producer": k.producer,
-                "persistent": k.persistent, "pingpong": k.pingpong, "fast_math": k.fast_math}
+        """The schedule of ``k``; a knob offered where it may apply (``DROPPABLE``) is dropped, one at a
+        time, where make_schedule refuses it (by the rejection's knob, never its sentence)."""
+        knobs = {f.name: getattr(k, f.name) for f in KNOB_FIELDS}
         while True:
             try:
                 return make_schedule(self.smg, dict(k.tiles), serial=k.serial, step=k.step,
                                      thread_dim=k.thread_dim, recompute=k.recompute, hw=self.hw,
-                                     levels=dict(k.levels), lanes=k.lanes, tensor_cores=k.tensor_cores,
-                                     stages=k.stages, warps=k.warps, vector=k.vector, split=k.split, slices=k.slices,
-                                     reload_a=k.reload_a, early_scores=k.early_scores, lazy_rescale=k.lazy_rescale,
-                                     **opts)
+                                     levels=dict(k.levels), tensor_cores=k.tensor_cores, **knobs)
             except ScheduleError as e:
-                knob = next((n for n, on in opts.items() if on and str(e).startswith(n)), None)
-                if knob is None:
+                if e.knob not in DROPPABLE or knobs[e.knob] == _DEFAULTS[e.knob]:
                     raise
-                opts[knob] = False
+                knobs[e.knob] = _DEFAULTS[e.knob]
 
     @cached_property
     def folds(self) -> tuple[tuple[str, str], ...]:
@@ -447,13 +430,13 @@ class SearchSpace:
             try:
                 s = self._schedule(k)
             except ScheduleError as e:
-                rep.pruned[_reason(str(e))] = rep.pruned.get(_reason(str(e)), 0) + 1
+                rep.pruned[e.code] = rep.pruned.get(e.code, 0) + 1
                 continue
             rep.valid += 1
             try:
                 check_resources(s, self.hw)
             except HardwareError as e:
-                rep.pruned[_reason(str(e))] = rep.pruned.get(_reason(str(e)), 0) + 1
+                rep.pruned[e.code] = rep.pruned.get(e.code, 0) + 1
                 continue
             out.setdefault(s.key, s)
 
@@ -468,12 +451,3 @@ class SearchSpace:
                 + (f"; also over the graph with {', '.join(f'{o}*{i}' for o, i in self.folds)} folded into one row "
                    f"dim" if self.folds else ""))
 
-
-def _reason(msg: str) -> str:
-    low = msg.lower()
-    if "tensor cores requested" in low:
-        return "no tensor-core form"
-    for key in ("shared memory", "registers", "threads", "does not fit on one sm", "larger than the dim"):
-        if key in low:
-            return key
-    return msg.split(":")[0][:60]

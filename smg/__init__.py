@@ -1,12 +1,25 @@
-"""Space-Mapping Graph: the IR of spacefusion and its analyses."""
+"""Space-Mapping Graph: the IR of spacefusion and its analyses.
 
-from smg.errors import ShapeError, SpaceFusionError, UnknownAxisError, UnknownOperatorError
-from smg.ir import SMG, Access, DataSpace, Dim, Edge, Kind, Op, join_smgs
-from smg.ops import Builder, Tensor
-from smg.reference import evaluate, random_inputs
+The names below resolve on first use (PEP 562), so that ``import smg.tolerance`` (numpy only) does not
+pull in sympy through the IR: the GPU scripts check outputs with it.
+"""
 
-__all__ = [
-    "SMG", "Access", "Builder", "DataSpace", "Dim", "Edge", "Kind", "Op", "ShapeError",
-    "SpaceFusionError", "Tensor", "UnknownAxisError", "UnknownOperatorError", "evaluate",
-    "join_smgs", "random_inputs",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ShapeError": "smg.errors", "SpaceFusionError": "smg.errors", "UnknownAxisError": "smg.errors",
+    "UnknownOperatorError": "smg.errors", "SMG": "smg.ir", "Access": "smg.ir", "DataSpace": "smg.ir",
+    "Dim": "smg.ir", "Edge": "smg.ir", "Kind": "smg.ir", "Op": "smg.ir", "join_smgs": "smg.ir",
+    "Builder": "smg.ops", "Tensor": "smg.ops", "evaluate": "smg.reference", "random_inputs": "smg.reference",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'smg' has no attribute {name!r}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import time
 from pathlib import Path
@@ -63,13 +62,9 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-#: ``build`` flags that are make_schedule options of the same name (only changed ones are passed)
-KNOBS = ("stages", "warps", "split", "slices", "reload_a", "early_scores", "lazy_rescale", "mma_row_sums", "wgmma",
-         "tma", "producer", "persistent", "pingpong", "fast_math")
-
-
 def build_cmd(args: argparse.Namespace) -> int:
-    from schedulers.schedule import Schedule, make_schedule
+    from schedulers.options import KNOB_FIELDS
+    from schedulers.schedule import Schedule
     from spacefusion.api import build, schedule
 
     if args.schedule:  # e.g. a tuning database's best, or Schedule.to_json() from a notebook
@@ -82,8 +77,7 @@ def build_cmd(args: argparse.Namespace) -> int:
             raise SpaceFusionError("build needs a workload and --shape, or --schedule FILE")
         g = _workload(args.workload, args.shape, args.dtype)
         tiles = {d: t for d, t in (("m", args.tile_m), ("n", args.tile_n)) if t is not None} or None
-        defaults = inspect.signature(make_schedule).parameters
-        opts = {k: getattr(args, k) for k in KNOBS if getattr(args, k) != defaults[k].default}
+        opts = {f.name: getattr(args, f.name) for f in KNOB_FIELDS if getattr(args, f.name) != f.default}
         s = schedule(g, tiles=tiles, serial=args.serial, step=args.step, tensor_cores=args.tensor_cores, **opts)
     if args.verify:
         err, problem = verify_llvm(s)
@@ -174,9 +168,8 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="float16", choices=DTYPES)
     d.add_argument("--step", type=_whole(1), default=32)
     d.add_argument("--out", default="spacefusion_out")
-    from schedulers.schedule import make_schedule
+    from schedulers.options import KNOB_FIELDS, KNOB_GROUP, is_int_knob
 
-    knob = {k: v.default for k, v in inspect.signature(make_schedule).parameters.items()}  # one source of defaults
     b = sub.add_parser("build", help="build one workload for a target")
     b.add_argument("workload", nargs="?", help="a pattern or workload name (not with --schedule)")
     b.add_argument("--shape", type=int, nargs="+", default=None)
@@ -187,21 +180,13 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--serial", default=None, help="the dim sliced into serial steps (default: derived)")
     b.add_argument("--step", type=_whole(1), default=None, help="serial step (default: 32, or the dim if shorter)")
     b.add_argument("--tensor-cores", action="store_true", help="the warp-tile kernel: mma.sync, ldmatrix, cp.async")
-    b.add_argument("--stages", type=_whole(1), default=knob["stages"], help="cp.async ring depth (tensor cores)")
-    b.add_argument("--warps", type=_whole(0), default=knob["warps"], help="warps per block (tensor cores; 0: up to 4)")
-    b.add_argument("--split", type=_whole(1), default=knob["split"], help="warp groups dividing a block's steps")
-    b.add_argument("--slices", type=_whole(1), default=knob["slices"], help="blocks dividing a row tile's steps")
-    b.add_argument("--reload-a", action="store_true", help="re-read the first GEMM's A operand every step")
-    b.add_argument("--early-scores", action="store_true", help="wait for K apart from V")
-    b.add_argument("--lazy-rescale", action="store_true", help="keep a reference max within ln 256")
-    b.add_argument("--mma-row-sums", action="store_true", help="row sums on tensor cores with the second GEMM")
-    b.add_argument("--wgmma", action="store_true", help="a plain GEMM on Hopper's warpgroup MMA (sm_90a)")
-    b.add_argument("--tma", action="store_true", help="with --wgmma: load the ring's tiles by TMA (sm_90a)")
-    b.add_argument("--producer", action="store_true", help="with --tma: a producer warpgroup issues the loads")
-    b.add_argument("--persistent", type=_whole(0), default=knob["persistent"],
-                   help="with --producer: launch this many blocks, each looping over the tiles (0: one per tile)")
-    b.add_argument("--pingpong", action="store_true", help="with --persistent: two MMA warpgroups on alternate tiles")
-    b.add_argument("--fast-math", action="store_true", help="tanh and sigmoid on tanh.approx.f32 (16-bit outputs)")
+    for f in KNOB_FIELDS:  # one flag per knob of the option groups, with the group's help and bounds
+        flag, tc = f"--{f.name.replace('_', '-')}", " (tensor cores)" if KNOB_GROUP[f.name] != "simt" else ""
+        if is_int_knob(f):
+            b.add_argument(flag, type=_whole(f.metadata["lo"] or 0), default=f.default,
+                           help=f"{f.metadata['help']}{tc} (default {f.default})")
+        else:
+            b.add_argument(flag, action="store_true", help=f"{f.metadata['help']}{tc}")
     b.add_argument("--schedule", default=None, help="a Schedule JSON file instead of the shape and knobs")
     b.add_argument("--verify", action="store_true")
     b.add_argument("--out", required=True)

@@ -55,7 +55,7 @@ def test_the_default_schedule_fits_a_short_serial_dim() -> None:
     ("step", 0, "step 0 for serial dim 'l' must be 1..64"),
     ("step", -5, "step -5 for serial dim 'l' must be 1..64"),
     ("block", [["b", 1], ["h", 1], ["m", 0]], "tile 0 for dim 'm' must be 1..64"),
-    ("stages", 0, "stages 0 is out of range"),
+    ("stages", 0, "stages 0 must be 1..8"),
 ])
 def test_a_schedule_file_with_bad_numbers_is_refused_when_read(tmp_path, capsys, field, value, match) -> None:
     """These crashed ``build --schedule`` with a bare ZeroDivisionError or TVM's InternalError."""

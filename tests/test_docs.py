@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from schedulers.options import KNOB_FIELDS
 from schedulers.schedule import make_schedule
-from spacefusion.cli import KNOBS, make_parser
+from spacefusion.cli import make_parser
 from tests.mdblocks import DOCS, ROOT, block_after, blocks
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -39,20 +40,23 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 
 def test_knob_reference_matches_make_schedule() -> None:
-    """Every make_schedule parameter but the graph has a row, no row names a gone knob, defaults agree."""
-    params = {k: v for k, v in inspect.signature(make_schedule).parameters.items() if k != "smg"}
+    """Every make_schedule parameter but the graph and every knob of the option groups has a row, no row
+    names a gone knob, defaults agree."""
+    params = {k: v.default for k, v in inspect.signature(make_schedule).parameters.items()
+              if k not in ("smg", "knobs")}
+    params |= {f.name: f.default for f in KNOB_FIELDS}
     rows = _knob_rows()
     assert set(rows) == set(params), (set(params) - set(rows), set(rows) - set(params))
     for name, (default, _) in rows.items():
-        assert default == repr(params[name].default), (name, default, params[name].default)
+        assert default == repr(params[name]), (name, default, params[name])
 
 
 def test_knob_flags_are_build_flags() -> None:
-    """The flags named in the knob table exist on ``spacefusion build``, and each build knob is in the table."""
+    """The flags named in the knob table exist on ``spacefusion build``, and each knob's flag is in the table."""
     flags = {s for a in _subparser("build")._actions for s in a.option_strings}
     named = {f: k for k, (_, cell) in _knob_rows().items() for f in re.findall(r"--[\w-]+", cell)}
     assert set(named) <= flags, set(named) - flags
-    assert {"--" + k.replace("_", "-") for k in KNOBS} <= set(named)
+    assert {"--" + f.name.replace("_", "-") for f in KNOB_FIELDS} <= set(named)
 
 
 def _command_lines(path: Path) -> list[str]:

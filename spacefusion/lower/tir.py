@@ -21,6 +21,7 @@ from tvm.script import ir_builder as IB
 from tvm.script.ir_builder import tirx as T
 
 from schedulers.errors import ScheduleError
+from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule
 from schedulers.temporal import parse
 from smg.expr import body_expr
@@ -29,7 +30,6 @@ from spacefusion.lower.exprs import F32, to_tir, to_tir_int
 
 NEG_INF = -3.0e38
 LANE_IT = "__lane_it"  # env key: a lane's position among its own serial elements
-MAX_UNROLL = 64  # vector runs per lane and step unrolled at most (register arrays, code size)
 GUARDED = "__guarded"  # env key: the serial-tail guard was already emitted around a run
 VEC_I = "__vec_i"  # env key: position within the current run (index into the register copies)
 
@@ -242,8 +242,8 @@ class _Kernel:
         for d in dims:
             if d != self.s.serial:
                 env[d] = stack.enter_context(T.serial(0, self.sizes[d]))
-            elif self.vec == 1:
-                it = stack.enter_context(T.serial(0, self.lane_step))
+            elif self.vec == 1:  # ``unroll``: the lane's loop unrolled (the schedule checked its trip count)
+                it = stack.enter_context((T.unroll if self.s.unroll else T.serial)(0, self.lane_step))
                 env[d] = it * self.lanes + self.lane if self.lanes > 1 else it
                 if self.lanes > 1:
                     env[LANE_IT] = it

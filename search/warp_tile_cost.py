@@ -200,7 +200,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     out_elems = rows * max(_output_columns(s, p) or n_total, 1)
     fixed = (a_bytes / l2_rate + LOAD_LATENCY_S + out_elems * (out_simt / fp32_rate + out_sfu / sfu_rate)
              + out_elems * 2 * 2 / smem_rate + out_elems * 2 / l2_rate)
-    # FlashAttention-3's overlap (mma_ws): lost to mma.sync row sums, which stall the async wgmma pipe
+    # FlashAttention-3's overlap (lower/mma_overlap.py): lost to mma.sync row sums, which stall the async wgmma pipe
     overlapped = p.producer and p.gemm is not None and not p.row_sums
     return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed, overlapped)
 

@@ -3,8 +3,8 @@
 Warp groups (``split``) hand their partial states over through the arena and blocks slicing the
 steps (``slices``) through a global workspace; either merges them with the derived carries.  The
 outputs are then evaluated on the accumulator registers and stored, through the arena in whole
-16-byte chunks of rows where ``staged_output`` allows.  A mixin of ``mma._Gen``: it reads the
-generator's registers, arena and coordinates.
+16-byte chunks of rows where ``staged_output`` allows; with a producer warpgroup each MMA warpgroup
+stores its own rows a band at a time through its own staging area.
 """
 
 from __future__ import annotations
@@ -15,82 +15,85 @@ from contextlib import ExitStack
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.warp_tile import CHUNK, GemmState, carry_factor, staged_output
+from schedulers.warp_tile import BAND, CHUNK, PAD, GemmState, carry_factor, staged_output
 from spacefusion.lower.exprs import F32
+from spacefusion.lower.mma_state import I32, KernelState, tree
+from spacefusion.lower.mma_values import Values
 from spacefusion.lower.tir import ARRIVALS, PARTIALS
 
-NEG_INF = -3.0e38
-I32 = "int32"
 
+class Epilogue:
+    """Merges and output stores over the registers and arena of :class:`KernelState` ``st``."""
 
-def _f(v: float) -> tirx.PrimExpr:
-    return tirx.FloatImm(F32, float(v))
+    def __init__(self, st: KernelState, values: Values) -> None:
+        self.st = st
+        self.values = values
 
-
-class _Outputs:
     def _parts(self) -> tuple[list[tuple[str, tirx.Buffer]], dict[str, int], int]:
         """The registers a partial result is made of: (name, buffer) pairs, offsets, total floats."""
-        regs = [(u.state, self.rs[u.state]) for u in self.p.row_states] + list(self.acc.items())
+        st = self.st
+        regs = [(u.state, st.rs[u.state]) for u in st.p.row_states] + list(st.acc.items())
         offset, f = {}, 0
         for name, b in regs:
             offset[name], f = f, f + int(b.shape[0])
         return regs, offset, f
 
-    def _merge(self) -> None:
+    def merge(self) -> None:
         """Fold the other warp groups' partial states into group 0's, which then stores the outputs."""
-        p, tg = self.p, 32 * self.p.warps
+        st = self.st
+        p, tg = st.p, 32 * st.p.warps
         regs, offset, nf = self._parts()
         xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
-        with T.If(self.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
+        with T.If(st.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
             for name, b in regs:
                 for e in range(int(b.shape[0])):
-                    T.buffer_store(xchg, b[e], [((self.grp - 1) * nf + offset[name] + e) * tg + self.gtid])
+                    T.buffer_store(xchg, b[e], [((st.grp - 1) * nf + offset[name] + e) * tg + st.gtid])
         T.evaluate(T.tvm_storage_sync("shared"))
-        with T.If(self.grp == 0), T.Then():
+        with T.If(st.grp == 0), T.Then():
             def src(g: int, name: str, e: int) -> tirx.PrimExpr:
                 if g == 0:
                     return dict(regs)[name][e]
-                return xchg[((g - 1) * nf + offset[name] + e) * tg + self.gtid]
+                return xchg[((g - 1) * nf + offset[name] + e) * tg + st.gtid]
 
             self._merged(p.split, src)
-            self._finalize()  # group 0 stores the outputs
+            self.finalize()  # group 0 stores the outputs
 
-    def _merge_slices(self) -> None:
+    def merge_slices(self) -> None:
         """Blocks of one row tile: each leaves its partial states in the global workspace and counts
         itself done (atomicAdd after a fence); the last one reads all of them back (``__ldcg``: from
         L2, never a stale L1 line), merges them, resets the count for the next launch and stores.
         With warp groups (split) every group leaves its own part, and group 0 of the last block
         merges the blocks' and groups' parts alike (no barrier sits in a group's branch)."""
-        p = self.p
+        st, p = self.st, self.st.p
         regs, offset, _ = self._parts()
-        part, arrivals = self.glob[PARTIALS], self.glob[ARRIVALS]
+        part, arrivals = st.glob[PARTIALS], st.glob[ARRIVALS]
         parts = p.slices * p.split
-        mine = (self.tile * p.slices + self.slice) * p.split + self.grp
+        mine = (st.tile * p.slices + st.slice) * p.split + st.grp
         for name, b in regs:
             for e in range(int(b.shape[0])):
-                T.buffer_store(part, b[e], [mine, offset[name] + e, self.gtid])
+                T.buffer_store(part, b[e], [mine, offset[name] + e, st.gtid])
         T.evaluate(tirx.call_extern("void", "__threadfence"))
         T.evaluate(T.tvm_storage_sync("shared"))
         done = T.alloc_buffer((1,), I32, scope="shared")
-        with T.If(self.tid == 0), T.Then():
-            T.buffer_store(done, tirx.call_extern(I32, "atomicAdd", tirx.address_of(arrivals[self.tile]), 1), [0])
+        with T.If(st.tid == 0), T.Then():
+            T.buffer_store(done, tirx.call_extern(I32, "atomicAdd", tirx.address_of(arrivals[st.tile]), 1), [0])
         T.evaluate(T.tvm_storage_sync("shared"))
         last = T.alloc_buffer((1,), I32, scope="local")  # a branch condition may not read shared memory
         T.buffer_store(last, done[0], [0])
         with T.If(last[0] == p.slices - 1), T.Then(), ExitStack() as group0:
             if p.split > 1:
-                group0.enter_context(T.If(self.grp == 0))
+                group0.enter_context(T.If(st.grp == 0))
                 group0.enter_context(T.Then())
             T.evaluate(tirx.call_extern("void", "__threadfence"))
 
             def src(g: int, name: str, e: int) -> tirx.PrimExpr:
-                at = part[self.tile * parts + g, offset[name] + e, self.gtid]
+                at = part[st.tile * parts + g, offset[name] + e, st.gtid]
                 return tirx.call_extern(F32, "__ldcg", tirx.address_of(at))
 
             self._merged(parts, src)
-            with T.If(self.tid == 0), T.Then():
-                T.buffer_store(arrivals, tirx.const(0, I32), [self.tile])
-            self._finalize()
+            with T.If(st.tid == 0), T.Then():
+                T.buffer_store(arrivals, tirx.const(0, I32), [st.tile])
+            self.finalize()
 
     def _merged(self, parts: int, src: Callable[[int, str, int], tirx.PrimExpr]) -> None:
         """Merge ``parts`` partial states (``src(g, name, e)``) into this thread's registers.
@@ -99,7 +102,7 @@ class _Outputs:
         carry with ``__old`` bound to that part's values and the new values to the states merged
         so far: the carry rescales a partial result from its part's statistics to the final ones
         (e.g. ``l * exp(m_g - m)``), exactly as it does from one step to the next."""
-        p = self.p
+        st, p = self.st, self.st.p
         regs = dict(self._parts()[0])
         merged: dict[str, tirx.Buffer] = {}
 
@@ -107,14 +110,14 @@ class _Outputs:
             """Row values for part g's carry: ``__old`` its own, new ones as merged so far."""
             def load(name: str) -> tirx.PrimExpr:
                 base = name.removesuffix("__old").removesuffix("__new")
-                if base in self.rs:
+                if base in st.rs:
                     now = base in merged and not name.endswith("__old")
                     return merged[base][h] if now else src(g, base, h)
-                return self._load_row(name, h)
+                return self.values.load_row(name, h)
             return load
 
         gemm_of = {gs.update.state: gs for gs in p.gemm_states}
-        for u in self.s.plan.states:
+        for u in st.s.plan.states:
             size = int(regs[u.state].shape[0])
             out = merged[u.state] = T.alloc_buffer((size,), F32, scope="local")
             gs = gemm_of.get(u.state)
@@ -122,16 +125,16 @@ class _Outputs:
             if gs is not None:  # accumulators: one carry factor per part and row
                 per = (gs.n_tile // 8) * 4
                 if rescale:
-                    fac = T.alloc_buffer((parts * 2 * self.mt,), F32, scope="local")
+                    fac = T.alloc_buffer((parts * 2 * st.mt,), F32, scope="local")
                     factor = carry_factor(u.carry, u.state)
                     for g in range(parts):
-                        for h in range(2 * self.mt):
-                            T.buffer_store(fac, self.expr(factor, loader(g, h)), [g * 2 * self.mt + h])
+                        for h in range(2 * st.mt):
+                            T.buffer_store(fac, self.values.expr(factor, loader(g, h)), [g * 2 * st.mt + h])
                 for e in range(size):
-                    h = self.slot_of(e, per)
-                    terms = [src(g, u.state, e) * fac[g * 2 * self.mt + h] if rescale else src(g, u.state, e)
+                    h = st.slot_of(e, per)
+                    terms = [src(g, u.state, e) * fac[g * 2 * st.mt + h] if rescale else src(g, u.state, e)
                              for g in range(parts)]
-                    T.buffer_store(out, _tree(terms, u.combiner), [e])
+                    T.buffer_store(out, tree(terms, u.combiner), [e])
                 continue
             old = f"{u.state}__old"
             for h in range(size):
@@ -139,34 +142,36 @@ class _Outputs:
                 for g in range(parts):
                     ld = loader(g, h)
                     v = src(g, u.state, h)
-                    terms.append(self.expr(u.carry, lambda n, ld=ld, v=v, old=old: v if n == old else ld(n))
+                    terms.append(self.values.expr(u.carry, lambda n, ld=ld, v=v, old=old: v if n == old else ld(n))
                                  if rescale else v)
-                T.buffer_store(out, _tree(terms, u.combiner), [h])
+                T.buffer_store(out, tree(terms, u.combiner), [h])
         for u in p.row_states:
-            self.rs[u.state] = merged[u.state]
-        for name in self.acc:
-            self.acc[name] = merged[name]
+            st.rs[u.state] = merged[u.state]
+        for name in st.acc:
+            st.acc[name] = merged[name]
 
-    def _finalize(self) -> None:
-        p = self.p
-        M = self.sizes[p.row]
+    def finalize(self) -> None:
+        """Store every output: row outputs by one thread of each quad, accumulator outputs staged
+        through the arena where ``staged_output`` allows, else by each thread."""
+        st, p = self.st, self.st.p
+        M = st.sizes[p.row]
         by_n = {gs.n: gs for gs in p.gemm_states}
         staged_before = False
         for out, text in p.outputs:
-            dims = self.smg.space(out).dims
-            buf = self.glob[out]
+            dims = st.smg.space(out).dims
+            buf = st.glob[out]
             n = next((d for d in dims if d in by_n), None)
             if n is None:  # a row output: one thread of each quad writes it
-                for h in range(2 * self.mt):
-                    pos = {p.row: self.row_of(h)}
-                    with T.If(tirx.all(self.row_of(h) < M, self.t4 == 0)):
+                for h in range(2 * st.mt):
+                    pos = {p.row: st.row_of(h)}
+                    with T.If(tirx.all(st.row_of(h) < M, st.t4 == 0)):
                         with T.Then():
-                            v = self.expr(text, lambda nm, h=h: self._load_row(nm, h))
-                            T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
+                            v = self.values.expr(text, lambda nm, h=h: self.values.load_row(nm, h))
+                            T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, st.coord.get(d)) for d in dims])
                 continue
             gs = by_n[n]
-            staged = staged_output(self.s, p, out)
-            if staged is not None and p.producer:  # by each MMA warpgroup alone (mma_ws)
+            staged = staged_output(st.s, p, out)
+            if staged is not None and p.producer:  # by each MMA warpgroup alone, beside a producer
                 self._store_bands(out, text, gs)
                 continue
             if staged is not None:
@@ -176,74 +181,100 @@ class _Outputs:
                 staged_before = True
                 continue
             per = (gs.n_tile // 8) * 4
-            tail = self.sizes[n] % gs.n_tile != 0
-            for h in range(2 * self.mt):
-                with T.If(self.row_of(h) < M):
+            tail = st.sizes[n] % gs.n_tile != 0
+            for h in range(2 * st.mt):
+                with T.If(st.row_of(h) < M):
                     with T.Then():
-                        for i in range(int(self.acc[gs.update.state].shape[0])):
-                            if self.slot_of(i, per) != h:
+                        for i in range(int(st.acc[gs.update.state].shape[0])):
+                            if st.slot_of(i, per) != h:
                                 continue
-                            pos = {p.row: self.row_of(h), n: self.col0(n) + self.col_of(i, per)}
-                            v = self.expr(text, self._load_acc(gs, i), buf.dtype)
+                            pos = {p.row: st.row_of(h), n: st.col0(n) + st.col_of(i, per)}
+                            v = self.values.expr(text, self.values.load_acc(gs, i), buf.dtype)
                             with ExitStack() as guard:
                                 if tail:
-                                    guard.enter_context(T.If(pos[n] < self.sizes[n]))
+                                    guard.enter_context(T.If(pos[n] < st.sizes[n]))
                                     guard.enter_context(T.Then())
-                                T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, self.coord.get(d)) for d in dims])
-
+                                T.buffer_store(buf, _cast(v, buf.dtype), [pos.get(d, st.coord.get(d)) for d in dims])
 
     def _store_staged(self, out: str, text: str, gs: GemmState, stride: int) -> None:
         """Store output ``out`` through the arena (``staged_output``): each thread writes its column
         pairs of the tile as 4-byte vectors (rows ``stride`` apart: a quad's 8 rows hit distinct
         banks), then the block copies whole rows out in 16-byte chunks."""
-        p, n = self.p, gs.n
+        st = self.st
+        p, n = st.p, gs.n
         per = (gs.n_tile // 8) * 4
-        acc = self.acc[gs.update.state]
+        acc = st.acc[gs.update.state]
         for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
-            h = self.slot_of(i, per)
-            off = (self.row_of(h) - self.row0) * stride + self.col_of(i, per)
+            h = st.slot_of(i, per)
+            off = (st.row_of(h) - st.row0) * stride + st.col_of(i, per)
             self._stage_pair(gs, text, i, off)
         T.evaluate(T.tvm_storage_sync("shared"))
         per_row = gs.n_tile // CHUNK
         total, th = p.rows * per_row, p.threads
         with T.serial(0, -(-total // th)) as it:
-            c = it * th + self.tid
+            c = it * th + st.tid
             r, cc = c // per_row, (c % per_row) * CHUNK
-            self._store_chunk(out, gs, self.row0 + r, self.col0(n) + cc, r * stride + cc,
+            self._store_chunk(out, gs, st.row0 + r, st.col0(n) + cc, r * stride + cc,
                               [c < total] if total % th else [])
 
     def _stage_pair(self, gs: GemmState, text: str, i: int, off: tirx.PrimExpr) -> None:
         """Output ``text`` at accumulator elements ``i``, ``i + 1`` (a row's adjacent columns) into
         the arena at ``off`` as one 4-byte vector."""
-        pair = [_cast(self.expr(text, self._load_acc(gs, e), self.half), self.half) for e in (i, i + 1)]
-        T.buffer_store(self.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
+        st = self.st
+        pair = [_cast(self.values.expr(text, self.values.load_acc(gs, e), st.half), st.half) for e in (i, i + 1)]
+        T.buffer_store(st.arena, tirx.Shuffle(pair, [tirx.const(0, I32), tirx.const(1, I32)]),
                        [tirx.Ramp(off, 1, 2)])
 
     def _store_chunk(self, out: str, gs: GemmState, row: tirx.PrimExpr, col: tirx.PrimExpr, src: tirx.PrimExpr,
                      conds: list[tirx.PrimExpr]) -> None:
         """One 16-byte chunk of output ``out`` at (``row``, ``col``) from arena element ``src``, unless
         ``conds`` fail or it lies past a tail of the rows or of the GEMM state's columns."""
-        p, n = self.p, gs.n
-        if self.sizes[p.row] % p.rows:
-            conds = [*conds, row < self.sizes[p.row]]
-        if self.sizes[n] % gs.n_tile:
-            conds = [*conds, col < self.sizes[n]]
-        buf, dims = self.glob[out], self.smg.space(out).dims
+        st = self.st
+        p, n = st.p, gs.n
+        if st.sizes[p.row] % p.rows:
+            conds = [*conds, row < st.sizes[p.row]]
+        if st.sizes[n] % gs.n_tile:
+            conds = [*conds, col < st.sizes[n]]
+        buf, dims = st.glob[out], st.smg.space(out).dims
         with ExitStack() as guard:
             if conds:
                 guard.enter_context(T.If(tirx.all(*conds)))
                 guard.enter_context(T.Then())
-            idx = [row if d == p.row else self.coord[d] for d in dims[:-1]] + [tirx.Ramp(col, 1, CHUNK)]
-            T.buffer_store(buf, T.BufferLoad(self.arena, [tirx.Ramp(src, 1, CHUNK)]), idx)
+            idx = [row if d == p.row else st.coord[d] for d in dims[:-1]] + [tirx.Ramp(col, 1, CHUNK)]
+            T.buffer_store(buf, T.BufferLoad(st.arena, [tirx.Ramp(src, 1, CHUNK)]), idx)
 
-
-def _tree(terms: list[tirx.PrimExpr], combiner: str) -> tirx.PrimExpr:
-    """A balanced reduction tree (independent partial results: instruction-level parallelism)."""
-    while len(terms) > 1:
-        nxt = [tirx.max(a, b) if combiner == "max" else a + b for a, b in zip(terms[::2], terms[1::2])]
-        terms = nxt + ([terms[-1]] if len(terms) % 2 else [])
-    return terms[0]
+    def _store_bands(self, out: str, text: str, gs: GemmState) -> None:
+        """Store output ``out`` of this MMA warpgroup's rows one ``BAND``-column band at a time: its
+        threads write their column pairs of the band into the warpgroup's staging area, then copy
+        whole 16-byte chunks of its rows out; a named barrier of the warpgroup's 128 threads
+        between (the producer warpgroup runs on meanwhile)."""
+        st, p = self.st, self.st.p
+        per = (gs.n_tile // 8) * 4
+        acc = st.acc[gs.update.state]
+        wg = st.warp // 4  # which rows of the tile
+        wrows = 64 * p.warp_mtiles  # this warpgroup's rows: its 64-row halves
+        stride = BAND + PAD
+        mine = wg + st.mma_wg  # its staging area and named barrier (one of the two is 0)
+        base = st.stage_base + mine * wrows * stride
+        bar = tirx.Cast("uint32", 1 + mine)  # named barrier 0 is __syncthreads
+        for band in range(-(-gs.n_tile // BAND)):  # the last band partial where N is not whole bands (d = 96)
+            per_row = min(BAND, gs.n_tile - band * BAND) // CHUNK
+            for i in range(0, int(acc.shape[0]), 2):  # elements i, i + 1: columns 2t, 2t + 1 of one row
+                if ((i % per) // 4) * 8 // BAND != band:
+                    continue
+                h = st.slot_of(i, per)
+                r = st.row_of(h) - st.row0 - wg * wrows
+                off = base + r * stride + st.col_of(i, per) - band * BAND
+                self._stage_pair(gs, text, i, off)
+            T.evaluate(T.ptx.bar.sync(bar, T.uint32(128)))
+            with T.serial(0, wrows * per_row // 128) as it:
+                c = it * 128 + st.tid % 128
+                r, cc = c // per_row, (c % per_row) * CHUNK
+                self._store_chunk(out, gs, st.row0 + wg * wrows + r, st.col0(gs.n) + band * BAND + cc,
+                                  base + r * stride + cc, [])
+            T.evaluate(T.ptx.bar.sync(bar, T.uint32(128)))
 
 
 def _cast(v: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    """``v`` (fp32) as ``dtype``."""
     return v if dtype == F32 else tirx.Cast(dtype, v)

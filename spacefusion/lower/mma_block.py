@@ -1,0 +1,126 @@
+"""A warp-tile kernel's block set-up: thread and block coordinates, the shared arena and the
+registers every phase shares, and the range of serial steps a block runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from schedulers.warp_tile import (
+    SWIZZLE_ATOM,
+    IndexOps,
+    mask_bound,
+    mbarrier_bytes,
+    staged_elements,
+    step_range,
+)
+from spacefusion.lower.exprs import F32
+from spacefusion.lower.mma_state import I32, KernelState
+
+#: step_range's operations on TIR expressions
+TIR_OPS = IndexOps(tirx.min, tirx.max, tirx.floordiv, tirx.Select, tirx.all)
+
+
+def row_tile_order(i, count: int, heavy_last: bool):
+    """The row tile that the ``i``-th block of a batch coordinate takes when a killing mask makes
+    the row tiles' work monotone in their index (causal: tile ``count - 1`` has all the steps):
+    the heaviest, the lightest, the next heaviest, ... (ints or TIR).  Blocks start in index order,
+    so the grid's tail gets short blocks, and the blocks resident together mix long and short ones."""
+    far = count - 1 - i // 2
+    near = i // 2
+    if isinstance(i, int):
+        return (far if i % 2 == 0 else near) if heavy_last else (near if i % 2 == 0 else far)
+    return tirx.Select(i % 2 == 0, far, near) if heavy_last else tirx.Select(i % 2 == 0, near, far)
+
+
+class Block:
+    """Binds the coordinates, arena and registers of :class:`KernelState` ``st``."""
+
+    def __init__(self, st: KernelState) -> None:
+        self.st = st
+
+    def threads(self, t: tirx.PrimExpr) -> None:
+        """This thread's warp group, warp, lane and quad coordinates from its index ``t`` among the
+        threads that run the MMA (all of them, or those after a producer warpgroup)."""
+        st, p = self.st, self.st.p
+        group_threads = 32 * p.warps
+        st.gtid = t % group_threads if p.split > 1 else t
+        st.grp = t // group_threads if p.split > 1 else tirx.const(0, I32)
+        st.warp, st.lane = st.gtid // 32, t % 32
+        st.g, st.t4 = st.lane // 4, st.lane % 4
+
+    def coords(self, t: tirx.PrimExpr) -> None:
+        """The block coordinates of work tile ``t``: its row tile, slice and batch coordinates."""
+        st, s, p = self.st, self.st.s, self.st.p
+        grid = s.grid()
+        rest = t  # row tile fastest: blocks of one batch coordinate share K/V in L2
+        rb = rest % grid[p.row]
+        bound = mask_bound(st.smg, p)
+        if bound is not None:  # the killing mask makes the work grow (or shrink) with the row
+            rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
+        rest = rest // grid[p.row]
+        # then the slice: the row tiles of one slice read the same K/V steps together
+        st.slice = rest % p.slices
+        rest = rest // p.slices
+        st.tile = rest * grid[p.row] + rb  # the row tile's index among all tiles
+        outer = [d for d, _ in s.block if d != p.row]
+        for d in reversed(outer):
+            st.coord[d] = rest % grid[d] if d != outer[0] else rest
+            rest = rest // grid[d]
+        st.row0 = rb * p.rows
+
+    def alloc(self) -> None:
+        """The arena (ring tiles, A tile, staged outputs, mbarriers) and the state registers."""
+        st, p = self.st, self.st.p
+        # one arena with explicit offsets: the ring tiles side by side, then the A tile, so that its load
+        # overlaps the ring's first tiles' (a block of a few steps waited for them one after the other).
+        # TVM's allocation merging is left out: it overlapped live ring tiles whose reads sit under a
+        # warp group's branch.
+        sizes = {n: math.prod(v) for n, v in st.layout.items()}
+        a_tile = p.gemm.a if p.gemm is not None else None
+        offs, end = {}, 0
+        for n in sorted(sizes, key=lambda n: n == a_tile):  # stable: the ring in layout order, A last
+            if n in st.swizzled:  # the 128 B swizzle XORs address bits: its atoms start on 1 KB
+                end = -(-end // SWIZZLE_ATOM) * SWIZZLE_ATOM
+            offs[n], end = end, end + sizes[n]
+        if p.producer:  # the output bands are staged beside the ring, which the loads refill meanwhile
+            st.stage_base, end = end, end + staged_elements(st.s, p)
+        else:  # the output tiles reuse the ring after the loop
+            st.stage_base, end = 0, max(end, staged_elements(st.s, p))
+        # the slices' arrival flag is static shared memory, which puts the dynamic arena after it: then
+        # the swizzled tiles move up to the next 1 KB of the shared window, found at run time
+        skewed = p.wgmma and p.slices > 1
+        end += SWIZZLE_ATOM if skewed else 0
+        if p.tma:  # the ring's mbarriers (mbarrier_bytes), 8-byte aligned, past everything else (the skew too)
+            st.mbar_base = -(-end // 4) * 4
+            end = st.mbar_base + mbarrier_bytes(p) // 2
+        arena = T.alloc_buffer((end,), st.half, scope="shared.dyn")
+        st.arena = arena
+        skew = tirx.const(0, I32)
+        if p.wgmma:  # the arena's shared-window address, for the wgmma descriptors
+            st.arena_addr = T.alloc_buffer((1,), "uint32", scope="local")
+            T.buffer_store(st.arena_addr, tirx.call_extern("uint32", "__cvta_generic_to_shared",
+                                                           arena.access_ptr("r")), [0])
+            if skewed:
+                atom = SWIZZLE_ATOM * 2  # bytes
+                skew = tirx.Cast(I32, ((atom - (st.arena_addr[0] & (atom - 1))) & (atom - 1)) >> 1)
+        for n in sizes:
+            st.smem[n], st.sbase[n] = arena, offs[n] + (skew if n in st.swizzled else 0)
+        st.rs = {u.state: T.alloc_buffer((2 * st.mt,), F32, scope="local") for u in p.row_states}
+        st.rs_old = {u.state: T.alloc_buffer((2 * st.mt,), F32, scope="local") for u in p.row_states}
+        st.acc = {gs.update.state: T.alloc_buffer((st.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
+                  for gs in p.gemm_states}
+
+    def step_range(self) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """The steps [lo, hi) this block needs: all of them, unless killing masks (fill <= -1e30, affine
+        in L and the row: causal, a sliding window) leave whole leading or trailing steps masked for every
+        row of its tile (``warp_tile.step_range``)."""
+        st, p = self.st, self.st.p
+        if not st.masks:
+            return tirx.const(0, I32), tirx.const(st.s.num_steps, I32)
+        r_hi = tirx.min(st.row0 + p.rows, st.sizes[p.row]) - 1
+        lo, hi = step_range(list(st.masks.values()), st.row0, r_hi, p.step, st.sizes[p.serial], TIR_OPS)
+        return tirx.const(0, I32) + lo, tirx.const(0, I32) + hi

@@ -1,0 +1,119 @@
+"""The ring loader of a warp-tile kernel: the streamed tiles of each serial step copied into a
+``stages``-deep ring of shared tiles, ahead of the step that reads them.
+
+A copy is cp.async in 16-byte chunks by the MMA threads (rows padded by 8 elements, or 128 B-swizzled
+where wgmma reads the tile through descriptors), or a TMA load by thread 0 (:mod:`mma_tma`).  Warp
+groups (``split``) interleave the steps, each group its own ``stages`` slots.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from schedulers.warp_tile import swizzled_128b
+from spacefusion.lower.mma_state import I32, KernelState
+from spacefusion.lower.mma_tma import TmaRing
+
+
+class Ring:
+    """Loads into and waits on the ring slots of :class:`KernelState` ``st``."""
+
+    def __init__(self, st: KernelState, tma: TmaRing) -> None:
+        self.st = st
+        self.tma = tma
+
+    def copy_tile(self, name: str, slot: tirx.PrimExpr, rdim: str, r0: tirx.PrimExpr,
+                  cdim: str, c0: tirx.PrimExpr, pred: tirx.PrimExpr | None = None, block: bool = False) -> None:
+        """Copy a [rows, cols] tile (cols = ``cdim``, contiguous) of ``name`` into copy ``slot``
+        of its shared buffer in 16-byte cp.async chunks, by this warp group's threads (the whole
+        block's with ``block``); rows/chunks past the end are clamped (their values are masked or
+        multiplied by zero downstream)."""
+        st = self.st
+        copies, rows, stride = st.layout[name]
+        swz = name in st.swizzled  # read by wgmma: 128 B-swizzled in whole bands; else rows padded by 8
+        per_row = st.cols[name] // 8  # the columns that exist (a swizzled tile's last band may be partial)
+        total = rows * per_row
+        th = st.p.threads if block else 32 * st.p.warps
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + (st.tid if block else st.gtid)
+            r, cc = c // per_row, (c % per_row) * 8
+            grow = tirx.min(r0 + r, st.sizes[rdim] - 1)
+            gcol = tirx.min(c0 + cc, st.sizes[cdim] - 8)
+            conds = [c < total] if total % th else []
+            if pred is not None:
+                conds.append(pred)
+            src = self._flat(name, {rdim: grow, cdim: gcol})
+            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if swz
+                                           else r * stride + cc)
+            with ExitStack() as guard:
+                if conds:
+                    guard.enter_context(T.If(tirx.all(*conds)))
+                    guard.enter_context(T.Then())
+                T.evaluate(_cp_async(st.half, st.smem[name], st.sbase[name] + dst, st.glob[name], src))
+
+    def _flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
+        """Row-major element offset of ``name`` at ``pos`` (batch coordinates filled in)."""
+        st = self.st
+        off = tirx.const(0, I32)
+        for d in st.smg.space(name).dims:
+            off = off * st.sizes[d] + (pos[d] if d in pos else st.coord[d])
+        return off
+
+    def step_of(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        """The serial step of this warp group's ``j``-th iteration (groups interleave steps; a
+        slice's block starts at its first step)."""
+        st = self.st
+        if st.p.split > 1:
+            return st.first + j * st.p.split + st.grp
+        return st.first + j
+
+    def slot_for(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Ring slot of iteration ``j``: the group's own ``stages`` copies."""
+        st, p = self.st, self.st.p
+        local = j % p.stages if p.stages > 1 else tirx.const(0, I32)
+        return st.grp * p.stages + local if p.split > 1 else local
+
+    def issue_step(self, j: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+        """cp.async the streamed tiles of this group's iteration ``j`` into its ring slot."""
+        st, p = self.st, self.st.p
+        L = p.serial
+        slot = self.slot_for(j)
+        t0 = self.step_of(j) * p.step
+        if p.tma:
+            self.tma.step(slot, t0, pred)
+            return
+        if p.gemm is not None:
+            g = p.gemm
+            if g.b_trans:
+                self.copy_tile(g.b, slot, g.k, tirx.const(0, I32), L, t0, pred)
+            else:
+                self.copy_tile(g.b, slot, L, t0, g.k, tirx.const(0, I32), pred)
+        for n in p.tiles_in:
+            self.copy_tile(n, slot, p.row, st.row0, L, t0, pred)
+        if st.groups == 2:  # the score tile's operands land first: it starts while the rest arrive
+            T.evaluate(T.ptx.cp.async_.commit_group())
+        for x in dict.fromkeys(gs.x for gs in p.gemm_states):
+            n = next(gs.n for gs in p.gemm_states if gs.x == x)
+            self.copy_tile(x, slot, L, t0, n, st.col0(n), pred)
+        T.evaluate(T.ptx.cp.async_.commit_group())
+
+    def wait_tiles(self, j: tirx.PrimExpr, pending: int) -> None:
+        """Wait for iteration ``j``'s tiles: its slot's mbarrier phase (TMA), or this thread's
+        cp.async groups but ``pending``, then (wgmma) a proxy fence, since wgmma reads through the async
+        proxy what cp.async wrote through the generic one."""
+        p = self.st.p
+        if p.tma:
+            T.evaluate(T.cuda.mbarrier_wait(self.tma.full(self.slot_for(j)), tirx.floordiv(j, p.stages) % 2))
+            return
+        T.evaluate(T.ptx.cp.async_.wait_group(pending))
+        if p.wgmma:
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
+
+
+def _cp_async(dtype: str, dst: tirx.Buffer, doff: tirx.PrimExpr, src: tirx.Buffer, soff: tirx.PrimExpr):
+    from tvm.backend.cuda.op import ptx_cp_async_legacy
+
+    return ptx_cp_async_legacy(dtype, dst.data, doff, src.data, soff, 16)

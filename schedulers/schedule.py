@@ -348,36 +348,38 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     tiles = dict(tiles or {})
     for d in tiles:
         if d not in sizes:
-            raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}")
+            raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}", code="tile.unknown_dim")
         if d not in cut:
             dec = next(x for x in spatial if x.dim == d)
             hint = " (recompute=True cuts it anyway)" if dec.recomputes else ""
-            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {dec.reason}{hint}")
+            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {dec.reason}{hint}", code="tile.not_cut")
     if not cut:
-        raise ScheduleError(f"no dim of {smg.name!r} can be cut spatially")
+        raise ScheduleError(f"no dim of {smg.name!r} can be cut spatially", code="spatial.none")
     out_dims = smg.space(smg.outputs[0]).dims
     thread_dim = thread_dim or [d for d in out_dims if d in cut][-1]
     if thread_dim not in cut:
-        raise ScheduleError(f"thread dim {thread_dim!r} is not a spatially cut dim {cut}")
+        raise ScheduleError(f"thread dim {thread_dim!r} is not a spatially cut dim {cut}", code="thread_dim.not_cut")
     block = []
     for d in cut:
         t = int(tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1))
         if t <= 0 or (t > sizes[d] and not (tensor_cores and _pads_rows(t, sizes[d]))):
-            raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive")
+            raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive",
+                                code="tile.range")
         block.append((d, t))
     limit = (hw or H100).max_threads_per_block
     groups = split_knobs(knobs)
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
-        raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}")
+        raise ScheduleError(f"serial dim {serial!r} is not a dim of {smg.name!r}", code="serial.unknown")
     if step is None:  # the default step, never longer than the serial dim (a 16-key attention: step 16)
         step = min(DEFAULT_STEP, sizes[serial])
     if isinstance(step, bool) or not isinstance(step, int):
-        raise ScheduleError(f"step {step!r} for serial dim {serial!r} must be a whole number")
+        raise ScheduleError(f"step {step!r} for serial dim {serial!r} must be a whole number", code="step.type")
     if step <= 0:
-        raise ScheduleError(f"step {step} for serial dim {serial!r} must be positive")
+        raise ScheduleError(f"step {step} for serial dim {serial!r} must be positive", code="step.range")
     if step > sizes[serial]:
-        raise ScheduleError(f"step {step} for serial dim {serial!r} is larger than the dim ({sizes[serial]})")
+        raise ScheduleError(f"step {step} for serial dim {serial!r} is larger than the dim ({sizes[serial]})",
+                            code="step.range")
     plan = plan_temporal(smg, serial)
     memory = []
     states = {u.state for u in plan.states}
@@ -407,7 +409,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     if padded and (out.warp_tile is None or padded != [out.warp_tile.row]):
         raise ScheduleError(f"tile {dict(block)[padded[0]]} for dim {padded[0]!r} is larger than the dim "
                             f"({sizes[padded[0]]}): only a warp-tile program's row tile may pad its dim to whole "
-                            f"MMA row tiles")
+                            f"MMA row tiles", code="tile.padded")
     if tensor_cores:
         from schedulers.tensorcore_fit import tensorcore_reason
         from schedulers.warp_tile import warp_tile_reason

@@ -1,1 +1,1 @@
-"""Search: cost models, tuner and database (issue 4; not built yet)."""
+"""Search: the search space, the cost models (analytical, learned, the first-round prior), the tuner, its database."""

@@ -15,14 +15,10 @@ hand-writer would write from the ones the search used to pick:
   blocks there are, and SMs without a block add nothing (a 32-block grid uses 32 of 132 SMs);
 - one SM's port to L2 bounds what a few busy SMs can draw (``SM_PORT_BYTES_PER_CLK``).
 
-Checked against the H100 row norms of the whole-model runs (fp16, CUDA graphs; the estimate, with
-its 2 us launch, in brackets): the residual RMSNorm 2048x4096 on 64 blocks of 32 rows x 8 lanes,
-scalar loads, steps of 128: 127 us (284); 256 blocks of 8 rows x 32 lanes, scalar, one step: 78 us
-(89); residual LayerNorm 1024x768 on 32 blocks of 32 rows x 8 lanes, 8-wide vectors: 7.2 us (7.4);
-128 blocks of 8 rows x 32 lanes, scalar: 9.9 us (10.6); ViT's 1576x768 on 50 blocks of vectors:
-8.5 us (7.3) (``experiments/results/e2e_h100.json``, ``history/e2e_h100_lanes_probe.json``).  The
-scalar kernels reached ~0.85 TB/s on 128-132 SMs whatever their threads per SM, which is what
-``WARP_LOADS_PER_SM`` encodes.  The model ranked all five level before (the old bandwidth share only
+Checked against the H100 row norms of the whole-model runs (residual RMSNorm and LayerNorm, scalar
+and vector loads, few and many blocks; measured: docs/tuning.md, 'What the cost models are fitted
+to').  The scalar kernels reached the same bandwidth whatever their threads per SM, which is what
+``WARP_LOADS_PER_SM`` encodes.  The model ranked them all level before (the old bandwidth share only
 counted busy SMs, and vectors and scalars tied).
 
 Inputs with none of the cut dims (a norm's weight and bias, a bias vector) are the same bytes for
@@ -47,8 +43,8 @@ DRAM_LATENCY_S = 700e-9
 #: (nvcc hoists the loads of unrolled runs ahead of their use, within its register budget)
 LOADS_IN_FLIGHT = 8
 #: warp-wide global loads one SM keeps outstanding (its miss-tracking capacity); at 2 bytes a lane
-#: a warp load brings 64 bytes, at 16 bytes 512: calibrated on the scalar row norms above, which
-#: reached ~0.85 TB/s on 128-132 SMs whatever their threads (64 x 64 B per SM in 700 ns)
+#: a warp load brings 64 bytes, at 16 bytes 512: calibrated on the scalar row norms above, whose
+#: bandwidth on 128-132 SMs, whatever their threads, is 64 x 64 B per SM per DRAM_LATENCY_S
 WARP_LOADS_PER_SM = 64
 #: bytes per clock one SM can draw from L2 (its crossbar port; a few busy SMs cannot reach the
 #: whole device's bandwidth however many loads they keep in flight)

@@ -38,35 +38,36 @@ from schedulers.temporal import plan_temporal
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 
+# The H100 measurements behind the choices below (stages, slices, tiles, the FlashAttention-3 variants, the
+# knobs offered on): docs/tuning.md, "Why the search space looks as it does".
 LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 #: deeper rings offered for GEMMs (their ring holds only the A and B tiles), in blocks taking all of a
-#: row tile's steps or half: BERT's and ViT's FFN output GEMMs (K = 3072) ran 17.8 and 24.9 us at 6
-#: stages against 24.1 and 33.6 at 3 stages in 4 slices on the H100
+#: row tile's steps or half: a deep K (BERT's and ViT's FFN output GEMMs, K = 3072) ran faster on 6
+#: stages than on 3 stages in 4 slices
 GEMM_STAGES = (4, 6)
 PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
-DEEP_PRODUCER_STAGES = (6, 8)  # and deeper (8: 16.0 us on BERT's FFN output GEMM)
+DEEP_PRODUCER_STAGES = (6, 8)  # and deeper (8 for BERT's FFN output GEMM)
 #: the deep rings and the 192-column tiles are offered for grids of at most this many waves of one block
 #: per SM, where a block alone must keep its loads in flight (BERT's and ViT's GEMMs: 48-208 tiles); on
 #: LLaMA's 2048-row GEMMs (700-2800 tiles) the analytical model preferred them and they measured slower
-#: (4 layers 6997 against 6243 us)
 DEEP_WAVES = 2
 WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
 SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
 SLICES = (2, 4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
 #: more slices where even 8 leave the SMs short (a GQA decoder's few kv heads at one sequence: 8 row
-#: tiles x 8 slices ran 46 us against cuDNN's 33 on the H100), up to this many blocks per SM in all
+#: tiles x 8 slices stayed behind cuDNN's time), up to this many blocks per SM in all
 MORE_SLICES, SLICED_BLOCKS_PER_SM = (16, 32), 4
 #: the serial extent from which the search offers attention's warp-specialised (FlashAttention-3)
 #: variants: one block of 384 threads per SM pays each block's ring fill alone, which long rows
-#: amortise (LLaMA's 2048: 451 against 512-551 us) and short ones do not (BERT's 512: 83-100 against
-#: 72, ViT's 197: 24-27 against 21), where the cost model puts them level (68-70 against 74)
+#: amortise (LLaMA's 2048) and short ones do not (BERT's 512, ViT's 197), where the cost model puts
+#: them level
 FA3_MIN_SERIAL = 1024
 #: largest tensor-core tile per dim the search tries (wgmma's N; two 64-row halves per warpgroup)
 TC_MAX_TILE = 256
 #: tensor-core tiles besides the powers of two: 192 columns (three 64-column swizzle atoms) fill the
 #: H100's 132 SMs where 128 or 256 leave a partial wave (BERT's FFN input GEMM, 1024 x 3072: 128
-#: blocks of 128 x 192, 15.4 us against 17.9 for the best power-of-two tile)
+#: blocks of 128 x 192 beat the best power-of-two tile)
 TC_EXTRA_TILES = (192,)
 #: the search folds a broadcast pair of dims into one row dim (``smg.fold``) where the inner one is
 #: shorter than this: a warpgroup's 64 MMA rows (a GQA decoder's single query row per head)
@@ -277,17 +278,16 @@ class SearchSpace:
     # A score GEMM per step (attention) with a producer warpgroup is FlashAttention-3's structure (K and V
     # apart, each step's softmax beside the previous P @ V, two MMA warpgroups taking turns): offered in
     # its own shape -- two MMA warpgroups (8 warps), a 2-slot ring, steps of 64+ -- without mma_row_sums,
-    # whose mma.sync per step stalls the async wgmma pipe (LLaMA 529-535 against 451-455 us without),
-    # and only over long rows (FA3_MIN_SERIAL).  H100: LLaMA 426.8 against 520.7 us, causal 275.4
-    # against 322.8 in the harness.
+    # whose mma.sync per step stalls the async wgmma pipe, and only over long rows (FA3_MIN_SERIAL)
+    # (measured: docs/tuning.md, 'Why the search space looks as it does').
     def _producer_knobs(self, tiles: dict[str, int], serial: str, step: int, thread_dim: str,
                         warps: int, deep: bool = False) -> Iterator[Knobs]:
         """A TMA GEMM's warp-specialised variants: a producer warpgroup, rings of 2..4 slots (it keeps
         the deeper rings fed: 4 stages were the fastest of 2..4 on the H100's 128 x 256 tiles), also 6
         and 8 on a ``deep`` (small) grid (8 on BERT's 3072-deep K with 64 x 128 tiles), one block
-        per tile or a persistent grid of one block per SM (204.7 against 212.2 us estimated, 202.8
-        measured for the persistent 8192^2 x 1024 GEMM), the latter also with two MMA warpgroups
-        taking turns on alternate tiles (pingpong)."""
+        per tile or a persistent grid of one block per SM (estimated and measured faster for the
+        8192^2 x 1024 GEMM), the latter also with two MMA warpgroups taking turns on alternate tiles
+        (pingpong).  Measured: docs/tuning.md, 'Why the search space looks as it does'."""
         modes = ((0, False), (self.hw.num_sms, False), (self.hw.num_sms, True))
         rings = PRODUCER_STAGES + (DEEP_PRODUCER_STAGES if deep else ())
         for stages, (persistent, pingpong) in itertools.product(rings, modes):
@@ -299,17 +299,17 @@ class SearchSpace:
     @cached_property
     def hopper(self) -> bool:
         """Whether the target has warpgroup MMA (sm_90): ``wgmma`` is then offered on, not searched
-        both ways (it won on every harness workload it applies to: causal 448 -> 321 us, LLaMA 786 ->
-        551, the sigmoid GEMM 442 -> 261); where make_schedule refuses it the candidate goes without."""
+        both ways (it won on every harness workload it applies to; measured: docs/tuning.md, 'Why the
+        search space looks as it does'); where make_schedule refuses it the candidate goes without."""
         return self.hw.arch.startswith("sm_90")
 
     @cached_property
     def one_reduction(self) -> bool:
         """Whether the graph reduces once (a plain GEMM + epilogue), or only in GEMMs of its inputs (several
         sharing their A: LLaMA's gated MLP input ``silu(X @ Wg) * (X @ Wu)``): the search offers ``tma`` and
-        the producer variants there (on, like ``wgmma``: 253 -> 241 us for the 8192^2 x 1024 GEMM) and not
-        for attention, whose K/V ring it also loads but where it measured a wash on the H100 (LLaMA 516-543
-        against 528-541 us, causal 322-337 against 320-330, BERT a tie, ViT 21.7 against 20.6)."""
+        the producer variants there (on, like ``wgmma``: faster for the 8192^2 x 1024 GEMM) and not for
+        attention, whose K/V ring it also loads but where it measured a wash on the H100 (docs/tuning.md,
+        'Why the search space looks as it does')."""
         reductions = [op for op in self.smg.ops if op.reduce]
         return len(reductions) == 1 or bool(reductions) and all(
             op.combiner == "sum" and len(op.inputs) == 2 and all(a.space in self.smg.inputs for a in op.inputs)
@@ -325,7 +325,7 @@ class SearchSpace:
     def row_sum(self) -> bool:
         """Whether an op sums one computed tile over a dim (attention's row sum of P): a candidate for
         ``mma_row_sums``, which is offered on, not searched both ways (it won or tied on every harness
-        workload: causal 486 -> 447 us, Softmax-GEMM 25.2 -> 24.0, BERT 98.5 -> 96.4; and doubling the
+        workload, measured: docs/tuning.md, 'Why the search space looks as it does'; and doubling the
         space doubles its enumeration); where make_schedule finds no such state it is left off."""
         return any(op.combiner == "sum" and op.reduce and len(op.inputs) == 1 for op in self.smg.ops)
 

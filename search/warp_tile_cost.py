@@ -48,8 +48,9 @@ SFU_PER_CLK = 16
 WGMMA_FRACTION = 0.6
 MMA_SYNC_FRACTION = 0.35
 #: the fraction for wgmma fed by a producer warpgroup: a group stays in flight and no block barrier
-#: drains the tensor pipe each step (fitted to one kernel: the 8192^2 x 1024 GEMM on 128 x 256 tiles,
-#: 4 stages, persistent, 202.8 us on the H100; the cp.async and TMA kernels keep WGMMA_FRACTION)
+#: drains the tensor pipe each step (fitted to one kernel, the 8192^2 x 1024 GEMM on 128 x 256 tiles,
+#: 4 stages, persistent; the cp.async and TMA kernels keep WGMMA_FRACTION; measured: docs/tuning.md,
+#: 'What the cost models are fitted to')
 WGMMA_PRODUCER_FRACTION = 0.8
 #: a cp.async tile's latency from L2 before its first byte lands (fitted), and a step's barrier
 LOAD_LATENCY_S = 0.5e-6
@@ -57,9 +58,9 @@ BARRIER_S = 0.05e-6
 #: share of the other issuing units' demand (tensor, SFU, FP32) that adds to the busiest's (fitted)
 OVERLAP_LOSS = 0.45
 #: how much faster TMA's bulk tensor copies draw from L2 than cp.async's 16-byte ones: the H100's
-#: pingpong GEMM on 64 x 256 tiles moved 2.68 GB of tiles in 210.9 us (12.7 TB/s), the cp.async
-#: 128 x 128 kernel at most 8.5 TB/s, against the hardware model's 10 TB/s (measured on GEMMs only:
-#: attention's K/V by TMA ran as fast as by cp.async)
+#: pingpong GEMM drew its tiles from L2 above the hardware model's L2 bandwidth, the cp.async GEMM below
+#: it (measured on GEMMs only: attention's K/V by TMA ran as fast as by cp.async; docs/tuning.md,
+#: 'What the cost models are fitted to')
 TMA_L2_FACTOR = 1.3
 #: FP32 operations of CUDA's tanhf, a software routine (exp-based with a polynomial for small |x|)
 TANHF_OPS = 20

@@ -142,7 +142,7 @@ NVCC_FLAGS = ("-O3", "-diag-suppress=177,1046")
 #: the warp-tile kernels' flags (kept in kernel.json, so every compile path uses them): exp2f becomes
 #: one ex2.approx.ftz (no denormal range fix-up around each MUFU), as in FlashAttention's
 #: --use_fast_math build; numerics are checked as ever.  -prec-div=false is left out: it made the
-#: sigmoid GEMM epilogue 4.6% slower on the H100 (618.6 against 591.4 us)
+#: sigmoid GEMM epilogue slower on the H100 (measured: docs/results.md, 'Tried and not kept')
 WARP_TILE_FLAGS = ("-ftz=true",)
 #: everything besides the schedule that decides the kernel: part of the tuning database key
 COMPILE_FLAGS = (*NVCC_FLAGS, "tirx.disable_storage_rewrite", *WARP_TILE_FLAGS)

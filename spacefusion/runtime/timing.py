@@ -2,10 +2,8 @@
 
 The flush *reads* a buffer twice the L2 by default, leaving L2 full of clean lines. Zeroing it
 instead (``flush="write"``, Triton's ``do_bench`` way) leaves ~L2-size of dirty lines whose write-back
-the timed kernel then pays for: on the H100 that added 5-7 us to every 32 MB read (a torch row max
-of a 4096x4096 fp16 matrix: 28.4 us after a write flush, 21.8 us after a read flush; our
-softmax-GEMM kernel 32.5 vs 27.4, against 28.1 us of kernel duration under ncu, whose own flush
-writes back before it times). A cold-L2 timing should bill the kernel for its own traffic only.
+the timed kernel then pays for (measured: docs/architecture.md, 'Timing a kernel'). A cold-L2 timing
+should bill the kernel for its own traffic only.
 
 Every benchmark (the artefact harness, baselines, the tuner) uses this, so their numbers compare.
 torch is imported lazily so that the module imports on CPU-only machines.

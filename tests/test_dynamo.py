@@ -61,6 +61,11 @@ def _model(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         cfg = T.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                               intermediate_size=128, vocab_size=100, sliding_window=8)
         return T.MistralModel(cfg), {"input_ids": _ids(1, 16)}
+    if name == "gemma2_softcap":  # HF runs Gemma-2 through eager attention: SDPA takes no soft-cap
+        cfg = T.Gemma2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, intermediate_size=128, vocab_size=100, sliding_window=8,
+                             attn_logit_softcapping=30.0, final_logit_softcapping=None, query_pre_attn_scalar=16)
+        return T.Gemma2Model(cfg), {"input_ids": _ids(1, 16)}
     raise ValueError(name)
 
 
@@ -73,6 +78,7 @@ EXPECT = {
     "gpt2": ({"attention": 2, "stacked_gemm": 2, "gemm": 6, "residual_norm": 4, "norm": 1}, None),
     "llama_gqa": ({"attention": 2, "rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 1}, None),
     "mistral_window": ({"attention": 2, "rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 1}, None),
+    "gemma2_softcap": ({"attention": 2, "rope": 4, "gated_gemm": 2}, None),
 }
 
 
@@ -139,13 +145,14 @@ def _cache_layer(cache: object, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-@pytest.mark.parametrize("name", ["albert", "gpt2", "bert_padding"])
+@pytest.mark.parametrize("name", ["albert", "gpt2", "bert_padding", "gemma2_softcap"])
 def test_transformers_model_on_llvm_kernels(name: str) -> None:
-    """The same capture with TVM's llvm kernels: GELU's tanh form (ALBERT), Conv1D's addmm (GPT-2), and
-    the padding mask as a score mod of the attention (BERT) built and run."""
+    """The same capture with TVM's llvm kernels: GELU's tanh form (ALBERT), Conv1D's addmm (GPT-2), the
+    padding mask as a score mod of the attention (BERT), and Gemma-2's attention written in ops (soft-cap,
+    sliding-window mask, GQA through repeat_kv) as one attention, built and run."""
     compiled = _compiled_matches_eager(name, "llvm")
     labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
-    want = "+ mask" if name == "bert_padding" else "gelu_tanh"
+    want = {"bert_padding": "+ mask", "gemma2_softcap": "h4/2 16x16 d16 softcap 30 + mask"}.get(name, "gelu_tanh")
     assert any(want in lab for lab in labels), labels
 
 
@@ -300,7 +307,7 @@ def test_cuda_target_without_a_gpu_says_so() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "vit"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "vit", "gemma2_softcap"])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead", "max-autotune-no-cudagraphs"])
 def test_transformers_model_on_gpu_kernels(name: str, mode: str | None, tmp_path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:

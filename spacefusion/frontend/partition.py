@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from spacefusion.frontend.eager_attention import match_eager_attention
 from spacefusion.frontend.graph import call_name
 from spacefusion.frontend.matchers import MATCHERS, Context
 from spacefusion.frontend.reasons import reason
@@ -17,7 +18,7 @@ def partition(gm: fx.GraphModule) -> Partition:
     ctx = Context(gm)
     found: list[Subgraph] = []
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    for matcher in MATCHERS:
+    for matcher in (match_eager_attention, *MATCHERS):
         for node in calls:
             if node.name in ctx.claimed:
                 continue

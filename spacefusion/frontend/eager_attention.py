@@ -1,0 +1,177 @@
+"""Attention written out in ops, as HF's ``eager_attention_forward`` writes it (Gemma-2's, whose logit
+soft-cap SDPA cannot take, and every model run with ``attn_implementation="eager"``)::
+
+    s = torch.matmul(q, repeat_kv(k).transpose(2, 3)) * scaling
+    s = torch.tanh(s / cap) * cap                      # optional: Gemma-2's soft-cap
+    s = s + mask                                       # optional: an additive mask
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    p = F.dropout(p, p=0.0, training=False)            # optional, a no-op in eval
+    o = torch.matmul(p, repeat_kv(v))
+
+becomes ``patterns.attention`` with the soft-cap and the mask as score mods, K and V read per kv head
+where ``repeat_kv`` (expand + reshape) only repeated them.  Anything else in the chain leaves it to torch.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from smg import patterns
+from spacefusion.frontend.graph import MUL, dtype, is_function, shape, single_user
+from spacefusion.frontend.matchers import Context, _bshd, _build, _index_mask, _mask_mod, _subgraph, _value
+from spacefusion.frontend.records import Subgraph
+
+MATMUL = (torch.matmul, operator.matmul)
+DIV = (operator.truediv, torch.div)
+SOFTMAX = (F.softmax, torch.softmax)
+DROPOUT = (F.dropout,)
+
+
+def _method(node: Any, *names: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+def _repeated(x: fx.Node) -> tuple[fx.Node, int] | None:
+    """(K, kv heads) where ``x`` is ``repeat_kv(K)``:
+    ``K[:, :, None].expand(b, hk, r, s, d).reshape(b, hk * r, s, d)``."""
+    if not _method(x, "reshape", "view") or not _method(x.args[0], "expand"):
+        return None
+    unsq = x.args[0].args[0]
+    if not (isinstance(unsq, fx.Node) and unsq.op == "call_function" and unsq.target is operator.getitem):
+        return None
+    src, idx = unsq.args
+    if not isinstance(src, fx.Node) or not isinstance(idx, tuple) or len(idx) != 5 or idx[2] is not None:
+        return None
+    s_src, s_x = shape(src), shape(x)
+    if s_src is None or s_x is None or len(s_src) != 4 or s_x[0] != s_src[0] or s_x[2:] != s_src[2:]:
+        return None
+    return (src, s_src[1]) if s_x[1] % s_src[1] == 0 else None
+
+
+def _scores(s: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node, float | None, float | None, fx.Node | None] | None:
+    """(chain nodes, Q, K^T node, scale, soft-cap, additive mask) of the scores ``s`` as written above."""
+    chain: list[fx.Node] = []
+    mask = cap = scale = None
+    if is_function(s, (operator.add, torch.add)) and len(s.args) == 2:
+        a, b = s.args
+        for x, m in ((a, b), (b, a)):
+            if isinstance(x, fx.Node) and isinstance(m, fx.Node) and (is_function(x, MUL) or is_function(x, MATMUL)):
+                chain.append(s)
+                s, mask = x, m
+                break
+        else:
+            return None
+    if is_function(s, MUL) and len(s.args) == 2:  # tanh(s / cap) * cap
+        t, c = s.args
+        if isinstance(c, fx.Node):
+            t, c = c, t
+        if _number(c) is not None and isinstance(t, fx.Node) and (_method(t, "tanh") or is_function(t, (torch.tanh,))):
+            d = t.args[0]
+            if is_function(d, DIV) and _number(d.args[1]) == _number(c):
+                chain += [s, t, d]
+                s, cap = d.args[0], _number(c)
+    if is_function(s, MUL) and len(s.args) == 2:  # matmul * scaling
+        mm, k = s.args if isinstance(s.args[0], fx.Node) else s.args[::-1]
+        if _number(k) is None:
+            return None
+        chain.append(s)
+        s, scale = mm, _number(k)
+    if not is_function(s, MATMUL):
+        return None
+    chain.append(s)
+    q, kt = s.args
+    return chain, q, kt, scale, cap, mask
+
+
+def _key(kt: Any) -> fx.Node | None:
+    """K of ``K.transpose(2, 3)`` (or ``(-2, -1)``) on a 4-d K."""
+    if not _method(kt, "transpose") or len(kt.args) != 3 or shape(kt.args[0]) is None:
+        return None
+    dims = {d % 4 for d in kt.args[1:]}
+    return kt.args[0] if dims == {2, 3} and len(shape(kt.args[0])) == 4 else None
+
+
+def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``torch.matmul(softmax(scores), V)`` as written above -> ``patterns.attention``."""
+    if not is_function(node, MATMUL) or len(node.args) != 2:
+        return None
+    p, v = node.args
+    chain: list[fx.Node] = [node]
+    if is_function(p, DROPOUT):
+        if _arg(p, 1, "p", 0.5) and _arg(p, 2, "training", True):
+            return None
+        chain.append(p)
+        p = p.args[0]
+    if _method(p, "to", "type_as") and isinstance(p.args[0], fx.Node):
+        chain.append(p)
+        p = p.args[0]
+    if not (is_function(p, SOFTMAX) or _method(p, "softmax")) or _arg(p, 1, "dim") not in (-1, 3):
+        return None
+    chain.append(p)
+    got = _scores(p.args[0])
+    if got is None or not isinstance(v, fx.Node):
+        return None
+    links, q, kt, scale, cap, mask = got
+    chain += links
+    k = _key(kt)
+    if k is None or not isinstance(q, fx.Node):
+        return None
+    chain.append(kt)
+    if any(single_user(n) is None for n in chain[1:]) or not ctx.free(*chain):
+        return None  # the probabilities or the scores are read elsewhere (returned as attention weights)
+    hk = shape(k)[1]
+    rk, rv = _repeated(k), _repeated(v)
+    if rk is not None and rv is not None and rk[1] == rv[1] and single_user(k) is kt and single_user(v) is node:
+        repeats = [n for x in (k, v) for n in (x, x.args[0], x.args[0].args[0])]
+        if all(single_user(n) is not None for n in repeats[1:3] + repeats[4:]) and ctx.free(*repeats):
+            chain += repeats  # the copies repeat_kv made are not needed: K and V are read per kv head
+            (k, hk), (v, _) = rk, rv
+    sq, sk, sv = shape(q), shape(k), shape(v)
+    dt = dtype(q)
+    if not (sq and sk and sv and len(sq) == len(sk) == len(sv) == 4) or dt is None:
+        return None
+    (b, h, m, d), (_, _, l, dk) = sq, sk
+    if dk != d or sv[3] != d or h % hk:
+        ctx.refuse(node, f"attention written in ops with head dims q {d}, k {dk}, v {sv[3]}: the pattern takes one")
+        return None
+    mods: tuple[patterns.ScoreMod, ...] = ()
+    extra = []
+    if cap is not None:
+        mods += (patterns.ScoreMod(f"{cap!r}*tanh({{s}}/{cap!r})"),)
+    causal = False
+    if mask is not None:
+        got_mask = _index_mask(mask, (b, h, m, l), hk, dt) or _mask_mod(mask, (b, h, m, l), hk, dt)
+        if isinstance(got_mask, str):
+            ctx.refuse(node, got_mask)
+            return None
+        causal, mods, extra = got_mask[0], mods + got_mask[1], got_mask[2]
+    bshd = _bshd(node, q, k, v, ctx)
+    layout = "bhsd" if bshd is None else "bshd"
+    smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
+                                                       scale=1.0 if scale is None else scale, layout=layout,
+                                                       mods=mods))
+    if smg is None:
+        return None
+    label = (f"attention (eager) b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}"
+             f"{f' softcap {cap:g}' if cap is not None else ''}{' + mask' if mask is not None else ''} {dt}")
+    if bshd is None:
+        q_shape = sq if hk == h else (b, hk, h // hk, m, d)
+        return _subgraph("attention", label, tuple(chain), smg,
+                         [_value("Q", q, q_shape), _value("K", k, sk), _value("V", v, sv), *extra], {"O": node})
+    (qs, ks, vs), permute, out = bshd
+    ops = [_value(name, x, smg.shape(name), permute) for name, x in (("Q", qs), ("K", ks), ("V", vs))]
+    nodes = (*(dict.fromkeys((q, k, v)) if permute is None else ()), *chain, out)
+    return _subgraph("attention", f"{label} bshd", nodes, smg, [*ops, *extra], {"O": out})

@@ -168,11 +168,15 @@ class GraphReport:
     skipped: str | None = None
     ended_by: str | None = None  # the graph break that ended this graph (torch runs what follows it)
     replayed: bool = False  # runs as one CUDA graph (``replay.GraphReplay``)
+    #: why a graph that would be replayed is launched kernel by kernel instead (its capture failed)
+    not_replayed: str | None = None
 
     def __str__(self) -> str:
         head = f"graph {self.index} ({self.nodes} nodes)"
         if self.ended_by:
             head += f", ended by a graph break: {self.ended_by}"
+        if self.not_replayed:
+            head += f", launched kernel by kernel: {self.not_replayed}"
         return f"{head}: left to torch: {self.skipped}" if self.skipped else f"{head}: {self.partition}"
 
 
@@ -201,7 +205,12 @@ class _Compiled:
         self.replay: GraphReplay | None = None
         on_gpu = getattr(self.owner.kernels, "name", None) == "cuda" and tensors and all(x.is_cuda for x in tensors)
         if self.owner.replay_graphs and on_gpu and not self.owner.export_only:
-            self.replay = GraphReplay(self.run, example_inputs, baked, clone_outputs=self.owner.clone_outputs)
+            try:
+                self.replay = GraphReplay(self.run, example_inputs, baked, clone_outputs=self.owner.clone_outputs)
+            except Exception as exc:  # e.g. a host tensor copied in (Gemma's embedding scale): not capturable
+                torch.cuda.synchronize()
+                self.report.not_replayed = f"its CUDA graph capture failed: {type(exc).__name__}: " + \
+                    str(exc).splitlines()[0][:300]
         self.report.replayed = self.replay is not None
 
     def __call__(self, *args: Any) -> Any:

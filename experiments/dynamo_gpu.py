@@ -46,6 +46,9 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
                                                                "num_hidden_layers": 4, "vocab_size": 32000,
                                                                "max_position_embeddings": 4096},
                                  "ids", 1, 2048),
+    # Gemma-2-2B's config (soft-capped attention logits, sliding window, GQA, head dim 256), 4 of its layers
+    "gemma2_2b_4layers_1x2048": ("Gemma2Config", "Gemma2Model", {"num_hidden_layers": 4, "vocab_size": 32000},
+                                 "ids", 1, 2048),
 }
 
 

@@ -23,7 +23,7 @@ from torch import fx
 
 from smg import patterns
 from spacefusion.frontend.graph import MUL, dtype, is_function, shape, single_user
-from spacefusion.frontend.matchers import Context, _bshd, _build, _index_mask, _mask_mod, _subgraph, _value
+from spacefusion.frontend.matchers import Context, attention_subgraph, mask_mods
 from spacefusion.frontend.records import Subgraph
 
 MATMUL = (torch.matmul, operator.matmul)
@@ -153,25 +153,11 @@ def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         mods += (patterns.ScoreMod(f"{cap!r}*tanh({{s}}/{cap!r})"),)
     causal = False
     if mask is not None:
-        got_mask = _index_mask(mask, (b, h, m, l), hk, dt) or _mask_mod(mask, (b, h, m, l), hk, dt)
-        if isinstance(got_mask, str):
-            ctx.refuse(node, got_mask)
+        got_mask = mask_mods(ctx, node, mask, (b, h, m, l), hk, dt)
+        if got_mask is None:
             return None
         causal, mods, extra = got_mask[0], mods + got_mask[1], got_mask[2]
-    bshd = _bshd(node, q, k, v, ctx)
-    layout = "bhsd" if bshd is None else "bshd"
-    smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
-                                                       scale=1.0 if scale is None else scale, layout=layout,
-                                                       mods=mods))
-    if smg is None:
-        return None
     label = (f"attention (eager) b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}"
              f"{f' softcap {cap:g}' if cap is not None else ''}{' + mask' if mask is not None else ''} {dt}")
-    if bshd is None:
-        q_shape = sq if hk == h else (b, hk, h // hk, m, d)
-        return _subgraph("attention", label, tuple(chain), smg,
-                         [_value("Q", q, q_shape), _value("K", k, sk), _value("V", v, sv), *extra], {"O": node})
-    (qs, ks, vs), permute, out = bshd
-    ops = [_value(name, x, smg.shape(name), permute) for name, x in (("Q", qs), ("K", ks), ("V", vs))]
-    nodes = (*(dict.fromkeys((q, k, v)) if permute is None else ()), *chain, out)
-    return _subgraph("attention", f"{label} bshd", nodes, smg, [*ops, *extra], {"O": out})
+    return attention_subgraph(ctx, node, tuple(chain), q, k, v, (b, h, hk, m, l, d), dt, causal,
+                              1.0 if scale is None else scale, mods, extra, label)

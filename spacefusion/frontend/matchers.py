@@ -142,29 +142,52 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
     mods, extra = (), []
     if a.get("attn_mask") is not None:
-        got = _index_mask(a["attn_mask"], (b, h, m, l), hk, dt) or _mask_mod(a["attn_mask"], (b, h, m, l), hk, dt)
-        if isinstance(got, str):
-            ctx.refuse(node, got)
+        got = mask_mods(ctx, node, a["attn_mask"], (b, h, m, l), hk, dt)
+        if got is None:
             return None
         causal = causal or got[0]
         mods, extra = got[1], got[2]
+    what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
+    what += " (index)" if mods and "Mask" not in mods[0].body else ""
+    label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
+    return attention_subgraph(ctx, node, (node,), q, k, v, (b, h, hk, m, l, d), dt, causal, scale, mods, extra,
+                              label)
+
+
+def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+              ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | None:
+    """(causal, score mods, their operands) of an attention's mask: index arithmetic where it is
+    (``_index_mask``), else the mask read as a tensor (``_mask_mod``); None, with the reason recorded on
+    ``node``, where it can be neither."""
+    got = _index_mask(mask, want, kv_heads, dt) or _mask_mod(mask, want, kv_heads, dt)
+    if isinstance(got, str):
+        ctx.refuse(node, got)
+        return None
+    return got
+
+
+def attention_subgraph(ctx: Context, node: fx.Node, nodes: tuple[fx.Node, ...], q: fx.Node, k: fx.Node,
+                       v: fx.Node, dims: tuple[int, int, int, int, int, int], dt: str, causal: bool,
+                       scale: float | None, mods: tuple[patterns.ScoreMod, ...], extra: list[Operand],
+                       label: str) -> Subgraph | None:
+    """The attention subgraph whose output is ``node`` and which takes in ``nodes``, Q/K/V read from ``q``,
+    ``k`` and ``v``; ``dims`` (b, heads, kv heads, m, l, d).  Where HF's split_heads / merge_heads surround it
+    (``_bshd``), the bshd pattern on the projections' own memory, the transposes taken in."""
+    b, h, hk, m, l, d = dims
     bshd = _bshd(node, q, k, v, ctx)
     layout = "bhsd" if bshd is None else "bshd"
     smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
                                                        scale=scale, layout=layout, mods=mods))
     if smg is None:
         return None
-    what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
-    what += " (index)" if mods and "Mask" not in mods[0].body else ""
-    label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
     if bshd is None:
-        q_shape = sq if hk == h else (b, hk, h // hk, m, d)
-        return _subgraph("attention", label, (node,), smg, [_value("Q", q, q_shape), _value("K", k, sk),
-                                                             _value("V", v, sv), *extra], {"O": node})
+        q_shape = shape(q) if hk == h else (b, hk, h // hk, m, d)
+        return _subgraph("attention", label, nodes, smg, [_value("Q", q, q_shape), _value("K", k, shape(k)),
+                                                          _value("V", v, shape(v)), *extra], {"O": node})
     (qs, ks, vs), permute, out = bshd
     ops = [_value(sp, x, smg.shape(sp), permute) for sp, x in (("Q", qs), ("K", ks), ("V", vs))]
-    nodes = (*(dict.fromkeys((q, k, v)) if permute is None else ()), node, out)
-    return _subgraph("attention", f"{label} bshd", nodes, smg, [*ops, *extra], {"O": out})
+    taken = (*(dict.fromkeys((q, k, v)) if permute is None else ()), *nodes, out)
+    return _subgraph("attention", f"{label} bshd", taken, smg, [*ops, *extra], {"O": out})
 
 
 #: the masked-out score of a boolean mask: large and finite, so a fully masked tile of the online softmax

@@ -38,13 +38,23 @@ class Rejection:
     sentence: str
 
 
+#: how a knob's own feature column encodes its value (``search.features`` applies them)
+ENCODINGS = ("value", "flag", "log2")
+
+
 def knob(default: Any, help: str, feature: str, choices: tuple[Any, ...] | None = None, lo: int | None = None,
-         hi: int | None = None, valid: str | None = None) -> Any:
+         hi: int | None = None, valid: str | None = None, encode: str | None = None) -> Any:
     """A group field that is a knob: its default, a sentence of help, the learned model's feature that
-    sees it (``search.features``; "" when none does yet), the values it may take (``choices``, or bounds
-    ``lo``..``hi``) and, optionally, how a refusal says what is valid."""
+    sees it (``search.features``), the values it may take (``choices``, or bounds ``lo``..``hi``) and,
+    optionally, how a refusal says what is valid.
+
+    With ``encode`` (one of ``ENCODINGS``) the feature is the knob's own column, generated from this field:
+    ``value`` (the number), ``flag`` (1 when set or nonzero) or ``log2`` (log2(1 + value)).  Without it,
+    ``feature`` names a schedule-level feature through which the model sees the knob (threads, blocks)."""
+    if encode is not None and encode not in ENCODINGS:
+        raise ValueError(f"encode {encode!r} is not one of {ENCODINGS}")
     return field(default=default, metadata={"help": help, "feature": feature, "choices": choices, "lo": lo,
-                                            "hi": hi, "valid": valid})
+                                            "hi": hi, "valid": valid, "encode": encode})
 
 
 def is_int_knob(f: dataclasses.Field) -> bool:
@@ -90,11 +100,10 @@ class SimtOptions:
                       valid=f"a power of two up to {LANES[-1]} (beyond a warp, 32, the lanes of a group are whole "
                             f"warps)")
     vector: int = knob(1, "consecutive serial elements a lane loads and stores as one vector", "log2_vector",
-                       choices=VECTORS,
+                       choices=VECTORS, encode="log2",
                        valid=f"one of {VECTORS} elements")
-    #: not yet a feature: the committed prior's feature layout stays fixed until it is retrained
     unroll: bool = knob(False, f"unroll each lane's loop over its elements of a step (at most {MAX_UNROLL} trips; "
-                               f"vector runs are unrolled already)", "")
+                               f"vector runs are unrolled already)", "unroll", encode="flag")
 
     def check(self, s: Schedule) -> Rejection | None:
         """A vector is a run of consecutive serial elements wholly inside the dim or wholly past its end (one
@@ -142,7 +151,7 @@ class WarpTileOptions:
     """Tensor-core warp-tile programs (``schedulers.warp_tile``) on mma.sync or wgmma."""
 
     stages: int = knob(1, "shared-memory buffers per streamed input tile (the ring's depth)", "stages", lo=1, hi=8,
-                       valid="1..8 (shared buffers per streamed tile)")
+                       valid="1..8 (shared buffers per streamed tile)", encode="value")
     warps: int = knob(0, "warps per block, each taking rows/16/warps 16-row MMA tiles (0: up to 4)", "warp_mtiles",
                       lo=0)
     split: int = knob(1, "warp groups dividing a block's serial steps (split-K inside the block)", "threads",
@@ -150,14 +159,16 @@ class WarpTileOptions:
                       valid="1, 2, 4 or 8 warp groups")
     slices: int = knob(1, "blocks dividing one row tile's serial steps (split-K across the grid)", "log2_num_blocks",
                        lo=1, hi=32)
-    reload_a: bool = knob(False, "re-read the first GEMM's A operand from shared memory every step", "reload_a")
+    reload_a: bool = knob(False, "re-read the first GEMM's A operand from shared memory every step",
+                          "reload_a", encode="flag")
     early_scores: bool = knob(False, "wait for the score tile's operands before the second GEMM's (two groups)",
-                              "early_scores")
+                              "early_scores", encode="flag")
     lazy_rescale: bool = knob(False, "skip the accumulator rescale while the running max stays within its lag",
-                              "lazy_rescale")
+                              "lazy_rescale", encode="flag")
     mma_row_sums: bool = knob(False, "sum row statistics that are a second GEMM's factor tile on tensor cores",
-                              "mma_row_sums")
-    fast_math: bool = knob(False, "tanh and logistics on tanh.approx.f32 where stored in 16 bits", "fast_math")
+                              "mma_row_sums", encode="flag")
+    fast_math: bool = knob(False, "tanh and logistics on tanh.approx.f32 where stored in 16 bits",
+                           "fast_math", encode="flag")
 
     def check(self, s: Schedule) -> Rejection | None:
         from schedulers.warp_tile import warp_tile_reason
@@ -212,13 +223,16 @@ class WarpTileOptions:
 class HopperOptions:
     """Hopper (sm_90a) features of a warp-tile program: warpgroup MMA, TMA, warp specialisation."""
 
-    wgmma: bool = knob(False, "the GEMMs on warpgroup MMA (wgmma.mma_async, swizzled shared tiles)", "wgmma")
-    tma: bool = knob(False, "the ring's tiles loaded by the Tensor Memory Accelerator (with wgmma)", "tma")
-    producer: bool = knob(False, "a producer warpgroup issues the TMA loads (warp specialisation)", "producer")
+    wgmma: bool = knob(False, "the GEMMs on warpgroup MMA (wgmma.mma_async, swizzled shared tiles)",
+                       "wgmma", encode="flag")
+    tma: bool = knob(False, "the ring's tiles loaded by the Tensor Memory Accelerator (with wgmma)",
+                     "tma", encode="flag")
+    producer: bool = knob(False, "a producer warpgroup issues the TMA loads (warp specialisation)",
+                          "producer", encode="flag")
     persistent: int = knob(0, "a persistent grid of this many blocks looping over the tiles (0: one per tile)",
-                           "persistent", lo=0)
+                           "persistent", lo=0, encode="flag")
     pingpong: bool = knob(False, "two MMA warpgroups per persistent block taking turns on alternate tiles",
-                          "pingpong")
+                          "pingpong", encode="flag")
 
     def check(self, s: Schedule) -> Rejection | None:
         from schedulers.warp_tile import tma_reason, warp_tile_reason

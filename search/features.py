@@ -21,6 +21,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.hardware import HardwareError, HardwareModel
+from schedulers.options import KNOB_FIELDS, KNOB_GROUP
 from schedulers.schedule import LEVELS, Schedule
 from schedulers.temporal import parse
 from schedulers.traffic import traffic
@@ -32,6 +33,11 @@ from .warp_tile_cost import step_cost
 
 #: the per-step units of the warp-tile cost model whose shares of the slowest are features
 STEP_UNITS = ("tensor", "sfu", "simt", "smem", "l2", "latency")
+
+#: (column, knob, encoding) of every knob that declares its own feature column, in group order
+KNOB_COLUMNS: tuple[tuple[str, str, str], ...] = tuple(
+    (f.metadata["feature"], f.name, f.metadata["encode"]) for f in KNOB_FIELDS if f.metadata["encode"])
+_ENCODE = {"value": float, "flag": lambda v: float(bool(v)), "log2": lambda v: math.log2(1 + v)}
 
 FEATURE_NAMES: tuple[str, ...] = (
     # -- workload
@@ -61,19 +67,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "second_pass",
     "log2_carry_flops",  # per-step rescaling of the accumulators (online-softmax style carries)
     "tensor_cores",  # 1 for a tensor-core kernel (warp-tile mma.sync or WMMA)
-    "stages",  # cp.async pipeline depth of a warp-tile program (1 otherwise)
     "warp_mtiles",  # 16-row mma tiles per warp of a warp-tile program (0 otherwise)
-    "reload_a",  # 1 when the first GEMM's A fragments are re-read from shared memory every step
-    "early_scores",  # 1 when the score operands are waited for apart from the second GEMM's
-    "lazy_rescale",  # 1 when a reference max is kept within its lag (the rescale skipped)
-    "mma_row_sums",  # 1 when row sums run on tensor cores with the second GEMM
-    "wgmma",  # 1 when the GEMM runs on warpgroup MMA (wgmma.mma_async) instead of mma.sync
-    "tma",  # 1 when the ring's tiles are loaded by TMA (tensor maps, mbarriers) instead of cp.async
-    "producer",  # 1 when a producer warpgroup issues those loads (warp specialisation)
-    "persistent",  # 1 when a persistent grid loops over the tiles
-    "pingpong",  # 1 when two MMA warpgroups of a persistent block take turns on alternate tiles
-    "fast_math",  # 1 when tanh and logistics run on tanh.approx.f32
-    "log2_vector",  # consecutive serial elements per load/store of a CUDA-core lane
+    *(name for name, _, _ in KNOB_COLUMNS),  # the knobs' own columns, declared with each knob (options.knob)
     *(f"num_{level}_spaces" for level in LEVELS),
     # -- analytical estimates
     "shared_bytes_per_block",
@@ -228,19 +223,8 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "second_pass": float(bool(s.plan.second_pass)),
         "log2_carry_flops": _log2(carry),
         "tensor_cores": float(s.tensor_cores),
-        "stages": s.stages,
         "warp_mtiles": s.warp_tile.warp_mtiles if s.warp_tile is not None else 0,
-        "reload_a": float(s.reload_a),
-        "early_scores": float(s.early_scores),
-        "lazy_rescale": float(s.lazy_rescale),
-        "mma_row_sums": float(s.mma_row_sums),
-        "wgmma": float(s.wgmma),
-        "tma": float(s.tma),
-        "producer": float(s.producer),
-        "persistent": float(s.persistent > 0),
-        "pingpong": float(s.pingpong),
-        "fast_math": float(s.fast_math),
-        "log2_vector": math.log2(1 + s.vector),
+        **{name: _ENCODE[enc](getattr(getattr(s, KNOB_GROUP[knob]), knob)) for name, knob, enc in KNOB_COLUMNS},
         **{f"num_{level}_spaces": sum(1 for _, lv in s.memory if lv == level) for level in LEVELS},
         "shared_bytes_per_block": shared,
         "log2_shared_bytes_per_block": _log2(shared),

@@ -67,6 +67,33 @@ def _check_names(names: Sequence[str], where: str) -> None:
     raise ValueError(f"{where}: feature names differ from this version's FEATURE_NAMES: {'; '.join(parts)}")
 
 
+def _in_this_layout(path: Path, sidecar_names: Sequence[str], where: str) -> bytearray:
+    """The xgboost JSON at ``path`` with its split indices moved to this version's FEATURE_NAMES.
+
+    A model saved before a feature was added (a knob's new column) or the columns were reordered is the
+    same function of the features it knew: each split is re-pointed at its feature's new position, and a
+    new column is one the model never splits on.  A model that needs a feature this code no longer
+    computes is refused (ValueError naming it), as is a sidecar that disagrees with its model."""
+    model = json.loads(path.read_text())
+    learner = model["learner"]
+    names = tuple(learner.get("feature_names") or ())
+    for given in (tuple(sidecar_names), names):
+        if any(n not in FEATURE_NAMES for n in given) or len(set(given)) != len(given):
+            _check_names(given, where)
+    if tuple(sidecar_names) != names:
+        raise ValueError(f"{where}: the sidecar's feature names are not those of {path.name}")
+    if names != FEATURE_NAMES:
+        at = [FEATURE_NAMES.index(n) for n in names]
+        for tree in learner["gradient_booster"]["model"]["trees"]:
+            tree["split_indices"] = [at[i] for i in tree["split_indices"]]
+            tree["tree_param"]["num_feature"] = str(len(FEATURE_NAMES))
+        learner["learner_model_param"]["num_feature"] = str(len(FEATURE_NAMES))
+        learner["feature_names"] = list(FEATURE_NAMES)
+        if learner.get("feature_types"):
+            learner["feature_types"] = ["float"] * len(FEATURE_NAMES)
+    return bytearray(json.dumps(model).encode())
+
+
 def relevance(medians_us: np.ndarray, qid: np.ndarray) -> np.ndarray:
     """Ranking labels: ``-log(median_us)``; failures (inf) get their group's worst label minus one."""
     med = np.asarray(medians_us, dtype=np.float64)
@@ -260,9 +287,8 @@ class LearnedCostModel:
         if not isinstance(meta, dict) or meta.get("format") != MODEL_FORMAT:
             raise ValueError(f"{side} is not a spacefusion cost-model sidecar (format "
                              f"{meta.get('format') if isinstance(meta, dict) else None!r})")
-        _check_names(meta.get("feature_names", ()), str(side))
         booster = xgb.Booster()
-        booster.load_model(str(path))
+        booster.load_model(_in_this_layout(path, meta.get("feature_names", ()), str(side)))
         _check_names(booster.feature_names or (), str(path))
         model = cls(HardwareModel.from_dict(meta["hardware"]), num_rounds=int(meta["num_rounds"]))
         model.params = dict(meta["params"])

@@ -239,8 +239,38 @@ def test_save_load_round_trip(dataset, tmp_path):
         LearnedCostModel.load(path)
     meta["feature_names"] = list(reversed(FEATURE_NAMES))
     side.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="another order"):
+    with pytest.raises(ValueError, match="sidecar's feature names"):
         LearnedCostModel.load(path)
     side.unlink()
     with pytest.raises(ValueError, match="sidecar"):
         LearnedCostModel.load(path)
+
+
+def test_a_model_saved_in_an_older_feature_layout_predicts_the_same(dataset, tmp_path):
+    """A model saved before a knob's column was added, or with the columns in another order, is re-pointed
+    at this version's columns on load and predicts exactly what it did (the shipped prior predates the
+    generated knob columns)."""
+    data, X = dataset
+    (_, r_tr, g_tr, X_tr), (_, _, _, X_te) = _split(data, X)
+    model = LearnedCostModel(H100)
+    model.fit(X_tr, r_tr, g_tr)
+    path = tmp_path / "cost.json"
+    model.save(path)
+    unused = FEATURE_NAMES.index("unroll")  # constant in the records: never split on
+    old = [n for n in reversed(FEATURE_NAMES) if n != "unroll"]  # an "older" layout: reordered, one column fewer
+    at = {n: i for i, n in enumerate(old)}
+    doc = json.loads(path.read_text())
+    learner = doc["learner"]
+    for tree in learner["gradient_booster"]["model"]["trees"]:
+        assert unused not in [i for i, left in zip(tree["split_indices"], tree["left_children"]) if left != -1]
+        tree["split_indices"] = [at.get(FEATURE_NAMES[i], 0) for i in tree["split_indices"]]
+        tree["tree_param"]["num_feature"] = str(len(old))
+    learner["learner_model_param"]["num_feature"] = str(len(old))
+    learner["feature_names"] = old
+    learner["feature_types"] = ["float"] * len(old)
+    path.write_text(json.dumps(doc))
+    side = tmp_path / "cost.meta.json"
+    meta = json.loads(side.read_text())
+    meta["feature_names"] = old
+    side.write_text(json.dumps(meta))
+    assert np.array_equal(LearnedCostModel.load(path).predict(X_te), model.predict(X_te))

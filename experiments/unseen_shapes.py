@@ -101,9 +101,16 @@ HARNESS: tuple[Shape, ...] = (
     Shape("h_mha_llama", 4, 32, 32, 2048, 2048, 128, why="harness: MHA LLaMA"),
     Shape("h_mha_causal", 4, 32, 32, 2048, 2048, 128, causal=True, why="harness: causal MHA"),
 )
-BY_KEY = {s.key: s for s in (*SHAPES, *VALIDATION, *HARNESS)}
+#: Head dims off the MMA's k of 16 (issue 28): Stable Diffusion 1.5's first attention (d = 40), MQA decode, and a
+#: sweep of the head dims diffusion and other models use (24 .. 256) at one prefill shape.
+HEAD_DIMS: tuple[Shape, ...] = (
+    Shape("sd15_d40", 2, 8, 8, 4096, 4096, 40, why="Stable Diffusion 1.5's first self-attention (issue 28)"),
+    Shape("mqa_decode", 16, 16, 1, 1, 2048, 64, why="MQA decode: one kv head (issue 28)"),
+    *(Shape(f"hd{d}", 4, 16, 16, 2048, 2048, d, why=f"head dim {d}") for d in (24, 40, 72, 80, 160, 200, 256)),
+)
+BY_KEY = {s.key: s for s in (*SHAPES, *VALIDATION, *HARNESS, *HEAD_DIMS)}
 SETS = {"train": tuple(s.key for s in SHAPES), "validation": tuple(s.key for s in VALIDATION),
-        "harness": tuple(s.key for s in HARNESS)}
+        "harness": tuple(s.key for s in HARNESS), "head_dims": tuple(s.key for s in HEAD_DIMS)}
 
 
 def smg_of(s: Shape) -> Any:

@@ -54,6 +54,8 @@ class ScoreGemm:
     b: str
     k: str
     b_trans: bool  # b is [.., K, L] (L contiguous) rather than [.., L, K]
+    kd: int  # K's extent
+    kp: int  # K as the MMAs run it: rounded up to their k of 16, the pad columns zero in shared memory
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class GemmState:
     n: str
     factor: str
     n_tile: int  # columns per block: the tile when N is cut spatially (a GEMM's output columns), else all
+    pad: int = 0  # of those, columns past an uncut N (40 -> 48): computed for the MMAs' n of 16, not stored
 
 
 @dataclass(frozen=True)
@@ -264,10 +267,9 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
         raise ScheduleError("wgmma takes a plain GEMM (+ epilogue), or GEMM states whose factor tile is computed "
                             "in registers (attention's P @ V)")
     if gemm is not None:  # the score GEMM too: its B (K) read K-major from 64-wide bands of swizzle atoms,
-        kd = s.smg.dim_sizes[gemm.k]  # the last one partial (padded_band): only its k16 slices that exist
-        if gemm.b_trans or kd % 16 or s.step % 8 or s.step > WGMMA_MAX_N:
-            raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous, {gemm.k!r} = "
-                                f"{kd} a multiple of 16 and a step (its N) a multiple of 8 up to {WGMMA_MAX_N}")
+        if gemm.b_trans or s.step % 8 or s.step > WGMMA_MAX_N:  # the last one partial (padded_band): only
+            raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous and a step "
+                                f"(its N) a multiple of 8 up to {WGMMA_MAX_N}")  # its k16 slices that exist
 
 
 #: columns (fp16/bf16) of one band of a 128 B-swizzled tile: an atom row
@@ -394,11 +396,17 @@ def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
     if b.index[-1] not in (k, L):
         raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must end in {k!r} or {L!r}")
     kd = smg.dim_sizes[k]
-    if kd % 16:
-        raise ScheduleError(f"GEMM dim {k!r} = {kd} must be a multiple of 16")
-    if b.index[-1] == L and smg.dim_sizes[L] % 8:
+    kp = -(-kd // 16) * 16
+    if kd % 8:
+        raise ScheduleError(f"GEMM dim {k!r} = {kd} must be a multiple of 8 (16-byte rows of fp16 for cp.async; "
+                            f"the MMAs' k of 16 is reached by zero columns in shared memory)")
+    b_trans = b.index[-1] == L
+    if b_trans and smg.dim_sizes[L] % 8:
         raise ScheduleError(f"{L!r} = {smg.dim_sizes[L]} must be a multiple of 8 when {b.space!r} ends in it")
-    return ScoreGemm(op.out, a.space, b.space, k, b.index[-1] == L)
+    if b_trans and kp != kd:
+        raise ScheduleError(f"GEMM dim {k!r} = {kd} is not a multiple of 16 and {b.space!r} {b.index} has it "
+                            f"as rows: zero rows are not padded in (K-contiguous {b.space!r} is)")
+    return ScoreGemm(op.out, a.space, b.space, k, b_trans, kd, kp)
 
 
 def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...],
@@ -424,10 +432,12 @@ def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, b
         raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, .., {n}] ({n} last, the others "
                             f"batch dims {batch})")
     n_tile = col_cut.get(n, smg.dim_sizes[n])
+    pad = 8 if n not in col_cut and n_tile % 16 and n_tile % 8 == 0 else 0  # a head dim of 40: 48 columns,
+    n_tile += pad  # the last 8 not stored; their loads are clamped and land only in those columns
     if n_tile % 16 or smg.dim_sizes[n] % 8:
         raise ScheduleError(f"GEMM dim {n!r}: {n_tile} columns per block must be a multiple of 16 "
                             f"(and {n!r} = {smg.dim_sizes[n]} of 8)")
-    return GemmState(u, x.name, n, factor, n_tile)
+    return GemmState(u, x.name, n, factor, n_tile, pad)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -449,17 +459,16 @@ def warp_tile_reason(s) -> str | None:
 def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     """Shared tiles as name -> (copies, rows, padded row length in elements); each warp group has
     its own ring of ``stages`` copies of every streamed tile."""
-    sizes = s.smg.dim_sizes
     out: dict[str, tuple[int, int, int]] = {}
     ring = p.stages * p.split
     if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding; a slot holds A's [rows, 64]
         # band and each GEMM state's [64, n_tile] B tile (gated GEMMs: X, Wg's and Wu's)
         return {p.tiles_in[0]: (ring, p.rows, p.step)} | {g.x: (ring, p.step, g.n_tile) for g in p.gemm_states}
     if p.gemm is not None:  # read by wgmma (swizzled): whole bands, unpadded
-        kd = sizes[p.gemm.k]
-        out[p.gemm.a] = (1, p.rows, padded_band(kd) if p.wgmma and p.reload_a else kd + PAD)
-        out[p.gemm.b] = ((ring, kd, p.step + PAD) if p.gemm.b_trans
-                         else (ring, p.step, padded_band(kd) if p.wgmma else kd + PAD))
+        kp = p.gemm.kp
+        out[p.gemm.a] = (1, p.rows, padded_band(kp) if p.wgmma and p.reload_a else kp + PAD)
+        out[p.gemm.b] = ((ring, kp, p.step + PAD) if p.gemm.b_trans
+                         else (ring, p.step, padded_band(kp) if p.wgmma else kp + PAD))
     for n in p.tiles_in:  # swizzled for TMA (bands of 64 columns), else rows padded for ldmatrix
         out[n] = (ring, p.rows, p.step + (0 if p.tma else PAD))
     for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, whole bands, unpadded
@@ -579,7 +588,6 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
     pull to occupancy steps (many kernels land at exactly 128 or 168) is not modelled.  mma.sync
     GEMMs with wide B tiles are the worst (nvcc up to 98 above).  The blocks per SM it gives match nvcc's
     count's on 487 of the 534 (399 before); ``tests/test_warp_tile_registers.py`` holds the bounds."""
-    sizes = s.smg.dim_sizes
     mt = p.warp_mtiles
     acc = mt * sum(g.n_tile // 2 for g in p.gemm_states)
     if p.wgmma_ss:
@@ -589,7 +597,7 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
         return base + acc + mt * min(p.step // 4, 8)
     rows = 2 * mt * len(p.row_states)
     scores = mt * (p.step // 2) * (1 + _held_score_ops(s, p))
-    held_a = mt * sizes[p.gemm.k] // 4 if p.gemm is not None and not p.reload_a else 0
+    held_a = mt * p.gemm.kp // 4 if p.gemm is not None and not p.reload_a else 0
     factor = mt * (p.step // 4)
     if p.gemm is not None and s.steps_per_block == 1:
         return base + rows + max(held_a + scores, acc + factor)
@@ -698,6 +706,50 @@ def killing_masks(smg, p: WarpTileProgram) -> list[tuple[str, Bound]]:
         a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
         if all(x.is_Integer for x in (a, b, c)) and a != 0:
             found.append((name, (int(a), int(b), int(c), strict)))
+    return found
+
+
+#: a padding mask read per key from an input: kept where ``input[batch.., L] > threshold`` (``>=``
+#: unless strict)
+ColumnMask = tuple[str, float, bool]
+
+
+def column_masks(smg, p: WarpTileProgram) -> list[ColumnMask]:
+    """Score ops that kill (fill <= -1e30) where an input over (batch dims, L) alone fails a threshold
+    (a padding mask ``Keep[b, l] > 0.5``) and whose input also zeroes every GEMM state's factor
+    (``patterns.ScoreMod.zero_v``: a query row that keeps no key gives 0).  The same keys are killed for
+    every row of a block, so the steps before its first kept key and after its last hold nothing and are
+    skipped (found at run time, by a scan of the input): with the factor zeroed a row that keeps nothing
+    still gives 0 from the steps that run, where a finite fill alone would average V over every key.
+    Only where nothing else can make a row keep nothing (no affine killing mask, no other score input
+    such as a bias): such a row's result depends on how many keys run, so every step must."""
+    dims_ok = set(p.batch) | {p.serial}
+    if killing_masks(smg, p):
+        return []
+    found = []
+    for name in p.score_ops:
+        op = smg.producer(name)
+        e = body_expr(op)
+        if op.kind != "map" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
+            continue
+        (_, cond), (fill, _) = e.args
+        if not fill.is_Number or float(fill) > -1e30:
+            continue
+        if not isinstance(cond, (sp.StrictGreaterThan, sp.GreaterThan)) or not cond.rhs.is_Number:
+            continue
+        x = cond.lhs
+        if not x.is_Symbol or x.name not in smg.inputs:
+            continue
+        xd = smg.space(x.name).dims
+        if p.serial not in xd or not set(xd) <= dims_ok:
+            continue
+        if not p.gemm_states or any(sp.simplify(parse(g.factor).subs(x, 0)) != 0 for g in p.gemm_states):
+            continue
+        found.append((x.name, float(cond.rhs), isinstance(cond, sp.StrictGreaterThan)))
+    gemm_in = {p.gemm.a, p.gemm.b} if p.gemm is not None else set()
+    read = {a.space for n in p.score_ops for a in smg.producer(n).inputs if a.space in smg.inputs}
+    if read - gemm_in - {m[0] for m in found}:
+        return []
     return found
 
 

@@ -228,6 +228,8 @@ class SearchSpace:
             if sizes[d] < PADDED_TILES[0] or (sizes[d] < PADDED_TILES[-1] and sizes[d] % 16):
                 for t in (t for t in PADDED_TILES if t > sizes[d]):
                     yield {c: t if c == d else 1 for c in self.cut_dims}
+            elif sizes[d] in PADDED_TILES:  # exactly one such tile (an MQA decoder's group of 16 query heads),
+                yield {c: sizes[d] if c == d else 1 for c in self.cut_dims}  # below the per-element tilings' floor
 
     def _blocks(self, tiles: dict[str, int]) -> int:
         """Blocks of a grid of ``tiles`` (one per tile of the cut dims)."""

@@ -148,7 +148,7 @@ def _carries(s: Schedule, p: WarpTileProgram) -> tuple[float, float]:
 
 def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     """The per-step demand of one block of the warp-tile program of ``s`` on ``hw``."""
-    p, sizes = s.warp_tile, s.smg.dim_sizes
+    p = s.warp_tile
     dtype = s.smg.space(s.smg.inputs[0]).dtype
     sms = hw.num_sms
     fraction = (WGMMA_PRODUCER_FRACTION if p.producer else WGMMA_FRACTION) if p.wgmma else MMA_SYNC_FRACTION
@@ -159,7 +159,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     l2_rate = hw.l2_bandwidth_bytes_per_s / sms * (TMA_L2_FACTOR if p.tma and p.wgmma_ss else 1.0)
 
     rows, step = p.rows, p.step
-    kd = sizes[p.gemm.k] if p.gemm else 0
+    kd = p.gemm.kp if p.gemm else 0  # K as the MMAs run it (padded to 16)
     n_total = sum(g.n_tile for g in p.gemm_states)
     elems = rows * step
     macs = elems * (kd + n_total + 8 * len(p.row_sums))
@@ -239,6 +239,5 @@ def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[fl
 
 def _flops(s: Schedule, p: WarpTileProgram, groups: int, steps: float) -> float:
     """FLOPs of ``groups`` warp groups of ``steps`` steps each (both GEMMs)."""
-    sizes = s.smg.dim_sizes
-    kd = sizes[p.gemm.k] if p.gemm else 0
+    kd = p.gemm.kp if p.gemm else 0  # K as the MMAs run it (padded to 16)
     return 2.0 * groups * steps * p.rows * p.step * (kd + sum(g.n_tile for g in p.gemm_states))

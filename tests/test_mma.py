@@ -264,6 +264,27 @@ CASES = {
                                                           "wgmma": True, "tma": True, "producer": True}),
     "mask_far_band_slices4": (lambda: patterns.attention(1, 2, 64, 1024, 64, mods=(MASK_FAR,)), {"m": 64}, 64, 2,
                               {"slices": 4}),
+    # the keys a padding mask drops before each sequence's first kept key and after its last: steps skipped
+    # (test_padding_mask_skips_the_steps_of_dropped_keys_on_gpu gives it structured masks)
+    "mask_padding_skip": (lambda: patterns.attention(4, 2, 70, 300, 64, mods=(MASK_PADDING,)), {"m": 32}, 32, 2),
+    "mask_padding_skip_slices3": (lambda: patterns.attention(4, 2, 70, 300, 64, mods=(MASK_PADDING,)), {"m": 64},
+                                  32, 2, {"slices": 3}),
+    # head dims that are not multiples of the MMA's k of 16 (issue 28): the contraction run padded (zero
+    # columns of Q and K in shared memory, or TMA's zero-filled bands), P @ V over 16 more columns than
+    # stored. mma.sync with tails, Q re-read; wgmma causal on two 64-row halves; TMA; a producer
+    # warpgroup with GQA; d = 200 in bf16; the projections' own layout (bshd)
+    "attention_d40": (lambda: patterns.attention(2, 3, 70, 90, 40), {"m": 64}, 32, 2),
+    "attention_d40_reload": (lambda: patterns.attention(2, 3, 70, 90, 40), {"m": 64}, 32, 3,
+                             {"warps": 2, "reload_a": True, "lazy_rescale": True}),
+    "causal_wgmma_d72_mt2": (lambda: patterns.attention(1, 2, 200, 200, 72, causal=True), {"m": 128}, 64, 2,
+                             {"warps": 4, "reload_a": True, "mma_row_sums": True, "wgmma": True}),
+    "attention_wgmma_tma_d40": (lambda: patterns.attention(2, 3, 200, 300, 40), {"m": 128}, 64, 2,
+                                {"warps": 8, "wgmma": True, "tma": True}),
+    "gqa_ws_d24": (lambda: patterns.attention(1, 8, 200, 300, 24, kv_heads=2), {"m": 128}, 64, 2,
+                   {"warps": 8, "mma_row_sums": True, "wgmma": True, "tma": True, "producer": True}),
+    "attention_wgmma_d200_bf16": (lambda: patterns.attention(1, 2, 100, 130, 200, dtype="bfloat16"), {"m": 64}, 32,
+                                  2, {"reload_a": True, "wgmma": True}),
+    "bshd_d40": (lambda: patterns.attention(2, 3, 70, 90, 40, layout="bshd"), {"m": 32, "h": 1}, 32, 2),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
@@ -679,10 +700,25 @@ def test_padded_band_holds_the_columns_in_distinct_chunks(cols, rows) -> None:
     assert len(set(offs)) == len(offs) and all(0 <= o <= rows * width - 8 for o in offs)
 
 
-def test_wgmma_refuses_a_head_dim_not_a_multiple_of_16() -> None:
-    with pytest.raises(ScheduleError, match="'d' = 72 must be a multiple of 16"):
-        schedule(patterns.attention(1, 2, 128, 128, 72), tiles={"m": 64}, step=64, tensor_cores=True, stages=2,
-                 wgmma=True)
+def test_a_head_dim_off_the_mma_k_runs_padded_on_chip() -> None:
+    """d = 40: the score GEMM runs K as 48 (3 k16 slices) over zero columns 40..47 of Q and K in shared memory,
+    which the block writes once before the loop (no load writes them); P @ V computes 48 columns and stores
+    the 40 that exist.  Global memory is read and written at 40.  With TMA, K's band arrives zero-filled
+    and only Q's pad is written.  d = 36 (rows of 72 bytes) cannot be loaded in 16-byte chunks: refused."""
+    from schedulers.warp_tile import smem_layout, tile_columns
+
+    s = _schedule("attention_d40")
+    p = s.warp_tile
+    assert (p.gemm.kd, p.gemm.kp) == (40, 48)
+    assert [(g.n_tile, g.pad) for g in p.gemm_states] == [(48, 8)]
+    assert smem_layout(s, p) == {"Q": (1, 64, 56), "K": (2, 32, 56), "V": (2, 32, 56)}
+    assert tile_columns(s, p) == {"Q": 40, "K": 40, "V": 48}
+    zero_store = r"\(uint4\*\)\(_ptr \+ [^;]*\) = make_uint4\(__pack_half2\(__float2half_rn\(0x0p\+0f"
+    assert len(re.findall(zero_store, build(s, "cuda").source)) == 2  # Q's pad, and K's in both ring slots
+    tsrc = build(_schedule("attention_wgmma_tma_d40"), "cuda").source
+    assert "cp.async.bulk.tensor" in tsrc and len(re.findall(zero_store, tsrc)) == 1  # Q's alone
+    with pytest.raises(ScheduleError, match="'d' = 36 must be a multiple of 8"):
+        schedule(patterns.attention(1, 2, 128, 128, 36), tiles={"m": 64}, step=64, tensor_cores=True, stages=2)
 
 
 @given(rows=st.sampled_from([64, 128, 256]), bands=st.integers(1, 4))
@@ -931,6 +967,43 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
     out = _launch(torch, kernel, s, xs)
     ref = evaluate(s.smg, xs)
     for n, v in out.items():  # the one rule (smg/tolerance.py): a correctly rounded output passes at any size
+        assert_close(v, ref[n], s.smg.space(n).dtype, reduction_length(s.smg), name=n)
+
+
+def test_padding_masks_read_from_an_input_bound_the_steps() -> None:
+    """A padding mask over (b, l) whose input also zeroes P @ V's factor (zero_v) is scanned by each warp
+    for its first and last kept key; not a bias, nor a padding mask beside causal (a row that keeps nothing
+    then averages over every key, so every step runs)."""
+    from schedulers.warp_tile import column_masks
+
+    s = _schedule("mask_padding_skip")
+    assert column_masks(s.smg, s.warp_tile) == [("Mask", 0.5, True)]
+    src = build(s, "cuda").source
+    plain = build(_schedule("attention"), "cuda").source
+    assert "Mask" in src and src.count("__shfl_xor_sync") - plain.count("__shfl_xor_sync") == 10  # 5 x (lo, hi)
+    for other in ("mask_bias_bshd_gqa", "mask_window_causal", "attention"):
+        t = _schedule(other)
+        assert column_masks(t.smg, t.warp_tile) == [], other
+    causal = schedule(patterns.attention(1, 2, 100, 100, 64, causal=True, mods=(MASK_PADDING,)), tiles={"m": 32},
+                      step=32, tensor_cores=True, stages=2)
+    assert column_masks(causal.smg, causal.warp_tile) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["mask_padding_skip", "mask_padding_skip_slices3"])
+def test_padding_mask_skips_the_steps_of_dropped_keys_on_gpu(name, tmp_path) -> None:
+    """Sequences that keep no key (every step runs; their rows give 0), a prefix of 37 keys, keys 100..169
+    only (steps before and after skipped), all 300: the same as the unfused reference."""
+    s, torch, kernel, xs = _gpu_kernel(name, tmp_path)
+    keep = np.zeros((4, 300))
+    keep[1, :37] = 1
+    keep[2, 100:170] = 1
+    keep[3] = 1
+    xs["Mask"] = keep
+    out = _launch(torch, kernel, s, xs)
+    ref = evaluate(s.smg, xs)
+    assert not np.any(ref["O"][0])  # the sequence that keeps nothing: zeros, as SDPA gives
+    for n, v in out.items():
         assert_close(v, ref[n], s.smg.space(n).dtype, reduction_length(s.smg), name=n)
 
 

@@ -95,6 +95,9 @@ class Kernel:
         self.block.alloc()
         if p.tma:
             self.tma.init()
+        if p.gemm is not None and p.gemm.kp != p.gemm.kd:  # K run as a multiple of 16: zeros past its end
+            for name in (p.gemm.a,) if p.tma else (p.gemm.a, p.gemm.b):
+                ring.zero_columns(name, p.gemm.kd, p.gemm.kp)
         zero = tirx.const(0, I32)
         self.rows.init_states()
         qf = None

@@ -11,7 +11,9 @@ from tvm.script.ir_builder import tirx as T
 
 from schedulers.warp_tile import (
     SWIZZLE_ATOM,
+    ColumnMask,
     IndexOps,
+    column_masks,
     mask_bound,
     mbarrier_bytes,
     staged_elements,
@@ -114,13 +116,50 @@ class Block:
         st.acc = {gs.update.state: T.alloc_buffer((st.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
                   for gs in p.gemm_states}
 
-    def step_range(self) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    def step_range(self, scan: bool = True) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
         """The steps [lo, hi) this block needs: all of them, unless killing masks (fill <= -1e30, affine
         in L and the row: causal, a sliding window) leave whole leading or trailing steps masked for every
-        row of its tile (``warp_tile.step_range``)."""
+        row of its tile (``warp_tile.step_range``), or (``scan``: every thread of each warp calls this)
+        a padding mask read from an input keeps no key of them (``warp_tile.column_masks``)."""
         st, p = self.st, self.st.p
+        cms = column_masks(st.smg, p) if scan else []
+        if cms:
+            first, last = self._kept_keys(cms)
+            some = last >= 0  # a block whose keys are all masked runs every step (its rows give 0)
+            return (tirx.Select(some, tirx.floordiv(first, p.step), 0),
+                    tirx.Select(some, tirx.floordiv(last, p.step) + 1, st.s.num_steps))
         if not st.masks:
             return tirx.const(0, I32), tirx.const(st.s.num_steps, I32)
         r_hi = tirx.min(st.row0 + p.rows, st.sizes[p.row]) - 1
         lo, hi = step_range(list(st.masks.values()), st.row0, r_hi, p.step, st.sizes[p.serial], TIR_OPS)
         return tirx.const(0, I32) + lo, tirx.const(0, I32) + hi
+
+    def _kept_keys(self, cms: list[ColumnMask]) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """The first and last key (-1: none) that the padding masks ``cms`` keep at this block's batch
+        coordinates: each warp scans the mask's row, 32 keys at a time, and combines its lanes' finds
+        with shuffles (no block barrier: the warps agree without one)."""
+        st, p = self.st, self.st.p
+        L = p.serial
+        n = st.sizes[L]
+        lo = T.alloc_buffer((1,), I32, scope="local")
+        hi = T.alloc_buffer((1,), I32, scope="local")
+        T.buffer_store(lo, tirx.const(n, I32), [0])
+        T.buffer_store(hi, tirx.const(-1, I32), [0])
+        with T.serial(0, -(-n // 32)) as it:
+            key = it * 32 + st.lane
+            with T.If(key < n):
+                with T.Then():
+                    kept = []
+                    for name, threshold, strict in cms:
+                        v = tirx.Cast(F32, T.BufferLoad(st.glob[name], [key if d == L else st.coord[d]
+                                                                        for d in st.smg.space(name).dims]))
+                        kept.append(v > threshold if strict else v >= threshold)
+                    with T.If(tirx.all(*kept)):
+                        with T.Then():
+                            T.buffer_store(lo, tirx.min(lo[0], key), [0])
+                            T.buffer_store(hi, tirx.max(hi[0], key), [0])
+        full = tirx.const(0xFFFFFFFF, "uint32")
+        for off in (16, 8, 4, 2, 1):
+            T.buffer_store(lo, tirx.min(lo[0], T.tvm_warp_shuffle_xor(full, lo[0], off, 32, 32)), [0])
+            T.buffer_store(hi, tirx.max(hi[0], T.tvm_warp_shuffle_xor(full, hi[0], off, 32, 32)), [0])
+        return lo[0], hi[0]

@@ -54,6 +54,31 @@ class Ring:
                     guard.enter_context(T.Then())
                 T.evaluate(_cp_async(st.half, st.smem[name], st.sbase[name] + dst, st.glob[name], src))
 
+    def zero_columns(self, name: str, c_from: int, c_to: int, block: bool = True) -> None:
+        """Zero columns [c_from, c_to) (whole 16-byte chunks) of every row of every copy of the shared tile
+        ``name``, by the whole block (else by the MMA threads): the contraction's padding to the MMAs' k of
+        16 (a head dim of 40 run as 48), which no cp.async load writes, so once before the loop serves
+        every step.  Both operands' pads are zeroed: uninitialised shared memory may hold NaNs, and
+        NaN x 0 is NaN.  (TMA's boxes fill whole bands, zeros past the tensor's end.)"""
+        st = self.st
+        copies, rows, stride = st.layout[name]
+        swz = name in st.swizzled
+        per_row = (c_to - c_from) // 8
+        total = copies * rows * per_row
+        th = st.p.threads if block else 32 * st.p.warps
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + (st.tid if block else st.gtid)
+            slot, rest = c // (rows * per_row), c % (rows * per_row)
+            r, cc = rest // per_row, c_from + (rest % per_row) * 8
+            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if swz
+                                           else r * stride + cc)
+            with ExitStack() as guard:
+                if total % th:
+                    guard.enter_context(T.If(c < total))
+                    guard.enter_context(T.Then())
+                T.buffer_store(st.smem[name], tirx.Broadcast(tirx.const(0, st.half), 8),
+                               [tirx.Ramp(st.sbase[name] + dst, 1, 8)])
+
     def _flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
         """Row-major element offset of ``name`` at ``pos`` (batch coordinates filled in)."""
         st = self.st

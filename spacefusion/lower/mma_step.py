@@ -121,7 +121,7 @@ class Step:
             T.buffer_store(sacc, f32(0.0), [i])
         copies, rows, stride = st.layout[g.b]
         base = st.slot * (rows * stride)
-        kd = st.sizes[g.k]
+        kd = g.kp  # the MMAs run K padded to 16 (zero columns in shared memory)
 
         nb = st.nt // 2 * 8  # B fragment halves per k slice; A's (when reloaded) follow them
 

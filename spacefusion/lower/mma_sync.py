@@ -61,7 +61,7 @@ class MmaSync:
         """The score GEMM's A (Q) read from its landed tile into registers, held for the whole loop."""
         st = self.st
         g = st.p.gemm
-        kd = st.sizes[g.k]
+        kd = g.kp  # the MMAs run K padded to 16 (zero columns in shared memory)
         qf = T.alloc_buffer((st.mt * kd // 2,), st.half, scope="local")
         stride = st.layout[g.a][2]
         for mi in range(st.mt):

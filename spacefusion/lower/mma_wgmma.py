@@ -72,7 +72,7 @@ class Wgmma:
         (``reload_a``) or from the fragments held in registers (the rs form)."""
         st = self.st
         p, g = st.p, st.p.gemm
-        kd, n4 = st.sizes[g.k], st.nt * 4
+        kd, n4 = g.kp, st.nt * 4  # K padded to 16 (zero columns in shared memory)
         op = self.op(p.step)
         words = None if p.reload_a else self.words(qf, st.mt * kd // 2)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())

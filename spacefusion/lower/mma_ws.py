@@ -115,7 +115,7 @@ class WarpSpecialized:
         the MMA warpgroups have handed back (the first ``stages`` are free); under a killing mask
         (causal, a window) only the steps the row tile needs."""
         st, p = self.st, self.st.p
-        lo, hi = (0, st.s.num_steps) if p.wgmma_ss else self.block.step_range()
+        lo, hi = (0, st.s.num_steps) if p.wgmma_ss else self.block.step_range(scan=False)
         n = hi - lo
         with T.serial(0, n) as j:
             it = k * n + j  # the block's running step count: slot and phase continue across tiles
@@ -191,13 +191,15 @@ class WarpSpecialized:
         st.groups = 1  # one cp.async group: Q's
         self.rows.init_states()
         self.ring.copy_tile(g.a, zero, p.row, st.row0, g.k, zero)  # by the MMA warpgroups' threads
+        if g.kp != g.kd:  # K run as a multiple of 16: zeros past its end (TMA zero-fills K's bands)
+            self.ring.zero_columns(g.a, g.kd, g.kp, block=False)
         T.evaluate(T.ptx.cp.async_.commit_group())
         T.evaluate(T.ptx.cp.async_.wait_group(0))
         T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # wgmma reads Q through the async proxy
         T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", A_BARRIER), T.uint32(32 * p.warps)))
         qf = None if p.reload_a else self.sync.a_fragments()
         st.pf_keep = T.alloc_buffer((st.ns,), st.half, scope="local")  # P, until the next step
-        st.lo, hi = self.block.step_range()
+        st.lo, hi = self.block.step_range(scan=False)
         n = hi - st.lo
         st.n = n
         if p.warps == 8:  # warpgroup 0 takes the first turn

@@ -78,7 +78,7 @@ EXPECT = {
     "gpt2": ({"attention": 2, "stacked_gemm": 2, "gemm": 6, "residual_norm": 4, "norm": 1}, None),
     "llama_gqa": ({"attention": 2, "rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 1}, None),
     "mistral_window": ({"attention": 2, "rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 1}, None),
-    "gemma2_softcap": ({"attention": 2, "rope": 4, "gated_gemm": 2}, None),
+    "gemma2_softcap": ({"attention": 2, "rope": 4, "gated_gemm": 2, "residual_norm": 4, "norm": 5}, None),
 }
 
 

@@ -27,9 +27,22 @@ def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32"
     return g.build(g.binary("mul", g.unary(act, gate, name="Ga"), up, name="Y"))
 
 
-def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float) -> SMG:
+def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float,
+         offset: float = 0.0) -> SMG:
     """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``) over the last dim; ``keep_sum``
-    also outputs ``T``.  The forms ``smg.patterns`` has are taken from there."""
+    also outputs ``T``; the weight is ``offset + W`` (Gemma's ``1 + w``: one more element-wise op on W,
+    fused like the rest).  The forms ``smg.patterns`` has are taken from there."""
+    if offset:
+        g = Builder(f"{'residual_' if residual else ''}{kind}_offset_w" + ("_sum" if keep_sum else ""), dtype)
+        x = g.input("X", {"m": m, "n": n})
+        t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
+        w = g.input("W", {"n": n})
+        w1 = g.map(f"{w.name} + {float(offset)!r}", w, name="W1")
+        if kind == "layernorm":
+            y = g.layernorm(t, "n", w1, g.input("B", {"n": n}), eps=eps, name="Y")
+        else:
+            y = g.rmsnorm(t, "n", w1, eps=eps, name="Y")
+        return g.build(y, t) if keep_sum else g.build(y)
     if not residual:
         return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)
     if kind == "layernorm" and not keep_sum:

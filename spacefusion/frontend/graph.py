@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -243,6 +244,7 @@ class Norm:
     eps: float
     dims: int  # how many trailing dims it normalises
     inner: tuple[fx.Node, ...] = ()  # the nodes of a norm written out in ops (HF's RMSNorm), ``node`` excluded
+    offset: float = 0.0  # the affine weight is ``offset + weight`` (Gemma's ``1 + w``)
 
 
 def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
@@ -267,7 +269,13 @@ def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
         return Norm("rmsnorm", a["input"], param_ref(a.get("weight")), None,
                     eps if eps is not None else torch.finfo(torch.float32).eps, len(a["normalized_shape"]))
     if is_function(node, MUL):
+        if len(node.users) == 1 and _cast_of(next(iter(node.users))) is node:
+            return None  # the cast after it is the norm's end (Gemma's ``(x * w).type_as(x)``): matched there
         return _written_rms_norm(node)
+    inner = _cast_of(node)
+    if inner is not None and is_function(inner, MUL):
+        nm = _written_rms_norm(inner)
+        return None if nm is None else dataclasses.replace(nm, inner=(*nm.inner, inner))
     return None
 
 
@@ -298,10 +306,11 @@ def _written_rms_norm(node: fx.Node) -> Norm | None:
     ``w * (x * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``, the casts optional,
     x in the product and under the mean the same value up to casts (T5 multiplies the uncast x)."""
     for w_node, h in (node.args, node.args[::-1]):
-        w = param_ref(w_node)
-        if w is None or not isinstance(h, fx.Node) or len(node.args) != 2:
+        found = _norm_weight(w_node)
+        if found is None or not isinstance(h, fx.Node) or len(node.args) != 2:
             continue
-        inner = [h] if _cast_of(h) is not None else []
+        w, offset, taken = found
+        inner = [*taken, *([h] if _cast_of(h) is not None else [])]
         h = _uncast(h)
         if not is_function(h, MUL) or len(h.args) != 2:
             continue
@@ -327,5 +336,25 @@ def _written_rms_norm(node: fx.Node) -> Norm | None:
                 continue
             casts = [c for c in dict.fromkeys((sq.args[0], xb)) if c is not x]
             inner += [h, r, r.args[0], var, sq, *casts]
-            return Norm("rmsnorm", x, w, None, float(eps), 1, tuple(dict.fromkeys(inner)))
+            return Norm("rmsnorm", x, w, None, float(eps), 1, tuple(dict.fromkeys(inner)), offset)
     return None
+
+
+def _norm_weight(node: Any) -> tuple[str, float, tuple[fx.Node, ...]] | None:
+    """(parameter, offset, nodes taken) of a written norm's weight: a parameter, cast or not, or Gemma's
+    ``1.0 + w.float()`` (the weight stored as an offset from 1)."""
+    if not isinstance(node, fx.Node):
+        return None
+    taken: list[fx.Node] = []
+    offset = 0.0
+    if is_function(node, ADD) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        num, other = (a, b) if isinstance(a, float | int) else (b, a)
+        if isinstance(num, float | int) and not isinstance(num, bool) and isinstance(other, fx.Node):
+            taken.append(node)
+            offset, node = float(num), other
+    if _cast_of(node) is not None:
+        taken.append(node)
+        node = _cast_of(node)
+    w = param_ref(node)
+    return None if w is None else (w, offset, tuple(taken))

@@ -447,7 +447,7 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
                 and all(shape(a) == xs for a in x.args))
     keep_sum = residual and any(u is not node and u not in nm.inner for u in x.users)
     m, n = rows(xs), xs[-1]
-    smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps)))
+    smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset))
     if smg is None:
         return None
     if residual:
@@ -458,7 +458,8 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     if nm.kind == "layernorm":
         ops.append(_param("B", nm.bias, (n,)))
     kind = "residual_norm" if residual else "norm"
-    label = f"{'add + ' if residual else ''}{nm.kind}{' (sum kept)' if keep_sum else ''} {m}x{n} {dt}"
+    weight = f" ({nm.offset:g} + w)" if nm.offset else ""
+    label = f"{'add + ' if residual else ''}{nm.kind}{weight}{' (sum kept)' if keep_sum else ''} {m}x{n} {dt}"
     nodes = (*((x,) if residual else ()), *nm.inner, node)
     return _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x})
 

@@ -409,3 +409,31 @@ def test_the_lean_call_keeps_a_tensor_maps_shape(tmp_path) -> None:
     torch.testing.assert_close(got, want.flatten(), rtol=0, atol=0)
     with pytest.raises(FrontendError, match="elements where the kernel was built for"):
         lean(*[x[:-1] for x in xs])
+
+
+@pytest.mark.parametrize(("kind", "residual", "keep_sum"), [("rmsnorm", False, False), ("rmsnorm", True, True),
+                                                            ("layernorm", True, False)])
+def test_a_norm_with_its_weight_offset_schedules_and_matches_numpy(kind: str, residual: bool, keep_sum: bool) -> None:
+    """Gemma's ``(1 + w)`` weight: ``y * (W + 1)`` as one op, so the rows still cut spatially (``W + 1`` alone
+    was an intermediate over n that every block recomputes: its CUDA build was refused on the H100), and the
+    LLVM kernel of the default schedule matches the norm written in numpy."""
+    import numpy as np
+
+    from smg.reference import random_inputs
+    from spacefusion.api import build, schedule
+    from spacefusion.frontend import builders
+
+    g = builders.norm(kind, 64, 96, residual, keep_sum, "float32", 1e-5, 1.0)
+    s = schedule(g)
+    assert dict(s.block)["m"] > 1
+    x = random_inputs(g, seed=0)
+    out = build(s, "llvm")(x)
+    t = (x["X"] + x["R"] if residual else x["X"]).astype(np.float64)
+    if kind == "rmsnorm":
+        y = t / np.sqrt((t ** 2).mean(-1, keepdims=True) + 1e-5) * (x["W"] + 1.0)
+    else:
+        mu = t.mean(-1, keepdims=True)
+        y = (t - mu) / np.sqrt(((t - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * (x["W"] + 1.0) + x["B"]
+    np.testing.assert_allclose(out["Y"], y, rtol=1e-5, atol=1e-5)
+    if keep_sum:
+        np.testing.assert_allclose(out["T"], t, rtol=1e-6, atol=1e-6)

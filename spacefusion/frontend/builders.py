@@ -32,16 +32,20 @@ def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, 
     """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``) over the last dim; ``keep_sum``
     also outputs ``T``; the weight is ``offset + W`` (Gemma's ``1 + w``: one more element-wise op on W,
     fused like the rest).  The forms ``smg.patterns`` has are taken from there."""
-    if offset:
+    if offset:  # y * (W + offset) as one op: W + offset alone would be an intermediate over n that every
+        # block of rows recomputes (the spatial slicer then cuts no dim)
         g = Builder(f"{'residual_' if residual else ''}{kind}_offset_w" + ("_sum" if keep_sum else ""), dtype)
         x = g.input("X", {"m": m, "n": n})
         t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
         w = g.input("W", {"n": n})
-        w1 = g.map(f"{w.name} + {float(offset)!r}", w, name="W1")
         if kind == "layernorm":
-            y = g.layernorm(t, "n", w1, g.input("B", {"n": n}), eps=eps, name="Y")
+            y0 = g.layernorm(t, "n", eps=eps, name="Yn")
         else:
-            y = g.rmsnorm(t, "n", w1, eps=eps, name="Y")
+            y0 = g.rmsnorm(t, "n", eps=eps, name="Yn")
+        last = "Y" if kind != "layernorm" else "Yw"
+        y = g.map(f"{y0.name}*({w.name} + {float(offset)!r})", y0, w, name=last)
+        if kind == "layernorm":
+            y = g.binary("add", y, g.input("B", {"n": n}), name="Y")
         return g.build(y, t) if keep_sum else g.build(y)
     if not residual:
         return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)

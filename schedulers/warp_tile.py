@@ -709,9 +709,9 @@ def killing_masks(smg, p: WarpTileProgram) -> list[tuple[str, Bound]]:
     return found
 
 
-#: a padding mask read per key from an input: kept where ``input[batch.., L] > threshold`` (``>=``
-#: unless strict)
-ColumnMask = tuple[str, float, bool]
+#: a padding mask read per key from an input: score op, input, kept where ``input[batch.., L] > threshold``
+#: (``>=`` unless strict)
+ColumnMask = tuple[str, str, float, bool]
 
 
 def column_masks(smg, p: WarpTileProgram) -> list[ColumnMask]:
@@ -745,10 +745,10 @@ def column_masks(smg, p: WarpTileProgram) -> list[ColumnMask]:
             continue
         if not p.gemm_states or any(sp.simplify(parse(g.factor).subs(x, 0)) != 0 for g in p.gemm_states):
             continue
-        found.append((x.name, float(cond.rhs), isinstance(cond, sp.StrictGreaterThan)))
+        found.append((name, x.name, float(cond.rhs), isinstance(cond, sp.StrictGreaterThan)))
     gemm_in = {p.gemm.a, p.gemm.b} if p.gemm is not None else set()
     read = {a.space for n in p.score_ops for a in smg.producer(n).inputs if a.space in smg.inputs}
-    if read - gemm_in - {m[0] for m in found}:
+    if read - gemm_in - {m[1] for m in found}:
         return []
     return found
 

@@ -972,15 +972,18 @@ def test_warp_tile_kernel_matches_numpy_on_gpu(name, tmp_path) -> None:
 
 def test_padding_masks_read_from_an_input_bound_the_steps() -> None:
     """A padding mask over (b, l) whose input also zeroes P @ V's factor (zero_v) is scanned by each warp
-    for its first and last kept key; not a bias, nor a padding mask beside causal (a row that keeps nothing
-    then averages over every key, so every step runs)."""
+    for its first and last kept key and their count; not a bias, nor a padding mask beside causal (a row that
+    keeps nothing then averages over every key, so every step runs).  The steps inside a dense run of kept
+    keys run a copy of the step that reads no mask."""
     from schedulers.warp_tile import column_masks
 
     s = _schedule("mask_padding_skip")
-    assert column_masks(s.smg, s.warp_tile) == [("Mask", 0.5, True)]
+    assert column_masks(s.smg, s.warp_tile) == [("Smod0", "Mask", 0.5, True)]
     src = build(s, "cuda").source
     plain = build(_schedule("attention"), "cuda").source
-    assert "Mask" in src and src.count("__shfl_xor_sync") - plain.count("__shfl_xor_sync") == 10  # 5 x (lo, hi)
+    # the scan's 5 x (first, last, count), and the step twice (its row reductions' shuffles): as is, and the
+    # copy that the steps inside a dense run of kept keys take (no mask read, no select)
+    assert "Mask" in src and src.count("__shfl_xor_sync") == 15 + 2 * plain.count("__shfl_xor_sync")
     for other in ("mask_bias_bshd_gqa", "mask_window_causal", "attention"):
         t = _schedule(other)
         assert column_masks(t.smg, t.warp_tile) == [], other
@@ -992,12 +995,14 @@ def test_padding_masks_read_from_an_input_bound_the_steps() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["mask_padding_skip", "mask_padding_skip_slices3"])
 def test_padding_mask_skips_the_steps_of_dropped_keys_on_gpu(name, tmp_path) -> None:
-    """Sequences that keep no key (every step runs; their rows give 0), a prefix of 37 keys, keys 100..169
-    only (steps before and after skipped), all 300: the same as the unfused reference."""
+    """Sequences that keep no key (every step runs; their rows give 0), a prefix of 37 keys (its first step
+    inside the dense run: unmasked), keys 100..169 but 130..135 (steps before and after skipped, the run not
+    dense: every step masked), all 300 (every whole step unmasked): the same as the unfused reference."""
     s, torch, kernel, xs = _gpu_kernel(name, tmp_path)
     keep = np.zeros((4, 300))
     keep[1, :37] = 1
     keep[2, 100:170] = 1
+    keep[2, 130:136] = 0
     keep[3] = 1
     xs["Mask"] = keep
     out = _launch(torch, kernel, s, xs)

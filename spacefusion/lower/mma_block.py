@@ -13,7 +13,6 @@ from schedulers.warp_tile import (
     SWIZZLE_ATOM,
     ColumnMask,
     IndexOps,
-    column_masks,
     mask_bound,
     mbarrier_bytes,
     staged_elements,
@@ -122,10 +121,11 @@ class Block:
         row of its tile (``warp_tile.step_range``), or (``scan``: every thread of each warp calls this)
         a padding mask read from an input keeps no key of them (``warp_tile.column_masks``)."""
         st, p = self.st, self.st.p
-        cms = column_masks(st.smg, p) if scan else []
+        cms = list(st.col_masks.values()) if scan else []
         if cms:
-            first, last = self._kept_keys(cms)
+            first, last, count = self._kept_keys(cms)
             some = last >= 0  # a block whose keys are all masked runs every step (its rows give 0)
+            st.col_kept = (first, last, tirx.all(some, count == last - first + 1))
             return (tirx.Select(some, tirx.floordiv(first, p.step), 0),
                     tirx.Select(some, tirx.floordiv(last, p.step) + 1, st.s.num_steps))
         if not st.masks:
@@ -134,23 +134,25 @@ class Block:
         lo, hi = step_range(list(st.masks.values()), st.row0, r_hi, p.step, st.sizes[p.serial], TIR_OPS)
         return tirx.const(0, I32) + lo, tirx.const(0, I32) + hi
 
-    def _kept_keys(self, cms: list[ColumnMask]) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    def _kept_keys(self, cms: list[ColumnMask]) -> tuple[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr]:
         """The first and last key (-1: none) that the padding masks ``cms`` keep at this block's batch
-        coordinates: each warp scans the mask's row, 32 keys at a time, and combines its lanes' finds
-        with shuffles (no block barrier: the warps agree without one)."""
+        coordinates, and how many they keep: each warp scans the mask's row, 32 keys at a time, and
+        combines its lanes' finds with shuffles (no block barrier: the warps agree without one)."""
         st, p = self.st, self.st.p
         L = p.serial
         n = st.sizes[L]
         lo = T.alloc_buffer((1,), I32, scope="local")
         hi = T.alloc_buffer((1,), I32, scope="local")
+        cnt = T.alloc_buffer((1,), I32, scope="local")
         T.buffer_store(lo, tirx.const(n, I32), [0])
         T.buffer_store(hi, tirx.const(-1, I32), [0])
+        T.buffer_store(cnt, tirx.const(0, I32), [0])
         with T.serial(0, -(-n // 32)) as it:
             key = it * 32 + st.lane
             with T.If(key < n):
                 with T.Then():
                     kept = []
-                    for name, threshold, strict in cms:
+                    for _, name, threshold, strict in cms:
                         v = tirx.Cast(F32, T.BufferLoad(st.glob[name], [key if d == L else st.coord[d]
                                                                         for d in st.smg.space(name).dims]))
                         kept.append(v > threshold if strict else v >= threshold)
@@ -158,8 +160,10 @@ class Block:
                         with T.Then():
                             T.buffer_store(lo, tirx.min(lo[0], key), [0])
                             T.buffer_store(hi, tirx.max(hi[0], key), [0])
+                            T.buffer_store(cnt, cnt[0] + 1, [0])
         full = tirx.const(0xFFFFFFFF, "uint32")
         for off in (16, 8, 4, 2, 1):
             T.buffer_store(lo, tirx.min(lo[0], T.tvm_warp_shuffle_xor(full, lo[0], off, 32, 32)), [0])
             T.buffer_store(hi, tirx.max(hi[0], T.tvm_warp_shuffle_xor(full, hi[0], off, 32, 32)), [0])
-        return lo[0], hi[0]
+            T.buffer_store(cnt, cnt[0] + T.tvm_warp_shuffle_xor(full, cnt[0], off, 32, 32), [0])
+        return lo[0], hi[0], cnt[0]

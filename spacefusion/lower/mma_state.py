@@ -24,7 +24,9 @@ from tvm import tirx
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import (
     Bound,
+    ColumnMask,
     WarpTileProgram,
+    column_masks,
     killing_masks,
     smem_layout,
     split_ring,
@@ -120,6 +122,9 @@ class KernelState:
     t0: tirx.PrimExpr = _unset()  # first serial position of the step
     slot: tirx.PrimExpr | int = _unset()  # ring slot its tiles are in
     unmasked: bool = field(init=False)  # emitting the copy of the step that a killing mask keeps whole
+    col_masks: dict[str, ColumnMask] = field(init=False, repr=False)  # padding masks read from inputs, by op
+    #: (first kept key, last kept key, whether every key between is kept) of this block, once scanned
+    col_kept: tuple[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr] | None = field(init=False, repr=False)
     cache: dict[str, tuple[frozenset[str], tirx.Buffer]] = field(init=False, repr=False)  # values by expression
     score: dict[str, tirx.Buffer] = field(init=False, repr=False)  # score op -> its fp32 fragments
     tin: dict[str, tirx.Buffer] = field(init=False, repr=False)  # staged input -> its fragments
@@ -143,8 +148,12 @@ class KernelState:
         # steps whose whole tile the killing mask keeps (below a causal diagonal) run a copy of the
         # step without it: no per-element select, and the scalings fold into exp2 again
         self.masks = dict(killing_masks(self.smg, p))
+        # padding masks read from inputs (column_masks): with a block's kept keys one dense run, the steps
+        # inside it run the same unmasked copy, the mask's input read as 1
+        self.col_masks = {m[0]: m for m in column_masks(self.smg, p)}
+        self.col_kept = None
         self.unmasked = False
-        self.fold_unmasked = bool(self.masks) and piecewise <= set(self.masks)
+        self.fold_unmasked = bool(self.masks or self.col_masks) and piecewise <= set(self.masks) | set(self.col_masks)
         self.cache, self.score, self.tin, self.inline, self.moved = {}, {}, {}, {}, {}
         self.rs, self.rs_old, self.acc = {}, {}, {}
         self.lazy = dict(p.lazy)

@@ -59,8 +59,12 @@ class Step:
 
     def _tile_kept(self) -> tirx.PrimExpr | None:
         """Whether the killing masks keep every element of this step's tile (None: no such mask):
-        each ``a*L + b*R + c <= 0`` at the tile's worst L and worst row."""
+        each ``a*L + b*R + c <= 0`` at the tile's worst L and worst row; or whether the step lies inside
+        the block's one dense run of keys that its padding masks keep (``Block.step_range``)."""
         st = self.st
+        if st.col_kept is not None:
+            first, last, dense = st.col_kept
+            return tirx.all(dense, st.t0 >= first, st.t0 + st.p.step - 1 <= last)
         if not st.masks:
             return None
         r_hi = tirx.min(st.row0 + st.p.rows, st.sizes[st.p.row]) - 1
@@ -69,7 +73,7 @@ class Step:
     def _score_body(self, name: str) -> sp.Expr:
         """The body of score op ``name``; on a kept tile the killing mask is its kept branch."""
         e = body_expr(self.st.smg.producer(name))
-        if self.st.unmasked and name in self.st.masks:
+        if self.st.unmasked and (name in self.st.masks or name in self.st.col_masks):
             return e.args[0][0]
         return e
 

@@ -19,7 +19,7 @@ from schedulers.errors import ScheduleError
 from schedulers.temporal import parse
 from schedulers.warp_tile import MMA_DTYPES, GemmState
 from spacefusion.lower.exprs import F32, to_tir
-from spacefusion.lower.mma_state import KernelState
+from spacefusion.lower.mma_state import KernelState, f32
 
 
 class Values:
@@ -86,6 +86,8 @@ class Values:
         if name in st.sizes:
             return tirx.Cast(F32, pos[name] if name in pos else st.coord[name])
         if name in st.glob:
+            if st.unmasked and any(m[1] == name for m in st.col_masks.values()):
+                return f32(1.0)  # a padding mask inside the block's dense run of kept keys: kept
             return self.element(name, pos)
         return None
 

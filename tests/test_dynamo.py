@@ -437,3 +437,31 @@ def test_a_norm_with_its_weight_offset_schedules_and_matches_numpy(kind: str, re
     np.testing.assert_allclose(out["Y"], y, rtol=1e-5, atol=1e-5)
     if keep_sum:
         np.testing.assert_allclose(out["T"], t, rtol=1e-6, atol=1e-6)
+
+
+def test_each_convolution_left_to_torch_says_what_the_smg_cannot_express() -> None:
+    """Issue 28's bad input: a grouped, dilated or strided conv goes to torch naming what the SMG's
+    convolution lacks; a plain stride-1 one says the frontend does not lower convolutions yet; the compiled
+    model still equals eager."""
+    from torch import nn
+
+    class Convs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.plain = nn.Conv2d(8, 8, 3, padding=1)
+            self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+            self.dilated = nn.Conv2d(8, 8, 3, padding=2, dilation=2)
+            self.strided = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.strided(torch.relu(self.dilated(self.grouped(self.plain(x)))))
+
+    model = Convs().eval()
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(0))
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    reasons = [op.reason for p in compiled.spacefusion.partitions for op in p.left if "conv" in op.op]
+    assert len(reasons) == 4, reasons
+    for want in ("groups 4", "dilation (2, 2)", "stride (2, 2)", "does not lower convolutions yet"):
+        assert sum(want in r for r in reasons) == 1, (want, reasons)

@@ -27,6 +27,33 @@ GUARD = "trace guard on an argument specialised to None: no compute"
 ELEMENT = "element-wise op with no fusable producer or consumer pattern next to it: torch runs it"
 
 
+CONV_FUNCTIONS = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d,
+                  torch.conv1d, torch.conv2d, torch.conv3d)
+
+
+def _all_one(v: object) -> bool:
+    return all(x == 1 for x in (v if isinstance(v, tuple | list) else (v,)))
+
+
+def conv_reason(stride: object, padding: object, dilation: object, groups: object) -> str:
+    """Why a convolution runs in torch (cuDNN): what of it the SMG's convolution (``smg.ops.conv``: stride 1,
+    dilation 1, one group, a windowed mapping) cannot express, or, for one it can, that the frontend
+    does not lower convolutions yet (only the patch embedding, kernel = stride, as a GEMM)."""
+    why = []
+    if not _all_one(groups):
+        why.append(f"groups {groups}: grouped and depthwise convolutions are a block-diagonal GEMM the SMG "
+                   f"convolution does not take")
+    if not _all_one(dilation):
+        why.append(f"dilation {dilation}: the SMG window is y + ky, not y + d*ky")
+    if not _all_one(stride):
+        why.append(f"stride {stride}: the SMG convolution is stride 1 (a strided window is no affine-by-dim "
+                   f"mapping here)")
+    if why:
+        return "; ".join(why)
+    return (f"a stride-1 convolution (padding {padding}): the SMG has it (a windowed mapping), but the frontend "
+            f"does not lower convolutions yet; torch runs it (cuDNN on the GPU)")
+
+
 def _short(node: fx.Node) -> str:
     t = node.target
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
@@ -61,14 +88,16 @@ def reason(node: fx.Node, gm: fx.GraphModule) -> str:
         mod = gm.get_submodule(node.target)
         if isinstance(mod, nn.Embedding):
             return GATHER
-        if isinstance(mod, nn.Conv2d) and mod.stride != (1, 1):
-            return f"stride {mod.stride}: the SMG convolution is stride 1 (a strided window is no affine-by-dim " \
-                   f"mapping here)"
+        if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            return conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups)
         if isinstance(mod, nn.Dropout | nn.Identity):
             return "identity at inference"
         return "no SMG pattern covers this module"
     if node.target is operator.getitem:
         return LAYOUT
+    if node.target in CONV_FUNCTIONS:
+        a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
+        return conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
     if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
         return GATHER
     if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:

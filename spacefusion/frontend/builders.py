@@ -32,30 +32,22 @@ def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, 
     """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``) over the last dim; ``keep_sum``
     also outputs ``T``; the weight is ``offset + W`` (Gemma's ``1 + w``: one more element-wise op on W,
     fused like the rest).  The forms ``smg.patterns`` has are taken from there."""
+    if not offset and not residual:
+        return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)
+    if not offset and kind == "layernorm" and not keep_sum:
+        return patterns.residual_layernorm(m, n, dtype, eps)
+    name = f"{'residual_' if residual else ''}{kind}{'_offset_w' if offset else ''}{'_sum' if keep_sum else ''}"
+    g = Builder(name, dtype)
+    x = g.input("X", {"m": m, "n": n})
+    t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
+    w = g.input("W", {"n": n})
     if offset:  # y * (W + offset) as one op: W + offset alone would be an intermediate over n that every
         # block of rows recomputes (the spatial slicer then cuts no dim)
-        g = Builder(f"{'residual_' if residual else ''}{kind}_offset_w" + ("_sum" if keep_sum else ""), dtype)
-        x = g.input("X", {"m": m, "n": n})
-        t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
-        w = g.input("W", {"n": n})
-        if kind == "layernorm":
-            y0 = g.layernorm(t, "n", eps=eps, name="Yn")
-        else:
-            y0 = g.rmsnorm(t, "n", eps=eps, name="Yn")
-        last = "Y" if kind != "layernorm" else "Yw"
-        y = g.map(f"{y0.name}*({w.name} + {float(offset)!r})", y0, w, name=last)
+        y0 = g.layernorm(t, "n", eps=eps, name="Yn") if kind == "layernorm" else g.rmsnorm(t, "n", eps=eps, name="Yn")
+        y = g.map(f"{y0.name}*({w.name} + {float(offset)!r})", y0, w, name="Yw" if kind == "layernorm" else "Y")
         if kind == "layernorm":
             y = g.binary("add", y, g.input("B", {"n": n}), name="Y")
-        return g.build(y, t) if keep_sum else g.build(y)
-    if not residual:
-        return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)
-    if kind == "layernorm" and not keep_sum:
-        return patterns.residual_layernorm(m, n, dtype, eps)
-    g = Builder(f"residual_{kind}" + ("_sum" if keep_sum else ""), dtype)
-    x, r = g.input("X", {"m": m, "n": n}), g.input("R", {"m": m, "n": n})
-    t = g.binary("add", x, r, name="T")
-    w = g.input("W", {"n": n})
-    if kind == "layernorm":
+    elif kind == "layernorm":
         y = g.layernorm(t, "n", w, g.input("B", {"n": n}), eps=eps, name="Y")
     else:
         y = g.rmsnorm(t, "n", w, eps=eps, name="Y")

@@ -32,8 +32,7 @@ class Ring:
         block's with ``block``); rows/chunks past the end are clamped (their values are masked or
         multiplied by zero downstream)."""
         st = self.st
-        copies, rows, stride = st.layout[name]
-        swz = name in st.swizzled  # read by wgmma: 128 B-swizzled in whole bands; else rows padded by 8
+        rows = st.layout[name][1]
         per_row = st.cols[name] // 8  # the columns that exist (a swizzled tile's last band may be partial)
         total = rows * per_row
         th = st.p.threads if block else 32 * st.p.warps
@@ -46,8 +45,7 @@ class Ring:
             if pred is not None:
                 conds.append(pred)
             src = self._flat(name, {rdim: grow, cdim: gcol})
-            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if swz
-                                           else r * stride + cc)
+            dst = self._in_slot(name, slot, r, cc)
             with ExitStack() as guard:
                 if conds:
                     guard.enter_context(T.If(tirx.all(*conds)))
@@ -61,8 +59,7 @@ class Ring:
         every step.  Both operands' pads are zeroed: uninitialised shared memory may hold NaNs, and
         NaN x 0 is NaN.  (TMA's boxes fill whole bands, zeros past the tensor's end.)"""
         st = self.st
-        copies, rows, stride = st.layout[name]
-        swz = name in st.swizzled
+        copies, rows, _ = st.layout[name]
         per_row = (c_to - c_from) // 8
         total = copies * rows * per_row
         th = st.p.threads if block else 32 * st.p.warps
@@ -70,14 +67,21 @@ class Ring:
             c = it * th + (st.tid if block else st.gtid)
             slot, rest = c // (rows * per_row), c % (rows * per_row)
             r, cc = rest // per_row, c_from + (rest % per_row) * 8
-            dst = slot * (rows * stride) + (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if swz
-                                           else r * stride + cc)
+            dst = self._in_slot(name, slot, r, cc)
             with ExitStack() as guard:
                 if total % th:
                     guard.enter_context(T.If(c < total))
                     guard.enter_context(T.Then())
                 T.buffer_store(st.smem[name], tirx.Broadcast(tirx.const(0, st.half), 8),
                                [tirx.Ramp(st.sbase[name] + dst, 1, 8)])
+
+    def _in_slot(self, name: str, slot: tirx.PrimExpr, r: tirx.PrimExpr, cc: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Offset in ``name``'s shared buffer of row ``r``, column ``cc`` (a 16-byte chunk's first) of copy
+        ``slot``: 128 B-swizzled where wgmma reads the tile, else rows padded by 8."""
+        _, rows, stride = self.st.layout[name]
+        inner = (swizzled_128b(r, cc // 8, rows, tirx.bitwise_xor) if name in self.st.swizzled
+                 else r * stride + cc)
+        return slot * (rows * stride) + inner
 
     def _flat(self, name: str, pos: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
         """Row-major element offset of ``name`` at ``pos`` (batch coordinates filled in)."""

@@ -54,10 +54,19 @@ def elementwise_serial(smg: SMG) -> str | None:
     return lasts.pop() if len(lasts) == 1 and None not in lasts else None
 
 
+def input_views(smg: SMG) -> set[str]:
+    """Intermediates that only re-index an input (an op whose body is its one input, read through index
+    expressions: a convolution's im2col view, an upsampling): cutting a dim they are broadcast along
+    re-reads that input per block, as for the input itself; nothing is recomputed."""
+    return {op.out for op in smg.ops if not op.reduce and len(op.inputs) == 1 and op.body == op.inputs[0].space
+            and op.inputs[0].space in smg.inputs}
+
+
 def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
     produced = {op.out for op in smg.ops}
     out_dims = {d for o in smg.outputs for d in smg.space(o).dims}
     row = elementwise_serial(smg)
+    views = input_views(smg)
     decisions = []
     for dim in (d.name for d in smg.dims):
         if dim == row:
@@ -67,7 +76,7 @@ def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
         reducers = [op.out for op in smg.ops if dim in op.reduce]
         recompute = sorted({
             e.src for e in smg.edges
-            if e.src in produced and e.kind(dim) is Kind.ONE_TO_ALL
+            if e.src in produced and e.src not in views and e.kind(dim) is Kind.ONE_TO_ALL
         })
         if reducers:
             why = f"All-to-One along {dim} in {', '.join(reducers)}: blocks would need each other's partial results"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from schedulers.errors import ScheduleError
+from schedulers.gather_tile import GatherTile, gather_tile
 from schedulers.temporal import UpdateFunction, parse
 from smg.expr import body_expr
 
@@ -97,6 +98,10 @@ class WarpTileProgram:
     persistent: int = 0  # blocks launched, each looping over the tiles (0: one block per tile)
     pingpong: bool = False  # two MMA warpgroups per block on alternate tiles, taking turns at the tensor cores
     fast_math: bool = False  # tanh and logistics stored in 16 bits on tanh.approx.f32
+    gathers: tuple[GatherTile, ...] = ()  # tiles_in that are views of an input (an implicit GEMM's im2col tile)
+
+    def gather(self, name: str) -> GatherTile | None:
+        return next((g for g in self.gathers if g.tile == name), None)
 
     @property
     def wgmma_ss(self) -> bool:
@@ -158,11 +163,12 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     if len(dt) > 1:
         raise ScheduleError(f"inputs mix dtypes {sorted(dt)}")
 
-    gemm, score_ops = None, []
+    gemm, score_ops, gathers = None, [], []
     for i, name in enumerate(plan.streamed):
         op = smg.producer(name)
-        if any(not a.plain for a in op.inputs):
-            raise ScheduleError(f"streamed op {name!r} gathers through an index expression")
+        if any(not a.plain for a in op.inputs):  # an implicit GEMM's im2col tile, staged through its index
+            gathers.append(gather_tile(smg, op, row, L))
+            continue
         if not set(op.out_index) <= plane or row not in op.out_index or L not in op.out_index:
             raise ScheduleError(f"streamed space {name!r} {op.out_index} is not on the ({row}, {L}) plane "
                                 f"(block tiles {dict(s.block)}: its other dims need tile 1)")
@@ -177,6 +183,9 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     for name in score_ops:
         used |= {a.space for a in smg.producer(name).inputs}
     tiles_in = tuple(n for n in smg.inputs if n in used and L in smg.space(n).dims and row in smg.space(n).dims)
+    tiles_in += tuple(g.tile for g in gathers if g.tile in used)
+    if {g.tile for g in gathers} - set(tiles_in):
+        raise ScheduleError(f"gathered views {[g.tile for g in gathers]} must be read by the states directly")
     for n in tiles_in:
         if not _dims_ok(smg.space(n).dims, plane, L) or sizes[L] % 8:
             raise ScheduleError(f"input {n!r} {smg.space(n).dims} must be on ({row}, {L}) with {L} last, "
@@ -218,7 +227,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                            s.reload_a and gemm is not None, s.early_scores,
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
                            tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
-                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math)
+                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, tuple(gathers))
 
 
 #: the N of wgmma.mma_async m64nNk16 (a multiple of 8 up to 256; here of the 64-column swizzle atoms)
@@ -857,6 +866,9 @@ def tma_reason(p: WarpTileProgram) -> str | None:
     score layout (Softmax-GEMM's S)."""
     if not p.wgmma:
         return "its tiles are not wgmma's swizzled ones (wgmma=True)"
+    if p.gathers:
+        return (f"{p.gathers[0].tile!r} is gathered (an implicit GEMM's im2col view): cp.async loads it chunk by "
+                f"chunk through its index expressions, TMA only boxes of a tensor's own layout")
     if p.wgmma_ss:  # (blocks slicing the steps: each block's coordinates along L start at its first step)
         return None
     if p.tiles_in and p.step % 64:

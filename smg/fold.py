@@ -67,6 +67,10 @@ def fold_reason(g: SMG, outer: str, inner: str) -> str | None:
         for a in op.inputs:
             if _adjacent(a.index, outer, inner) is False:
                 return f"op {op.out!r} reads {a.space}{list(a.index)}: not plainly {outer!r} then {inner!r}"
+            dims = g.space(a.space).dims  # a space read through expressions of other dims (a convolution's
+            for d in {outer, inner} & set(dims):  # input at an implicit GEMM's rows and columns)
+                if a.index[dims.index(d)] != d:
+                    return f"op {op.out!r} reads {a.space}{list(a.index)}: its dim {d!r} at an index expression"
         named = _idents(op.body) & {outer, inner}
         if named:
             return f"op {op.out!r} names {sorted(named)} in its body {op.body!r} (an index-dependent value)"

@@ -267,6 +267,36 @@ class Builder:
                 (channel, *window.values()), "sum")
         return self._emit(op)
 
+    def window2d(self, x: Tensor, kernel: tuple[int, int], stride: int = 1, pad: int = 0, rows: str = "m",
+                 cols: str = "k", upsample: int = 1, name: str | None = None) -> Tensor:
+        """The im2col view of a channels-last image ``x`` [n, h, w, c]: ``A[rows, cols]`` with rows the output
+        pixels (n, p, q) and cols the taps (ky, kx, c), ``A = x[n, s*p + ky - pad, s*q + kx - pad, c]`` (zero
+        outside).  ``upsample`` = u reads ``x`` nearest-upsampled u times first (``x[.., floor(y/u), ..]``), so
+        an ``Upsample -> Conv`` chain never writes the upsampled image.  A convolution is then ``A @ W^T`` with
+        the weight [c_out, kh, kw, c] seen as [c_out, cols]: an implicit GEMM, whose A tile the lowering loads
+        through these index expressions (no im2col in memory)."""
+        self._own(x)
+        if len(x.dims) != 4:
+            raise ShapeError(f"window2d takes a channels-last image [n, h, w, c]; {x.name!r} has dims {x.dims}")
+        n, h, w, c = (self.dims[d] for d in x.dims)
+        (r, s), st, u = (int(v) for v in kernel), int(stride), int(upsample)
+        if min(r, s, st, u) < 1 or pad < 0:
+            raise ShapeError(f"window2d of {x.name!r}: kernel {kernel}, stride {stride}, upsample {upsample} must be "
+                             f"positive and pad {pad} not negative")
+        hp, wp = h * u + 2 * pad - r, w * u + 2 * pad - s
+        if hp < 0 or wp < 0:
+            raise ShapeError(f"window2d of {x.name!r}: a {r}x{s} kernel does not fit the padded {h * u}x{w * u} image")
+        p, q = hp // st + 1, wp // st + 1
+        self._dim(rows, n * p * q)
+        self._dim(cols, r * s * c)
+        m, k = rows, cols
+        y = f"{st}*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{s * c}) - {int(pad)}"
+        xx = f"{st}*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {s}*floor({k}/{s * c}) - {int(pad)}"
+        if u > 1:
+            y, xx = f"floor(({y})/{u})", f"floor(({xx})/{u})"
+        index = (f"floor({m}/{p * q})", y, xx, f"{k} - {c}*floor({k}/{c})")
+        return self._emit(Op("window", self._fresh("window", name), (m, k), (Access(x.name, index),), x.name))
+
     def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None,
                order: tuple[str, ...] | None = None) -> Tensor:
         """Generalised (batched) matmul: contract ``reduce``; shared dims are batch dims.  The output's

@@ -268,8 +268,35 @@ def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int
     return g.build(g.unary("silu", gn, name="Out"))
 
 
+def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int = 3, stride: int = 1,
+           pad: int = 1, act: str = "none", bias: bool = True, residual: bool = False, upsample: int = 1,
+           dtype: str = "float32") -> SMG:
+    """``Y = act(conv2d(X, W) + bias (+ R))`` as an implicit GEMM: X channels-last [n, h, w, c], its im2col
+    view ``A[m, k]`` (``Builder.window2d``: m the output pixels, k the taps (ky, kx, c)), the weight as
+    ``Wt[k, co]`` ([kh, kw, c, c_out]: the tensor-core B operand's layout, permuted once), Y [m, co] (the NHWC
+    output [n, p, q, c_out]).  An inference BatchNorm is folded into W and the bias before this (the frontend
+    does it); ``R`` is a residual [m, co] added before ``act``; ``upsample`` 2 reads X nearest-upsampled (an
+    ``Upsample -> Conv`` chain)."""
+    if act != "none" and act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    g = Builder(f"conv2d_{kernel}x{kernel}{'_res' if residual else ''}_{act}", dtype)
+    x = g.input("X", {"n": batch, "h": height, "w": width, "c": c_in})
+    a = g.window2d(x, (kernel, kernel), stride, pad, upsample=upsample, name="A")
+    w = g.input("Wt", {"k": g.dims["k"], "co": c_out})
+    y = g.matmul(a, w, reduce="k", name="Y" if not (bias or residual or act != "none") else "C")
+    for i, (on, inp) in enumerate(((bias, lambda: g.input("bias", {"co": c_out})),
+                                   (residual, lambda: g.input("R", {"m": g.dims["m"], "co": c_out})))):
+        if on:
+            last = act == "none" and (i == 1 or not residual)
+            y = g.binary("add", y, inp(), name="Y" if last else ("Cb" if i == 0 else "Cr"))
+    if act != "none":
+        y = g.unary(act, y, name="Y")
+    return g.build(y)
+
+
 PATTERNS = {
     "layernorm": layernorm,
+    "conv2d": conv2d,
     "rmsnorm": rmsnorm,
     "residual_layernorm": residual_layernorm,
     "softmax": softmax,

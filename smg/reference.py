@@ -52,8 +52,30 @@ def _aligned(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...]
 
 @lru_cache(maxsize=1024)
 def _component(text: str, dims: tuple[str, ...]):
-    syms = [sp.Symbol(d, integer=True) for d in dims]
-    return sp.lambdify(syms, sp.sympify(text, locals={d: s for d, s in zip(dims, syms)}), modules="numpy")
+    """An index expression as a function of integer grids, in exact integer arithmetic: ``floor(e/c)`` is
+    ``e // c`` (lambdify's ``floor((1/7)*m)`` is float and gives 6 at m = 49)."""
+    syms = {d: sp.Symbol(d, integer=True) for d in dims}
+    e = sp.sympify(text, locals=syms)
+
+    def go(x: sp.Expr, env: dict[str, np.ndarray]):
+        if x.is_Symbol:
+            return env[x.name]
+        if x.is_Integer:
+            return int(x)
+        if x.is_Add:
+            return sum((go(a, env) for a in x.args[1:]), go(x.args[0], env))
+        if x.is_Mul and sum(not a.is_Integer for a in x.args) <= 1:
+            out = 1
+            for a in x.args:
+                out = out * go(a, env)
+            return out
+        if isinstance(x, sp.floor):
+            num, den = sp.together(x.args[0]).as_numer_denom()
+            if den.is_Integer:
+                return go(sp.expand(num), env) // int(den)
+        raise ValueError(f"index expression {text!r}: {x} is not affine with floor(e/c)")
+
+    return lambda *grids: go(e, dict(zip(dims, grids)))
 
 
 def _gather(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...], shape: tuple[int, ...],

@@ -440,9 +440,8 @@ def test_a_norm_with_its_weight_offset_schedules_and_matches_numpy(kind: str, re
 
 
 def test_each_convolution_left_to_torch_says_what_the_smg_cannot_express() -> None:
-    """Issue 28's bad input: a grouped, dilated or strided conv goes to torch naming what the SMG's
-    convolution lacks; a plain stride-1 one says the frontend does not lower convolutions yet; the compiled
-    model still equals eager."""
+    """Issue 28's bad input: a grouped or dilated conv goes to torch naming what the SMG's convolution lacks;
+    the plain and the strided ones are fused (implicit GEMMs); the compiled model still equals eager."""
     from torch import nn
 
     class Convs(nn.Module):
@@ -462,6 +461,8 @@ def test_each_convolution_left_to_torch_says_what_the_smg_cannot_express() -> No
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     reasons = [op.reason for p in compiled.spacefusion.partitions for op in p.left if "conv" in op.op]
-    assert len(reasons) == 4, reasons
-    for want in ("groups 4", "dilation (2, 2)", "stride (2, 2)", "does not lower convolutions yet"):
+    assert len(reasons) == 2, reasons
+    for want in ("groups 4", "dilation (2, 2)"):
         assert sum(want in r for r in reasons) == 1, (want, reasons)
+    fused = sorted(s.label for p in compiled.spacefusion.partitions for s in p.subgraphs)
+    assert fused == ["conv 3x3/s1 2x8x16x16 -> 8 float32", "conv 3x3/s2 2x8x16x16 -> 16 float32"], fused

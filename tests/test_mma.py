@@ -285,6 +285,20 @@ CASES = {
     "attention_wgmma_d200_bf16": (lambda: patterns.attention(1, 2, 100, 130, 200, dtype="bfloat16"), {"m": 64}, 32,
                                   2, {"reload_a": True, "wgmma": True}),
     "bshd_d40": (lambda: patterns.attention(2, 3, 70, 90, 40, layout="bshd"), {"m": 32, "h": 1}, 32, 2),
+    # convolutions as implicit GEMMs (issue 28): the im2col tile gathered chunk by chunk, the padding and the
+    # rows and columns past the ends zero-filled by cp.async; row tails, a partial last step (c = 40), stride 2
+    # with a residual on wgmma, 1x1 in bf16, an Upsample -> Conv read
+    "conv3x3_relu": (lambda: patterns.conv2d(2, 10, 12, 32, 64, 3, 1, 1, "relu", dtype="float16"),
+                     {"m": 64, "co": 64}, 32, 3),
+    "conv3x3_c40_tail": (lambda: patterns.conv2d(1, 9, 7, 40, 32, 3, 1, 1, "none", dtype="float16"),
+                         {"m": 32, "co": 32}, 32, 2),
+    "conv3x3_s2_res_wgmma": (lambda: patterns.conv2d(2, 9, 9, 64, 64, 3, 2, 1, "relu", residual=True,
+                                                     dtype="float16"), {"m": 64, "co": 64}, 64, 3,
+                             {"warps": 4, "wgmma": True}),
+    "conv1x1_bf16": (lambda: patterns.conv2d(2, 7, 7, 64, 128, 1, 1, 0, "none", dtype="bfloat16"),
+                     {"m": 32, "co": 64}, 32, 2),
+    "conv_up2_silu": (lambda: patterns.conv2d(1, 6, 6, 32, 64, 3, 1, 1, "silu", upsample=2, dtype="float16"),
+                      {"m": 64, "co": 64}, 32, 2),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
@@ -292,7 +306,7 @@ GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
 
 def _schedule(name: str) -> Schedule:
     mk, tiles, step, stages, *kw = CASES[name]
-    serial = "k" if name.startswith("gemm") else "l"
+    serial = "k" if name.startswith(("gemm", "conv")) else "l"
     return schedule(mk(), tiles=tiles, serial=serial, step=step, tensor_cores=True, stages=stages,
                     **(kw[0] if kw else {}))
 

@@ -26,7 +26,9 @@ class FusedKernel(nn.Module):
         self.values = tuple(_unique(op for op in sub.operands if op.source == "value"))
         self.consts = tuple(op.space for op in sub.operands if op.source == "param")
         for op in sub.operands:
-            if op.source == "param":
+            if op.source == "param" and (op.conv or op.fold_bn):
+                self.register_buffer(op.space, _conv_param(root, op), persistent=False)
+            elif op.source == "param":
                 ts = [_attr(root, ref).detach() for ref in (op.stack or (op.ref,))]
                 ts = [t.reshape(t.shape[0], -1).t() if op.transpose else t for t in ts]
                 t = torch.stack(ts) if op.stack else ts[0]
@@ -94,6 +96,27 @@ class FusedKernel(nn.Module):
         return lean
 
 
+def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
+    """A convolution's weight as the implicit GEMM's B [kh * kw * c, co], or its bias, with an inference
+    BatchNorm folded in (in float32, then back to the weight's dtype); a conv without a bias gets zeros."""
+    ref = op.ref or (op.fold_bn[0] if op.fold_bn else "")
+    like = _attr(root, ref).detach()
+    t = _attr(root, op.ref).detach().float() if op.ref else torch.zeros(op.shape, device=like.device)
+    if op.fold_bn:
+        mean, var, w, b, eps = op.fold_bn
+        scale = torch.rsqrt(_attr(root, var).detach().float() + float(eps))
+        if w:
+            scale = scale * _attr(root, w).detach().float()
+        if op.conv:
+            t = t * scale[:, None, None, None]
+        else:
+            t = (t - _attr(root, mean).detach().float()) * scale + (_attr(root, b).detach().float() if b else 0.0)
+    if op.conv:
+        t = t.permute(2, 3, 1, 0)
+    dt = _attr(root, op.ref).dtype if op.ref else like.dtype
+    return t.contiguous().reshape(op.shape).to(dt)
+
+
 def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
     """A graph value as the operand's space: broadcast dims dropped, cast, split, permuted, then reshaped (a
     copy where not a view)."""
@@ -102,7 +125,7 @@ def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
     if op.cast is not None:
         a = a.to(getattr(torch, op.cast))
     a = a.reshape(op.split) if op.split else a
-    return (a.permute(op.permute) if op.permute else a).reshape(op.shape)
+    return (a.permute(op.permute) if op.permute else a).reshape(op.shape).contiguous()  # (NCHW as NHWC: a copy)
 
 
 def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...], index: int | None = None,

@@ -186,27 +186,99 @@ def _pair(v: Any) -> Any:
     return tuple(v) if isinstance(v, tuple | list) else (v, v) if isinstance(v, int) else v
 
 
-def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> PatchConv | None:
+@dataclass(frozen=True)
+class Conv:
+    """An ``nn.Conv2d`` call or ``F.conv2d`` on parameters: its input, weight and bias, and its geometry as
+    torch gives it (``padding`` may be a string: "same" / "valid")."""
+
+    x: fx.Node
+    weight: str
+    bias: str | None
+    c: int
+    kh: int
+    kw: int
+    cout: int
+    stride: tuple[int, int]
+    padding: Any
+    dilation: tuple[int, int]
+    groups: int
+    padding_mode: str = "zeros"
+
+
+def conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
     if is_function(node, (torch.conv2d, F.conv2d)):  # Dynamo inlines nn.Conv2d into this call
         a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
         w, b_node = param_ref(a.get("weight")), a.get("bias")
         b = param_ref(b_node)
         if w is None or (b_node is not None and b is None) or not isinstance(a["input"], fx.Node):
             return None
-        cout, c, kh, kw = _param_shape(gm, w)
-        padding = _pair(a.get("padding", 0))
-        if (_pair(a.get("stride", 1)) != (kh, kw) or _pair(a.get("dilation", 1)) != (1, 1)
-                or a.get("groups", 1) != 1 or padding not in ((0, 0), "valid")):
-            return None
-        return PatchConv(a["input"], w, b, c, kh, kw, cout)
+        cout, cg, kh, kw = _param_shape(gm, w)
+        groups = a.get("groups", 1)
+        return Conv(a["input"], w, b, cg * groups, kh, kw, cout, _pair(a.get("stride", 1)),
+                    _pair(a.get("padding", 0)), _pair(a.get("dilation", 1)), groups)
     if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.Conv2d):
         return None
-    if (mod.kernel_size != mod.stride or mod.dilation != (1, 1) or mod.groups != 1
-            or mod.padding not in ((0, 0), "valid") or not isinstance(node.args[0], fx.Node)):
+    if not isinstance(node.args[0], fx.Node):
         return None
     bias = f"{node.target}.bias" if mod.bias is not None else None
     (kh, kw) = mod.kernel_size
-    return PatchConv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, kh, kw, mod.out_channels)
+    return Conv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, kh, kw, mod.out_channels,
+                tuple(mod.stride), _pair(mod.padding), tuple(mod.dilation), mod.groups, mod.padding_mode)
+
+
+def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> PatchConv | None:
+    cv = conv_of(node, gm)
+    if cv is None or cv.stride != (cv.kh, cv.kw) or cv.dilation != (1, 1) or cv.groups != 1 \
+            or cv.padding not in ((0, 0), "valid") or cv.padding_mode != "zeros":
+        return None
+    return PatchConv(cv.x, cv.weight, cv.bias, cv.c, cv.kh, cv.kw, cv.cout)
+
+
+@dataclass(frozen=True)
+class BatchNorm:
+    """An inference ``BatchNorm2d`` (running statistics, not training): ``(x - mean) / sqrt(var + eps) * w + b``."""
+
+    x: fx.Node
+    mean: str
+    var: str
+    weight: str | None
+    bias: str | None
+    eps: float
+
+
+def batchnorm_of(node: fx.Node, gm: fx.GraphModule) -> BatchNorm | None:
+    if is_function(node, (F.batch_norm, torch.batch_norm)):
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        a = dict(zip(names, node.args)) | node.kwargs
+        refs = [param_ref(a.get(n)) for n in ("running_mean", "running_var", "weight", "bias")]
+        if a.get("training", False) or refs[0] is None or refs[1] is None or not isinstance(a["input"], fx.Node):
+            return None
+        if (a.get("weight") is not None and refs[2] is None) or (a.get("bias") is not None and refs[3] is None):
+            return None
+        return BatchNorm(a["input"], refs[0], refs[1], refs[2], refs[3], float(a.get("eps", 1e-5)))
+    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.BatchNorm2d):
+        return None
+    if mod.training or mod.running_mean is None or not isinstance(node.args[0], fx.Node):
+        return None
+    t = node.target
+    return BatchNorm(node.args[0], f"{t}.running_mean", f"{t}.running_var", f"{t}.weight" if mod.affine else None,
+                     f"{t}.bias" if mod.affine else None, float(mod.eps))
+
+
+def nearest_upsample_of(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
+    """(input, factor) of a whole-number nearest upsampling (``F.interpolate`` / ``nn.Upsample``)."""
+    if is_function(node, (F.interpolate,)):
+        a = dict(zip(("input", "size", "scale_factor", "mode"), node.args)) | node.kwargs
+        x, f = a.get("input"), a.get("scale_factor")
+    elif node.op == "call_module" and isinstance(mod := gm.get_submodule(node.target), nn.Upsample):
+        a, x, f = {"mode": mod.mode, "size": mod.size}, node.args[0], mod.scale_factor
+    else:
+        return None
+    f = f[0] if isinstance(f, tuple | list) and len(set(f)) == 1 else f
+    if a.get("mode", "nearest") != "nearest" or a.get("size") is not None or not isinstance(x, fx.Node) \
+            or not isinstance(f, int | float) or f != int(f) or f < 2:
+        return None
+    return x, int(f)
 
 
 _ACT_FUNCTIONS = {F.gelu: "gelu", torch._C._nn.gelu: "gelu", torch.tanh: "tanh", F.silu: "silu", F.relu: "relu",

@@ -26,11 +26,14 @@ from spacefusion.frontend.graph import (
     SDPA,
     Linear,
     activation_of,
+    batchnorm_of,
     contiguous,
+    conv_of,
     dtype,
     heads_interleaved,
     is_function,
     linear_of,
+    nearest_upsample_of,
     norm_of,
     patch_conv_of,
     row_view,
@@ -373,6 +376,95 @@ def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     return Subgraph("gemm", label, (node.name,), smg, tuple(ops), (out,))
 
 
+#: activations a convolution's epilogue takes (ResNet's ReLU, diffusion models' SiLU, GELU)
+CONV_ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh")
+
+
+def _conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | None:
+    """Why the implicit-GEMM convolution cannot take ``cv`` (None: it can)."""
+    from spacefusion.frontend.reasons import conv_reason
+
+    if cv.groups != 1 or cv.dilation != (1, 1) or cv.padding_mode != "zeros":
+        return conv_reason(cv.stride, cv.padding, cv.dilation, cv.groups) + (
+            f" (padding mode {cv.padding_mode!r})" if cv.padding_mode != "zeros" else "")
+    if cv.kh != cv.kw or cv.stride[0] != cv.stride[1] or not isinstance(cv.padding, tuple) \
+            or cv.padding[0] != cv.padding[1]:
+        return (f"a {cv.kh}x{cv.kw} kernel, stride {cv.stride}, padding {cv.padding}: the implicit GEMM takes square "
+                f"kernels with one stride and one padding")
+    if x_shape is None or len(x_shape) != 4 or dt not in ("float16", "bfloat16", "float32"):
+        return f"a convolution of a non-float or non-image input (shape {x_shape}, dtype {dt})"
+    if cv.c % 8:
+        return (f"{cv.c} input channels: the implicit GEMM's gathered tile reads 16-byte runs of 8 channels (an "
+                f"RGB stem stays with cuDNN)")
+    return None
+
+
+def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``nn.Conv2d`` (any padding and stride, groups 1) -> ``patterns.conv2d``, an implicit GEMM over the
+    image seen channels-last, with what follows it fused: an inference BatchNorm (folded into the weight and
+    bias once), a residual add of a value of the output's shape, an activation; and a nearest upsampling
+    before it read through the window.  The output goes back as the conv's NCHW shape with channels-last
+    strides, so the next convolution reads it without a copy."""
+    cv = conv_of(node, ctx.gm)
+    if cv is None or not ctx.free(node):
+        return None
+    if patch_conv_of(node, ctx.gm) is not None and not _fused_after(node, ctx):
+        return None  # a lone patch embedding (ViT's): match_patch_conv's GEMM of the patches
+    x, dt = cv.x, dtype(node)
+    why = _conv_refusal(cv, shape(x), dt)
+    if why is not None:
+        ctx.refuse(node, why)
+        return None
+    taken: list[fx.Node] = []
+    up, factor = nearest_upsample_of(x, ctx.gm) or (None, 1)
+    if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None:
+        taken, x = [x], up
+    else:
+        factor = 1
+    n, c, h, w = shape(x)
+    y, bn, res, act = node, None, None, None
+    taken.append(node)
+    if (u := single_user(y)) is not None and (b := batchnorm_of(u, ctx.gm)) is not None and b.x is y \
+            and ctx.free(u):
+        y, bn = u, b
+        taken.append(u)
+    if (u := single_user(y)) is not None and is_function(u, ADD) and len(u.args) == 2 and ctx.free(u):
+        other = u.args[1] if u.args[0] is y else u.args[0]
+        if isinstance(other, fx.Node) and other is not y and shape(other) == shape(y) and dtype(other) == dt:
+            y, res = u, other
+            taken.append(u)
+    got = _activation_after(y, ctx)
+    if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
+        act, y = got, got.out
+        taken.extend(got.nodes)
+    pad = cv.padding[0]
+    smg = _build(ctx, node, lambda: patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad,
+                                                    act.name if act else "none", bias=True,
+                                                    residual=res is not None, upsample=factor, dtype=dt))
+    if smg is None:
+        return None
+    _, p, q, co = shape(node)[0], shape(node)[2], shape(node)[3], cv.cout
+    m, k = n * p * q, cv.kh * cv.kw * c
+    fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
+    ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1)),
+           Operand("Wt", "param", cv.weight, (k, co), conv=True, fold_bn=fold),
+           Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold)]
+    if res is not None:
+        ops.append(_value("R", res, (m, co), (0, 2, 3, 1)))
+    out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, p, q, co))
+    parts = ["conv"] + ["bn"] * (bn is not None) + ["add"] * (res is not None) + ([act.name] if act else [])
+    label = (f"{' + '.join(parts)}{' (upsample x' + str(factor) + ')' if factor > 1 else ''} {cv.kh}x{cv.kw}/s"
+             f"{cv.stride[0]} {n}x{c}x{h * factor}x{w * factor} -> {co} {dt}")
+    return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
+def _fused_after(node: fx.Node, ctx: Context) -> bool:
+    """Whether a BatchNorm, an add or an activation reads ``node`` alone (what match_conv fuses after it)."""
+    u = single_user(node)
+    return u is not None and ctx.free(u) and (batchnorm_of(u, ctx.gm) is not None or is_function(u, ADD)
+                                              or activation_of(u, ctx.gm) is not None)
+
+
 def _activation_after(node: fx.Node, ctx: Context) -> Activation | None:
     """The activation applied to a linear's output (``activations.activation_after``), fused into its
     epilogue when none of its nodes is claimed; a view between them that keeps the rows (GPT-2's
@@ -522,4 +614,5 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
 
 #: in priority order: a node taken by an earlier matcher is not offered to later ones
 MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
-    match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_patch_conv, match_norm, match_rope)
+    match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_conv, match_patch_conv, match_norm,
+    match_rope)

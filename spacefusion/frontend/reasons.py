@@ -36,22 +36,20 @@ def _all_one(v: object) -> bool:
 
 
 def conv_reason(stride: object, padding: object, dilation: object, groups: object) -> str:
-    """Why a convolution runs in torch (cuDNN): what of it the SMG's convolution (``smg.ops.conv``: stride 1,
-    dilation 1, one group, a windowed mapping) cannot express, or, for one it can, that the frontend
-    does not lower convolutions yet (only the patch embedding, kernel = stride, as a GEMM)."""
+    """Why a convolution runs in torch (cuDNN): what of it the implicit-GEMM convolution
+    (``smg.ops.Builder.window2d``: any stride and padding, dilation 1, one group) cannot express, or, for one
+    it can, that its weight is not a parameter the kernel can bind (prepared once at build time)."""
     why = []
     if not _all_one(groups):
         why.append(f"groups {groups}: grouped and depthwise convolutions are a block-diagonal GEMM the SMG "
                    f"convolution does not take")
     if not _all_one(dilation):
-        why.append(f"dilation {dilation}: the SMG window is y + ky, not y + d*ky")
-    if not _all_one(stride):
-        why.append(f"stride {stride}: the SMG convolution is stride 1 (a strided window is no affine-by-dim "
-                   f"mapping here)")
+        why.append(f"dilation {dilation}: the SMG window is s*y + ky, not s*y + d*ky")
     if why:
         return "; ".join(why)
-    return (f"a stride-1 convolution (padding {padding}): the SMG has it (a windowed mapping), but the frontend "
-            f"does not lower convolutions yet; torch runs it (cuDNN on the GPU)")
+    return (f"a convolution (stride {stride}, padding {padding}) whose weight or bias is computed, not a "
+            f"parameter: the implicit GEMM lays its weight out once at build time; torch runs it (cuDNN on the "
+            f"GPU)")
 
 
 def _short(node: fx.Node) -> str:

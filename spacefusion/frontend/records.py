@@ -35,6 +35,11 @@ class Operand:
     split: tuple[int, ...] | None = None
     select: tuple[int, ...] = ()  # dims read at index 0 first: broadcast (stride-0 or size-1) dims of a mask
     cast: str | None = None  # converted to this dtype (a boolean attention mask as 0/1 of the scores' dtype)
+    conv: bool = False  # a conv weight [co, c, kh, kw] laid out as the implicit GEMM's B [kh * kw * c, co]
+    #: a BatchNorm folded in at build time, (running mean, running var, weight, bias, eps) ("" for an absent
+    #: affine part): a conv weight is scaled by ``w / sqrt(var + eps)`` per output channel, a bias (``ref`` ""
+    #: where the conv has none) becomes ``(bias - mean) * scale + b``
+    fold_bn: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def to_tir_int(text: str, value: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExp
             for a in x.args[1:]:
                 out = out + go(a)
             return out
-        if x.is_Mul and all(a.is_Integer or a.is_Symbol for a in x.args):
+        if x.is_Mul and sum(not a.is_Integer for a in x.args) <= 1:  # a constant times one term (2*floor(m/7))
             out = go(x.args[0])
             for a in x.args[1:]:
                 out = out * go(a)

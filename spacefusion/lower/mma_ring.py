@@ -14,6 +14,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from schedulers.warp_tile import swizzled_128b
+from spacefusion.lower.exprs import to_tir_int
 from spacefusion.lower.mma_state import I32, KernelState
 from spacefusion.lower.mma_tma import TmaRing
 
@@ -51,6 +52,47 @@ class Ring:
                     guard.enter_context(T.If(tirx.all(*conds)))
                     guard.enter_context(T.Then())
                 T.evaluate(_cp_async(st.half, st.smem[name], st.sbase[name] + dst, st.glob[name], src))
+
+    def gather_tile(self, name: str, slot: tirx.PrimExpr, t0: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+        """Stage the [rows, step] tile of the gathered view ``name`` (an implicit GEMM's im2col tile) at rows
+        ``row0..``, columns ``t0..``: each 16-byte chunk's address in the viewed input comes from the view's
+        index expressions (``schedulers.gather_tile``: a chunk is 8 consecutive elements there), and a chunk
+        outside the input (the convolution's padding), past the rows or past the serial dim is zeros, so a
+        partial last step adds nothing to the GEMM."""
+        st, p = self.st, self.st.p
+        g = p.gather(name)
+        src = st.smg.space(g.src)
+        rows = st.layout[name][1]
+        per_row = st.cols[name] // 8
+        total = rows * per_row
+        th = 32 * st.p.warps
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + st.gtid
+            r, cc = c // per_row, (c % per_row) * 8
+            row, col = st.row0 + r, t0 + cc
+            env = {p.row: row, p.serial: col}
+
+            def value(d: str) -> tirx.PrimExpr:
+                return env[d] if d in env else st.coord[d]
+
+            comps = [to_tir_int(text, value) for text in g.index]
+            inside = [row < st.sizes[p.row], col < st.sizes[p.serial]]
+            for e, d in zip(comps, src.dims):
+                inside += [e >= 0, e < st.sizes[d]]
+            off = tirx.const(0, I32)
+            for e, d in zip(comps, src.dims):
+                off = off * st.sizes[d] + e
+            dst = self._in_slot(name, slot, r, cc)
+            with ExitStack() as guard:
+                conds = ([c < total] if total % th else []) + ([pred] if pred is not None else [])
+                if conds:
+                    guard.enter_context(T.If(tirx.all(*conds)))
+                    guard.enter_context(T.Then())
+                ok = tirx.all(*inside)  # src-size 0: cp.async writes the 16 bytes as zeros, reading nothing
+                T.evaluate(T.ptx.cp.async_.cg.shared.global_(
+                    st.smem[name].access_ptr("w", offset=st.sbase[name] + dst),
+                    st.glob[g.src].access_ptr("r", offset=tirx.Select(ok, off, 0)), 16,
+                    tirx.Select(ok, tirx.const(16, "uint32"), tirx.const(0, "uint32"))))
 
     def zero_columns(self, name: str, c_from: int, c_to: int, block: bool = True) -> None:
         """Zero columns [c_from, c_to) (whole 16-byte chunks) of every row of every copy of the shared tile
@@ -121,7 +163,10 @@ class Ring:
             else:
                 self.copy_tile(g.b, slot, L, t0, g.k, tirx.const(0, I32), pred)
         for n in p.tiles_in:
-            self.copy_tile(n, slot, p.row, st.row0, L, t0, pred)
+            if p.gather(n) is not None:
+                self.gather_tile(n, slot, t0, pred)
+            else:
+                self.copy_tile(n, slot, p.row, st.row0, L, t0, pred)
         if st.groups == 2:  # the score tile's operands land first: it starts while the rest arrive
             T.evaluate(T.ptx.cp.async_.commit_group())
         for x in dict.fromkeys(gs.x for gs in p.gemm_states):

@@ -1,0 +1,85 @@
+"""Gathered tiles: a streamed view of an input on the (rows, serial) plane, loaded through its index expressions.
+
+An implicit-GEMM convolution streams ``A[m, k] = X[n(m), y(m, k), x(m, k), c(k)]`` (``Builder.window2d``): the
+temporal slicer materialises A per step, and the warp-tile kernel stages A's [rows, step] tile in shared
+memory as it stages any input on that plane, except that each 16-byte chunk's address comes from the
+view's index expressions instead of A's own row-major layout.  That works when a chunk of 8 consecutive
+columns is 8 consecutive elements of X: the last index component is ``k``'s own (``c(k)``, contiguous and
+8-aligned on 8-aligned columns) and every other component changes only between chunks (it reads the
+column dim through ``floor(k / c)`` with ``c`` a multiple of 8).  A chunk then lies wholly inside X or
+wholly in the zero padding, so it is one cp.async or one zero store.  Analysis only (no TVM).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import sympy as sp
+
+from schedulers.errors import ScheduleError
+
+#: elements of a 16-byte chunk (fp16 / bf16)
+CHUNK = 8
+
+
+@dataclass(frozen=True)
+class GatherTile:
+    """The streamed view ``tile`` = ``src[index]`` (index: one expression of the view's dims per dim of ``src``)."""
+
+    tile: str
+    src: str
+    index: tuple[str, ...]
+
+
+def _symbols(text: str) -> dict[str, sp.Symbol]:
+    return {n: sp.Symbol(n, integer=True) for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text.replace("floor", " "))}
+
+
+def gather_tile(smg, op, row: str, L: str) -> GatherTile:
+    """The gathered-tile reading of streamed op ``op`` (a view of one input on the ({row}, {L}) plane);
+    ScheduleError says why it cannot be loaded in 16-byte chunks."""
+    if op.reduce or len(op.inputs) != 1 or op.body != op.inputs[0].space or op.inputs[0].space not in smg.inputs:
+        raise ScheduleError(f"streamed op {op.out!r} gathers through an index expression but is not a view of one "
+                            f"input (its body {op.body!r})")
+    acc = op.inputs[0]
+    src = smg.space(acc.space)
+    sizes = smg.dim_sizes
+    if op.out_index[-1] != L or row not in op.out_index:
+        raise ScheduleError(f"view {op.out!r} {op.out_index} must be on ({row}, {L}) with {L} last")
+    if sizes[src.dims[-1]] % CHUNK:
+        raise ScheduleError(f"view {op.out!r} reads {acc.space!r} whose last dim {src.dims[-1]!r} = "
+                            f"{sizes[src.dims[-1]]} is not a multiple of {CHUNK} (16-byte chunks)")
+    *outer, last = acc.index
+    lsym = sp.Symbol(L, integer=True)
+    for text in outer:
+        e = sp.sympify(text, locals=_symbols(text))
+        hidden = e.replace(lambda f: isinstance(f, sp.floor) and f.args[0].free_symbols == {lsym}
+                           and _chunk_constant(f.args[0], lsym), lambda f: sp.Symbol("chunk__const"))
+        if lsym in hidden.free_symbols:
+            raise ScheduleError(f"view {op.out!r} reads {acc.space!r} at {text!r}, which changes within a chunk of "
+                                f"{CHUNK} columns of {L!r} (only floor({L}/c) with c a multiple of {CHUNK} may)")
+    e = sp.sympify(last, locals=_symbols(last))
+    if e.free_symbols != {lsym}:
+        raise ScheduleError(f"view {op.out!r}: the last index {last!r} of {acc.space!r} must depend on {L!r} alone")
+    ks = np.arange(sizes[L])
+    v = np.asarray(sp.lambdify(lsym, e, "numpy")(ks), dtype=np.int64).reshape(-1)
+    v = np.broadcast_to(v, ks.shape)
+    first = v[(ks // CHUNK) * CHUNK]
+    if np.any(v != first + ks % CHUNK) or np.any(first % CHUNK):
+        raise ScheduleError(f"view {op.out!r}: {last!r} does not run over 8-aligned runs of 8 consecutive "
+                            f"elements of {acc.space!r} on 8-aligned columns of {L!r}")
+    return GatherTile(op.out, acc.space, acc.index)
+
+
+def _chunk_constant(arg: sp.Expr, lsym: sp.Symbol) -> bool:
+    """``arg`` is ``L / c`` (+ a constant multiple of ``1/c``... only the plain form) with c a multiple of 8."""
+    coeff = sp.Poly(arg, lsym).all_coeffs() if arg.is_polynomial(lsym) else None
+    if coeff is None or len(coeff) != 2 or coeff[1] != 0:
+        return False
+    c = 1 / coeff[0]
+    return c.is_Integer and int(c) % CHUNK == 0
+
+
+__all__ = ["CHUNK", "GatherTile", "gather_tile"]

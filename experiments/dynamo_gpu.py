@@ -49,14 +49,26 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
     # Gemma-2-2B's config (soft-capped attention logits, sliding window, GQA, head dim 256), 4 of its layers
     "gemma2_2b_4layers_1x2048": ("Gemma2Config", "Gemma2Model", {"num_hidden_layers": 4, "vocab_size": 32000},
                                  "ids", 1, 2048),
+    # issue 28's CNN: torchvision's ResNet-50 (v1.5), fp16 channels-last (what cuDNN and torch.compile are
+    # fastest on), batch 32 of 224x224 images
+    "resnet50_32x224": ("torchvision", "resnet50", {}, "image", 32, 224),
 }
 
 
 def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
+    cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
+    if cfg_cls == "torchvision":
+        import torchvision
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = getattr(torchvision.models, model_cls)(**kw).eval().half().to(memory_format=torch.channels_last)
+        gen = torch.Generator().manual_seed(1)
+        img = torch.randn(b, 3, s, s, generator=gen).half().to(memory_format=torch.channels_last)
+        return model, {"x": img.to(device)}
     import transformers
 
-    cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
     cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(0)
     with torch.device(device):

@@ -184,7 +184,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     tensor_s = macs / tc_rate
     carry_simt, carry_sfu = _carries(s, p)
     sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
-    simt_s = (elems * step_simt + rows * carry_simt) / fp32_rate
+    simt_s = (elems * step_simt + rows * carry_simt + gather_ops(s, p)) / fp32_rate
     load = LOAD_LATENCY_S + l2_s
     # steps loaded ahead: the ring less the slot being read and, a GEMM fed by a producer warpgroup,
     # the slot its wgmma group in flight still holds (attention's steps wait for their wgmma groups)
@@ -204,6 +204,23 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     # FlashAttention-3's overlap (lower/mma_overlap.py): lost to mma.sync row sums, which stall the async wgmma pipe
     overlapped = p.producer and p.gemm is not None and not p.row_sums
     return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed, overlapped)
+
+
+#: integer ops of one floor division by a constant (a multiply-high, a shift, the correction)
+FLOOR_DIV_OPS = 3
+
+
+def gather_ops(s: Schedule, p: WarpTileProgram) -> float:
+    """Integer ops per step of the gathered tiles' addresses (an implicit GEMM's im2col tile): each 16-byte chunk
+    evaluates the view's index expressions (a floor division costs FLOOR_DIV_OPS), checks each component
+    against its bounds and combines them into an offset, on the threads that also issue the MMAs."""
+    total = 0.0
+    for g in p.gathers:
+        exprs = [parse(e) for e in g.index]
+        per_chunk = sum(int(sp.count_ops(e)) + (FLOOR_DIV_OPS - 1) * len(e.atoms(sp.floor)) for e in exprs)
+        per_chunk += 3 * len(exprs) + 2  # two bounds compares and a multiply-add per component; rows, columns
+        total += p.rows * p.step / 8 * per_chunk
+    return total
 
 
 def _output_columns(s: Schedule, p: WarpTileProgram) -> int:

@@ -120,7 +120,9 @@ class _Bottleneck(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.b1(self.c1(x)))
         y = F.relu(self.b2(self.c2(y)))
-        y = F.relu(self.b3(self.c3(y)) + x)
+        y = self.b3(self.c3(y))
+        y += x  # torchvision's bottleneck: operator.iadd in Dynamo's graph
+        y = F.relu(y)
         return self.grouped(self.c5(F.silu(self.c4(self.up(y)))))
 
 
@@ -158,3 +160,20 @@ def test_an_rgb_stem_stays_with_torch_with_its_reason() -> None:
         torch.testing.assert_close(compiled(x), model(x))
     left = [op.reason for p in compiled.spacefusion.partitions for op in p.left]
     assert any("3 input channels" in r for r in left), left
+
+
+def test_the_cost_model_charges_the_gathered_addresses() -> None:
+    """Each 16-byte chunk of the im2col tile evaluates the window's index expressions on the MMA threads: a
+    convolution's step costs more SIMT work than the GEMM of the same shape whose A is a plain input."""
+    from schedulers.hardware import H100
+    from search.warp_tile_cost import gather_ops, step_cost
+
+    conv = patterns.conv2d(8, 14, 14, 64, 128, 3, 1, 1, "relu", dtype="float16")
+    m, k = conv.dim_sizes["m"], conv.dim_sizes["k"]
+    gemm = patterns.gemm_epilogue(m, 128, k, "relu", True, "float16")
+    kw = {"serial": "k", "step": 64, "tensor_cores": True, "stages": 3, "warps": 4, "wgmma": True}
+    sc, sg = schedule(conv, tiles={"m": 128, "co": 128}, **kw), schedule(gemm, tiles={"m": 128, "n": 128}, **kw)
+    assert gather_ops(sg, sg.warp_tile) == 0
+    ops = gather_ops(sc, sc.warp_tile)
+    assert ops > 128 * 64 / 8 * 20  # tens of integer ops per chunk: floors, bounds, the offset
+    assert step_cost(sc, H100).simt_s > step_cost(sg, H100).simt_s

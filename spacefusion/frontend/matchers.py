@@ -7,6 +7,7 @@ pattern but cannot be fused (an attention mask, an unsupported dtype) is recorde
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -428,7 +429,9 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
             and ctx.free(u):
         y, bn = u, b
         taken.append(u)
-    if (u := single_user(y)) is not None and is_function(u, ADD) and len(u.args) == 2 and ctx.free(u):
+    # (torchvision's ``out += identity`` is ``operator.iadd`` on the BatchNorm's output, read by nothing else)
+    if (u := single_user(y)) is not None and is_function(u, (*ADD, operator.iadd)) and len(u.args) == 2 \
+            and ctx.free(u):
         other = u.args[1] if u.args[0] is y else u.args[0]
         if isinstance(other, fx.Node) and other is not y and shape(other) == shape(y) and dtype(other) == dt:
             y, res = u, other

@@ -17,7 +17,6 @@ many runs, L2 flushed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -91,28 +90,12 @@ def smg_of(c: Chain) -> Any:
 
 
 def build(art: Path, keys: list[str], trials: int, workers: int) -> int:
-    import tempfile
-
-    from schedulers.hardware import H100
-    from schedulers.schedule import Schedule
-    from search.cost import estimate_us
-    from search.tuner import tune
-    from spacefusion.runners import OfflineBatchRunner
+    from first_round import build_round
 
     art.mkdir(parents=True, exist_ok=True)
     for k in keys:
-        c, t0 = BY_KEY[k], time.perf_counter()
-        folder = art / k
-        with tempfile.TemporaryDirectory() as tmp:  # an empty database: the round a new user gets
-            summary = tune(smg_of(c), OfflineBatchRunner(folder), hw=H100, db=Path(tmp) / "t.db", trials=trials,
-                           batch=trials, workers=workers, progress=False)
-        manifest = json.loads((folder / "manifest.json").read_text())
-        for cand in manifest["candidates"]:
-            cand["estimate_us"] = round(estimate_us(Schedule.from_json(json.dumps(cand["schedule"])), H100), 2)
-        manifest["chain"] = asdict(c)
-        manifest["space"] = str(summary.space)
-        manifest["search_s"] = round(time.perf_counter() - t0, 2)
-        (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        c = BY_KEY[k]
+        manifest = build_round(smg_of(c), art / k, trials, workers, {"chain": asdict(c)})
         print(f"{k}: {len(manifest['candidates'])} candidates in {manifest['search_s']} s", flush=True)
     return 0
 
@@ -322,22 +305,9 @@ def report(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_runtime import timing_args
+    from first_round import round_cli
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("art", type=Path)
-    b.add_argument("--chains", nargs="*", default=None, choices=list(BY_KEY))
-    b.add_argument("--trials", type=int, default=ROUND)
-    b.add_argument("--workers", type=int, default=2)
-    r = sub.add_parser("run")
-    r.add_argument("art", type=Path)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--chains", nargs="*", default=None)
-    timing_args(r)
-    p = sub.add_parser("report")
-    p.add_argument("results", type=Path)
+    ap, _, _ = round_cli(__doc__, "--chains", list(BY_KEY), ROUND)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "build":

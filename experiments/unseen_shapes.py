@@ -18,7 +18,6 @@ cuDNN backends on the same inputs in the same process, the systems of a shape ta
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -123,30 +122,13 @@ def smg_of(s: Shape) -> Any:
 
 
 def build(art: Path, keys: list[str], trials: int, workers: int) -> int:
-    import tempfile
-
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from search.tuner import tune
-    from spacefusion.runners import OfflineBatchRunner
+    from first_round import build_round
 
     art.mkdir(parents=True, exist_ok=True)
     for k in keys:
-        s, t0 = BY_KEY[k], time.perf_counter()
-        folder = art / k
-        with tempfile.TemporaryDirectory() as tmp:  # an empty database: the round a new user gets
-            summary = tune(smg_of(s), OfflineBatchRunner(folder), hw=H100, db=Path(tmp) / "t.db", trials=trials,
-                           batch=trials, workers=workers, progress=False)
-        manifest = json.loads((folder / "manifest.json").read_text())
-        from schedulers.schedule import Schedule
-
-        for c in manifest["candidates"]:  # the model's estimate beside each candidate, for the report
-            c["estimate_us"] = round(estimate_us(Schedule.from_json(json.dumps(c["schedule"])), H100), 2)
-        manifest["shape"] = asdict(s)
-        manifest["space"] = str(summary.space)
-        manifest["search_s"] = round(time.perf_counter() - t0, 2)
-        (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        print(f"{k}: {len(manifest['candidates'])} candidates in {manifest['search_s']} s; {summary.space}",
+        s = BY_KEY[k]
+        manifest = build_round(smg_of(s), art / k, trials, workers, {"shape": asdict(s)})
+        print(f"{k}: {len(manifest['candidates'])} candidates in {manifest['search_s']} s; {manifest['space']}",
               flush=True)
     return 0
 
@@ -404,23 +386,10 @@ def report(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_runtime import timing_args
+    from first_round import round_cli
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("art", type=Path)
-    b.add_argument("--shapes", nargs="*", default=None, choices=list(BY_KEY))
+    ap, sub, b = round_cli(__doc__, "--shapes", list(BY_KEY), ROUND)
     b.add_argument("--set", choices=list(SETS), default="train", help="the shapes of a set (without --shapes)")
-    b.add_argument("--trials", type=int, default=ROUND)
-    b.add_argument("--workers", type=int, default=2)
-    r = sub.add_parser("run")
-    r.add_argument("art", type=Path)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--shapes", nargs="*", default=None)
-    timing_args(r)
-    p = sub.add_parser("report")
-    p.add_argument("results", type=Path)
     c = sub.add_parser("records")
     c.add_argument("art", type=Path)
     c.add_argument("results", type=Path)

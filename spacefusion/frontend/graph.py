@@ -167,21 +167,6 @@ def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
     return None
 
 
-@dataclass(frozen=True)
-class PatchConv:
-    """An ``nn.Conv2d`` whose kernel is its stride, unpadded, undilated and ungrouped (ViT's patch
-    embedding): its windows tile the image without overlap, so it is one GEMM of a row per patch,
-    [b * nh * nw, c * kh * kw] @ W.T[c * kh * kw, c_out]."""
-
-    x: fx.Node
-    weight: str
-    bias: str | None
-    c: int
-    kh: int
-    kw: int
-    cout: int
-
-
 def _pair(v: Any) -> Any:
     return tuple(v) if isinstance(v, tuple | list) else (v, v) if isinstance(v, int) else v
 
@@ -226,12 +211,15 @@ def conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
                 tuple(mod.stride), _pair(mod.padding), tuple(mod.dilation), mod.groups, mod.padding_mode)
 
 
-def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> PatchConv | None:
+def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
+    """The conv at ``node`` where its kernel is its stride, unpadded, undilated and ungrouped (ViT's patch
+    embedding): its windows tile the image without overlap, so it is one GEMM of a row per patch,
+    [b * nh * nw, c * kh * kw] @ W.T[c * kh * kw, c_out]."""
     cv = conv_of(node, gm)
     if cv is None or cv.stride != (cv.kh, cv.kw) or cv.dilation != (1, 1) or cv.groups != 1 \
             or cv.padding not in ((0, 0), "valid") or cv.padding_mode != "zeros":
         return None
-    return PatchConv(cv.x, cv.weight, cv.bias, cv.c, cv.kh, cv.kw, cv.cout)
+    return cv
 
 
 @dataclass(frozen=True)

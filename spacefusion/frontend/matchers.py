@@ -346,7 +346,7 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
 
 
 def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
-    """A ``nn.Conv2d`` with kernel = stride (ViT's patch embedding, ``graph.PatchConv``) -> the GEMM of its
+    """A ``nn.Conv2d`` with kernel = stride (ViT's patch embedding, ``graph.patch_conv_of``) -> the GEMM of its
     patches, ``patterns.gemm_epilogue``: A is the image split into patches (torch's copy, im2col without
     overlap), B the weight as a linear's, and Y[b * nh * nw, c_out] goes back as the conv's [b, c_out, nh, nw]
     with channels-last strides, which the usual ``flatten(2).transpose(1, 2)`` after it reads as a view."""

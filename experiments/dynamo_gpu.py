@@ -52,21 +52,33 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
     # issue 28's CNN: torchvision's ResNet-50 (v1.5), fp16 channels-last (what cuDNN and torch.compile are
     # fastest on), batch 32 of 224x224 images
     "resnet50_32x224": ("torchvision", "resnet50", {}, "image", 32, 224),
+    # Stable Diffusion 1.5's VAE decoder (diffusers' Decoder with SD 1.5's AutoencoderKL config) on a 64x64
+    # latent: a 512x512 image
+    "sd15_vae_decoder_1x64": ("diffusers", "Decoder", {
+        "in_channels": 4, "out_channels": 3, "up_block_types": ("UpDecoderBlock2D",) * 4,
+        "block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "norm_num_groups": 32, "act_fn": "silu"},
+        "latent", 1, 64),
 }
 
 
 def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
     cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
-    if cfg_cls == "torchvision":
-        import torchvision
+    if cfg_cls in ("torchvision", "diffusers"):  # CNNs: fp16 channels-last, what cuDNN is fastest on
+        if cfg_cls == "torchvision":
+            import torchvision
 
+            cls, arg, ch = getattr(torchvision.models, model_cls), "x", 3
+        else:
+            from diffusers.models.autoencoders import vae
+
+            cls, arg, ch = getattr(vae, model_cls), "sample", kw["in_channels"]
         torch.manual_seed(0)
         with torch.device(device):
-            model = getattr(torchvision.models, model_cls)(**kw).eval().half().to(memory_format=torch.channels_last)
+            model = cls(**kw).eval().half().to(memory_format=torch.channels_last)
         gen = torch.Generator().manual_seed(1)
-        img = torch.randn(b, 3, s, s, generator=gen).half().to(memory_format=torch.channels_last)
-        return model, {"x": img.to(device)}
+        img = torch.randn(b, ch, s, s, generator=gen).half().to(memory_format=torch.channels_last)
+        return model, {arg: img.to(device)}
     import transformers
 
     cfg = getattr(transformers, cfg_cls)(**kw)

@@ -152,14 +152,14 @@ def test_conv_chains_through_dynamo_match_eager() -> None:
     assert any("groups 2" in r for r in left), left
 
 
-def test_an_rgb_stem_stays_with_torch_with_its_reason() -> None:
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).eval()
+def test_an_rgb_stem_and_an_rgb_head_stay_with_torch_with_their_reasons() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1)).eval()
     x = torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         compiled = spacefusion.compile(model, target="llvm")
         torch.testing.assert_close(compiled(x), model(x))
     left = [op.reason for p in compiled.spacefusion.partitions for op in p.left]
-    assert any("3 input channels" in r for r in left), left
+    assert any("3 input channels" in r for r in left) and any("3 output channels" in r for r in left), left
 
 
 def test_the_cost_model_charges_the_gathered_addresses() -> None:

@@ -397,6 +397,10 @@ def _conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | 
     if cv.c % 8:
         return (f"{cv.c} input channels: the implicit GEMM's gathered tile reads 16-byte runs of 8 channels (an "
                 f"RGB stem stays with cuDNN)")
+    if cv.cout % 8:
+        return (f"{cv.cout} output channels: the tensor-core GEMM's columns come in 8s, so the search's kernels "
+                f"for so narrow an output run on CUDA cores (SD 1.5 VAE's RGB head took 919 us on the H100); cuDNN "
+                f"keeps it")
     return None
 
 

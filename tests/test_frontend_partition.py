@@ -193,3 +193,24 @@ def test_decoding_gemms_read_the_weights_as_stored(seq: int, past: int, layout: 
     with torch.no_grad():
         want, got = m(*m.example_inputs(1, seq, past=past)), fused(*m.example_inputs(1, seq, past=past))
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+class _Verbose:
+    name = "verbose"
+
+    def compile(self, smg):
+        from schedulers.errors import ScheduleError
+
+        raise ScheduleError(f"no schedule for {smg.name}: " + "x" * 5000)
+
+
+def test_a_long_build_failure_is_cut_in_the_reason() -> None:
+    """A failure message of thousands of characters (a failed sympy derivation prints whole update functions)
+    is kept to its first 400 in the partition's reason, saying how much was cut."""
+    m = BertModel(BertConfig.tiny(layers=1))
+    x = m.example_inputs(1, 8)
+    fused = fuse(m, *x, backend=_Verbose())
+    reasons = [op.reason for op in fused.partition.left if "kernel build failed" in op.reason]
+    assert reasons and all(len(r) < 600 and "more chars)" in r for r in reasons), reasons[:1]
+    for a, b in zip(fused(*x), m(*x)):
+        torch.testing.assert_close(a, b)

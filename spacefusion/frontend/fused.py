@@ -117,6 +117,17 @@ def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
     return t.contiguous().reshape(op.shape).to(dt)
 
 
+#: characters of a build failure kept in a partition's reason: a failed sympy derivation prints whole update
+#: functions (a large GroupNorm's ran to thousands of characters per reason)
+REASON_CHARS = 400
+
+
+def _short(text: str) -> str:
+    """``text`` cut to REASON_CHARS, saying how much was left out (the exception itself is not lost: the next
+    build of that SMG raises it again)."""
+    return text if len(text) <= REASON_CHARS else f"{text[:REASON_CHARS]}... ({len(text) - REASON_CHARS} more chars)"
+
+
 def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
     """A graph value as the operand's space: broadcast dims dropped, cast, split, permuted, then reshaped (a
     copy where not a view)."""
@@ -250,7 +261,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -
                 kept.append(sub)
                 continue
             except Exception as exc:  # a schedule or build failure leaves the subgraph to torch, reported
-                why = f"kernel build failed: {type(exc).__name__}: {exc}"
+                why = f"kernel build failed: {type(exc).__name__}: {_short(str(exc))}"
         left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
     part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left))
     if verbose:

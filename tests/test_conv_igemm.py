@@ -177,3 +177,13 @@ def test_the_cost_model_charges_the_gathered_addresses() -> None:
     ops = gather_ops(sc, sc.warp_tile)
     assert ops > 128 * 64 / 8 * 20  # tens of integer ops per chunk: floors, bounds, the offset
     assert step_cost(sc, H100).simt_s > step_cost(sg, H100).simt_s
+
+
+def test_a_conv_without_bias_or_batchnorm_is_fused_without_a_bias_input() -> None:
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.ReLU()).eval()
+    x = torch.randn(1, 8, 6, 6)
+    with torch.no_grad():
+        compiled = spacefusion.compile(model, target="llvm")
+        torch.testing.assert_close(compiled(x), model(x))
+    (sub,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert sub.label == "conv + relu 3x3/s1 1x8x6x6 -> 8 float32" and "bias" not in sub.smg.inputs

@@ -98,8 +98,9 @@ class FusedKernel(nn.Module):
 
 def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
     """A convolution's weight as the implicit GEMM's B [kh * kw * c, co], or its bias, with an inference
-    BatchNorm folded in (in float32, then back to the weight's dtype); a conv without a bias gets zeros."""
-    ref = op.ref or (op.fold_bn[0] if op.fold_bn else "")
+    BatchNorm folded in (in float32, then back to the weight's dtype); the bias of a conv without one, under a
+    BatchNorm (``ref`` ""), starts from zeros."""
+    ref = op.ref or op.fold_bn[0]
     like = _attr(root, ref).detach()
     t = _attr(root, op.ref).detach().float() if op.ref else torch.zeros(op.shape, device=like.device)
     if op.fold_bn:

@@ -445,8 +445,9 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
         act, y = got, got.out
         taken.extend(got.nodes)
     pad = cv.padding[0]
+    has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
     smg = _build(ctx, node, lambda: patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad,
-                                                    act.name if act else "none", bias=True,
+                                                    act.name if act else "none", bias=has_bias,
                                                     residual=res is not None, upsample=factor, dtype=dt))
     if smg is None:
         return None
@@ -454,8 +455,9 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     m, k = n * p * q, cv.kh * cv.kw * c
     fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
     ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1)),
-           Operand("Wt", "param", cv.weight, (k, co), conv=True, fold_bn=fold),
-           Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold)]
+           Operand("Wt", "param", cv.weight, (k, co), conv=True, fold_bn=fold)]
+    if has_bias:
+        ops.append(Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold))
     if res is not None:
         ops.append(_value("R", res, (m, co), (0, 2, 3, 1)))
     out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, p, q, co))

@@ -127,7 +127,8 @@ def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, Any]:
     from spacefusion.frontend.fused import FusedKernel
 
     report = compiled.spacefusion
-    mods = [m for c in report.compiled for m in c.fused.graph_module.modules() if isinstance(m, FusedKernel)]
+    mods = [m for c in report.compiled for m in c.fused.graph_module.modules()
+            if isinstance(m, FusedKernel) and not hasattr(m.kernel, "split")]  # one launch, not a split's two
     if not mods:
         return {}
     fk = min(mods, key=lambda m: sum(math.prod(r.shape) for r in m.sub.results))

@@ -19,7 +19,8 @@ from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule, make_schedule
 from schedulers.traffic import on_chip
-from smg.ir import SMG, Op
+from smg.ir import SMG
+from smg.subgraph import sub_smg
 
 
 def budget_bytes(hw: HardwareModel) -> int:
@@ -49,24 +50,6 @@ class Partition:
             lines.append(f"  materialised in device memory: {', '.join(self.materialised)}")
         lines += [f"  why: {r}" for r in self.reasons]
         return "\n".join(lines)
-
-
-def sub_smg(smg: SMG, ops: list[Op], name: str) -> SMG:
-    """The SMG of ``ops``: it reads what they don't produce and writes what the
-    rest of the graph (or the user) needs."""
-    produced = {op.out for op in ops}
-    read_later = {a.space for op in smg.ops if op.out not in produced for a in op.inputs}
-    used = {a.space for op in ops for a in op.inputs} | produced
-    outs = tuple(op.out for op in ops if op.out in smg.outputs or op.out in read_later)
-    dims = {d for sp in smg.spaces if sp.name in used for d in sp.dims} | {d for op in ops for d in op.iter_dims}
-    return SMG(
-        name=name,
-        dims=tuple(d for d in smg.dims if d.name in dims),
-        spaces=tuple(sp for sp in smg.spaces if sp.name in used),
-        ops=tuple(ops),
-        outputs=outs,
-        attrs=smg.attrs,
-    )
 
 
 def fit(smg: SMG, hw: HardwareModel, tiles: dict[str, int] | None = None, step: int = 32) -> Schedule | str:

@@ -9,6 +9,7 @@ each block re-reads them from device memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from smg.ir import SMG, Kind
@@ -83,6 +84,10 @@ def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
             decisions.append(DimDecision(dim, False, why))
         elif dim not in out_dims:
             decisions.append(DimDecision(dim, False, f"{dim} is not a dimension of any output"))
+        elif recompute and _cheap(smg, recompute):
+            why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}, cheap to recompute per block "
+                   f"({_upstream_work(smg, recompute)} elements of work, under 1/{CHEAP_RECOMPUTE} of the output)")
+            decisions.append(DimDecision(dim, True, why, tuple(recompute)))
         elif recompute:
             why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}: every block "
                    f"would recompute it")
@@ -92,6 +97,33 @@ def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
             extra = f"; inputs {', '.join(bcast)} are re-read per block" if bcast else ""
             decisions.append(DimDecision(dim, True, f"no All-to-One along {dim}{extra}"))
     return tuple(decisions)
+
+
+#: an intermediate whose whole computation is under 1/this of the largest output is recomputed per block
+#: rather than keeping its broadcast dim whole: a split reduction's combine (a sum over a few partials per
+#: group, read by every pixel) or a norm's ``W + 1``; a GEMM's hidden tile (the MLP) is never this cheap
+CHEAP_RECOMPUTE = 64
+
+
+def _upstream_work(smg: SMG, spaces: list[str]) -> int:
+    """Elements iterated by every op that ``spaces`` depend on (themselves included), inputs excluded."""
+    seen: set[str] = set()
+    todo = list(spaces)
+    while todo:
+        s = todo.pop()
+        op = smg.producer(s)
+        if op is None or s in seen:
+            continue
+        seen.add(s)
+        todo += [a.space for a in op.inputs]
+    sizes = smg.dim_sizes
+    return sum(math.prod(sizes[d] for d in smg.producer(s).iter_dims) for s in seen)
+
+
+def _cheap(smg: SMG, spaces: list[str]) -> bool:
+    sizes = smg.dim_sizes
+    biggest = max(math.prod(sizes[d] for d in smg.space(o).dims) for o in smg.outputs)
+    return _upstream_work(smg, spaces) * CHEAP_RECOMPUTE <= biggest
 
 
 def cuttable(smg: SMG) -> tuple[str, ...]:

@@ -211,8 +211,14 @@ def _coefficients(g: sp.Expr, basis: list[sp.Expr], syms: list[sp.Symbol],
     y, y2 = _samples([g], syms, fit_pts)[:, 0], _samples([g], syms, check_pts)[:, 0]
     if not all(np.all(np.isfinite(v)) for v in (a, a2, y, y2)):
         return None
-    c = np.linalg.lstsq(a, y, rcond=None)[0] if basis else np.zeros(0)
-    if np.allclose(a2 @ c, y2, rtol=1e-9, atol=1e-12 * (1 + np.abs(y2).max())):
+    if not np.any(y) and not np.any(y2):
+        return np.zeros(len(basis))  # g vanishes: exact zeros keep a polynomial body's D nilpotent
+    # columns scaled to unit norm and the tolerance relative to g's own scale: a mean's 1/N is ~1e-6 at a
+    # GroupNorm's group size, so its second derivative's 1/N^2 must neither vanish against an absolute
+    # tolerance nor be cut as a small singular value
+    scale = np.where(np.abs(a).max(axis=0) > 0, np.abs(a).max(axis=0), 1.0) if basis else np.ones(0)
+    c = np.linalg.lstsq(a / scale, y, rcond=None)[0] / scale if basis else np.zeros(0)
+    if np.allclose(a2 @ c, y2, rtol=1e-9, atol=1e-12 * np.abs(y2).max()):
         return c
     return None
 
@@ -254,7 +260,12 @@ def _derivative_closure(body: sp.Expr, running: list[sp.Symbol], streamed: list[
 
 
 def _nice(x: float) -> sp.Expr:
-    return sp.nsimplify(float(x), rational=True, tolerance=1e-12) if abs(x) > 1e-300 else sp.Integer(0)
+    """A short rational where one is within 1e-12 of ``x`` relative to its size, else ``x``'s exact binary
+    value: an absolute tolerance turned a mean's 1/N^2 into a nearby fraction that broke nilpotency."""
+    if abs(x) <= 1e-300:
+        return sp.Integer(0)
+    short = sp.nsimplify(float(x), rational=True, tolerance=1e-12 * abs(x))
+    return short if abs(float(short) - x) <= 1e-12 * abs(x) else sp.Rational(float(x))
 
 
 def _flow(d: sp.Matrix, delta: sp.Expr) -> sp.Matrix:

@@ -268,6 +268,23 @@ def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int
     return g.build(g.unary("silu", gn, name="Out"))
 
 
+def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "none", affine: bool = True,
+               dtype: str = "float32", eps: float = 1e-5) -> SMG:
+    """``Y = act(GroupNorm(X))`` on a channels-last image ``X[n, s, g, c]``: ``s`` the pixels (h * w), the
+    channels split as (group ``g``, member ``c``).  A LayerNorm over (s, c); at batch 1 its n * g reductions
+    leave most SMs idle, which ``schedulers.split`` answers by splitting ``s``."""
+    if channels % groups:
+        raise ShapeError(f"channels ({channels}) must be a multiple of the groups ({groups})")
+    if act != "none" and act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    g = Builder(f"group_norm{'_' + act if act != 'none' else ''}", dtype)
+    cg = channels // groups
+    x = g.input("X", {"n": batch, "s": pixels, "g": groups, "c": cg})
+    w, b = (g.input("W", {"g": groups, "c": cg}), g.input("B", {"g": groups, "c": cg})) if affine else (None, None)
+    y = g.layernorm(x, ("s", "c"), w, b, eps=eps, name="Y" if act == "none" else "N")
+    return g.build(y if act == "none" else g.unary(act, y, name="Y"))
+
+
 def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int = 3, stride: int = 1,
            pad: int = 1, act: str = "none", bias: bool = True, residual: bool = False, upsample: int = 1,
            dtype: str = "float32") -> SMG:
@@ -297,6 +314,7 @@ def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: i
 PATTERNS = {
     "layernorm": layernorm,
     "conv2d": conv2d,
+    "group_norm": group_norm,
     "rmsnorm": rmsnorm,
     "residual_layernorm": residual_layernorm,
     "softmax": softmax,

@@ -8,6 +8,7 @@ SMG content key once, so identical subgraphs across layers share one kernel.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -15,21 +16,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schedulers.hardware import H100, HardwareModel
+from schedulers.split import SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
+from spacefusion.frontend.sequence import sequence
 
 Kernel = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class _Cached:
-    """Compile once per SMG key; ``built`` counts the distinct kernels."""
+    """Compile once per SMG key; ``built`` counts the distinct kernels.  With ``split_hw``, a graph whose
+    reductions leave that machine's SMs idle runs as ``schedulers.split``'s two kernels (``splits`` says
+    which and why)."""
 
     name = "?"
 
-    def __init__(self) -> None:
+    def __init__(self, split_hw: HardwareModel | None = None) -> None:
         self._kernels: dict[str, Kernel] = {}
+        self.split_hw = split_hw
+        self.split_kw: dict[str, int] = {}  # decide_split's keywords (a test's smaller chunks)
+        self.splits: dict[str, str] = {}
 
     @property
     def built(self) -> int:
@@ -37,8 +46,20 @@ class _Cached:
 
     def compile(self, smg: SMG) -> Kernel:
         if smg.key not in self._kernels:
-            self._kernels[smg.key] = self._compile(smg)
+            split = self.split_of(smg)
+            if split is None:
+                self._kernels[smg.key] = self._compile(smg)
+            else:
+                self._kernels[smg.key] = sequence(split, [self._compile(k) for k in split.kernels])
         return self._kernels[smg.key]
+
+    def split_of(self, smg: SMG) -> SplitReduction | None:
+        """``smg``'s split where ``split_hw`` asks for one (the reason kept in ``splits``), else None."""
+        if self.split_hw is None or not any(op.reduce for op in smg.ops):
+            return None
+        got = decide_split(smg, self.split_hw, **self.split_kw)
+        self.splits[smg.name] = got if isinstance(got, str) else got.reason
+        return None if isinstance(got, str) else got
 
     def _compile(self, smg: SMG) -> Kernel:
         raise NotImplementedError
@@ -66,8 +87,8 @@ class LLVMBackend(_Cached):
 
     name = "llvm"
 
-    def __init__(self, schedule_for: ScheduleFor = default_schedule) -> None:
-        super().__init__()
+    def __init__(self, schedule_for: ScheduleFor = default_schedule, split_hw: HardwareModel | None = None) -> None:
+        super().__init__(split_hw)
         self.schedule_for = schedule_for
 
     def _compile(self, smg: SMG) -> Kernel:
@@ -91,8 +112,9 @@ class CudaBackend(_Cached):
     name = "cuda"
 
     def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule,
-                 build_missing: bool = False, load: bool = True, by_schedule: bool = False) -> None:
-        super().__init__()
+                 build_missing: bool = False, load: bool = True, by_schedule: bool = False,
+                 split_hw: HardwareModel | None = H100) -> None:
+        super().__init__(split_hw)
         self.folder, self.arch, self.schedule_for = Path(folder), arch, schedule_for
         self.build_missing = build_missing  # export an artefact not found (TVM and the GPU in one process)
         self.load = load  # False: export only (where TVM is and no GPU); the kernel refuses to run
@@ -103,6 +125,20 @@ class CudaBackend(_Cached):
         if self.by_schedule:
             return self.folder / f"{smg.key[:16]}-{self.schedule_for(smg).key[:16]}"
         return self.folder / smg.key[:16]
+
+    def split_of(self, smg: SMG) -> SplitReduction | None:
+        """The split exported with ``smg``'s artefacts (``split.json``: derived once, where they were built),
+        or derived here and written there."""
+        path = self.folder / smg.key[:16] / "split.json"
+        if path.is_file():
+            got = SplitReduction.from_dict(smg, json.loads(path.read_text()))
+            self.splits[smg.name] = got.reason
+            return got
+        got = super().split_of(smg)
+        if got is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(got.to_dict()))
+        return got
 
     def export(self, smg: SMG, cubin: bool = True) -> Path:
         """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``)."""

@@ -253,6 +253,33 @@ def batchnorm_of(node: fx.Node, gm: fx.GraphModule) -> BatchNorm | None:
                      f"{t}.bias" if mod.affine else None, float(mod.eps))
 
 
+@dataclass(frozen=True)
+class GroupNorm:
+    """``nn.GroupNorm`` / ``F.group_norm``: per (sample, group) statistics over the group's channels and pixels."""
+
+    x: fx.Node
+    groups: int
+    weight: str | None
+    bias: str | None
+    eps: float
+
+
+def groupnorm_of(node: fx.Node, gm: fx.GraphModule) -> GroupNorm | None:
+    if is_function(node, (F.group_norm, torch.group_norm)):
+        a = dict(zip(("input", "num_groups", "weight", "bias", "eps"), node.args)) | node.kwargs
+        w, b = param_ref(a.get("weight")), param_ref(a.get("bias"))
+        if not isinstance(a.get("input"), fx.Node) or not isinstance(a.get("num_groups"), int):
+            return None
+        if (a.get("weight") is not None and w is None) or (a.get("bias") is not None and b is None):
+            return None
+        return GroupNorm(a["input"], a["num_groups"], w, b, float(a.get("eps", 1e-5)))
+    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.GroupNorm):
+        return None
+    t = node.target
+    return GroupNorm(node.args[0], mod.num_groups, f"{t}.weight" if mod.affine else None,
+                     f"{t}.bias" if mod.affine else None, float(mod.eps))
+
+
 def nearest_upsample_of(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
     """(input, factor) of a whole-number nearest upsampling (``F.interpolate`` / ``nn.Upsample``)."""
     if is_function(node, (F.interpolate,)):

@@ -31,6 +31,7 @@ from spacefusion.frontend.graph import (
     contiguous,
     conv_of,
     dtype,
+    groupnorm_of,
     heads_interleaved,
     is_function,
     linear_of,
@@ -467,6 +468,39 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
 
 
+def match_group_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``nn.GroupNorm`` / ``F.group_norm`` on an image (and the SiLU after it, the VAE's and UNet's pair) ->
+    ``patterns.group_norm`` over the image seen channels-last [n, h * w, groups, channels / groups].  The
+    output goes back as NCHW shapes with channels-last strides, as a conv's does; the backend splits the
+    reduction when the groups alone leave the SMs idle (``schedulers.split``)."""
+    gn = groupnorm_of(node, ctx.gm)
+    if gn is None or not ctx.free(node):
+        return None
+    xs, dt = shape(gn.x), dtype(node)
+    if xs is None or len(xs) != 4 or dt is None or (gn.weight is None) != (gn.bias is None):
+        ctx.refuse(node, f"GroupNorm of a {xs} input, weight {gn.weight}, bias {gn.bias}: the pattern takes a 4-d "
+                         "image with both or neither of the affine parameters")
+        return None
+    n, c, h, w = xs
+    taken, y, act = [node], node, None
+    got = _activation_after(node, ctx)
+    if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
+        act, y = got, got.out
+        taken.extend(got.nodes)
+    affine = gn.weight is not None
+    smg = _build(ctx, node, lambda: patterns.group_norm(n, h * w, gn.groups, c, act.name if act else "none",
+                                                        affine, dt, gn.eps))
+    if smg is None:
+        return None
+    g, cg = gn.groups, c // gn.groups
+    ops = [_value("X", gn.x, (n, h * w, g, cg), (0, 2, 3, 1))]
+    if affine:
+        ops += [_param("W", gn.weight, (g, cg)), _param("B", gn.bias, (g, cg))]
+    out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, h, w, c))
+    label = f"group_norm{' + ' + act.name if act else ''} {n}x{c}x{h}x{w} /{g} {dt}"
+    return Subgraph("group_norm", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
 def _fused_after(node: fx.Node, ctx: Context) -> bool:
     """Whether a BatchNorm, an add or an activation reads ``node`` alone (what match_conv fuses after it)."""
     u = single_user(node)
@@ -624,4 +658,4 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
 #: in priority order: a node taken by an earlier matcher is not offered to later ones
 MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
     match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_conv, match_patch_conv, match_norm,
-    match_rope)
+    match_group_norm, match_rope)

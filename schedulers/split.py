@@ -1,0 +1,313 @@
+"""Split reduction: a reduction too long for the blocks it leaves is cut across blocks, and combined after.
+
+The spatial slicer cannot cut a reduced dim: GroupNorm at batch 1 leaves 32 groups, 32 blocks for 132
+SMs, each streaming a million elements.  The temporal slicer's update functions already say how a
+partial result over some steps is corrected when the running states change
+(``expm((b_new - b_old) D) A``).  The same functions combine partial results computed *in parallel*:
+
+1. ``partial``: the reduced dim ``t`` is viewed as ``(j, t2)`` (a contiguous split: no copy) and every
+   state's accumulator (auxiliary ones included) is reduced over ``t2`` alone: each ``j`` and each index of
+   the state's other reduced dims (GroupNorm's channels in a group) is a chunk with its own running states,
+   so the partial's blocks read whole contiguous rows;
+2. ``combine``: each state's total is the sum over the chunks of their accumulators carried to the total
+   running states (a max state: the max over them), and the outputs are the temporal plan's finalisation,
+   which re-reads what it streams (a second pass).
+
+For LayerNorm-like chains this is Chan's parallel variance; for softmax chains it is split-K
+(flash-decoding).  Nothing here names either: the carries are the derived ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import sympy as sp
+
+from schedulers.errors import TemporalSliceError
+from schedulers.hardware import HardwareModel
+from schedulers.temporal import TemporalPlan, new, old, parse, plan_temporal
+from smg.expr import body_expr
+from smg.ir import SMG
+from smg.ops import Builder, Tensor
+from smg.serialize import smg_from_dict, smg_to_dict
+from smg.subgraph import sub_smg
+
+#: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
+MIN_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class SplitReduction:
+    """``smg`` as ``partial`` then ``combine`` (which reads ``partial``'s outputs by name as ``<name>_p``),
+    and why it was split; ``kernels`` is what runs."""
+
+    smg: SMG
+    dim: str
+    parts: int
+    partial: SMG
+    combine: SMG
+    reason: str
+
+    @property
+    def kernels(self) -> tuple[SMG, SMG, SMG]:
+        """The three launches: the partial accumulators, their totals (``stats``: the combine's reductions
+        over the chunks, one block per row) and ``apply`` (its outputs, an element-wise pass reading the
+        totals as inputs).  Why not the combine as one kernel: each of its blocks would recompute the
+        totals, and the CUDA-core lowering did so per thread (13 ms for a 2M-element GroupNorm on the H100,
+        against 0.2 ms for the partial)."""
+        finals = [op for op in self.combine.ops if op.out in self.combine.outputs]
+        stats = [op for op in self.combine.ops if op.out not in self.combine.outputs]
+        return (self.partial, sub_smg(self.combine, stats, f"{self.smg.name}.stats"),
+                sub_smg(self.combine, finals, f"{self.smg.name}.apply"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The split as derived here: a GPU machine loads it rather than deriving again (another sympy
+        may print a carried coefficient differently, which changes the kernels' content keys)."""
+        return {"smg": self.smg.key, "dim": self.dim, "parts": self.parts, "reason": self.reason,
+                "partial": smg_to_dict(self.partial), "combine": smg_to_dict(self.combine)}
+
+    @classmethod
+    def from_dict(cls, smg: SMG, d: dict[str, Any]) -> SplitReduction:
+        if d.get("smg") != smg.key:
+            raise ValueError(f"a split of SMG {d.get('smg')}, not of {smg.name} ({smg.key})")
+        return cls(smg, d["dim"], int(d["parts"]), smg_from_dict(d["partial"]), smg_from_dict(d["combine"]),
+                   d["reason"])
+
+
+def _space_name(state: str) -> str:
+    return state.replace("__", "_")
+
+
+def _rows(smg: SMG, plan: TemporalPlan) -> int:
+    """Independent reductions: the elements of the states' spaces (each is one block's row at best)."""
+    base = {u.base for u in plan.states}
+    return max(math.prod(smg.dim_sizes[d] for d in smg.space(b).dims) for b in base)
+
+
+def split_reduction(smg: SMG, dim: str, parts: int, reason: str = "") -> SplitReduction:
+    """``smg``'s reduction over ``dim`` cut into ``parts`` chunks (see the module doc).  Raises
+    ``TemporalSliceError`` with the reason where the chain cannot be split this way."""
+    size = smg.dim_sizes.get(dim)
+    if size is None:
+        raise TemporalSliceError(f"split dim {dim!r} is not a dimension of {smg.name!r}")
+    if parts < 2 or size % parts:
+        raise TemporalSliceError(f"cannot split {dim!r} ({size}) into {parts} equal chunks")
+    plan = plan_temporal(smg, dim)
+    if not plan.states:
+        raise TemporalSliceError(f"no op of {smg.name!r} reduces over {dim!r}: nothing to split")
+    inputs = set(smg.inputs)
+    states = {u.state for u in plan.states}
+    plan = _over_inputs(smg, plan, states)
+    for u in plan.states:
+        for s in parse(u.body).free_symbols:
+            if s.name not in states and s.name not in inputs:
+                raise TemporalSliceError(f"state {u.state!r} streams {s.name!r}, an intermediate: a split re-reads "
+                                         f"only inputs (partition the graph before {s.name!r})")
+    for o, e in plan.finalize:
+        for s in parse(e).free_symbols:
+            if s.name not in states and s.name not in inputs and s.name not in smg.dim_sizes:
+                raise TemporalSliceError(f"output {o!r} reads {s.name!r}, an intermediate the second pass "
+                                         "would recompute")
+    inner, chunk = f"{dim}2", size // parts
+    j = f"{dim}_part"
+    partial = _partial(smg, plan, dim, j, inner, parts, chunk)
+    combine = _combine(smg, plan, j, parts, partial)
+    return SplitReduction(smg, dim, parts, partial, combine, reason)
+
+
+def _over_inputs(smg: SMG, plan: TemporalPlan, states: set[str]) -> TemporalPlan:
+    """``plan`` with the streamed element-wise intermediates (RMSNorm's ``X**2``) substituted by their bodies
+    down to the inputs: each kernel of the split re-reads the inputs and recomputes them."""
+    def expand(text: str) -> str:
+        e = parse(text)
+        for _ in range(len(smg.ops) + 1):
+            subs = {}
+            for sym in e.free_symbols:
+                op = smg.producer(sym.name)
+                if sym.name not in states and op is not None and not op.reduce and all(a.plain for a in op.inputs):
+                    subs[sym] = body_expr(op)
+            if not subs:
+                return str(e)
+            e = e.xreplace(subs)
+        return str(e)  # pragma: no cover - an SMG is acyclic
+
+    return dataclasses.replace(
+        plan, states=tuple(dataclasses.replace(u, body=expand(u.body)) for u in plan.states),
+        finalize=tuple((o, expand(e)) for o, e in plan.finalize))
+
+
+def _reduced(smg: SMG, plan: TemporalPlan, state: str) -> tuple[str, ...]:
+    u = next(u for u in plan.states if u.state == state)
+    return smg.producer(u.base).reduce
+
+
+def _constant(smg: SMG, plan: TemporalPlan, state: str, chunk_count: int) -> sp.Expr | None:
+    """A state whose body reads nothing accumulates ``body * count``: a constant, never a space."""
+    u = next(u for u in plan.states if u.state == state)
+    body = parse(u.body)
+    if body.free_symbols:
+        return None
+    return body * chunk_count if u.combiner == "sum" else body
+
+
+def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: int, chunk: int) -> SMG:
+    g = Builder(f"{smg.name}.partial", "float32")
+    handles: dict[str, Tensor] = {}
+
+    def dims_of(d: tuple[str, ...]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for x in d:
+            if x == dim:
+                out |= {j: parts, inner: chunk}
+            else:
+                out[x] = smg.dim_sizes[x]
+        return out
+
+    outs = []
+    for u in plan.states:
+        red = (inner,)  # the other reduced dims are kept: each (chunk, c) is a chunk of its own
+        if _constant(smg, plan, u.state, chunk) is not None:
+            continue
+        body = parse(u.body)
+        reads = []
+        for s in sorted(body.free_symbols, key=str):
+            if s.name not in handles:
+                sp_ = smg.space(s.name)
+                handles[s.name] = g.input(s.name, dims_of(sp_.dims), sp_.dtype)
+            reads.append(handles[s.name])
+        body = body.xreplace({s: sp.Symbol(handles[s.name].name, real=True) for s in body.free_symbols})
+        name = _space_name(u.state)
+        mapped = g.map(str(body), *reads, name=f"{name}_body")
+        if not set(red) <= set(mapped.dims):  # a body that does not read along a reduced dim: broadcast it
+            raise TemporalSliceError(f"state {u.state!r}'s body does not span its reduced dims {red}")
+        acc = g.reduce(mapped, red, u.combiner, name=name)
+        handles[u.state] = acc
+        outs.append(acc)
+    return g.build(*outs)
+
+
+def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> SMG:
+    g = Builder(f"{smg.name}.combine", "float32")
+    handles: dict[str, Tensor] = {}
+    partials: dict[str, Tensor] = {}
+    consts: dict[str, sp.Expr] = {}
+    chunk = smg.dim_sizes[plan.serial] // parts
+
+    def part(state: str) -> Tensor | sp.Expr:
+        if state in consts:
+            return consts[state]
+        if state not in partials:
+            dims = {kept(d): partial.dim_sizes[d] for d in partial.space(_space_name(state)).dims}
+            partials[state] = g.input(f"{_space_name(state)}_p", dims, "float32")
+        return partials[state]
+
+    def read(name: str) -> Tensor:
+        if name not in handles:
+            sp_ = smg.space(name)
+            handles[name] = g.input(name, {d: smg.dim_sizes[d] for d in sp_.dims}, sp_.dtype)
+        return handles[name]
+
+    kept_dims = {d for u in plan.states for d in _reduced(smg, plan, u.state) if d != plan.serial}
+
+    def kept(d: str) -> str:
+        """A reduced dim the partial kept is a dim of chunks here, named apart from the output's own (so the
+        second pass still cuts the output's channels)."""
+        return f"{d}_part" if d in kept_dims else d
+
+    def over(state: str) -> tuple[str, ...]:
+        """The chunks' dims: the split's parts and the other dims the state reduces (kept by the partial)."""
+        return (j, *(kept(d) for d in _reduced(smg, plan, state) if d != plan.serial))
+
+    for u in plan.states:
+        c = _constant(smg, plan, u.state, chunk)
+        if c is not None:
+            consts[u.state] = c
+    totals: dict[str, Tensor] = {}
+    for u in plan.states:
+        if u.space:  # an auxiliary accumulator: read by its state's carry, never totalled
+            continue
+        if u.combiner == "max" or not u.carry:
+            p = part(u.state)
+            if not isinstance(p, Tensor):
+                raise TemporalSliceError(f"state {u.state!r} is a constant: nothing to combine")
+            totals[u.state] = g.reduce(p, over(u.state), u.combiner, name=u.state)
+            continue
+        carry = parse(u.carry)
+        subs: dict[sp.Symbol, sp.Expr] = {}
+        reads: list[Tensor] = []
+        for s in sorted(carry.free_symbols, key=str):  # a set: its order changes with the hash seed
+            base = s.name.rsplit("__", 1)[0]
+            if s.name == new(base):
+                t = totals[base]
+            elif s.name == old(base):
+                t = part(base)
+            else:  # pragma: no cover - a carry reads only old and new values
+                raise TemporalSliceError(f"carry of {u.state!r} reads {s.name!r}")
+            if isinstance(t, Tensor):
+                subs[s] = sp.Symbol(t.name, real=True)
+                reads.append(t)
+            else:
+                subs[s] = t
+        body = g.map(str(carry.xreplace(subs)), *dict.fromkeys(reads), name=f"{u.state}_carried")
+        totals[u.state] = g.reduce(body, over(u.state), "sum", name=u.state)
+    outs = []
+    for o, e in plan.finalize:
+        expr = parse(e)
+        reads = [totals[s.name] if s.name in totals else read(s.name)
+                 for s in sorted(expr.free_symbols, key=str) if s.name not in smg.dim_sizes]
+        # the read spanning the output's dims first: the map's dims follow its reads' order
+        reads.sort(key=lambda t: (t.dims != smg.space(o).dims, -len(t.dims)))
+        t = g.map(str(expr), *reads, name=o)
+        if t.dims != smg.space(o).dims:
+            raise TemporalSliceError(f"output {o!r}: the second pass iterates {t.dims}, not {smg.space(o).dims}")
+        outs.append(t)
+    out = g.build(*outs)
+    return _with_dtypes(out, {o: smg.space(o).dtype for o in smg.outputs})
+
+
+def _with_dtypes(smg: SMG, dtypes: dict[str, str]) -> SMG:
+    """The outputs in the original graph's dtypes (the accumulators stay float32)."""
+    spaces = tuple(dataclasses.replace(s, dtype=dtypes[s.name]) if s.name in dtypes else s for s in smg.spaces)
+    return dataclasses.replace(smg, spaces=spaces)
+
+
+def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk: int = MIN_CHUNK
+                 ) -> SplitReduction | str:
+    """Split ``smg``'s longest reduction when its rows leave most SMs idle, else say why not.
+
+    The rule: rows (independent reductions, one block each at most) under half the SMs, and a reduced dim
+    long enough that ``parts`` chunks of at least ``min_chunk`` elements give every SM about four blocks."""
+    reduced = {d for op in smg.ops for d in op.reduce}
+    if not reduced:
+        return "no op reduces: nothing to split"
+    if any(op.kind == "matmul" for op in smg.ops):
+        # split-K and flash-decoding derive the same way, but their partials would run on CUDA cores here
+        return "a contraction's reduction is not split (its chunks would leave the tensor cores): one kernel"
+    if dim is None:
+        dim = max(sorted(reduced), key=lambda d: smg.dim_sizes[d])
+    try:
+        plan = plan_temporal(smg, dim)
+    except TemporalSliceError as e:
+        return f"no update functions over {dim!r}: {e}"
+    rows = _rows(smg, plan)
+    if 2 * rows >= hw.num_sms:
+        return f"{rows} independent reductions already fill {hw.name}'s {hw.num_sms} SMs: one kernel"
+    size = smg.dim_sizes[dim]
+    want = math.ceil(4 * hw.num_sms / rows)
+    other = max(math.prod(smg.dim_sizes[d] for d in op.reduce if d != dim) for op in smg.ops if dim in op.reduce)
+    parts = next((p for p in range(want, size + 1) if size % p == 0 and size // p * other >= min_chunk), None)
+    if parts is None:
+        return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ "
+                f"chunks of at least {min_chunk} elements: one kernel")
+    why = (f"{rows} independent reductions would leave {hw.num_sms - rows} of {hw.name}'s {hw.num_sms} SMs idle: "
+           f"{dim!r} ({size}) split into {parts} chunks of {size // parts}, combined in a second kernel")
+    try:
+        return split_reduction(smg, dim, parts, why)
+    except TemporalSliceError as e:
+        return f"{why}, but: {e}"
+
+
+__all__ = ["MIN_CHUNK", "SplitReduction", "decide_split", "split_reduction"]

@@ -1,0 +1,124 @@
+"""Split reductions: a reduction cut across blocks and combined by the derived update functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import spacefusion
+from schedulers.errors import TemporalSliceError
+from schedulers.hardware import H100
+from schedulers.split import decide_split, split_reduction
+from schedulers.temporal import plan_temporal
+from smg import patterns
+from smg.reference import evaluate
+from spacefusion.frontend.backends import LLVMBackend
+from spacefusion.frontend.sequence import links
+
+
+def _run_split(smg, dim: str, parts: int, seed: int = 0) -> tuple[dict, dict]:
+    """(the unsplit reference's outputs, the two split graphs' outputs) on one random input."""
+    rng = np.random.default_rng(seed)
+    ins = {k: (rng.standard_normal(smg.shape(k)) * 3 + 1).astype(np.float32) for k in smg.inputs}
+    sp = split_reduction(smg, dim, parts)
+    acc = evaluate(sp.partial, {k: ins[k].reshape(sp.partial.shape(k)) for k in sp.partial.inputs})
+    link = links(sp)
+    got = evaluate(sp.combine, {k: acc[link[k]] if k in link else ins[k] for k in sp.combine.inputs})
+    return evaluate(smg, ins), got
+
+
+@pytest.mark.parametrize("make,dim", [
+    (lambda: patterns.softmax(4, 512), "n"),  # max then a sum carried by exp(m_old - m_new): flash-decoding's combine
+    (lambda: patterns.rmsnorm(3, 256), "n"),  # a streamed X**2 recomputed from the input in each kernel
+    (lambda: patterns.layernorm(2, 384), "n"),  # a centred variance: Chan's parallel update
+])
+def test_split_chains_match_the_unsplit_graph(make, dim) -> None:
+    ref, got = _run_split(make(), dim, 8)
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 2), groups=st.sampled_from([1, 2, 4]), cg=st.sampled_from([1, 3, 8]),
+       pixels=st.sampled_from([16, 48, 96]), parts=st.sampled_from([2, 4, 8]),
+       act=st.sampled_from(["none", "silu"]))
+def test_group_norm_split_matches_torch(n, groups, cg, pixels, parts, act) -> None:
+    smg = patterns.group_norm(n, pixels, groups, groups * cg, act)
+    ref, got = _run_split(smg, "s", parts, seed=pixels + parts)
+    rng = np.random.default_rng(pixels + parts)
+    x = (rng.standard_normal((n, pixels, groups, cg)) * 3 + 1)
+    w, b = rng.standard_normal((groups, cg)) * 3 + 1, rng.standard_normal((groups, cg)) * 3 + 1
+    # torch's GroupNorm on the NCHW image (pixels as one spatial dim): the pattern's own meaning
+    t = F.group_norm(torch.from_numpy(x).reshape(n, pixels, groups * cg).permute(0, 2, 1), groups,
+                     torch.from_numpy(w).reshape(-1), torch.from_numpy(b).reshape(-1), eps=1e-5)
+    t = (F.silu(t) if act == "silu" else t).permute(0, 2, 1).reshape(n, pixels, groups, cg).numpy()
+    np.testing.assert_allclose(ref["Y"], t, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got["Y"], ref["Y"], rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("pixels,cg", [(512 * 512, 4), (3 * 4096, 12), (64 * 64, 16)])
+def test_update_functions_derive_at_large_group_sizes(pixels: int, cg: int) -> None:
+    """A mean's 1/N is ~1e-6 at a VAE group's 1M elements: the derivative basis (N^-2 terms) must neither
+    vanish against an absolute tolerance nor round to a nearby fraction that breaks nilpotency (before
+    the fix: 'changes the accumulator when nothing changed' at N = 2^20)."""
+    plan = plan_temporal(patterns.group_norm(1, pixels, 32, 32 * cg, "silu", dtype="float16"), "s")
+    assert [u.state for u in plan.states] == ["N_sum", "N_sqsum", "N_sqsum__d1", "N_sqsum__d2"]
+
+
+def test_the_split_is_chosen_for_idle_sms_and_refused_with_reasons() -> None:
+    vae = patterns.group_norm(1, 512 * 512, 32, 128, "silu", dtype="float16")
+    got = decide_split(vae, H100)
+    assert not isinstance(got, str), got
+    assert got.dim == "s" and got.parts * 32 >= 2 * H100.num_sms and "32 independent reductions" in got.reason
+    assert got.partial.shape("X") == (1, got.parts, 512 * 512 // got.parts, 32, 4)
+    # the second pass cuts the pixels: the combined statistics are recomputed per block (cheaply)
+    from schedulers.spatial import analyse_spatial
+    s = next(d for d in analyse_spatial(got.combine) if d.dim == "s")
+    assert s.cut and "cheap to recompute" in s.reason
+    full = decide_split(patterns.group_norm(16, 64 * 64, 32, 512, dtype="float16"), H100)
+    assert isinstance(full, str) and "fill" in full
+    gemm = decide_split(patterns.gemm_epilogue(16, 64, 8192, "relu", True, "float16"), H100)
+    assert isinstance(gemm, str) and "contraction" in gemm
+    with pytest.raises(TemporalSliceError, match="equal chunks"):
+        split_reduction(vae, "s", 7)
+
+
+class _Decoder(nn.Module):
+    """The VAE decoder's resnet half-block: GroupNorm -> SiLU -> conv, and a GroupNorm without SiLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1 = nn.GroupNorm(4, 16, eps=1e-6)
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.n2 = nn.GroupNorm(2, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.n2(self.conv(F.silu(self.n1(x)))) + 1.0
+
+
+def test_group_norm_through_dynamo_is_split_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    model = _Decoder().eval()
+    for n in (model.n1, model.n2):
+        n.weight.data.uniform_(0.5, 1.5)
+        n.bias.data.uniform_(-0.5, 0.5)
+    x = torch.randn(1, 16, 32, 32) * 2 + 0.5
+    small = dataclasses.replace(H100, name="small", num_sms=32)  # 4 and 2 groups leave it idle
+    backend = LLVMBackend(split_hw=small)
+    backend.split_kw = {"min_chunk": 64}
+    with torch.no_grad():
+        compiled = spacefusion.compile(model, target=backend)
+        got = compiled(x)
+        ref = model(x)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    labels = sorted(s.label for p in compiled.spacefusion.partitions for s in p.subgraphs)
+    assert labels == ["conv 3x3/s1 1x16x32x32 -> 16 float32", "group_norm + silu 1x16x32x32 /4 float32",
+                      "group_norm 1x16x32x32 /2 float32"], labels
+    assert sum("split into" in why for why in backend.splits.values()) == 2, backend.splits

@@ -30,6 +30,7 @@ from schedulers.errors import TemporalSliceError
 from schedulers.hardware import HardwareModel
 from schedulers.temporal import TemporalPlan, new, old, parse, plan_temporal
 from smg.expr import body_expr
+from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 from smg.ops import Builder, Tensor
 from smg.serialize import smg_from_dict, smg_to_dict
@@ -60,8 +61,8 @@ class SplitReduction:
         against 0.2 ms for the partial)."""
         finals = [op for op in self.combine.ops if op.out in self.combine.outputs]
         stats = [op for op in self.combine.ops if op.out not in self.combine.outputs]
-        return (self.partial, sub_smg(self.combine, stats, f"{self.smg.name}.stats"),
-                sub_smg(self.combine, finals, f"{self.smg.name}.apply"))
+        return (_folded(self.partial), sub_smg(self.combine, stats, f"{self.smg.name}.stats"),
+                _folded(sub_smg(self.combine, finals, f"{self.smg.name}.apply")))
 
     def to_dict(self) -> dict[str, Any]:
         """The split as derived here: a GPU machine loads it rather than deriving again (another sympy
@@ -75,6 +76,15 @@ class SplitReduction:
             raise ValueError(f"a split of SMG {d.get('smg')}, not of {smg.name} ({smg.key})")
         return cls(smg, d["dim"], int(d["parts"]), smg_from_dict(d["partial"]), smg_from_dict(d["combine"]),
                    d["reason"])
+
+
+def _folded(g: SMG) -> SMG:
+    """``g`` with every foldable pair of dims folded (``smg.fold``: the same memory, one dim fewer): a
+    GroupNorm's (group, channel) pair is one contiguous row of channels to the partial's and the
+    element-wise pass's blocks, where a group's 4 channels alone made rows of 8 bytes."""
+    while (pairs := foldable(g)):
+        g = fold_dims(g, *pairs[0])
+    return g
 
 
 def _space_name(state: str) -> str:
@@ -189,6 +199,48 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
     return g.build(*outs)
 
 
+def _hoist(expr: sp.Expr, streamed: set[sp.Symbol]) -> tuple[sp.Expr, list[tuple[sp.Expr, sp.Expr]]]:
+    """``expr`` with each maximal subexpression affine in one streamed symbol ``x`` (``p * x + q``, with
+    ``p`` and ``q`` free of every streamed symbol) replaced by ``L_i``; returns the pairs ``(p, q)`` in
+    order (a negated pair reuses ``-L_i``).  Why: ``p`` and ``q`` depend only on the totals and the
+    parameters, so the stats kernel computes them once per channel and the element-wise pass reads
+    per-channel coefficients, whose channel dims then fold into one contiguous row (GroupNorm's
+    ``silu(x * scale + shift)``)."""
+    pairs: list[tuple[sp.Expr, sp.Expr]] = []
+    syms: list[sp.Symbol] = []
+
+    def affine(e: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:
+        xs = e.free_symbols & streamed
+        if len(xs) != 1:
+            return None
+        (x,) = xs
+        p = sp.simplify(sp.diff(e, x))
+        q = sp.simplify(e.subs(x, 0))
+        if p.free_symbols & streamed or q.free_symbols & streamed or sp.simplify(p * x + q - e) != 0:
+            return None
+        return x, (p, q)
+
+    def walk(e: sp.Expr) -> sp.Expr:
+        got = affine(e)
+        if got is None:
+            return e.func(*(walk(a) for a in e.args)) if e.args and e.free_symbols & streamed else e
+        x, (p, q) = got
+        if not p.free_symbols and not q.free_symbols:
+            return e  # constant coefficients: nothing to hoist
+        for i, (p0, q0) in enumerate(pairs):
+            if not syms[i].name.endswith(f"__{x.name}"):
+                continue
+            if sp.simplify(p - p0) == 0 and sp.simplify(q - q0) == 0:
+                return syms[i]
+            if sp.simplify(p + p0) == 0 and sp.simplify(q + q0) == 0:
+                return -syms[i]
+        pairs.append((p, q))
+        syms.append(sp.Symbol(f"L__{len(pairs) - 1}__{x.name}", real=True))  # the name keeps x
+        return syms[-1]
+
+    return walk(expr), pairs
+
+
 def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> SMG:
     g = Builder(f"{smg.name}.combine", "float32")
     handles: dict[str, Tensor] = {}
@@ -253,14 +305,31 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
                 subs[s] = t
         body = g.map(str(carry.xreplace(subs)), *dict.fromkeys(reads), name=f"{u.state}_carried")
         totals[u.state] = g.reduce(body, over(u.state), "sum", name=u.state)
+    streamed = {sp.Symbol(n, real=True) for n in smg.inputs if plan.serial in smg.space(n).dims}
     outs = []
-    for o, e in plan.finalize:
-        expr = parse(e)
+    def tensors(x: sp.Expr, dims: tuple[str, ...]) -> list[Tensor]:
+        """The spaces ``x`` reads, ordered so that the map's dims (its reads' order) follow ``dims``."""
         reads = [totals[s.name] if s.name in totals else read(s.name)
-                 for s in sorted(expr.free_symbols, key=str) if s.name not in smg.dim_sizes]
-        # the read spanning the output's dims first: the map's dims follow its reads' order
-        reads.sort(key=lambda t: (t.dims != smg.space(o).dims, -len(t.dims)))
-        t = g.map(str(expr), *reads, name=o)
+                 for s in sorted(x.free_symbols, key=str) if s.name not in smg.dim_sizes]
+        order = {d: i for i, d in enumerate(dims)}
+        return sorted(reads, key=lambda t: (t.dims != dims, min((order.get(d, len(order)) for d in t.dims), default=0)))
+
+    for o, e in plan.finalize:
+        expr, pairs = _hoist(parse(e), streamed)
+        subs: dict[sp.Symbol, sp.Expr] = {}
+        for i, (p, q) in enumerate(pairs):
+            lsym = next(x for x in expr.free_symbols if x.name.startswith(f"L__{i}__"))
+            x = sp.Symbol(lsym.name.split("__", 2)[2], real=True)
+            coef = {}
+            for part, val in (("scale", p), ("shift", q)):
+                if val.free_symbols:
+                    coef[part] = g.map(str(val), *tensors(val, smg.space(o).dims), name=f"{o}_{part}{i}")
+                    handles[coef[part].name] = coef[part]
+            pe = sp.Symbol(coef["scale"].name, real=True) if "scale" in coef else p
+            qe = sp.Symbol(coef["shift"].name, real=True) if "shift" in coef else q
+            subs[lsym] = pe * x + qe
+        expr = expr.xreplace(subs)
+        t = g.map(str(expr), *tensors(expr, smg.space(o).dims), name=o)
         if t.dims != smg.space(o).dims:
             raise TemporalSliceError(f"output {o!r}: the second pass iterates {t.dims}, not {smg.space(o).dims}")
         outs.append(t)
@@ -279,7 +348,8 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     """Split ``smg``'s longest reduction when its rows leave most SMs idle, else say why not.
 
     The rule: rows (independent reductions, one block each at most) under half the SMs, and a reduced dim
-    long enough that ``parts`` chunks of at least ``min_chunk`` elements give every SM about four blocks."""
+    long enough for at least ``4 * SMs / rows`` chunks of ``min_chunk`` elements; the most such parts up to
+    two per SM."""
     reduced = {d for op in smg.ops for d in op.reduce}
     if not reduced:
         return "no op reduces: nothing to split"
@@ -298,7 +368,10 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     size = smg.dim_sizes[dim]
     want = math.ceil(4 * hw.num_sms / rows)
     other = max(math.prod(smg.dim_sizes[d] for d in op.reduce if d != dim) for op in smg.ops if dim in op.reduce)
-    parts = next((p for p in range(want, size + 1) if size % p == 0 and size // p * other >= min_chunk), None)
+    # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
+    # block reads whole channel rows), so its blocks are the parts, not parts x rows
+    fits = [p for p in range(want, max(want, 2 * hw.num_sms) + 1) if size % p == 0 and size // p * other >= min_chunk]
+    parts = max(fits) if fits else None
     if parts is None:
         return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ "
                 f"chunks of at least {min_chunk} elements: one kernel")

@@ -31,6 +31,13 @@ def _run_split(smg, dim: str, parts: int, seed: int = 0) -> tuple[dict, dict]:
     acc = evaluate(sp.partial, {k: ins[k].reshape(sp.partial.shape(k)) for k in sp.partial.inputs})
     link = links(sp)
     got = evaluate(sp.combine, {k: acc[link[k]] if k in link else ins[k] for k in sp.combine.inputs})
+    # the three kernels that run (the combine cut in two, coefficients hoisted, dims folded) agree
+    env = dict(ins)
+    for i, k in enumerate(sp.kernels):
+        out = evaluate(k, {n: env[n].reshape(k.shape(n)) for n in k.inputs})
+        env |= {(f"{n}_p" if i == 0 else n): v for n, v in out.items()}
+    for o in smg.outputs:
+        np.testing.assert_allclose(env[o].reshape(got[o].shape), got[o], rtol=1e-9, atol=1e-9)
     return evaluate(smg, ins), got
 
 

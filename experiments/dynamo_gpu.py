@@ -58,6 +58,12 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
         "in_channels": 4, "out_channels": 3, "up_block_types": ("UpDecoderBlock2D",) * 4,
         "block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "norm_num_groups": 32, "act_fn": "silu"},
         "latent", 1, 64),
+    # Stable Diffusion 1.5's UNet (diffusers' UNet2DConditionModel, SD 1.5's config) on a batch of 2 64x64
+    # latents (classifier-free guidance's pair) with CLIP's 77 text tokens for its cross-attention
+    "sd15_unet_2x64": ("diffusers", "UNet2DConditionModel", {
+        "sample_size": 64, "in_channels": 4, "out_channels": 4, "cross_attention_dim": 768,
+        "block_out_channels": (320, 640, 1280, 1280), "layers_per_block": 2, "attention_head_dim": 8,
+        "norm_num_groups": 32}, "latent+text", 2, 64),
 }
 
 
@@ -69,6 +75,10 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
             import torchvision
 
             cls, arg, ch = getattr(torchvision.models, model_cls), "x", 3
+        elif kind == "latent+text":
+            import diffusers
+
+            cls, arg, ch = getattr(diffusers, model_cls), "sample", kw["in_channels"]
         else:
             from diffusers.models.autoencoders import vae
 
@@ -78,7 +88,11 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
             model = cls(**kw).eval().half().to(memory_format=torch.channels_last)
         gen = torch.Generator().manual_seed(1)
         img = torch.randn(b, ch, s, s, generator=gen).half().to(memory_format=torch.channels_last)
-        return model, {arg: img.to(device)}
+        x = {arg: img.to(device)}
+        if kind == "latent+text":  # a mid-schedule timestep and 77 text-encoder states per image
+            x["timestep"] = torch.full((b,), 500, dtype=torch.long).to(device)
+            x["encoder_hidden_states"] = torch.randn(b, 77, kw["cross_attention_dim"], generator=gen).half().to(device)
+        return model, x
     import transformers
 
     cfg = getattr(transformers, cfg_cls)(**kw)
@@ -112,6 +126,8 @@ def export(art: Path, names: list[str]) -> int:
 
 
 def _last_hidden(out: Any) -> torch.Tensor:
+    if hasattr(out, "sample"):  # diffusers' UNet2DConditionOutput
+        return out.sample
     return out[0] if isinstance(out, tuple | list) else out.last_hidden_state if hasattr(out, "last_hidden_state") \
         else out
 

@@ -376,7 +376,7 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ "
                 f"chunks of at least {min_chunk} elements: one kernel")
     why = (f"{rows} independent reductions would leave {hw.num_sms - rows} of {hw.name}'s {hw.num_sms} SMs idle: "
-           f"{dim!r} ({size}) split into {parts} chunks of {size // parts}, combined in a second kernel")
+           f"{dim!r} ({size}) split into {parts} chunks of {size // parts}, then their totals and an element-wise pass")
     try:
         return split_reduction(smg, dim, parts, why)
     except TemporalSliceError as e:

@@ -58,7 +58,7 @@ class _Cached:
         if self.split_hw is None or not any(op.reduce for op in smg.ops):
             return None
         got = decide_split(smg, self.split_hw, **self.split_kw)
-        self.splits[smg.name] = got if isinstance(got, str) else got.reason
+        self.splits[smg.key] = got if isinstance(got, str) else got.reason
         return None if isinstance(got, str) else got
 
     def _compile(self, smg: SMG) -> Kernel:
@@ -132,7 +132,7 @@ class CudaBackend(_Cached):
         path = self.folder / smg.key[:16] / "split.json"
         if path.is_file():
             got = SplitReduction.from_dict(smg, json.loads(path.read_text()))
-            self.splits[smg.name] = got.reason
+            self.splits[smg.key] = got.reason
             return got
         got = super().split_of(smg)
         if got is not None:

@@ -264,7 +264,9 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -
             except Exception as exc:  # a schedule or build failure leaves the subgraph to torch, reported
                 why = f"kernel build failed: {type(exc).__name__}: {_short(str(exc))}"
         left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
-    part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left))
+    splits = getattr(be, "splits", {})
+    said = {s.key: splits[s.key] for s in kept if s.key in splits and hasattr(be.compile(s.smg), "split")}
+    part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left), splits=tuple(said.items()))
     if verbose:
         print(part)
     return FusedModel(rewrite(cap.module, kernels), part, getattr(be, "name", type(be).__name__))

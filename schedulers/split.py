@@ -38,6 +38,10 @@ from smg.subgraph import sub_smg
 
 #: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
 MIN_CHUNK = 1024
+#: where no split into enough chunks of MIN_CHUNK exists: still split into chunks of at least this many. Why:
+#: the one-kernel form reads a group's channels as strided rows (51 us a call for a 2x1280x8x8 GroupNorm on
+#: the H100), which the split's folded rows do not
+SMALL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -356,8 +360,9 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     if any(op.kind == "matmul" for op in smg.ops):
         # split-K and flash-decoding derive the same way, but their partials would run on CUDA cores here
         return "a contraction's reduction is not split (its chunks would leave the tensor cores): one kernel"
-    if dim is None:
-        dim = max(sorted(reduced), key=lambda d: smg.dim_sizes[d])
+    if dim is None:  # the outermost reduced dim of the largest input: its chunks are contiguous slabs
+        big = max((smg.space(n) for n in smg.inputs), key=lambda sp_: math.prod(smg.dim_sizes[d] for d in sp_.dims))
+        dim = next((d for d in big.dims if d in reduced), max(sorted(reduced), key=lambda d: smg.dim_sizes[d]))
     try:
         plan = plan_temporal(smg, dim)
     except TemporalSliceError as e:
@@ -371,10 +376,12 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
     # block reads whole channel rows), so its blocks are the parts, not parts x rows
     fits = [p for p in range(want, max(want, 2 * hw.num_sms) + 1) if size % p == 0 and size // p * other >= min_chunk]
+    if not fits:  # too short for that many: fewer, shorter chunks still read whole channel rows (see module doc)
+        fits = [p for p in range(2, 2 * hw.num_sms + 1) if size % p == 0 and size // p * other >= SMALL_CHUNK]
     parts = max(fits) if fits else None
     if parts is None:
-        return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ "
-                f"chunks of at least {min_chunk} elements: one kernel")
+        return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into chunks of at "
+                f"least {SMALL_CHUNK} elements: one kernel")
     why = (f"{rows} independent reductions would leave {hw.num_sms - rows} of {hw.name}'s {hw.num_sms} SMs idle: "
            f"{dim!r} ({size}) split into {parts} chunks of {size // parts}, then their totals and an element-wise pass")
     try:
@@ -383,4 +390,4 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         return f"{why}, but: {e}"
 
 
-__all__ = ["MIN_CHUNK", "SplitReduction", "decide_split", "split_reduction"]
+__all__ = ["MIN_CHUNK", "SMALL_CHUNK", "SplitReduction", "decide_split", "split_reduction"]

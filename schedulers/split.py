@@ -360,8 +360,8 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     if any(op.kind == "matmul" for op in smg.ops):
         # split-K and flash-decoding derive the same way, but their partials would run on CUDA cores here
         return "a contraction's reduction is not split (its chunks would leave the tensor cores): one kernel"
+    big = max((smg.space(n) for n in smg.inputs), key=lambda sp_: math.prod(smg.dim_sizes[d] for d in sp_.dims))
     if dim is None:  # the outermost reduced dim of the largest input: its chunks are contiguous slabs
-        big = max((smg.space(n) for n in smg.inputs), key=lambda sp_: math.prod(smg.dim_sizes[d] for d in sp_.dims))
         dim = next((d for d in big.dims if d in reduced), max(sorted(reduced), key=lambda d: smg.dim_sizes[d]))
     try:
         plan = plan_temporal(smg, dim)
@@ -376,12 +376,16 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
     # block reads whole channel rows), so its blocks are the parts, not parts x rows
     fits = [p for p in range(want, max(want, 2 * hw.num_sms) + 1) if size % p == 0 and size // p * other >= min_chunk]
-    if not fits:  # too short for that many: fewer, shorter chunks still read whole channel rows (see module doc)
+    if not fits and big.dims[-1] != dim:
+        # too short for that many: fewer, shorter chunks still read whole rows of the dims inside ``dim``
+        # (GroupNorm's channels), where one kernel reads them strided; a row of contiguous elements (a decode
+        # step's RMSNorm) is already read well by one kernel and stays one
         fits = [p for p in range(2, 2 * hw.num_sms + 1) if size % p == 0 and size // p * other >= SMALL_CHUNK]
     parts = max(fits) if fits else None
     if parts is None:
-        return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into chunks of at "
-                f"least {SMALL_CHUNK} elements: one kernel")
+        return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ chunks of "
+                f"{min_chunk} elements" + (f", nor of {SMALL_CHUNK} for strided rows" if big.dims[-1] != dim else
+                                           " and its rows are contiguous") + ": one kernel")
     why = (f"{rows} independent reductions would leave {hw.num_sms - rows} of {hw.name}'s {hw.num_sms} SMs idle: "
            f"{dim!r} ({size}) split into {parts} chunks of {size // parts}, then their totals and an element-wise pass")
     try:

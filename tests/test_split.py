@@ -91,6 +91,10 @@ def test_the_split_is_chosen_for_idle_sms_and_refused_with_reasons() -> None:
     assert s.cut and "cheap to recompute" in s.reason
     full = decide_split(patterns.group_norm(16, 64 * 64, 32, 512, dtype="float16"), H100)
     assert isinstance(full, str) and "fill" in full
+    small = decide_split(patterns.group_norm(2, 8 * 8, 32, 1280, "silu", dtype="float16"), H100)
+    assert not isinstance(small, str) and small.parts == 8, small  # strided group rows: split into short chunks
+    decode = decide_split(patterns.rmsnorm(1, 4096, "float16"), H100)  # one contiguous row: one kernel
+    assert isinstance(decode, str) and "one kernel" in decode, decode
     gemm = decide_split(patterns.gemm_epilogue(16, 64, 8192, "relu", True, "float16"), H100)
     assert isinstance(gemm, str) and "contraction" in gemm
     with pytest.raises(TemporalSliceError, match="equal chunks"):

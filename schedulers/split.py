@@ -36,6 +36,9 @@ from smg.ops import Builder, Tensor
 from smg.serialize import smg_from_dict, smg_to_dict
 from smg.subgraph import sub_smg
 
+#: the version of ``decide_split``'s rule and of the graphs it derives: a saved split of another version is
+#: derived again (an export stopped halfway once left splits of an older rule that the next one loaded)
+SPLIT_RULE = 2
 #: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
 MIN_CHUNK = 1024
 #: where no split into enough chunks of MIN_CHUNK exists: still split into chunks of at least this many. Why:
@@ -71,13 +74,15 @@ class SplitReduction:
     def to_dict(self) -> dict[str, Any]:
         """The split as derived here: a GPU machine loads it rather than deriving again (another sympy
         may print a carried coefficient differently, which changes the kernels' content keys)."""
-        return {"smg": self.smg.key, "dim": self.dim, "parts": self.parts, "reason": self.reason,
+        return {"smg": self.smg.key, "rule": SPLIT_RULE, "dim": self.dim, "parts": self.parts, "reason": self.reason,
                 "partial": smg_to_dict(self.partial), "combine": smg_to_dict(self.combine)}
 
     @classmethod
     def from_dict(cls, smg: SMG, d: dict[str, Any]) -> SplitReduction:
         if d.get("smg") != smg.key:
             raise ValueError(f"a split of SMG {d.get('smg')}, not of {smg.name} ({smg.key})")
+        if d.get("rule") != SPLIT_RULE:
+            raise ValueError(f"a split decided by rule {d.get('rule')}, not the current {SPLIT_RULE}")
         return cls(smg, d["dim"], int(d["parts"]), smg_from_dict(d["partial"]), smg_from_dict(d["combine"]),
                    d["reason"])
 
@@ -394,4 +399,4 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         return f"{why}, but: {e}"
 
 
-__all__ = ["MIN_CHUNK", "SMALL_CHUNK", "SplitReduction", "decide_split", "split_reduction"]
+__all__ = ["MIN_CHUNK", "SMALL_CHUNK", "SPLIT_RULE", "SplitReduction", "decide_split", "split_reduction"]

@@ -162,3 +162,25 @@ def test_group_norm_split_on_gpu_kernels(mode: str | None, tmp_path, monkeypatch
     eager_err = (eager.float() - exact).abs().max().item()
     ours = (got.float() - exact).abs().max().item()
     assert ours <= 4 * eager_err + 1e-3, f"fused fp16 off by {ours}, eager fp16 by {eager_err}\n{text}"
+
+
+def test_a_saved_split_of_another_rule_is_derived_again(tmp_path) -> None:
+    """``split.json`` pins the split an export derived; one written under another rule is not trusted."""
+    import json
+
+    from schedulers.split import SplitReduction
+    from spacefusion.frontend.backends import CudaBackend
+
+    smg = patterns.group_norm(1, 512 * 512, 32, 128, "silu", dtype="float16")
+    backend = CudaBackend(tmp_path, load=False)
+    first = backend.split_of(smg)
+    path = tmp_path / smg.key[:16] / "split.json"
+    assert first is not None and path.is_file()
+    saved = json.loads(path.read_text())
+    assert SplitReduction.from_dict(smg, saved).kernels == first.kernels
+    stale = dict(saved, rule=saved["rule"] - 1, parts=32)
+    path.write_text(json.dumps(stale))
+    with pytest.raises(ValueError, match="rule"):
+        SplitReduction.from_dict(smg, stale)
+    again = CudaBackend(tmp_path, load=False).split_of(smg)
+    assert again.parts == first.parts and json.loads(path.read_text())["rule"] == saved["rule"]

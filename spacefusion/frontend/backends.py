@@ -131,9 +131,12 @@ class CudaBackend(_Cached):
         or derived here and written there."""
         path = self.folder / smg.key[:16] / "split.json"
         if path.is_file():
-            got = SplitReduction.from_dict(smg, json.loads(path.read_text()))
-            self.splits[smg.key] = got.reason
-            return got
+            try:
+                got = SplitReduction.from_dict(smg, json.loads(path.read_text()))
+                self.splits[smg.key] = got.reason
+                return got
+            except (ValueError, KeyError):  # another rule's split (or a damaged file): derived again below
+                pass
         got = super().split_of(smg)
         if got is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

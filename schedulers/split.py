@@ -28,8 +28,7 @@ import sympy as sp
 
 from schedulers.errors import TemporalSliceError
 from schedulers.hardware import HardwareModel
-from schedulers.temporal import TemporalPlan, new, old, parse, plan_temporal
-from smg.expr import body_expr
+from schedulers.temporal import TemporalPlan, _inline, new, old, parse, plan_temporal
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 from smg.ops import Builder, Tensor
@@ -140,18 +139,12 @@ def split_reduction(smg: SMG, dim: str, parts: int, reason: str = "") -> SplitRe
 def _over_inputs(smg: SMG, plan: TemporalPlan, states: set[str]) -> TemporalPlan:
     """``plan`` with the streamed element-wise intermediates (RMSNorm's ``X**2``) substituted by their bodies
     down to the inputs: each kernel of the split re-reads the inputs and recomputes them."""
+    # temporal's inlining, with the element-wise ops that read only plain accesses as the class it substitutes
+    cls = {op.out: "post" if op.out not in states and not op.reduce and all(a.plain for a in op.inputs)
+           else "streamed" for op in smg.ops}
+
     def expand(text: str) -> str:
-        e = parse(text)
-        for _ in range(len(smg.ops) + 1):
-            subs = {}
-            for sym in e.free_symbols:
-                op = smg.producer(sym.name)
-                if sym.name not in states and op is not None and not op.reduce and all(a.plain for a in op.inputs):
-                    subs[sym] = body_expr(op)
-            if not subs:
-                return str(e)
-            e = e.xreplace(subs)
-        return str(e)  # pragma: no cover - an SMG is acyclic
+        return str(_inline(smg, parse(text), cls))
 
     return dataclasses.replace(
         plan, states=tuple(dataclasses.replace(u, body=expand(u.body)) for u in plan.states),

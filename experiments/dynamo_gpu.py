@@ -18,6 +18,7 @@ events, L2 flushed by a read, median).  It also measures the host time of one fu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -110,7 +111,8 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     return model, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
 
 
-def export(art: Path, names: list[str]) -> int:
+def export(art: Path, names: list[str], db: Path | None = None) -> int:
+    """Each model's first picks (with ``db``, its best measured schedules where tuned) as CUDA artefacts."""
     from spacefusion.frontend.dynamo import export_cuda
 
     for name in names:
@@ -118,10 +120,42 @@ def export(art: Path, names: list[str]) -> int:
         t = time.perf_counter()
         # decoders make a KV cache whose first append (cat onto an empty tensor) fake tensors refuse on meta
         model, x = build(name, "cpu" if MODELS[name][1] in ("LlamaModel", "GPT2Model") else "meta")
-        backend = export_cuda(model, art / "kernels", **x)
+        backend = export_cuda(model, art / "kernels", db=db, **x)
         took = time.perf_counter() - t
         (art / f"{name}.partition.txt").write_text(str(backend) + "\n")
         print(f"{name}: exported in {took:.1f} s\n{backend}\n", flush=True)
+    return 0
+
+
+def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int, db: Path | None,
+               workers: int) -> int:
+    """Tune the distinct SMGs of ``kinds`` in each model on this GPU (TVM here) into ``db``: ``trials``
+    candidates each, checked, then timed with L2 flushed (``LocalGPURunner``).  ``export --db`` then builds
+    the best of each where TVM is."""
+    from spacefusion.frontend.tune import captured_partitions, tune_partitions
+    from spacefusion.runners import LocalGPURunner
+
+    parts = []
+    for name in names:
+        torch._dynamo.reset()
+        model, x = build(name, "meta")
+        parts += captured_partitions(model, kinds=kinds, **x)
+    # the most work first (uses x the largest op's iteration space), so a run cut short by the device's time
+    # limit has tuned what matters; what the database holds is not measured again on the next run
+    uses: dict[str, int] = {}
+    for p in parts:
+        for sub in p.subgraphs:
+            uses[sub.key] = uses.get(sub.key, 0) + 1
+
+    def work(sub: Any) -> float:
+        sizes = sub.smg.dim_sizes
+        return uses[sub.key] * max(math.prod(sizes[d] for d in op.iter_dims) for op in sub.smg.ops)
+
+    parts = [dataclasses.replace(p, subgraphs=tuple(sorted(p.subgraphs, key=work, reverse=True))) for p in parts]
+    report = tune_partitions(parts, LocalGPURunner(), db or art / "tuning.db", trials=trials, workers=workers,
+                             progress=False)
+    (art / "tune_report.txt").write_text(str(report) + "\n")
+    print(report, flush=True)
     return 0
 
 
@@ -186,8 +220,23 @@ def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, Any]:
     return out
 
 
-def top_kernels(fn: Any, x: dict[str, Any], n: int = 12) -> list[tuple[str, float, int]]:
-    """(kernel, total µs, calls) of one forward under the profiler, the largest first."""
+#: kernel families by name, first match wins: what each system spends its GPU time on
+CATEGORIES = (
+    ("spacefusion conv", r"^sf_conv"), ("spacefusion attention", r"^sf_attention"),
+    ("spacefusion group_norm", r"^sf_group_norm"), ("spacefusion norm", r"^sf_(residual_)?(layer|rms)norm"),
+    ("spacefusion gemm", r"^sf_"), ("triton (inductor)", r"^triton_"),
+    ("cuDNN conv", r"fprop|implicit_gemm|conv|nhwc|nchw|cudnn"),
+    ("torch attention", r"flash|fmha|attention|sdpa"), ("cuBLAS gemm", r"gemm|cutlass|cublas|xmma|sm90_"),
+    ("torch element-wise", r"elementwise|vectorized|reduce_kernel|cat|copy|CatArray"),
+)
+
+
+def kernel_profile(fn: Any, x: dict[str, Any], n: int = 200) -> dict[str, Any]:
+    """One forward under the profiler (after one unprofiled): its kernels' total device time, by family
+    (``CATEGORIES``), and the ``n`` largest as (kernel, total µs, calls).  Kernels a CUDA graph replays are
+    traced too, so spacefusion's and torch.compile's runs compare family by family."""
+    import re
+
     from torch.profiler import ProfilerActivity, profile
 
     fn(**x)
@@ -195,16 +244,23 @@ def top_kernels(fn: Any, x: dict[str, Any], n: int = 12) -> list[tuple[str, floa
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(**x)
         torch.cuda.synchronize()
+
     def us(e: Any) -> float:
         return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
 
-    rows = [(e.key[:90], round(us(e), 1), e.count) for e in prof.key_averages() if us(e) > 0]
-    return sorted(rows, key=lambda r: -r[1])[:n]
+    rows = sorted(((e.key, us(e), e.count) for e in prof.key_averages() if us(e) > 0), key=lambda r: -r[1])
+    cats: dict[str, list[float]] = {}
+    for key, t, count in rows:
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, key, re.IGNORECASE)), "other")
+        got = cats.setdefault(cat, [0.0, 0])
+        got[0], got[1] = round(got[0] + t, 1), got[1] + count
+    return {"total_us": round(sum(r[1] for r in rows), 1), "by_category": cats,
+            "top": [(k[:90], round(t, 1), c) for k, t, c in rows[:n]]}
 
 
 def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int,
         modes: tuple[str, ...] = ("default", "reduce-overhead"), build_missing: bool = False,
-        tune_trials: int = 0, db_path: Path | None = None, workers: int = 8) -> int:
+        tune_trials: int = 0, db_path: Path | None = None, workers: int = 8, tuned_art: Path | None = None) -> int:
     from gpu_runtime import runtime_module
 
     import spacefusion
@@ -250,6 +306,10 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                                     schedule_for=report.schedule_for(fallback=first_pick))
                 systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned)
                 _last_hidden(systems["spacefusion+graph tuned"](**x))
+            if tuned_art is not None:  # another export's artefacts (export --db): the tuned kernels
+                tuned_be = CudaBackend(tuned_art / "kernels", schedule_for=first_pick)
+                systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned_be)
+                _last_hidden(systems["spacefusion+graph tuned"](**x))
             for mode in modes:
                 t = time.perf_counter()
                 c = torch.compile(model, mode=mode)
@@ -271,7 +331,9 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             row["partition"] = str(sf.spacefusion)
             row["partition_no_graph"] = str(nog.spacefusion)
             row["host"] = host_cost_us(nog)
-            row["top_kernels"] = top_kernels(nog, x)
+            row["kernels"] = {k: kernel_profile(systems[k], x) for k in ("spacefusion", *(
+                f"torch.compile {m}" for m in modes))}
+            row["top_kernels"] = row["kernels"]["spacefusion"]["top"][:12]
         best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
                           "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
@@ -290,7 +352,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=("export", "run"))
+    ap.add_argument("phase", choices=("export", "run", "tune"))
     ap.add_argument("art", type=Path)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out", type=Path, default=Path("dynamo_gpu.json"))
@@ -301,16 +363,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="build an SMG's first pick where its artefact is missing (TVM on the GPU machine)")
     ap.add_argument("--tune", type=int, default=0, metavar="TRIALS",
                     help="also tune every distinct SMG on this GPU (TVM here) and time the tuned kernels")
-    ap.add_argument("--db", type=Path, default=None, help="the tuning database (default ART/tuning.db)")
+    ap.add_argument("--db", type=Path, default=None,
+                    help="the tuning database (tune, run --tune: default ART/tuning.db; export: build its picks)")
+    ap.add_argument("--kinds", nargs="*", default=None,
+                    help="tune: only the subgraphs of these kinds (conv, attention, gemm, group_norm, ...)")
+    ap.add_argument("--trials", type=int, default=8, help="tune: candidates per SMG")
+    ap.add_argument("--tuned-art", type=Path, default=None,
+                    help="run: also time the artefacts of this export (export --db) as 'spacefusion+graph tuned'")
     ap.add_argument("--workers", type=int, default=8, help="parallel TVM builds while tuning")
     ap.add_argument("--max-autotune", action="store_true",
                     help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
     a = ap.parse_args(argv)
     if a.phase == "export":
-        return export(a.art, a.models)
+        return export(a.art, a.models, a.db)
+    if a.phase == "tune":
+        return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
     return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
-               a.tune, a.db, a.workers)
+               a.tune, a.db, a.workers, a.tuned_art)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.hardware import HardwareModel
-from schedulers.resources import MAX_REGISTERS, block_resources
+from schedulers.resources import block_resources
 from schedulers.schedule import Schedule
 from schedulers.traffic import fused_kernel
 from smg.expr import body_expr
@@ -134,9 +134,12 @@ def _wgmma_spill_bytes(s: Schedule, res) -> float:
     """Accumulators beyond the register file in wgmma's ss form, stored and reloaded around every
     wgmma (each k16 slice of each 64-row half).  Its register estimate is exact there (168 against
     nvcc's 166), so no slack: the 128 x 256 and 256 x 128 tiles on one warpgroup (296) ran 8-16x
-    slower on the H100 (experiments/tuning/raw/gemm_sigmoid_round_wt1.json)."""
+    slower on the H100 (experiments/tuning/raw/gemm_sigmoid_round_wt1.json).  The limit is the register
+    cap, which ``setmaxnreg`` lowers to ``CONSUMER_REGS`` (232) beside a producer warpgroup: SD 1.5's GEGLU
+    (512 x 5120 x 1280) on 192 x 64 tiles of two GEMM states (estimated 240) spilled 2.2 KB a thread and
+    took 423 us a call on the H100, 14x its 128-row neighbours' throughput."""
     p = s.warp_tile
-    over = max(0, res.registers_estimate - MAX_REGISTERS)
+    over = max(0, res.registers_estimate - res.register_cap)
     per_step = (p.step // 16) * max(1, p.rows // 64 // max(1, p.warps // 4))
     return over * 4 * 2 * res.threads * s.num_tiles * s.steps_per_block * per_step
 

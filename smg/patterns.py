@@ -58,9 +58,10 @@ def _b_dims(k: int, n: int, b_layout: str) -> dict[str, int]:
 
 
 def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = True,
-                  dtype: str = "float32", b_layout: str = "kn", stack: int = 0) -> SMG:
-    """``Y = act(A @ B + bias)``; ``act`` is any unary operator or ``"none"``; ``b_layout`` "nk" stores B
-    as [n, k] (``Y = A @ Bw.T``, an ``nn.Linear`` weight as it is).
+                  dtype: str = "float32", b_layout: str = "kn", stack: int = 0, residual: bool = False) -> SMG:
+    """``Y = act(A @ B + bias (+ R))``; ``act`` is any unary operator or ``"none"``; ``b_layout`` "nk" stores
+    B as [n, k] (``Y = A @ Bw.T``, an ``nn.Linear`` weight as it is); ``residual`` adds ``R[m, n]`` (a
+    transformer block's ``ff(x) + x`` where no norm follows to take the add).
 
     ``stack`` = t > 0: ``Y[i] = act(A @ B_i + bias_i)`` for t linears of one input (Q/K/V projections) as
     one GEMM whose B stacks the weights along t ([t, k, n]; "nk": [t, n, k]) and whose output is [t, m, n],
@@ -69,13 +70,17 @@ def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = Tru
     ``horizontal_gemms`` (one output per GEMM), the t GEMMs share one output space, hence one epilogue."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    if residual and stack:
+        raise ShapeError("a residual add takes one GEMM's output, not a stack of them")
     t = {"t": stack} if stack else {}
-    g = Builder(f"{'stacked_' if stack else ''}gemm_{act}", dtype)
+    g = Builder(f"{'stacked_' if stack else ''}gemm_{act}{'_res' if residual else ''}", dtype)
     a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", t | _b_dims(k, n, b_layout))
-    y = g.matmul(a, b, reduce="k", name="C" if bias or act != "none" else "Y",
+    y = g.matmul(a, b, reduce="k", name="C" if bias or residual or act != "none" else "Y",
                  order=("t", "m", "n") if stack else None)
     if bias:
-        y = g.binary("add", y, g.input("bias", t | {"n": n}), name="Cb" if act != "none" else "Y")
+        y = g.binary("add", y, g.input("bias", t | {"n": n}), name="Cb" if act != "none" or residual else "Y")
+    if residual:
+        y = g.binary("add", y, g.input("R", {"m": m, "n": n}), name="Cr" if act != "none" else "Y")
     if act != "none":
         y = g.unary(act, y, name="Y")
     return g.build(y)
@@ -269,17 +274,21 @@ def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int
 
 
 def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "none", affine: bool = True,
-               dtype: str = "float32", eps: float = 1e-5) -> SMG:
+               dtype: str = "float32", eps: float = 1e-5, shift: bool = False) -> SMG:
     """``Y = act(GroupNorm(X))`` on a channels-last image ``X[n, s, g, c]``: ``s`` the pixels (h * w), the
     channels split as (group ``g``, member ``c``).  A LayerNorm over (s, c); at batch 1 its n * g reductions
-    leave most SMs idle, which ``schedulers.split`` answers by splitting ``s``."""
+    leave most SMs idle, which ``schedulers.split`` answers by splitting ``s``.  ``shift``: of ``X + E``,
+    ``E[n, g, c]`` broadcast over the pixels (a diffusion ResNet block's time embedding, added to the
+    conv's output just before its second GroupNorm)."""
     if channels % groups:
         raise ShapeError(f"channels ({channels}) must be a multiple of the groups ({groups})")
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
-    g = Builder(f"group_norm{'_' + act if act != 'none' else ''}", dtype)
+    g = Builder(f"group_norm{'_shift' if shift else ''}{'_' + act if act != 'none' else ''}", dtype)
     cg = channels // groups
     x = g.input("X", {"n": batch, "s": pixels, "g": groups, "c": cg})
+    if shift:
+        x = g.binary("add", x, g.input("E", {"n": batch, "g": groups, "c": cg}), name="T")
     w, b = (g.input("W", {"g": groups, "c": cg}), g.input("B", {"g": groups, "c": cg})) if affine else (None, None)
     y = g.layernorm(x, ("s", "c"), w, b, eps=eps, name="Y" if act == "none" else "N")
     return g.build(y if act == "none" else g.unary(act, y, name="Y"))

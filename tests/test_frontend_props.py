@@ -24,6 +24,18 @@ class _Linear(nn.Module):
         return getattr(F, self.act)(y) if self.act else y
 
 
+class _LinearResidual(nn.Module):
+    """A transformer block's ``ff(x) + r``; with ``norm`` a LayerNorm reads the sum (BERT's, the norm's add)."""
+
+    def __init__(self, k: int, n: int, bias: bool, norm: bool) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(k, n, bias=bias), nn.LayerNorm(n) if norm else None
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) + r
+        return self.norm(y) if self.norm is not None else y
+
+
 class _Attention(nn.Module):
     def __init__(self, causal: bool, gqa: bool) -> None:
         super().__init__()
@@ -41,6 +53,19 @@ class _Gated(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(F, self.act)(self.gate_proj(x)) * self.up_proj(x)
+
+
+class _Geglu(nn.Module):
+    """diffusers' GEGLU: one projection to 2n columns, chunked; ``gate_first`` swaps which half is gated."""
+
+    def __init__(self, k: int, n: int, bias: bool, gate_first: bool) -> None:
+        super().__init__()
+        self.proj, self.gate_first = nn.Linear(k, 2 * n, bias=bias), gate_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.proj(x).chunk(2, dim=-1)
+        gate, h = (a, b) if self.gate_first else (b, a)
+        return h * F.gelu(gate)
 
 
 class _ResidualNorm(nn.Module):
@@ -71,6 +96,22 @@ def test_linear_epilogue_mapping(lead: list[int], k: int, n: int, bias: bool, ac
 
 
 @SETTINGS
+@given(m=st.integers(1, 6), k=st.integers(1, 16), n=st.integers(1, 16), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_residual_add_in_the_epilogue(m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    torch.manual_seed(seed)
+    _check(_LinearResidual(k, n, bias, norm=False).eval(), torch.randn(2, m, k), torch.randn(2, m, n), kind="gemm")
+
+
+def test_a_residual_add_a_norm_reads_stays_the_norms() -> None:
+    """BERT's ``LayerNorm(dense(x) + r)``: the add is fused with the norm (``residual_norm``), not the GEMM."""
+    torch.manual_seed(0)
+    model = _LinearResidual(8, 16, True, norm=True).eval()
+    fused = fuse(model, torch.randn(3, 8), torch.randn(3, 16), backend="reference")
+    assert [s.kind for s in fused.partition.subgraphs] == ["gemm", "residual_norm"]
+    assert "+ add" not in fused.partition.subgraphs[0].label
+
+
+@SETTINGS
 @given(b=st.integers(1, 2), kv=st.integers(1, 3), group=st.integers(1, 3), m=st.integers(1, 9), extra=st.integers(0, 6),
        d=st.sampled_from([4, 8, 12]), causal=st.booleans(), seed=st.integers(0, 2**16))
 def test_attention_mapping(b: int, kv: int, group: int, m: int, extra: int, d: int, causal: bool, seed: int) -> None:
@@ -79,6 +120,16 @@ def test_attention_mapping(b: int, kv: int, group: int, m: int, extra: int, d: i
     q = torch.randn(b, kv * group, m, d)
     k, v = torch.randn(b, kv, l, d), torch.randn(b, kv, l, d)
     _check(_Attention(causal, group > 1), q, k, v, kind="attention")
+
+
+@SETTINGS
+@given(m=st.integers(1, 6), k=st.integers(1, 16), n=st.integers(1, 16), bias=st.booleans(), gate_first=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_geglu_chunked_projection_is_one_gated_gemm(m: int, k: int, n: int, bias: bool, gate_first: bool,
+                                                    seed: int) -> None:
+    """The two halves of one chunked linear read as slices of its weight and bias rows."""
+    torch.manual_seed(seed)
+    _check(_Geglu(k, n, bias, gate_first).eval(), torch.randn(2, m, k), kind="gated_gemm")
 
 
 @SETTINGS

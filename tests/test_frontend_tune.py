@@ -54,3 +54,17 @@ def test_tune_shares_the_database_across_subgraphs_and_models(tmp_path, capsys) 
             assert pick(t.summary.best.smg).key == t.summary.best.key
         other = patterns.softmax(4, 8)
         assert pick(other).key == default_schedule(other).key
+
+
+def test_captured_partitions_keep_the_kinds_asked_for() -> None:
+    """``captured_partitions(..., kinds=["conv"])``: a model's convolutions alone, to tune them apart."""
+    from spacefusion.frontend.tune import captured_partitions
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(1), nn.Linear(8 * 4 * 4, 8)).eval()
+    x = torch.randn(2, 8, 4, 4)
+    every = [s.kind for p in captured_partitions(model, x) for s in p.subgraphs]
+    torch._dynamo.reset()
+    convs = [s.kind for p in captured_partitions(model, x, kinds=["conv"]) for s in p.subgraphs]
+    torch._dynamo.reset()
+    assert sorted(every) == ["conv", "gemm"] and convs == ["conv"], (every, convs)

@@ -196,6 +196,12 @@ CASES = {
     "gemm_gated_gelu_ws_persistent": (lambda: gated_gemm(200, 320, 256, "gelu", "float16"), {"m": 128, "n": 128},
                                       64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True,
                                               "persistent": 4}),
+    # diffusers' GEGLU: both halves of one linear with their biases (bg, bu) added before the gate's GELU
+    "gemm_gated_bias_gelu_wgmma": (lambda: gated_gemm(200, 320, 192, "gelu", "float16", bias=True),
+                                   {"m": 128, "n": 64}, 64, 3, {"wgmma": True}),
+    "gemm_gated_bias_gelu_ws": (lambda: gated_gemm(200, 320, 256, "gelu", "float16", bias=True),
+                                {"m": 128, "n": 128}, 64, 3,
+                                {"wgmma": True, "tma": True, "warps": 8, "producer": True}),
     "gemm_gated_pingpong_bf16": (lambda: gated_gemm(200, 320, 192, "silu", "bfloat16"), {"m": 64, "n": 128}, 64, 2,
                                  {"wgmma": True, "tma": True, "producer": True, "persistent": 5, "pingpong": True}),
     # blocks slicing the k steps (what the search offers a grid smaller than the SMs): both accumulators'

@@ -55,12 +55,15 @@ def test_split_chains_match_the_unsplit_graph(make, dim) -> None:
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 2), groups=st.sampled_from([1, 2, 4]), cg=st.sampled_from([1, 3, 8]),
        pixels=st.sampled_from([16, 48, 96]), parts=st.sampled_from([2, 4, 8]),
-       act=st.sampled_from(["none", "silu"]))
-def test_group_norm_split_matches_torch(n, groups, cg, pixels, parts, act) -> None:
-    smg = patterns.group_norm(n, pixels, groups, groups * cg, act)
+       act=st.sampled_from(["none", "silu"]), shift=st.booleans())
+def test_group_norm_split_matches_torch(n, groups, cg, pixels, parts, act, shift) -> None:
+    """``shift``: of ``X + E[n, g, c]`` (a ResNet block's time embedding added before its GroupNorm)."""
+    smg = patterns.group_norm(n, pixels, groups, groups * cg, act, shift=shift)
     ref, got = _run_split(smg, "s", parts, seed=pixels + parts)
-    rng = np.random.default_rng(pixels + parts)
+    rng = np.random.default_rng(pixels + parts)  # the inputs _run_split drew, in the SMG's input order
     x = (rng.standard_normal((n, pixels, groups, cg)) * 3 + 1)
+    if shift:
+        x = x + (rng.standard_normal((n, groups, cg)) * 3 + 1)[:, None]
     w, b = rng.standard_normal((groups, cg)) * 3 + 1, rng.standard_normal((groups, cg)) * 3 + 1
     # torch's GroupNorm on the NCHW image (pixels as one spatial dim): the pattern's own meaning
     t = F.group_norm(torch.from_numpy(x).reshape(n, pixels, groups * cg).permute(0, 2, 1), groups,

@@ -14,16 +14,21 @@ from smg.ir import SMG
 from smg.ops import UNARY, Builder
 
 
-def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32", b_layout: str = "kn") -> SMG:
+def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32", b_layout: str = "kn",
+               bias: bool = False) -> SMG:
     """``Y = act(X @ Wg) * (X @ Wu)`` (LLaMA's ``act_fn(gate_proj(x)) * up_proj(x)``), X[m, k], W*[k, n]
-    (``b_layout`` "nk": W*[n, k], the linears' weights as stored)."""
+    (``b_layout`` "nk": W*[n, k], the linears' weights as stored); ``bias``: ``act(X @ Wg + bg) * (X @ Wu +
+    bu)`` (GEGLU: diffusers' one projection to 2n columns, chunked into its halves)."""
     if act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
-    g = Builder(f"gated_gemm_{act}", dtype)
+    g = Builder(f"gated_gemm_{act}{'_bias' if bias else ''}", dtype)
     x = g.input("X", {"m": m, "k": k})
     dims = patterns._b_dims(k, n, b_layout)
     gate = g.matmul(x, g.input("Wg", dims), reduce="k", name="G")
     up = g.matmul(x, g.input("Wu", dims), reduce="k", name="U")
+    if bias:
+        gate = g.binary("add", gate, g.input("bg", {"n": n}), name="Gb")
+        up = g.binary("add", up, g.input("bu", {"n": n}), name="Ub")
     return g.build(g.binary("mul", g.unary(act, gate, name="Ga"), up, name="Y"))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from spacefusion.frontend.backends import get_backend
 from spacefusion.frontend.capture import Captured
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.fused import FusedModel, fuse_captured
-from spacefusion.frontend.graph import contiguous
+from spacefusion.frontend.graph import contiguous, conv_of
 from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
 from spacefusion.frontend.replay import GraphReplay
@@ -134,16 +135,65 @@ def _lone_operand_of_cat(node: fx.Node) -> fx.Node | None:
     return kept[0] if same else None
 
 
+def _same_value(src: Any, node: fx.Node) -> bool:
+    """Whether ShapeProp saw ``node``'s value with ``src``'s shape, dtype and strides."""
+    a = src.meta.get("tensor_meta") if isinstance(src, fx.Node) else None
+    b = node.meta.get("tensor_meta")
+    return all(hasattr(m, "shape") for m in (a, b)) and (tuple(a.shape), a.dtype, tuple(a.stride)) == (
+        tuple(b.shape), b.dtype, tuple(b.stride))
+
+
+def _identity_arith(node: fx.Node) -> fx.Node | None:
+    """The tensor of ``x / 1`` or ``x * 1`` (either side) where the result keeps its dtype, else None:
+    diffusers divides every ResNet block's and attention's output by an ``output_scale_factor`` /
+    ``rescale_output_factor`` that is 1.0 in SD 1.5, a full read and write of the feature map each (Dynamo
+    keeps them)."""
+    if node.op != "call_function" or len(node.args) != 2 or node.kwargs:
+        return None
+    x, c = node.args
+    if node.target in (operator.mul, torch.mul) and not isinstance(x, fx.Node):
+        x, c = c, x
+    ok = (node.target in (operator.truediv, torch.div, operator.mul, torch.mul) and isinstance(x, fx.Node)
+          and isinstance(c, int | float) and not isinstance(c, bool) and c == 1 and _same_value(x, node))
+    return x if ok else None
+
+
+def _same_dtype_cast(node: fx.Node) -> bool:
+    """``x.to(dtype)`` / ``x.float()`` / ``x.half()`` to the dtype ``x`` has: torch returns ``x`` itself."""
+    if node.op != "call_method" or not node.args or not _same_value(node.args[0], node):
+        return False
+    if node.target in ("float", "half", "bfloat16"):
+        return len(node.args) == 1 and not node.kwargs
+    return node.target == "to" and len(node.args) + len(node.kwargs) >= 2 and all(
+        isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
+
+
+def _channels_last_for_convs(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """``.contiguous()`` of a channels-last image read only by convolutions (diffusers' Transformer2D
+    ``reshape(b, h, w, c).permute(0, 3, 1, 2).contiguous()`` before its 1x1 ``proj_out``): a copy into NCHW
+    that a conv does not need, since it reads either layout (the fused implicit GEMM binds channels-last)."""
+    if node.op != "call_method" or node.target != "contiguous" or len(node.args) != 1 or node.kwargs:
+        return False
+    meta = node.args[0].meta.get("tensor_meta") if isinstance(node.args[0], fx.Node) else None
+    if not hasattr(meta, "shape") or len(meta.shape) != 4 or not node.users:
+        return False
+    _, c, h, w = meta.shape
+    cl = tuple(s for s, n in zip(meta.stride[1:], (c, h, w)) if n > 1) == tuple(
+        s for s, n in zip((1, w * c, c), (c, h, w)) if n > 1)
+    return cl and all(conv_of(u, gm) is not None and conv_of(u, gm).x is node for u in node.users)
+
+
 def drop_noops(gm: fx.GraphModule) -> int:
     """Remove inference dropouts, views to the same shape, ``.contiguous()`` of values ShapeProp saw
-    contiguous and concatenations with empty tensors (run after shape propagation); returns how many
+    contiguous (or channels-last, read only by convs), casts to the dtype a value has, ``x / 1`` and
+    ``x * 1``, and concatenations with empty tensors (run after shape propagation); returns how many
     nodes went."""
     gone = 0
     for node in list(gm.graph.nodes):
         noop = _is_inference_dropout(node) or _same_view(node) or (
             node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1
-            and contiguous(node.args[0]))
-        src = node.args[0] if noop else _lone_operand_of_cat(node)
+            and contiguous(node.args[0])) or _same_dtype_cast(node) or _channels_last_for_convs(node, gm)
+        src = node.args[0] if noop else _identity_arith(node) or _lone_operand_of_cat(node)
         if isinstance(src, fx.Node):
             node.replace_all_uses_with(src)
             gm.graph.erase_node(node)
@@ -390,14 +440,17 @@ def first_pick(smg: Any) -> Any:
         return default_schedule(smg)
 
 
-def export_cuda(model: nn.Module, folder: str | Path, *args: Any, **kwargs: Any) -> SpaceFusionBackend:
+def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path | None = None,
+                **kwargs: Any) -> SpaceFusionBackend:
     """Capture ``model`` on the example inputs (meta tensors do: nothing runs) and write the CUDA artefact
-    of every fused SMG's first pick into ``folder``, where TVM is and no GPU: on the GPU machine
-    ``spacefusion.compile(model, target=CudaBackend(folder))`` then loads them with no TVM there (the SMG
-    content keys name the artefacts).  Returns the backend, whose report says what was fused."""
+    of every fused SMG's first pick (with ``db``, its best measured schedule there where it has one) into
+    ``folder``, where TVM is and no GPU: on the GPU machine ``spacefusion.compile(model,
+    target=CudaBackend(folder))`` then loads them with no TVM there (the SMG content keys name the
+    artefacts).  Returns the backend, whose report says what was fused."""
     from spacefusion.frontend.backends import CudaBackend
 
-    backend = SpaceFusionBackend(CudaBackend(folder, schedule_for=first_pick, build_missing=True, load=False),
+    pick = first_pick if db is None else tuned(db, "cuda:sm_90a", first_pick)
+    backend = SpaceFusionBackend(CudaBackend(folder, schedule_for=pick, build_missing=True, load=False),
                                  export_only=True)
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)

@@ -30,6 +30,7 @@ class FusedKernel(nn.Module):
                 self.register_buffer(op.space, _conv_param(root, op), persistent=False)
             elif op.source == "param":
                 ts = [_attr(root, ref).detach() for ref in (op.stack or (op.ref,))]
+                ts = [t[op.rows[0]:op.rows[1]] for t in ts] if op.rows else ts
                 ts = [t.reshape(t.shape[0], -1).t() if op.transpose else t for t in ts]
                 t = torch.stack(ts) if op.stack else ts[0]
                 self.register_buffer(op.space, t.contiguous().reshape(op.shape), persistent=False)

@@ -20,10 +20,10 @@ from smg.errors import SpaceFusionError
 from smg.ir import SMG
 from spacefusion.frontend import builders
 from spacefusion.frontend.activations import Activation, activation_after
+from spacefusion.frontend.gated import gated_of
 from spacefusion.frontend.graph import (
     ADD,
     DTYPES,
-    MUL,
     SDPA,
     Linear,
     activation_of,
@@ -54,12 +54,21 @@ class Context:
     gm: fx.GraphModule
     claimed: set[str] = field(default_factory=set)
     refused: dict[str, str] = field(default_factory=dict)
+    _norm_inputs: set[str] | None = None
 
     def free(self, *nodes: fx.Node) -> bool:
         return all(n.name not in self.claimed for n in nodes)
 
     def refuse(self, node: fx.Node, reason: str) -> None:
         self.refused.setdefault(node.name, reason)
+
+    @property
+    def norm_inputs(self) -> set[str]:
+        """The values a LayerNorm/RMSNorm normalises: an add among them is ``match_norm``'s to fuse."""
+        if self._norm_inputs is None:
+            found = (norm_of(n, self.gm) for n in self.gm.graph.nodes if n.op.startswith("call_"))
+            self._norm_inputs = {nm.x.name for nm in found if nm is not None and isinstance(nm.x, fx.Node)}
+        return self._norm_inputs
 
 
 def _value(space: str, node: fx.Node, shp: tuple[int, ...], permute: tuple[int, ...] | None = None) -> Operand:
@@ -288,38 +297,27 @@ def _weight(space: str, ref: str, m: int, k: int, n: int, stored_kn: bool = Fals
     return _param(space, ref, (n, k) if nk else (k, n), transpose=nk == stored_kn)
 
 
-def _gated_parts(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node, fx.Node, str, Linear, Linear] | None:
-    """(gate linear, activation, up linear, activation name, gate, up) of ``act(gate(x)) * up(x)``."""
-    if not is_function(node, MUL) or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
-        return None
-    gm = ctx.gm
-    for act_node, up in (node.args, node.args[::-1]):
-        act = activation_of(act_node, gm)
-        gate = act_node.args[0] if act and isinstance(act_node.args[0], fx.Node) else None
-        lg, lu = (linear_of(gate, gm) if gate is not None else None), linear_of(up, gm)
-        if lg is None or lu is None or lg.x is not lu.x or lg.bias or lu.bias or (lg.k, lg.n) != (lu.k, lu.n):
-            continue
-        if not (single_user(gate) is act_node and single_user(act_node) is node and single_user(up) is node):
-            continue
-        if ctx.free(gate, act_node, up, node) and shape(up) == shape(node) and dtype(node) is not None:
-            return gate, act_node, up, act, lg, lu
-    return None
-
-
 def match_gated_gemm(node: fx.Node, ctx: Context) -> Subgraph | None:
-    """``act(linear_g(x)) * linear_u(x)`` with bias-free linears sharing x -> ``builders.gated_gemm``."""
-    parts = _gated_parts(node, ctx)
-    if parts is None:
+    """``act(linear_g(x)) * linear_u(x)`` (two linears sharing x, or one linear's two chunked halves: GEGLU)
+    -> ``builders.gated_gemm``; the halves of a chunked projection are slices of its weight's rows."""
+    gu = gated_of(node, ctx.gm)
+    if gu is None or not ctx.free(*gu.nodes) or dtype(node) is None:
         return None
-    gate, act_node, up, act, lg, lu = parts
-    m, dt = rows(shape(lg.x)), dtype(node)
-    smg = _build(ctx, node, lambda: builders.gated_gemm(m, lg.n, lg.k, act, dt, b_layout(m)))
+    m, n, k, dt = rows(shape(gu.x)), gu.n, gu.gate.k, dtype(node)
+    smg = _build(ctx, node, lambda: builders.gated_gemm(m, n, k, gu.act, dt, b_layout(m), bias=gu.bias))
     if smg is None:
         return None
-    ops = [_value("X", lg.x, (m, lg.k)), _weight("Wg", lg.weight, m, lg.k, lg.n),
-           _weight("Wu", lu.weight, m, lg.k, lg.n)]
-    label = f"gated gemm {act}(X@Wg)*(X@Wu) {m}x{lg.n}x{lg.k} {dt}"
-    return _subgraph("gated_gemm", label, (gate, act_node, up, node), smg, ops, {"Y": node})
+    nk = b_layout(m) == "nk"
+    w_shape = (n, k) if nk else (k, n)
+    ops = [_value("X", gu.x, (m, k)),
+           Operand("Wg", "param", gu.gate.weight, w_shape, transpose=not nk, rows=gu.gate_rows),
+           Operand("Wu", "param", gu.up.weight, w_shape, transpose=not nk, rows=gu.up_rows)]
+    if gu.bias:
+        ops += [Operand("bg", "param", gu.gate.bias, (n,), rows=gu.gate_rows),
+                Operand("bu", "param", gu.up.bias, (n,), rows=gu.up_rows)]
+    form = f"{gu.act}(X@Wg + bg)*(X@Wu + bu)" if gu.bias else f"{gu.act}(X@Wg)*(X@Wu)"
+    label = f"gated gemm {form}{' (one chunked linear)' if gu.gate_rows else ''} {m}x{n}x{k} {dt}"
+    return _subgraph("gated_gemm", label, gu.nodes, smg, ops, {"Y": node})
 
 
 def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -334,16 +332,35 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     act = _activation_after(node, ctx)
     out, name = (act.out, act.name) if act else (node, None)
+    res = None if act else _residual_after(node, ctx)
+    out = res[0] if res else out
     m = rows(xs)
     smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, name or "none", lin.bias is not None,
-                                                           dtype=dt, b_layout=b_layout(m)))
+                                                           dtype=dt, b_layout=b_layout(m), residual=res is not None))
     if smg is None:
         return None
     ops = [_value("A", lin.x, (m, lin.k)), _weight("Bw", lin.weight, m, lin.k, lin.n, lin.stored_kn)]
     if lin.bias:
         ops.append(_param("bias", lin.bias, (lin.n,)))
-    label = f"gemm{' + bias' if lin.bias else ''}{f' + {name}' if act else ''} {m}x{lin.n}x{lin.k} {dt}"
-    return _subgraph("gemm", label, (node, *act.nodes) if act else (node,), smg, ops, {"Y": out})
+    if res:
+        ops.append(_value("R", res[1], (m, lin.n)))
+    label = (f"gemm{' + bias' if lin.bias else ''}{f' + {name}' if act else ''}{' + add' if res else ''} "
+             f"{m}x{lin.n}x{lin.k} {dt}")
+    nodes = (node, *act.nodes) if act else (node, res[0]) if res else (node,)
+    return _subgraph("gemm", label, nodes, smg, ops, {"Y": out})
+
+
+def _residual_after(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node] | None:
+    """(the add, the other operand) of ``linear(x) + r`` with r of the output's shape and dtype, where no
+    norm reads the sum (BERT's and LLaMA's residual adds are their norms' to fuse: ``match_norm``)."""
+    u = single_user(node)
+    if u is None or not is_function(u, ADD) or len(u.args) != 2 or u.kwargs or not ctx.free(u) \
+            or u.name in ctx.norm_inputs:
+        return None
+    other = u.args[1] if u.args[0] is node else u.args[0]
+    ok = isinstance(other, fx.Node) and other is not node and shape(other) == shape(node) \
+        and dtype(other) == dtype(node) and contiguous(other)
+    return (u, other) if ok else None
 
 
 def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -477,28 +494,48 @@ def match_group_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     if gn is None or not ctx.free(node):
         return None
     xs, dt = shape(gn.x), dtype(node)
-    if xs is None or len(xs) != 4 or dt is None or (gn.weight is None) != (gn.bias is None):
-        ctx.refuse(node, f"GroupNorm of a {xs} input, weight {gn.weight}, bias {gn.bias}: the pattern takes a 4-d "
-                         "image with both or neither of the affine parameters")
+    if xs is None or len(xs) not in (3, 4) or dt is None or (gn.weight is None) != (gn.bias is None):
+        ctx.refuse(node, f"GroupNorm of a {xs} input, weight {gn.weight}, bias {gn.bias}: the pattern takes a 3-d or "
+                         "4-d image with both or neither of the affine parameters")
         return None
-    n, c, h, w = xs
+    n, c, h, w = xs if len(xs) == 4 else (*xs, 1)  # [n, c, L] (an attention block's flattened image) as L x 1
+    nchw = (0, 3, 1, 2) if len(xs) == 4 else (0, 2, 1)
     taken, y, act = [node], node, None
+    x, shift = gn.x, _per_channel_shift(gn.x, node, ctx)
+    if shift is not None:
+        taken, x = [gn.x, node], shift[0]
     got = _activation_after(node, ctx)
     if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
         act, y = got, got.out
         taken.extend(got.nodes)
     affine = gn.weight is not None
     smg = _build(ctx, node, lambda: patterns.group_norm(n, h * w, gn.groups, c, act.name if act else "none",
-                                                        affine, dt, gn.eps))
+                                                        affine, dt, gn.eps, shift=shift is not None))
     if smg is None:
         return None
     g, cg = gn.groups, c // gn.groups
-    ops = [_value("X", gn.x, (n, h * w, g, cg), (0, 2, 3, 1))]
+    ops = [_value("X", x, (n, h * w, g, cg), tuple(nchw.index(i) for i in range(len(xs))))]
+    if shift is not None:
+        ops.append(_value("E", shift[1], (n, g, cg)))
     if affine:
         ops += [_param("W", gn.weight, (g, cg)), _param("B", gn.bias, (g, cg))]
-    out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, h, w, c))
-    label = f"group_norm{' + ' + act.name if act else ''} {n}x{c}x{h}x{w} /{g} {dt}"
+    out = Result("Y", y.name, shape(y), permute=nchw, split=(n, h, w, c) if len(xs) == 4 else (n, h, c))
+    size = "x".join(map(str, xs))
+    label = f"{'add + ' if shift else ''}group_norm{' + ' + act.name if act else ''} {size} /{g} {dt}"
     return Subgraph("group_norm", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
+def _per_channel_shift(x: fx.Node, norm: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node] | None:
+    """(image, shift) where the GroupNorm's input ``x`` is ``image + shift[:, :, None, None]`` read by the
+    norm alone (diffusers' ResNet block: ``conv1(h) + time_emb_proj(temb)[:, :, None, None]``)."""
+    if not is_function(x, ADD) or len(x.args) != 2 or x.kwargs or single_user(x) is not norm or not ctx.free(x):
+        return None
+    xs = shape(x)
+    for img, e in (x.args, x.args[::-1]):
+        if isinstance(img, fx.Node) and isinstance(e, fx.Node) and shape(img) == xs and dtype(img) == dtype(x) \
+                and shape(e) == (xs[0], xs[1], 1, 1) and dtype(e) == dtype(x) and contiguous(e):
+            return img, e
+    return None
 
 
 def _fused_after(node: fx.Node, ctx: Context) -> bool:

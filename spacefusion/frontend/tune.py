@@ -127,9 +127,7 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
     candidates each, measured on ``runner`` ("gpu": TVM and the GPU in this process; "llvm": this CPU).
     Then ``spacefusion.compile(model, db=db)`` builds each SMG's best; a database tuned before (this model or
     another sharing its SMGs) is reused, so a second call costs only the capture."""
-    import torch
 
-    from spacefusion.frontend.dynamo import SpaceFusionBackend
 
     if runner not in RUNNERS:
         raise FrontendError(f"unknown tuning runner {runner!r}; known: {', '.join(RUNNERS)}")
@@ -146,6 +144,21 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
         from spacefusion.runners import LLVMRunner
 
         measure = LLVMRunner()
+    return tune_partitions(captured_partitions(model, *args, **kwargs), measure, db, target=RUNNERS[runner],
+                           trials=trials, workers=workers, progress=progress)
+
+
+def captured_partitions(model: nn.Module, *args: Any, kinds: Iterable[str] | None = None,
+                        **kwargs: Any) -> list[Partition]:
+    """The partitions of ``model``'s Dynamo graphs as ``spacefusion.compile`` makes them, nothing built (the
+    model runs unfused once; meta tensors do); ``kinds`` keeps only the subgraphs of those kinds ("conv",
+    "attention", ...), to tune a model's convolutions alone."""
+    import dataclasses
+
+    import torch
+
+    from spacefusion.frontend.dynamo import SpaceFusionBackend
+
     capture = SpaceFusionBackend(_Collect(), export_only=True)
     with torch.no_grad():
         torch.compile(model, backend=capture, dynamic=False)(*args, **kwargs)
@@ -153,5 +166,6 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
     if not capture.partitions:
         raise FrontendError(f"nothing to tune: no Dynamo graph of {type(model).__name__} was partitioned"
                             + (f" ({skipped[0]})" if skipped else ""))
-    return tune_partitions(capture.partitions, measure, db, target=RUNNERS[runner], trials=trials,
-                           workers=workers, progress=progress)
+    keep = None if kinds is None else set(kinds)
+    return [p if keep is None else dataclasses.replace(p, subgraphs=tuple(s for s in p.subgraphs if s.kind in keep))
+            for p in capture.partitions]

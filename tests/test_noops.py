@@ -76,3 +76,24 @@ def test_a_contiguous_read_by_a_conv_and_something_else_stays() -> None:
     assert "contiguous" not in dropped
     torch.testing.assert_close(got[1], F.relu(x).contiguous().view(-1))
     torch._dynamo.reset()
+
+
+def test_repeated_activations_of_one_value_merge() -> None:
+    """``silu(t)`` called twice on one value is one node; on another value, or another function, it stays."""
+    from spacefusion.frontend.dynamo import merge_repeated_activations
+
+    torch._dynamo.reset()
+    counts: list[int] = []
+
+    def backend(gm: fx.GraphModule, example: list) -> object:
+        counts.append(merge_repeated_activations(gm))
+        return gm.forward
+
+    def f(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(t) * 2 + F.silu(t) + F.silu(u) + F.gelu(t) + torch.relu(t) + torch.relu(t)
+
+    t, u = torch.randn(4, 8), torch.randn(4, 8)
+    got = torch.compile(f, backend=backend, dynamic=False)(t, u)
+    torch.testing.assert_close(got, f(t, u))
+    assert counts == [2], counts  # the second silu(t) and the second relu(t)
+    torch._dynamo.reset()

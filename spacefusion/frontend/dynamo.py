@@ -202,6 +202,31 @@ def drop_noops(gm: fx.GraphModule) -> int:
     return gone
 
 
+def merge_repeated_activations(gm: fx.GraphModule) -> int:
+    """Let one node stand for every later call of the same activation function on the same value
+    (diffusers' UNet applies ``silu`` to the time embedding in each of its 22 ResNet blocks; Dynamo keeps
+    all 22).  The linears reading that one value then stack into a GEMM per shape (``match_stacked_linears``)
+    instead of 22 launches.  Only pure activations (``graph.activation_of``) merge; returns how many went."""
+    from spacefusion.frontend.graph import activation_of
+
+    seen: dict[tuple, fx.Node] = {}
+    gone = 0
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method") or activation_of(node, gm) is None:
+            continue
+        try:
+            key = (node.op, node.target, tuple(node.args), tuple(sorted(node.kwargs.items())))
+            first = seen.setdefault(key, node)
+        except TypeError:  # an unhashable argument: left alone
+            continue
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            gone += 1
+    gm.recompile()
+    return gone
+
+
 def _symbolic(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor)
                and any(isinstance(s, torch.SymInt) for s in x.shape) for x in example_inputs)
@@ -246,6 +271,7 @@ class _Compiled:
             if split_projections(gm):  # new nodes: their shapes
                 ShapeProp(gm).propagate(*example_inputs)
         drop_noops(gm)
+        merge_repeated_activations(gm)
         fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose)
         self.report.partition = fused.partition
         self.fused: FusedModel = fused

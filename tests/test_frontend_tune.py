@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from search.database import TuningDatabase
 from smg import patterns
 from spacefusion.frontend import LLVMBackend, capture, fuse, partition
+from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.schedules import default_schedule, from_database
 from spacefusion.frontend.tune import tune_partitions
 from spacefusion.runners import LLVMRunner
@@ -68,3 +70,6 @@ def test_captured_partitions_keep_the_kinds_asked_for() -> None:
     convs = [s.kind for p in captured_partitions(model, x, kinds=["conv"]) for s in p.subgraphs]
     torch._dynamo.reset()
     assert sorted(every) == ["conv", "gemm"] and convs == ["conv"], (every, convs)
+    with pytest.raises(FrontendError, match="no subgraph of kind convs in Sequential; its kinds: conv, gemm"):
+        captured_partitions(model, x, kinds=["convs"])
+    torch._dynamo.reset()

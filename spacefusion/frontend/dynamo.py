@@ -39,7 +39,7 @@ from spacefusion.frontend.backends import get_backend
 from spacefusion.frontend.capture import Captured
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.fused import FusedModel, fuse_captured
-from spacefusion.frontend.graph import contiguous, conv_of
+from spacefusion.frontend.graph import activation_of, contiguous, conv_of
 from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
 from spacefusion.frontend.replay import GraphReplay
@@ -207,8 +207,6 @@ def merge_repeated_activations(gm: fx.GraphModule) -> int:
     (diffusers' UNet applies ``silu`` to the time embedding in each of its 22 ResNet blocks; Dynamo keeps
     all 22).  The linears reading that one value then stack into a GEMM per shape (``match_stacked_linears``)
     instead of 22 launches.  Only pure activations (``graph.activation_of``) merge; returns how many went."""
-    from spacefusion.frontend.graph import activation_of
-
     seen: dict[tuple, fx.Node] = {}
     gone = 0
     for node in list(gm.graph.nodes):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import sympy as sp
 import torch
@@ -54,7 +55,6 @@ class Context:
     gm: fx.GraphModule
     claimed: set[str] = field(default_factory=set)
     refused: dict[str, str] = field(default_factory=dict)
-    _norm_inputs: set[str] | None = None
 
     def free(self, *nodes: fx.Node) -> bool:
         return all(n.name not in self.claimed for n in nodes)
@@ -62,13 +62,11 @@ class Context:
     def refuse(self, node: fx.Node, reason: str) -> None:
         self.refused.setdefault(node.name, reason)
 
-    @property
+    @cached_property
     def norm_inputs(self) -> set[str]:
         """The values a LayerNorm/RMSNorm normalises: an add among them is ``match_norm``'s to fuse."""
-        if self._norm_inputs is None:
-            found = (norm_of(n, self.gm) for n in self.gm.graph.nodes if n.op.startswith("call_"))
-            self._norm_inputs = {nm.x.name for nm in found if nm is not None and isinstance(nm.x, fx.Node)}
-        return self._norm_inputs
+        found = (norm_of(n, self.gm) for n in self.gm.graph.nodes if n.op.startswith("call_"))
+        return {nm.x.name for nm in found if nm is not None and isinstance(nm.x, fx.Node)}
 
 
 def _value(space: str, node: fx.Node, shp: tuple[int, ...], permute: tuple[int, ...] | None = None) -> Operand:
@@ -350,17 +348,23 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     return _subgraph("gemm", label, nodes, smg, ops, {"Y": out})
 
 
-def _residual_after(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node] | None:
-    """(the add, the other operand) of ``linear(x) + r`` with r of the output's shape and dtype, where no
-    norm reads the sum (BERT's and LLaMA's residual adds are their norms' to fuse: ``match_norm``)."""
-    u = single_user(node)
-    if u is None or not is_function(u, ADD) or len(u.args) != 2 or u.kwargs or not ctx.free(u) \
-            or u.name in ctx.norm_inputs:
+def _add_after(y: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node] | None:
+    """(the add, the other operand) of ``y + r``, the add ``y``'s only reader and ``r`` a value of ``y``'s
+    shape and dtype: a residual an epilogue takes (torchvision's ``out += identity`` is ``operator.iadd``
+    on the BatchNorm's output, read by nothing else)."""
+    u = single_user(y)
+    if u is None or not is_function(u, (*ADD, operator.iadd)) or len(u.args) != 2 or u.kwargs or not ctx.free(u):
         return None
-    other = u.args[1] if u.args[0] is node else u.args[0]
-    ok = isinstance(other, fx.Node) and other is not node and shape(other) == shape(node) \
-        and dtype(other) == dtype(node) and contiguous(other)
+    other = u.args[1] if u.args[0] is y else u.args[0]
+    ok = isinstance(other, fx.Node) and other is not y and shape(other) == shape(y) and dtype(other) == dtype(y)
     return (u, other) if ok else None
+
+
+def _residual_after(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node] | None:
+    """``_add_after`` a linear where no norm reads the sum (BERT's and LLaMA's residual adds are their norms'
+    to fuse: ``match_norm``) and the other operand binds as [m, n] without a copy."""
+    added = _add_after(node, ctx)
+    return added if added is not None and added[0].name not in ctx.norm_inputs and contiguous(added[1]) else None
 
 
 def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -451,13 +455,9 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
             and ctx.free(u):
         y, bn = u, b
         taken.append(u)
-    # (torchvision's ``out += identity`` is ``operator.iadd`` on the BatchNorm's output, read by nothing else)
-    if (u := single_user(y)) is not None and is_function(u, (*ADD, operator.iadd)) and len(u.args) == 2 \
-            and ctx.free(u):
-        other = u.args[1] if u.args[0] is y else u.args[0]
-        if isinstance(other, fx.Node) and other is not y and shape(other) == shape(y) and dtype(other) == dt:
-            y, res = u, other
-            taken.append(u)
+    if (added := _add_after(y, ctx)) is not None:
+        y, res = added
+        taken.append(y)
     got = _activation_after(y, ctx)
     if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
         act, y = got, got.out

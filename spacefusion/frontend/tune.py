@@ -127,8 +127,6 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
     candidates each, measured on ``runner`` ("gpu": TVM and the GPU in this process; "llvm": this CPU).
     Then ``spacefusion.compile(model, db=db)`` builds each SMG's best; a database tuned before (this model or
     another sharing its SMGs) is reused, so a second call costs only the capture."""
-
-
     if runner not in RUNNERS:
         raise FrontendError(f"unknown tuning runner {runner!r}; known: {', '.join(RUNNERS)}")
     if trials < 1:
@@ -166,6 +164,11 @@ def captured_partitions(model: nn.Module, *args: Any, kinds: Iterable[str] | Non
     if not capture.partitions:
         raise FrontendError(f"nothing to tune: no Dynamo graph of {type(model).__name__} was partitioned"
                             + (f" ({skipped[0]})" if skipped else ""))
-    keep = None if kinds is None else set(kinds)
-    return [p if keep is None else dataclasses.replace(p, subgraphs=tuple(s for s in p.subgraphs if s.kind in keep))
+    if kinds is None:
+        return capture.partitions
+    keep, found = set(kinds), {s.kind for p in capture.partitions for s in p.subgraphs}
+    if not keep & found:
+        raise FrontendError(f"no subgraph of kind {', '.join(sorted(keep))} in {type(model).__name__}; its kinds: "
+                            f"{', '.join(sorted(found))}")
+    return [dataclasses.replace(p, subgraphs=tuple(s for s in p.subgraphs if s.kind in keep))
             for p in capture.partitions]

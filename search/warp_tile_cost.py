@@ -62,6 +62,13 @@ OVERLAP_LOSS = 0.45
 #: it (measured on GEMMs only: attention's K/V by TMA ran as fast as by cp.async; docs/tuning.md,
 #: 'What the cost models are fitted to')
 TMA_L2_FACTOR = 1.3
+#: the latency of a gathered tile (an implicit GEMM's im2col view, ``gathers``): each thread computes its
+#: chunks' addresses before it issues them, and the convolutions' A tiles are re-read from L2 by every tap,
+#: so they wait longer than a GEMM's.  Fitted on SD 1.5's 16 measured conv rounds (8 candidates each,
+#: experiments/tuning/conv_sd15_records_h100.json): at LOAD_LATENCY_S the model's pick among the measured was
+#: 1.25x the best (geometric mean; Spearman 0.47), 2 us gives 1.07x (0.70), 3 us no better; the deeper rings
+#: (4 stages at 128 x 256) that won by 15-25% on the VAE's shapes are what it then prefers
+GATHER_LATENCY_S = 2.0e-6
 #: FP32 operations of CUDA's tanhf, a software routine (exp-based with a polynomial for small |x|)
 TANHF_OPS = 20
 
@@ -185,7 +192,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     carry_simt, carry_sfu = _carries(s, p)
     sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
     simt_s = (elems * step_simt + rows * carry_simt + gather_ops(s, p)) / fp32_rate
-    load = LOAD_LATENCY_S + l2_s
+    load = (GATHER_LATENCY_S if p.gathers else LOAD_LATENCY_S) + l2_s
     # steps loaded ahead: the ring less the slot being read and, a GEMM fed by a producer warpgroup,
     # the slot its wgmma group in flight still holds (attention's steps wait for their wgmma groups)
     ahead = p.stages - 1 - (1 if p.producer and p.wgmma_ss else 0)

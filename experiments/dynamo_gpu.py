@@ -47,6 +47,14 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
                                                                "num_hidden_layers": 4, "vocab_size": 32000,
                                                                "max_position_embeddings": 4096},
                                  "ids", 1, 2048),
+    # one decode step of the same model: a token at position 2048 attends over a StaticCache holding an eager
+    # prefill of 2048 (K and V written in place at cache_position, so every step has one shape: CUDA graphs)
+    "llama2_7b_4layers_decode_1x2048": ("LlamaConfig", "LlamaModel", {"hidden_size": 4096, "intermediate_size": 11008,
+                                                                      "num_attention_heads": 32,
+                                                                      "num_key_value_heads": 32,
+                                                                      "num_hidden_layers": 4, "vocab_size": 32000,
+                                                                      "max_position_embeddings": 4096},
+                                        "decode", 1, 2048),
     # Gemma-2-2B's config (soft-capped attention logits, sliding window, GQA, head dim 256), 4 of its layers
     "gemma2_2b_4layers_1x2048": ("Gemma2Config", "Gemma2Model", {"num_hidden_layers": 4, "vocab_size": 32000},
                                  "ids", 1, 2048),
@@ -101,6 +109,8 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     with torch.device(device):
         model = getattr(transformers, model_cls)(cfg).eval().half()
     gen = torch.Generator().manual_seed(1)
+    if kind == "decode":
+        return model, decode_inputs(model, s, device)
     if kind == "pixels":
         x = {"pixel_values": torch.randn(b, 3, s, s, generator=gen).half()}
     else:
@@ -111,6 +121,37 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     return model, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
 
 
+def decode_inputs(model: torch.nn.Module, past: int, device: str) -> dict[str, Any]:
+    """One decode step's inputs: a token at position ``past`` and a StaticCache (room for 64 more) holding an
+    eager prefill of ``past`` random tokens in the model's dtype (on "meta", for export, an empty one)."""
+    import transformers
+
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    cache = transformers.StaticCache(config=cfg, max_cache_len=past + 64)
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    kv = torch.empty(1, heads, 1, dim, dtype=dtype, device=device)
+    for layer in cache.layers:  # allocated before the step, as a prefill would have
+        layer.lazy_initialization(kv, kv)
+    gen = torch.Generator().manual_seed(2)
+    if device != "meta":
+        prompt = torch.randint(0, cfg.vocab_size, (1, past), generator=gen).to(device)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(past, device=device))
+    token = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen).to(device)
+    return {"input_ids": token, "past_key_values": cache, "use_cache": True,
+            "cache_position": torch.tensor([past], device=device)}
+
+
+def float_inputs(name: str, model: torch.nn.Module, x: dict[str, Any]) -> dict[str, Any]:
+    """``x`` for ``model`` in float32 (the exact reference): floating tensors cast; a decode step's cache
+    prefilled again by the float32 model (a cache keeps one dtype)."""
+    if MODELS[name][3] == "decode":
+        return decode_inputs(model, MODELS[name][5], str(x["input_ids"].device))
+    return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in x.items()}
+
+
 def export(art: Path, names: list[str], db: Path | None = None) -> int:
     """Each model's first picks (with ``db``, its best measured schedules where tuned) as CUDA artefacts."""
     from spacefusion.frontend.dynamo import export_cuda
@@ -119,7 +160,8 @@ def export(art: Path, names: list[str], db: Path | None = None) -> int:
         torch._dynamo.reset()
         t = time.perf_counter()
         # decoders make a KV cache whose first append (cat onto an empty tensor) fake tensors refuse on meta
-        model, x = build(name, "cpu" if MODELS[name][1] in ("LlamaModel", "GPT2Model") else "meta")
+        prefill = MODELS[name][1] in ("LlamaModel", "GPT2Model") and MODELS[name][3] != "decode"
+        model, x = build(name, "cpu" if prefill else "meta")
         backend = export_cuda(model, art / "kernels", db=db, **x)
         took = time.perf_counter() - t
         (art / f"{name}.partition.txt").write_text(str(backend) + "\n")
@@ -280,8 +322,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
         model, x = build(name, "cuda")
         row: dict[str, Any] = {"inputs": {k: list(v.shape) for k, v in x.items() if isinstance(v, torch.Tensor)}}
         with torch.no_grad():
-            exact = _last_hidden(model.float()(**{k: v.float() if torch.is_tensor(v) and v.is_floating_point()
-                                                 else v for k, v in x.items()})).clone()
+            model.float()
+            exact = _last_hidden(model(**float_inputs(name, model, x))).clone()
             model.half()
             systems: dict[str, Any] = {"eager": model}
             backend = CudaBackend(art / "kernels", schedule_for=first_pick, build_missing=build_missing)

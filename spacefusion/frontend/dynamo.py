@@ -42,7 +42,7 @@ from spacefusion.frontend.fused import FusedModel, fuse_captured
 from spacefusion.frontend.graph import activation_of, contiguous, conv_of
 from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
-from spacefusion.frontend.replay import GraphReplay
+from spacefusion.frontend.replay import GraphReplay, mutated_inputs
 
 _ATTR = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 
@@ -280,7 +280,8 @@ class _Compiled:
         on_gpu = getattr(self.owner.kernels, "name", None) == "cuda" and tensors and all(x.is_cuda for x in tensors)
         if self.owner.replay_graphs and on_gpu and not self.owner.export_only:
             try:
-                self.replay = GraphReplay(self.run, example_inputs, baked, clone_outputs=self.owner.clone_outputs)
+                self.replay = GraphReplay(self.run, example_inputs, baked, clone_outputs=self.owner.clone_outputs,
+                                          mutated=mutated_inputs(self.gm))
             except Exception as exc:  # e.g. a host tensor copied in (Gemma's embedding scale): not capturable
                 torch.cuda.synchronize()
                 self.report.not_replayed = f"its CUDA graph capture failed: {type(exc).__name__}: " + \

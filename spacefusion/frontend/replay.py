@@ -6,6 +6,14 @@ A fused model is a chain of small kernels; launched one by one from Python, the 
 each call copies the inputs that change into the captured ones and replays.  Parameters are not copied:
 their tensors are the ones the graph was compiled with (``dynamo._Compiled`` guards them).
 
+Inputs the graph writes in place (a ``StaticCache``'s K and V, ``index_copy_``'d at the new positions, and
+its length counters) are the caller's state: a replay must leave its writes there.  They are captured as
+the caller's own tensors, not copies, so the replay writes them directly (a decode step's cache is 134 MB
+for four LLaMA-2-7B layers at 2048 positions: copying it in and out would cost more than the step); a call
+that passes other tensors there has their contents copied in before the replay and back after it.  The
+warm-up runs on the caller's tensors, so what it wrote there is restored before the capture: each call
+writes them once.
+
 ``clone_outputs``: the captured outputs are rewritten by the next replay.  By default each call returns
 copies (safe; one device copy per output); ``mode="reduce-overhead"`` returns the captured tensors
 themselves, as ``torch.compile``'s CUDA graphs do (valid until the next call).
@@ -13,29 +21,75 @@ themselves, as ``torch.compile``'s CUDA graphs do (valid until the next call).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import fx
 from torch.utils._pytree import tree_map
+
+#: in-place ops that are not spelled as a method with a trailing underscore
+_WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _writes(node: fx.Node) -> bool:
+    """Whether ``node`` writes its first argument in place (``x.index_copy_(...)``, ``x[i] = y``, ``x += y``,
+    ``torch.Tensor.copy_(x, y)``, ``aten.index_put_``)."""
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("_")
+    if node.op == "call_function":
+        if node.target in _WRITES:
+            return True
+        name = getattr(node.target, "__name__", "") or str(node.target)
+        return name.endswith("_") and not name.startswith("_") and not name.endswith("__")
+    return False
+
+
+def mutated_inputs(gm: fx.GraphModule) -> set[int]:
+    """Positions of the placeholders that ``gm`` may write in place, directly or through a value derived
+    from them (a view; over-approximated: anything computed from the input counts, which costs a copy at
+    most, never a lost write)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    derived: dict[fx.Node, set[int]] = {n: {i} for i, n in enumerate(placeholders)}
+    out: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        first = node.args[0] if node.args else None
+        base = derived.get(first, set()) if isinstance(first, fx.Node) else set()
+        if base:
+            derived[node] = base
+        if _writes(node):
+            out |= base
+    return out
 
 
 class GraphReplay:
     """``fn(*args)`` captured as one CUDA graph; ``static`` are the positions of ``args`` whose tensors
-    stay the same objects on every call (baked parameters): every other tensor is copied in."""
+    stay the same objects on every call (baked parameters); those of ``mutated`` (written in place by ``fn``)
+    are captured as they are, and copied in and back out only when a call passes other tensors there;
+    every other tensor is copied in."""
 
     def __init__(self, fn: Callable[..., Any], args: list[Any], static: Iterable[int], clone_outputs: bool = True,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, mutated: Iterable[int] = ()) -> None:
         self.clone_outputs = clone_outputs
-        static = set(static)
+        tensor = [isinstance(a, torch.Tensor) for a in args]
+        mutated = {i for i in mutated if tensor[i]}
+        pinned = mutated - set(static)
+        static = set(static) | pinned
+        saved = {i: args[i].clone() for i in mutated}  # the warm-up writes them: put back before the capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(warmup):
                 fn(*args)
         torch.cuda.current_stream().wait_stream(side)
-        self.inputs = [a.clone() if isinstance(a, torch.Tensor) and i not in static else a for i, a in enumerate(args)]
-        self.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static]
+        for i, t in saved.items():
+            args[i].copy_(t)
+        self.inputs = [a.clone() if tensor[i] and i not in static else a for i, a in enumerate(args)]
+        self.copied = [i for i in range(len(args)) if tensor[i] and i not in static]
+        self.pinned = sorted(pinned)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
             self.outputs = fn(*self.inputs)
@@ -43,7 +97,13 @@ class GraphReplay:
     def __call__(self, *args: Any) -> Any:
         for i in self.copied:
             self.inputs[i].copy_(args[i])
+        for i in self.pinned:  # another tensor than the captured one: its contents go through the captured
+            if args[i] is not self.inputs[i]:
+                self.inputs[i].copy_(args[i])
         self.graph.replay()
+        for i in self.pinned:
+            if args[i] is not self.inputs[i]:
+                args[i].copy_(self.inputs[i])
         if not self.clone_outputs:
             return self.outputs
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs)

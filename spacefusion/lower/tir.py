@@ -531,10 +531,20 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
     with ExitStack() as st:
         wide = serial and k.vec > 1 and k.smg.space(out).dims[-1] == k.s.serial
         reads = k.vector_reads(sym.name for sym in parse(text).free_symbols) if serial else ()
-        env = k.loops(k.local_dims(out), st, reads=reads, writes=(out,) if wide else ())
+        local = k.local_dims(out)
+        spread = not serial and k.lanes > 1 and bool(local)
+        env = k.loops(local[:-1] if spread else local, st, reads=reads, writes=(out,) if wide else ())
         conds = [k.origin[d] < k.sizes[d] for d in k.smg.space(out).dims if d in k.cut]
         if serial:
             conds.append(k.valid_serial(env))
+        elif spread:
+            # every lane holds the row's final values: the lanes take turns over its last local dim (a
+            # GroupNorm's per-channel scale and shift), where lane 0 alone stored all 80 of a 2560-channel
+            # group's one by one, each after its own load of W, in a serial chain
+            last = local[-1]
+            it = st.enter_context(T.serial(0, -(-k.sizes[last] // k.lanes)))
+            env[last] = it * k.lanes + k.lane
+            conds.append(env[last] < k.sizes[last])
         elif k.lanes > 1:
             conds.append(k.lane == 0)  # every lane holds the same final value; one writes it
         with T.If(tirx.all(*conds) if conds else tirx.const(True, "bool")):

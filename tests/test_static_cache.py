@@ -1,0 +1,117 @@
+"""Decoding with HF's ``StaticCache`` (K and V written in place at ``cache_position``): the fused model matches
+eager step after step, and a CUDA graph replay leaves its writes in the caller's cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+transformers = pytest.importorskip("transformers")
+
+import spacefusion  # noqa: E402
+from spacefusion.frontend.replay import mutated_inputs  # noqa: E402
+
+PROMPT, STEPS, MAX_LEN = 12, 3, 32
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+    return transformers.LlamaModel(cfg).eval()
+
+
+def _decode(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], transformers.StaticCache]:
+    """A prefill of ``ids`` then STEPS one-token steps, each step's input the previous step's last token."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
+    outs = []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(PROMPT, device=ids.device))
+        outs.append(out.last_hidden_state.clone())
+        tok = ids[:, -1:]
+        for i in range(STEPS):
+            pos = torch.tensor([PROMPT + i], device=ids.device)
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+            outs.append(out.last_hidden_state.clone())
+            tok = (tok * 7 + 3) % model.config.vocab_size
+    return outs, cache
+
+
+def test_a_graph_that_writes_an_input_in_place_says_which() -> None:
+    def f(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, x)
+        view = other[0]
+        view.add_(1)  # through a view
+        return cache.sum() + x * 2
+
+    gm = fx.symbolic_trace(f)
+    assert mutated_inputs(gm) == {0, 3}
+
+    def g(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a + b).relu()
+
+    assert mutated_inputs(fx.symbolic_trace(g)) == set()
+
+
+def test_static_cache_decoding_matches_eager_and_only_the_cache_is_written() -> None:
+    model = _llama()
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    want, want_cache = _decode(model, ids)
+    seen: list[tuple[set[int], list]] = []
+
+    def spy(gm: fx.GraphModule, example_inputs: list) -> object:
+        seen.append((mutated_inputs(gm), list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    _, spy_cache = _decode(torch.compile(model, backend=spy), ids)
+    kv = {id(t) for layer in spy_cache.layers for t in (layer.keys, layer.values)}
+    decode_graphs = 0
+    for mutated, inputs in seen:  # every K and V a graph reads as an input, it writes (and says so)
+        reads = {i for i, t in enumerate(inputs) if id(t) in kv}
+        assert reads <= mutated, (reads, mutated)
+        decode_graphs += len(reads) == 2 * len(model.layers)
+    assert decode_graphs >= 1, [m for m, _ in seen]
+
+    torch._dynamo.reset()
+    compiled = spacefusion.compile(model, target="reference")
+    got, got_cache = _decode(compiled, ids)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    for a, b in zip(want_cache.layers, got_cache.layers):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
+    labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert sum(lab.startswith("attention") for lab in labels) >= 2 * len(model.layers), labels
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_static_cache_decoding_replays_into_the_callers_cache_on_the_gpu(mode: str | None, tmp_path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 on the GPU as CUDA graph replays: every step's output within a few times eager fp16's distance
+    from float32, and the cache the caller holds afterwards is eager's (the replay's writes land there)."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path))
+    model = _llama().cuda()
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    exact, _ = _decode(model, ids)
+    model.half()
+    eager, eager_cache = _decode(model, ids)
+    torch._dynamo.reset()
+    compiled = spacefusion.compile(model, mode=mode)
+    got, got_cache = _decode(compiled, ids)
+    report = compiled.spacefusion
+    assert report.target == "cuda" and any(g.replayed for g in report.graphs), str(report)
+    for e, g, x in zip(eager, got, exact):
+        eager_err = (e.float() - x).abs().max().item()
+        ours = (g.float() - x).abs().max().item()
+        assert ours <= 4 * eager_err + 1e-3, f"fused fp16 off by {ours}, eager fp16 by {eager_err}\n{report}"
+    for a, b in zip(eager_cache.layers, got_cache.layers):
+        assert (b.keys[:, :, PROMPT + STEPS:] == 0).all()  # nothing past the last step was written
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert (x - y).abs().max().item() <= 1e-2, (x - y).abs().max().item()

@@ -110,6 +110,7 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
         model = getattr(transformers, model_cls)(cfg).eval().half()
     gen = torch.Generator().manual_seed(1)
     if kind == "decode":
+        model.register_forward_pre_hook(_rewind, with_kwargs=True)
         return model, decode_inputs(model, s, device)
     if kind == "pixels":
         x = {"pixel_values": torch.randn(b, 3, s, s, generator=gen).half()}
@@ -142,6 +143,18 @@ def decode_inputs(model: torch.nn.Module, past: int, device: str) -> dict[str, A
     token = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen).to(device)
     return {"input_ids": token, "past_key_values": cache, "use_cache": True,
             "cache_position": torch.tensor([past], device=device)}
+
+
+def _rewind(_: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Before a decode step: the cache's lengths back to the step's position.  A StaticCache writes K and V at
+    its own running length, which each call advances: timed hundreds of times, one step would walk off the
+    cache's end (an out-of-bounds ``index_copy_`` on the H100 after 64 calls).  Every system runs this, as
+    a few in-place copies (in its graph where the hook is traced)."""
+    cache, pos = kwargs.get("past_key_values"), kwargs.get("cache_position")
+    if cache is not None and pos is not None:
+        for layer in cache.layers:
+            if torch.is_tensor(getattr(layer, "cumulative_length", None)):
+                layer.cumulative_length.copy_(pos[0])
 
 
 def float_inputs(name: str, model: torch.nn.Module, x: dict[str, Any]) -> dict[str, Any]:

@@ -645,9 +645,12 @@ def _emit_update(k: _Kernel, u) -> None:
         part = T.alloc_buffer((1,), F32, scope="local")
         T.buffer_store(part, tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0), [0])
         with ExitStack() as red:
-            env2 = {**env, **k.loops((k.s.serial,), red)}
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
+            # a run's inputs read as one wide access where the serial dim is the innermost loop (a decode
+            # step's GEMV read its weight rows as 2-byte loads: 1.8 TB/s on the H100)
+            reads = () if others else k.vector_reads(sym.name for sym in parse(u.body).free_symbols)
+            env2 = {**env, **k.loops((k.s.serial,), red, reads=reads)}
             env2 |= k.loops(others, red)
             with T.If(k.valid_serial(env2)):
                 with T.Then():

@@ -275,13 +275,17 @@ class _Compiled:
         self.fused: FusedModel = fused
         self.run = fused.graph_module.forward
         self.baked = tuple((i, t, t._version) for i, t in baked.items())
+        self._capture(example_inputs)
+
+    def _capture(self, example_inputs: list[Any]) -> None:
+        """The CUDA graph replay of ``self.run`` on these inputs, where graphs are replayed on the GPU."""
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         self.replay: GraphReplay | None = None
         on_gpu = getattr(self.owner.kernels, "name", None) == "cuda" and tensors and all(x.is_cuda for x in tensors)
         if self.owner.replay_graphs and on_gpu and not self.owner.export_only:
             try:
-                self.replay = GraphReplay(self.run, example_inputs, baked, clone_outputs=self.owner.clone_outputs,
-                                          mutated=mutated_inputs(self.gm))
+                self.replay = GraphReplay(self.run, example_inputs, [i for i, _, _ in self.baked],
+                                          clone_outputs=self.owner.clone_outputs, mutated=mutated_inputs(self.gm))
             except Exception as exc:  # e.g. a host tensor copied in (Gemma's embedding scale): not capturable
                 torch.cuda.synchronize()
                 self.report.not_replayed = f"its CUDA graph capture failed: {type(exc).__name__}: " + \
@@ -294,7 +298,10 @@ class _Compiled:
                 self._fuse(list(args))  # other weights than those baked: rebuild the constants
                 break
         if self.replay is not None:
-            return self.replay(*args)
+            if not self.replay.captures(args):  # another static-address tensor (a new cache): capture again
+                self._capture(list(args))
+            if self.replay is not None:
+                return self.replay(*args)
         with torch.no_grad():
             return self.run(*args)
 

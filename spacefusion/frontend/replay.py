@@ -7,12 +7,14 @@ each call copies the inputs that change into the captured ones and replays.  Par
 their tensors are the ones the graph was compiled with (``dynamo._Compiled`` guards them).
 
 Inputs the graph writes in place (a ``StaticCache``'s K and V, ``index_copy_``'d at the new positions, and
-its length counters) are the caller's state: a replay must leave its writes there.  They are captured as
-the caller's own tensors, not copies, so the replay writes them directly (a decode step's cache is 134 MB
-for four LLaMA-2-7B layers at 2048 positions: copying it in and out would cost more than the step); a call
-that passes other tensors there has their contents copied in before the replay and back after it.  The
-warm-up runs on the caller's tensors, so what it wrote there is restored before the capture: each call
-writes them once.
+its length counters; ``mutated_inputs``) are the caller's state: a replay must leave its writes there. One
+that ``torch._dynamo.mark_static_address`` marked (HF's static caches allocated outside a compiled region)
+is captured as it is, so each replay writes it directly (a decode step's cache is 134 MB for four
+LLaMA-2-7B layers at 2048 positions: copying it in and out would cost more than the step); a call passing
+another tensor there needs a new capture (``captures``), as torch's CUDA graph trees re-record. Any other
+is copied in before each replay and back out after it, so a caller's tensor is never written by a later
+call with other inputs. The warm-up runs on the caller's tensors, so what it wrote there is restored
+before the capture: each call writes them once.
 
 ``clone_outputs``: the captured outputs are rewritten by the next replay.  By default each call returns
 copies (safe; one device copy per output); ``mode="reduce-overhead"`` returns the captured tensors
@@ -22,7 +24,7 @@ themselves, as ``torch.compile``'s CUDA graphs do (valid until the next call).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -67,17 +69,18 @@ def mutated_inputs(gm: fx.GraphModule) -> set[int]:
 
 class GraphReplay:
     """``fn(*args)`` captured as one CUDA graph; ``static`` are the positions of ``args`` whose tensors
-    stay the same objects on every call (baked parameters); those of ``mutated`` (written in place by ``fn``)
-    are captured as they are, and copied in and back out only when a call passes other tensors there;
-    every other tensor is copied in."""
+    stay the same objects on every call (baked parameters). Of ``mutated`` (written in place by ``fn``),
+    those marked as static addresses are captured as they are; the others, like every other tensor, are
+    copied in, and copied back out after the replay."""
 
     def __init__(self, fn: Callable[..., Any], args: list[Any], static: Iterable[int], clone_outputs: bool = True,
                  warmup: int = 2, mutated: Iterable[int] = ()) -> None:
         self.clone_outputs = clone_outputs
         tensor = [isinstance(a, torch.Tensor) for a in args]
+        static = set(static)
         mutated = {i for i in mutated if tensor[i]}
-        pinned = mutated - set(static)
-        static = set(static) | pinned
+        self.pinned = sorted(i for i in mutated - static if hasattr(args[i], "_dynamo_static_input_type"))
+        static |= set(self.pinned)
         saved = {i: args[i].clone() for i in mutated}  # the warm-up writes them: put back before the capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -89,21 +92,21 @@ class GraphReplay:
             args[i].copy_(t)
         self.inputs = [a.clone() if tensor[i] and i not in static else a for i, a in enumerate(args)]
         self.copied = [i for i in range(len(args)) if tensor[i] and i not in static]
-        self.pinned = sorted(pinned)
+        self.copied_back = sorted(mutated - static)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
             self.outputs = fn(*self.inputs)
 
+    def captures(self, args: Sequence[Any]) -> bool:
+        """Whether ``args`` pass the captured tensors at the pinned positions (else capture again)."""
+        return all(args[i] is self.inputs[i] for i in self.pinned)
+
     def __call__(self, *args: Any) -> Any:
         for i in self.copied:
             self.inputs[i].copy_(args[i])
-        for i in self.pinned:  # another tensor than the captured one: its contents go through the captured
-            if args[i] is not self.inputs[i]:
-                self.inputs[i].copy_(args[i])
         self.graph.replay()
-        for i in self.pinned:
-            if args[i] is not self.inputs[i]:
-                args[i].copy_(self.inputs[i])
+        for i in self.copied_back:
+            args[i].copy_(self.inputs[i])
         if not self.clone_outputs:
             return self.outputs
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs)

@@ -3,6 +3,8 @@ eager step after step, and a CUDA graph replay leaves its writes in the caller's
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch import fx
@@ -53,6 +55,14 @@ def test_a_graph_that_writes_an_input_in_place_says_which() -> None:
         return (a + b).relu()
 
     assert mutated_inputs(fx.symbolic_trace(g)) == set()
+
+    graph = fx.Graph()  # as Dynamo records them: ``a[:, 0] = b.sum(1)`` and ``torch.Tensor.copy_(c, b)``
+    a, b, c = (graph.placeholder(n) for n in "abc")
+    total = graph.call_method("sum", (b, 1))
+    graph.call_function(operator.setitem, (a, (slice(None), 0), total))
+    graph.call_function(torch.Tensor.copy_, (c, b))
+    graph.output(graph.call_function(operator.mul, (a, 2)))
+    assert mutated_inputs(fx.GraphModule(torch.nn.Module(), graph)) == {0, 2}
 
 
 def test_static_cache_decoding_matches_eager_and_only_the_cache_is_written() -> None:

@@ -130,7 +130,7 @@ def decode_inputs(model: torch.nn.Module, past: int, device: str) -> dict[str, A
     cfg = model.config
     dtype = next(model.parameters()).dtype
     cache = transformers.StaticCache(config=cfg, max_cache_len=past + 64)
-    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = torch.empty(1, heads, 1, dim, dtype=dtype, device=device)
     for layer in cache.layers:  # allocated before the step, as a prefill would have
         layer.lazy_initialization(kv, kv)

@@ -4,7 +4,6 @@ against the reference before it was timed, L2 flushed)."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import search.warp_tile_cost as wtc
 from schedulers.hardware import H100
 from schedulers.schedule import Schedule
 from search.cost import estimate_us
-from search.metrics import spearman
+from search.metrics import spearman, top1_slowdown
+from search.prior import read_records
 from smg import patterns
 
 RECORDS = Path(__file__).resolve().parents[1] / "experiments" / "tuning" / "conv_sd15_records_h100.json"
@@ -24,10 +24,9 @@ RECORDS = Path(__file__).resolve().parents[1] / "experiments" / "tuning" / "conv
 @pytest.fixture(scope="module")
 def rounds() -> list[list[tuple[Schedule, float]]]:
     groups: dict[str, list[tuple[Schedule, float]]] = defaultdict(list)
-    for r in json.loads(RECORDS.read_text())["records"]:
-        lat = r["result"].get("latencies_us")
-        if r["result"].get("error") is None and lat:
-            groups[r["tuning_key"]].append((Schedule.from_json(json.dumps(r["schedule"])), float(np.median(lat))))
+    for sched, res, group in zip(*read_records(RECORDS)):
+        if res.ok:
+            groups[group].append((sched, res.median_us))
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -35,9 +34,8 @@ def _quality(rounds: list[list[tuple[Schedule, float]]]) -> tuple[float, float, 
     """(geometric mean and worst of the measured time of the model's pick over the round's best, mean Spearman)."""
     picks, ranks = [], []
     for g in rounds:
-        est = np.array([estimate_us(s, H100) for s, _ in g])
-        meas = np.array([m for _, m in g])
-        picks.append(meas[int(np.argmin(est))] / meas.min())
+        est, meas = [estimate_us(s, H100) for s, _ in g], [m for _, m in g]
+        picks.append(top1_slowdown(est, meas))
         ranks.append(spearman(est, meas))
     return float(np.exp(np.mean(np.log(picks)))), max(picks), float(np.mean(ranks))
 

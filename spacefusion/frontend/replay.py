@@ -31,21 +31,24 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
-#: in-place ops that are not spelled as a method with a trailing underscore
+#: in-place ops that are not spelled with a trailing underscore
 _WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
 def _writes(node: fx.Node) -> bool:
     """Whether ``node`` writes its first argument in place (``x.index_copy_(...)``, ``x[i] = y``, ``x += y``,
-    ``torch.Tensor.copy_(x, y)``, ``aten.index_put_``)."""
+    ``torch.Tensor.copy_(x, y)``)."""
     if node.op == "call_method":
-        return str(node.target).endswith("_") and not str(node.target).startswith("_")
-    if node.op == "call_function":
+        name = str(node.target)
+    elif node.op == "call_function":
         if node.target in _WRITES:
             return True
         name = getattr(node.target, "__name__", "") or str(node.target)
-        return name.endswith("_") and not name.startswith("_") and not name.endswith("__")
-    return False
+    else:
+        return False
+    if name.startswith("__") and name.endswith("__"):  # x.__setitem__(i, y), x.__iadd__(y)
+        return getattr(operator, name.strip("_"), None) in _WRITES
+    return name.endswith("_") and not name.startswith("_")
 
 
 def mutated_inputs(gm: fx.GraphModule) -> set[int]:

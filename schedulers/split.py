@@ -28,8 +28,9 @@ import sympy as sp
 
 from schedulers.errors import TemporalSliceError
 from schedulers.hardware import HardwareModel
+from schedulers.spatial import cuttable
 from schedulers.temporal import TemporalPlan, _inline, new, old, parse, plan_temporal
-from smg.fold import fold_dims, foldable
+from smg.fold import fold_all
 from smg.ir import SMG
 from smg.ops import Builder, Tensor
 from smg.serialize import smg_from_dict, smg_to_dict
@@ -59,16 +60,17 @@ class SplitReduction:
     reason: str
 
     @property
-    def kernels(self) -> tuple[SMG, SMG, SMG]:
+    def kernels(self) -> tuple[SMG, ...]:
         """The three launches: the partial accumulators, their totals (``stats``: the combine's reductions
         over the chunks, one block per row) and ``apply`` (its outputs, an element-wise pass reading the
         totals as inputs).  Why not the combine as one kernel: each of its blocks would recompute the
         totals, and the CUDA-core lowering did so per thread (13 ms for a 2M-element GroupNorm on the H100,
-        against 0.2 ms for the partial)."""
-        finals = [op for op in self.combine.ops if op.out in self.combine.outputs]
-        stats = [op for op in self.combine.ops if op.out not in self.combine.outputs]
-        return (_folded(self.partial), sub_smg(self.combine, stats, f"{self.smg.name}.stats"),
-                _folded(sub_smg(self.combine, finals, f"{self.smg.name}.apply")))
+        against 0.2 ms for the partial).  Where every output is a total itself (``any(isinf(x))``), there is
+        no element-wise pass: two launches."""
+        finals = [op for op in self.combine.ops if op.out in self.combine.outputs and not op.reduce]
+        stats = [op for op in self.combine.ops if op not in finals]
+        head = (_folded(self.partial), sub_smg(self.combine, stats, f"{self.smg.name}.stats"))
+        return (*head, _folded(sub_smg(self.combine, finals, f"{self.smg.name}.apply"))) if finals else head
 
     def to_dict(self) -> dict[str, Any]:
         """The split as derived here: a GPU machine loads it rather than deriving again (another sympy
@@ -90,9 +92,7 @@ def _folded(g: SMG) -> SMG:
     """``g`` with every foldable pair of dims folded (``smg.fold``: the same memory, one dim fewer): a
     GroupNorm's (group, channel) pair is one contiguous row of channels to the partial's and the
     element-wise pass's blocks, where a group's 4 channels alone made rows of 8 bytes."""
-    while (pairs := foldable(g)):
-        g = fold_dims(g, *pairs[0])
-    return g
+    return fold_all(g)
 
 
 def _space_name(state: str) -> str:
@@ -317,6 +317,9 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
         return sorted(reads, key=lambda t: (t.dims != dims, min((order.get(d, len(order)) for d in t.dims), default=0)))
 
     for o, e in plan.finalize:
+        if o in totals and parse(e) == sp.Symbol(o, real=True):  # the output is a state's total itself
+            outs.append(totals[o])
+            continue
         expr, pairs = _hoist(parse(e), streamed)
         subs: dict[sp.Symbol, sp.Expr] = {}
         for i, (p, q) in enumerate(pairs):
@@ -379,6 +382,10 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         # (GroupNorm's channels), where one kernel reads them strided; a row of contiguous elements (a decode
         # step's RMSNorm) is already read well by one kernel and stays one
         fits = [p for p in range(2, 2 * hw.num_sms + 1) if size % p == 0 and size // p * other >= SMALL_CHUNK]
+    if not fits and not cuttable(smg):
+        # no dim is left for blocks (``any(isinf(x))`` reduces every dim): one kernel would be one block, so
+        # split into as many chunks of ``min_chunk`` as fit, up to the ``want`` the rule asks for
+        fits = [p for p in range(2, max(want, 2 * hw.num_sms) + 1) if size % p == 0 and size // p * other >= min_chunk]
     parts = max(fits) if fits else None
     if parts is None:
         return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ chunks of "

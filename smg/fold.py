@@ -60,8 +60,10 @@ def fold_reason(g: SMG, outer: str, inner: str) -> str | None:
         if _adjacent(s.dims, outer, inner) is False:
             return f"space {s.name!r} has dims {s.dims}: {outer!r} is not right before {inner!r} there"
     for op in g.ops:
-        if {outer, inner} & set(op.reduce):
-            return f"op {op.out!r} reduces over {outer!r} or {inner!r}"
+        if len({outer, inner} & set(op.reduce)) == 1:  # over both: the folded dim is reduced whole
+            return f"op {op.out!r} reduces over one of {outer!r} and {inner!r}, not both"
+        if {outer, inner} <= set(op.reduce) and not _adjacent(op.reduce, outer, inner):
+            return f"op {op.out!r} reduces over {op.reduce}: {outer!r} is not right before {inner!r}"
         if _adjacent(op.out_index, outer, inner) is False:
             return f"op {op.out!r} writes {op.out_index}: {outer!r} is not right before {inner!r}"
         for a in op.inputs:
@@ -90,7 +92,7 @@ def fold_dims(g: SMG, outer: str, inner: str) -> SMG:
     size = g.dim_sizes[outer] * g.dim_sizes[inner]
     dims = tuple(Dim(d.name, size) if d.name == inner else d for d in g.dims if d.name != outer)
     spaces = tuple(DataSpace(s.name, _merge(s.dims, outer), s.dtype) for s in g.spaces)
-    ops = tuple(dataclasses.replace(op, out_index=_merge(op.out_index, outer),
+    ops = tuple(dataclasses.replace(op, out_index=_merge(op.out_index, outer), reduce=_merge(op.reduce, outer),
                                     inputs=tuple(Access(a.space, _merge(a.index, outer)) for a in op.inputs))
                 for op in g.ops)
     attrs = dict(g.attrs)
@@ -104,5 +106,12 @@ def foldable(g: SMG) -> tuple[tuple[str, str], ...]:
     return tuple((o, i) for o in names for i in names if o != i and fold_reason(g, o, i) is None)
 
 
-__all__ = ["FOLD_ATTR", "FoldError", "fold_dims", "fold_reason", "foldable"]
+def fold_all(g: SMG) -> SMG:
+    """``g`` with every foldable pair of dims folded, one pair at a time until none is left."""
+    while (pairs := foldable(g)):
+        g = fold_dims(g, *pairs[0])
+    return g
+
+
+__all__ = ["FOLD_ATTR", "FoldError", "fold_all", "fold_dims", "fold_reason", "foldable"]
 

@@ -21,3 +21,17 @@ def sub_smg(smg: SMG, ops: list[Op], name: str) -> SMG:
         outputs=outs,
         attrs=smg.attrs,
     )
+
+
+def joined(first: SMG, second: SMG, name: str) -> SMG:
+    """``first``'s ops then ``second``'s as one graph: what ``second`` reads of ``first``'s outputs becomes an
+    intermediate (kept on chip), and the graph writes ``second``'s outputs.  A dim both name must have one size."""
+    sizes = first.dim_sizes
+    for d in second.dims:
+        if d.name in sizes and sizes[d.name] != d.size:
+            raise ValueError(f"cannot join {first.name!r} and {second.name!r}: dim {d.name!r} is {sizes[d.name]} "
+                             f"long in one and {d.size} in the other")
+    spaces = {s.name: s for s in second.spaces} | {s.name: s for s in first.spaces}
+    dims = {d.name: d for d in (*first.dims, *second.dims)}
+    return SMG(name=name, dims=tuple(dims.values()), spaces=tuple(spaces.values()),
+               ops=first.ops + second.ops, outputs=second.outputs, attrs=second.attrs)

@@ -16,13 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schedulers.barrier import Barrier, find_barrier, stages
 from schedulers.hardware import H100, HardwareModel
+from schedulers.spatial import cuttable
 from schedulers.split import SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
-from spacefusion.frontend.sequence import sequence
+from spacefusion.frontend.sequence import barrier_sequence, sequence
 
 Kernel = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -46,6 +48,12 @@ class _Cached:
 
     def compile(self, smg: SMG) -> Kernel:
         if smg.key not in self._kernels:
+            barrier = find_barrier(smg)
+            if isinstance(barrier, Barrier):  # nothing of it can be cut into blocks: two graphs
+                self.splits[smg.key] = barrier.reason
+                parts = stages(barrier)  # each stage as it is: no split of its own (the barrier chose them)
+                self._kernels[smg.key] = barrier_sequence(barrier, parts, [self._leaf(g) for g, _ in parts])
+                return self._kernels[smg.key]
             split = self.split_of(smg)
             if split is None:
                 self._kernels[smg.key] = self._compile(smg)
@@ -53,11 +61,18 @@ class _Cached:
                 self._kernels[smg.key] = sequence(split, [self._compile(k) for k in split.kernels])
         return self._kernels[smg.key]
 
+    def _leaf(self, smg: SMG) -> Kernel:
+        if smg.key not in self._kernels:
+            self._kernels[smg.key] = self._compile(smg)
+        return self._kernels[smg.key]
+
     def split_of(self, smg: SMG) -> SplitReduction | None:
-        """``smg``'s split where ``split_hw`` asks for one (the reason kept in ``splits``), else None."""
-        if self.split_hw is None or not any(op.reduce for op in smg.ops):
+        """``smg``'s split where ``split_hw`` asks for one (the reason kept in ``splits``), else None.  A
+        reduction that leaves no dim to cut into blocks (a barrier's head) is split on every backend: as one
+        kernel it cannot be scheduled at all (without ``split_hw``, by the H100's rule)."""
+        if not any(op.reduce for op in smg.ops) or self.split_hw is None and cuttable(smg):
             return None
-        got = decide_split(smg, self.split_hw, **self.split_kw)
+        got = decide_split(smg, self.split_hw or H100, **self.split_kw)
         self.splits[smg.key] = got if isinstance(got, str) else got.reason
         return None if isinstance(got, str) else got
 

@@ -3,7 +3,7 @@
 Each one exists because a model needs it: LLaMA's gated MLP input (two GEMMs sharing X with a SiLU
 product), RMSNorm after a residual add, and a pre-LN residual
 stream whose sum is both normalised and carried on to the next residual (so the sum ``T`` is an output
-beside ``Y``).
+beside ``Y``), T5's clamped stream the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from smg import patterns
 from smg.errors import UnknownOperatorError
 from smg.ir import SMG
 from smg.ops import UNARY, Builder
+from spacefusion.frontend.guard import Guard, guarded
 
 
 def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32", b_layout: str = "kn",
@@ -33,18 +34,25 @@ def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32"
 
 
 def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float,
-         offset: float = 0.0) -> SMG:
-    """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``) over the last dim; ``keep_sum``
-    also outputs ``T``; the weight is ``offset + W`` (Gemma's ``1 + w``: one more element-wise op on W,
-    fused like the rest).  The forms ``smg.patterns`` has are taken from there."""
-    if not offset and not residual:
+         offset: float = 0.0, guard: Guard | None = None) -> SMG:
+    """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``; ``guard``: of ``T``, T5's fp16 clamp
+    of X) over the last dim; ``keep_sum`` also outputs ``T``; the weight is ``offset + W`` (Gemma's
+    ``1 + w``: one more element-wise op on W, fused like the rest).  The forms ``smg.patterns`` has are
+    taken from there."""
+    if residual and guard is not None:
+        raise ValueError("a norm's input is either a residual sum or a guarded value, not both")
+    if not offset and not residual and guard is None:
         return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)
-    if not offset and kind == "layernorm" and not keep_sum:
+    if not offset and kind == "layernorm" and not keep_sum and guard is None:
         return patterns.residual_layernorm(m, n, dtype, eps)
-    name = f"{'residual_' if residual else ''}{kind}{'_offset_w' if offset else ''}{'_sum' if keep_sum else ''}"
+    name = (f"{'residual_' if residual else ''}{'inf_guard_' if guard else ''}{kind}{'_offset_w' if offset else ''}"
+            f"{'_sum' if keep_sum else ''}")
     g = Builder(name, dtype)
     x = g.input("X", {"m": m, "n": n})
-    t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
+    if guard is not None:
+        t = guarded(g, x, guard, dtype)
+    else:
+        t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
     w = g.input("W", {"n": n})
     if offset:  # y * (W + offset) as one op: W + offset alone would be an intermediate over n that every
         # block of rows recomputes (the spatial slicer then cuts no dim)

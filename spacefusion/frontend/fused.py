@@ -14,6 +14,7 @@ from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import LeftOp, Operand, Partition, Subgraph
+from spacefusion.frontend.sequence import launches
 
 
 class FusedKernel(nn.Module):
@@ -266,7 +267,8 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -
                 why = f"kernel build failed: {type(exc).__name__}: {_short(str(exc))}"
         left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
     splits = getattr(be, "splits", {})
-    said = {s.key: splits[s.key] for s in kept if s.key in splits and hasattr(be.compile(s.smg), "split")}
+    said = {s.key: f"as {launches(be.compile(s.smg))} kernels: {splits[s.key]}" for s in kept
+            if s.key in splits and hasattr(be.compile(s.smg), "split")}
     part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left), splits=tuple(said.items()))
     if verbose:
         print(part)

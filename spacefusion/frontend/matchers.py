@@ -19,6 +19,7 @@ from torch import fx
 from smg import patterns
 from smg.errors import SpaceFusionError
 from smg.ir import SMG
+from smg.ops import Builder
 from spacefusion.frontend import builders
 from spacefusion.frontend.activations import Activation, activation_after
 from spacefusion.frontend.gated import gated_of
@@ -45,6 +46,7 @@ from spacefusion.frontend.graph import (
     single_user,
     swapped_dims_1_2,
 )
+from spacefusion.frontend.guard import guard_of, guarded
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
 from spacefusion.frontend.rope import rope_of
@@ -615,25 +617,49 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
                          f"normalise the last dim with an affine weight (and LayerNorm bias)")
         return None
     x = nm.x
-    residual = (is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and ctx.free(x)
+    guard = guard_of(x) if isinstance(x, fx.Node) else None
+    guard = guard if guard is not None and ctx.free(*guard.nodes) and shape(guard.x) == xs else None
+    residual = (guard is None and is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and ctx.free(x)
                 and all(shape(a) == xs for a in x.args))
-    keep_sum = residual and any(u is not node and u not in nm.inner for u in x.users)
+    keep_sum = (residual or guard is not None) and any(u is not node and u not in nm.inner for u in x.users)
     m, n = rows(xs), xs[-1]
-    smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset))
+    smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset,
+                                                  guard))
     if smg is None:
         return None
     if residual:
         ops = [_value("X", x.args[0], (m, n)), _value("R", x.args[1], (m, n))]
     else:
-        ops = [_value("X", x, (m, n))]
+        ops = [_value("X", guard.x if guard else x, (m, n))]
     ops.append(_param("W", nm.weight, (n,)))
     if nm.kind == "layernorm":
         ops.append(_param("B", nm.bias, (n,)))
     kind = "residual_norm" if residual else "norm"
     weight = f" ({nm.offset:g} + w)" if nm.offset else ""
-    label = f"{'add + ' if residual else ''}{nm.kind}{weight}{' (sum kept)' if keep_sum else ''} {m}x{n} {dt}"
-    nodes = (*((x,) if residual else ()), *nm.inner, node)
+    kept = " (clamped kept)" if guard and keep_sum else " (sum kept)" if keep_sum else ""
+    label = f"{'add + ' if residual else 'inf guard + ' if guard else ''}{nm.kind}{weight}{kept} {m}x{n} {dt}"
+    nodes = (*((x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
     return _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x})
+
+
+def match_guard(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """T5's fp16 clamp (``guard.guard_of``) that no norm took (one reads it after ``match_norm`` has run):
+    the flag, then the clamp as an element-wise pass."""
+    guard = guard_of(node)
+    if guard is None or not ctx.free(*guard.nodes) or shape(node) is None:
+        return None
+    xs, dt = shape(node), dtype(node)
+    dims = {f"d{i}": s for i, s in enumerate(xs)}
+
+    def make() -> SMG:
+        g = Builder("inf_guard", dt)
+        return g.build(guarded(g, g.input("X", dims), guard, dt))
+
+    smg = _build(ctx, node, make)
+    if smg is None:
+        return None
+    label = f"inf guard {'x'.join(map(str, xs))} {dt}"
+    return _subgraph("guard", label, guard.nodes, smg, [_value("X", guard.x, xs)], {"T": node})
 
 
 def _rope_input(x: fx.Node, inside: tuple[fx.Node, ...], ctx: Context
@@ -695,4 +721,4 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
 #: in priority order: a node taken by an earlier matcher is not offered to later ones
 MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
     match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_conv, match_patch_conv, match_norm,
-    match_group_norm, match_rope)
+    match_group_norm, match_rope, match_guard)

@@ -94,7 +94,8 @@ class LeftOp:
 class Partition:
     subgraphs: tuple[Subgraph, ...]
     left: tuple[LeftOp, ...]
-    #: (SMG key, why it runs as a split reduction's kernels): the backend's decision, said in the summary
+    #: (SMG key, "as N kernels: why"): a split reduction's or a barrier's kernels, the backend's decision, said
+    #: in the summary
     splits: tuple[tuple[str, str], ...] = ()
 
     @cached_property
@@ -118,7 +119,7 @@ class Partition:
         for key, subs in self.distinct.items():
             lines.append(f"  {len(subs):3d} x {subs[0].label}  [{subs[0].key[:10]}]")
             if key in split:
-                lines.append(f"        as 3 kernels: {split[key]}")
+                lines.append(f"        {split[key]}")
         lines.append("left to torch:")
         for reason, n in self.left_reasons().most_common():
             ops = sorted({op.op for op in self.left if op.reason == reason})

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from tqdm import tqdm
 
+from schedulers.barrier import Barrier, find_barrier, stages
 from schedulers.hardware import H100, HardwareModel
 from schedulers.schedule import Schedule
 from search.database import TuningDatabase
@@ -72,6 +73,15 @@ def _distinct(partitions: Iterable[Partition]) -> list[tuple[Subgraph, int]]:
     return [(subs[0], len(subs)) for subs in seen.values()]
 
 
+def _tunable(sub: Subgraph) -> list[tuple[str, SMG]]:
+    """What is scheduled of ``sub``: its SMG, or where nothing of it can be cut into blocks, the kernels of
+    its barrier (``schedulers.barrier``), each tuned on its own (the backends build each by its own key)."""
+    barrier = find_barrier(sub.smg)
+    if not isinstance(barrier, Barrier):
+        return [(sub.label, sub.smg)]
+    return [(f"{sub.label} [{g.name}]", g) for g, _ in stages(barrier)]
+
+
 def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner | Callable[[SMG], Runner],
                     db: TuningDatabase | str | Path, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
                     trials: int = 32, batch: int = 16, workers: int = 2, seed: int = 0,
@@ -90,10 +100,11 @@ def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner 
         bar = tqdm(todo, desc="tuning subgraphs", unit="subgraph", disable=not progress)
         for sub, uses in bar:
             bar.set_postfix_str(sub.label[:48])
-            run = runner if hasattr(runner, "measure") else runner(sub.smg)
-            summary = tune(sub.smg, run, hw=hw, target=target, db=database, trials=trials, batch=batch,
-                           workers=workers, seed=seed, progress=False)
-            tuned.append(TunedSubgraph(sub.label, uses, summary))
+            for label, smg in _tunable(sub):
+                run = runner if hasattr(runner, "measure") else runner(smg)
+                summary = tune(smg, run, hw=hw, target=target, db=database, trials=trials, batch=batch,
+                               workers=workers, seed=seed, progress=False)
+                tuned.append(TunedSubgraph(label, uses, summary))
         bar.close()
     finally:
         if own:

@@ -468,3 +468,26 @@ def test_each_convolution_left_to_torch_says_what_the_smg_cannot_express() -> No
         assert sum(want in r for r in reasons) == 1, (want, reasons)
     fused = sorted(s.label for p in compiled.spacefusion.partitions for s in p.subgraphs)
     assert fused == ["conv 3x3/s1 2x8x16x16 -> 8 float32", "conv 3x3/s2 2x8x16x16 -> 16 float32"], fused
+
+
+def test_t5_position_bias_under_a_padding_mask_is_read_by_the_attention() -> None:
+    """HF's ``create_position_bias_mask``, ``where(keep, bias, finfo.min).contiguous()`` in every layer: the
+    attention reads the bias [h, m, l] and the padding row [b, l] themselves (the [b, h, m, l] sum is never
+    made), and the position buckets, arithmetic on aranges alone, are evaluated once at compile time."""
+    model, kw = _model("t5_encoder")
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    kw = {**kw, "attention_mask": mask}
+    model.eval()
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        _check(model(**kw), compiled(**kw))
+    report = compiled.spacefusion
+    att = [s for p in report.partitions for s in p.subgraphs if s.kind == "attention"]
+    assert len(att) == 2, str(report)
+    for sub in att:
+        spaces = {op.space: op.shape for op in sub.operands}
+        assert spaces["Mask"] == (2, 16, 16) and spaces["Keep"] == (2, 16), spaces
+    left = [op for p in report.partitions for op in p.left]
+    assert not [op for op in left if op.op == "torch.where" and "evaluated once" not in op.reason], str(report)
+    assert sum("evaluated once" in op.reason for op in left) >= 15, str(report)

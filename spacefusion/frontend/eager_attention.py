@@ -157,6 +157,7 @@ def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         if got_mask is None:
             return None
         causal, mods, extra = got_mask[0], mods + got_mask[1], got_mask[2]
+        chain = [*got_mask[3], *chain]
     label = (f"attention (eager) b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}"
              f"{f' softcap {cap:g}' if cap is not None else ''}{' + mask' if mask is not None else ''} {dt}")
     return attention_subgraph(ctx, node, tuple(chain), q, k, v, (b, h, hk, m, l, d), dt, causal,

@@ -12,6 +12,7 @@ from torch import fx, nn
 
 from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.capture import Captured, capture
+from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import LeftOp, Operand, Partition, Subgraph
 from spacefusion.frontend.sequence import launches
@@ -240,6 +241,11 @@ class FusedModel(nn.Module):
         return self.graph_module(*args, **kwargs)
 
 
+#: the reasons an op the partition left to torch does not run per call after all
+DEAD = "unused once the kernels took its readers: removed"
+FOLDED = "reads no input and no weight: evaluated once, at compile time (a buffer)"
+
+
 def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = False, **kwargs: Any) -> FusedModel:
     """Capture ``model`` on the example inputs (``torch.fx``), partition it, build one kernel per distinct
     subgraph on ``backend`` ("llvm", "reference", or a backend object) and return the fused model;
@@ -266,10 +272,16 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -
             except Exception as exc:  # a schedule or build failure leaves the subgraph to torch, reported
                 why = f"kernel build failed: {type(exc).__name__}: {_short(str(exc))}"
         left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
+    for n in cap.module.graph.nodes:  # the names the report gives, kept through the rewrite's copies
+        n.meta[ORIGIN] = n.name
+    module = rewrite(cap.module, kernels)
+    dead, folded = set(remove_dead(module)), set(fold_constants(module))
+    left = [dataclasses.replace(op, reason=DEAD) if op.node in dead else
+            dataclasses.replace(op, reason=FOLDED) if op.node in folded else op for op in left]
     splits = getattr(be, "splits", {})
     said = {s.key: f"as {launches(be.compile(s.smg))} kernels: {splits[s.key]}" for s in kept
             if s.key in splits and hasattr(be.compile(s.smg), "split")}
     part = dataclasses.replace(part, subgraphs=tuple(kept), left=tuple(left), splits=tuple(said.items()))
     if verbose:
         print(part)
-    return FusedModel(rewrite(cap.module, kernels), part, getattr(be, "name", type(be).__name__))
+    return FusedModel(module, part, getattr(be, "name", type(be).__name__))

@@ -160,24 +160,54 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         if got is None:
             return None
         causal = causal or got[0]
-        mods, extra = got[1], got[2]
+        mods, extra, taken = got[1], got[2], got[3]
+    else:
+        taken = ()
     what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
     what += " (index)" if mods and "Mask" not in mods[0].body else ""
     label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
-    return attention_subgraph(ctx, node, (node,), q, k, v, (b, h, hk, m, l, d), dt, causal, scale, mods, extra,
-                              label)
+    return attention_subgraph(ctx, node, (*taken, node), q, k, v, (b, h, hk, m, l, d), dt, causal, scale, mods,
+                              extra, label)
 
 
 def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
-              ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | None:
-    """(causal, score mods, their operands) of an attention's mask: index arithmetic where it is
-    (``_index_mask``), else the mask read as a tensor (``_mask_mod``); None, with the reason recorded on
-    ``node``, where it can be neither."""
+              ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand], tuple[fx.Node, ...]] | None:
+    """(causal, score mods, their operands, the mask's nodes taken in) of an attention's mask: index
+    arithmetic where it is (``_index_mask``), else the mask read as a tensor (``_mask_mod``), and a bias kept
+    by such a mask (``_kept_bias``); None, with the reason recorded on ``node``, where it can be none."""
+    taken: tuple[fx.Node, ...] = ()
+    if isinstance(mask, fx.Node) and mask.op == "call_method" and mask.target == "contiguous" \
+            and len(mask.users) == 1 and ctx.free(mask):  # a copy of what the kernel reads through strides
+        taken, mask = (mask,), mask.args[0]
+    kept = _kept_bias(ctx, mask, want, kv_heads, dt)
+    if kept is not None:
+        return (*kept, (*taken, mask))
     got = _index_mask(mask, want, kv_heads, dt) or _mask_mod(mask, want, kv_heads, dt)
     if isinstance(got, str):
         ctx.refuse(node, got)
         return None
-    return got
+    return (*got, taken)
+
+
+def _kept_bias(ctx: Context, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+               ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | None:
+    """HF's ``create_position_bias_mask`` (T5): ``where(keep, bias, finfo.min)``, a float bias where an index
+    mask keeps the scores: the mask's mods, then the bias added as an input (its broadcast dims dropped), so
+    the [b, h, m, l] sum is never written.  None where ``mask`` is not that."""
+    if not is_function(mask, (torch.where,)) or len(mask.args) != 3 or mask.kwargs or len(mask.users) != 1 \
+            or not ctx.free(mask):
+        return None
+    keep, bias, fill = mask.args
+    if not isinstance(fill, int | float) or fill > -6e4 or not isinstance(bias, fx.Node):
+        return None
+    if not isinstance(keep, fx.Node) or keep.meta.get("tensor_meta") is None \
+            or keep.meta["tensor_meta"].dtype != torch.bool:
+        return None
+    masked = _index_mask(keep, want, kv_heads, dt)
+    added = _mask_mod(bias, want, kv_heads, dt)
+    if masked is None or isinstance(added, str) or added[1][0].body != "{s} + Mask":
+        return None
+    return masked[0], (*added[1], *masked[1]), [*added[2], *masked[2]]
 
 
 def attention_subgraph(ctx: Context, node: fx.Node, nodes: tuple[fx.Node, ...], q: fx.Node, k: fx.Node,

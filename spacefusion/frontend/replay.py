@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map
 _WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
-def _writes(node: fx.Node) -> bool:
+def writes_in_place(node: fx.Node) -> bool:
     """Whether ``node`` writes its first argument in place (``x.index_copy_(...)``, ``x[i] = y``, ``x += y``,
     ``torch.Tensor.copy_(x, y)``)."""
     if node.op == "call_method":
@@ -65,7 +65,7 @@ def mutated_inputs(gm: fx.GraphModule) -> set[int]:
         base = derived.get(first, set()) if isinstance(first, fx.Node) else set()
         if base:
             derived[node] = base
-        if _writes(node):
+        if writes_in_place(node):
             out |= base
     return out
 

@@ -315,7 +315,8 @@ def kernel_profile(fn: Any, x: dict[str, Any], n: int = 200) -> dict[str, Any]:
 
 def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int,
         modes: tuple[str, ...] = ("default", "reduce-overhead"), build_missing: bool = False,
-        tune_trials: int = 0, db_path: Path | None = None, workers: int = 8, tuned_art: Path | None = None) -> int:
+        tune_trials: int = 0, db_path: Path | None = None, workers: int = 8, second_art: Path | None = None,
+        second_name: str = "tuned") -> int:
     from gpu_runtime import runtime_module
 
     import spacefusion
@@ -361,10 +362,10 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                                     schedule_for=report.schedule_for(fallback=first_pick))
                 systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned)
                 _last_hidden(systems["spacefusion+graph tuned"](**x))
-            if tuned_art is not None:  # another export's artefacts (export --db): the tuned kernels
-                tuned_be = CudaBackend(tuned_art / "kernels", schedule_for=first_pick)
-                systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned_be)
-                _last_hidden(systems["spacefusion+graph tuned"](**x))
+            if second_art is not None:  # another export's artefacts (export --db: the tuned kernels), same code
+                second_be = CudaBackend(second_art / "kernels", schedule_for=first_pick)
+                systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be)
+                _last_hidden(systems[f"spacefusion+graph {second_name}"](**x))
             for mode in modes:
                 t = time.perf_counter()
                 c = torch.compile(model, mode=mode)
@@ -392,10 +393,10 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
         best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
                           "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
-        if "spacefusion+graph tuned" in row["us"]:
-            tuned_us = row["us"]["spacefusion+graph tuned"]
-            row["speedup"] |= {"tuned_vs_eager": round(row["us"]["eager"] / tuned_us, 3),
-                               "tuned_vs_best_compile": round(best_compile / tuned_us, 3)}
+        for other in {"tuned", second_name} & {k.removeprefix("spacefusion+graph ") for k in row["us"]}:
+            other_us = row["us"][f"spacefusion+graph {other}"]
+            row["speedup"] |= {f"{other}_vs_eager": round(row["us"]["eager"] / other_us, 3),
+                               f"{other}_vs_best_compile": round(best_compile / other_us, 3)}
         results["models"][name] = row
         print(json.dumps({name: {k: row[k] for k in ("us", "speedup", "check", "host", "top_kernels")}}), flush=True)
         print(row["partition"], flush=True)
@@ -423,8 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="*", default=None,
                     help="tune: only the subgraphs of these kinds (conv, attention, gemm, group_norm, ...)")
     ap.add_argument("--trials", type=int, default=8, help="tune: candidates per SMG")
-    ap.add_argument("--tuned-art", type=Path, default=None,
-                    help="run: also time the artefacts of this export (export --db) as 'spacefusion+graph tuned'")
+    ap.add_argument("--second-art", "--tuned-art", type=Path, default=None, dest="second_art",
+                    help="run: also time the artefacts of this export (export --db: the tuned kernels), built by the "
+                         "same code, as 'spacefusion+graph NAME' (--second-name)")
+    ap.add_argument("--second-name", default="tuned",
+                    help="run: the second export's system name (default 'tuned'; e.g. 'first picks' or a commit)")
     ap.add_argument("--workers", type=int, default=8, help="parallel TVM builds while tuning")
     ap.add_argument("--max-autotune", action="store_true",
                     help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
     return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
-               a.tune, a.db, a.workers, a.tuned_art)
+               a.tune, a.db, a.workers, a.second_art, a.second_name)
 
 
 if __name__ == "__main__":

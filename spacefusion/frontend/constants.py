@@ -1,7 +1,7 @@
 """What torch still runs of a fused graph, pruned: dead values removed, constants evaluated once.
 
 Once the kernels have taken their ops, some of what torch would run is dead (HF's masks built from
-aranges, which the attention now reads as index expressions, Dynamo's no-op asserts) or constant (T5's
+aranges, which the attention now reads as index expressions) or constant (T5's
 relative-position buckets: arithmetic on aranges alone).  An ``fx.GraphModule`` runs every node each call,
 and on the GPU each is a kernel of a few µs: T5's buckets and masks were about 35 of them per forward.
 Dead nodes are removed; nodes that read no input and no weight are evaluated once here and kept as

@@ -14,7 +14,7 @@ from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
 from spacefusion.frontend.partition import partition
-from spacefusion.frontend.records import LeftOp, Operand, Partition, Subgraph
+from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Subgraph
 from spacefusion.frontend.sequence import launches
 
 
@@ -239,11 +239,6 @@ class FusedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.graph_module(*args, **kwargs)
-
-
-#: the reasons an op the partition left to torch does not run per call after all
-DEAD = "unused once the kernels took its readers: removed"
-FOLDED = "reads no input and no weight: evaluated once, at compile time (a buffer)"
 
 
 def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = False, **kwargs: Any) -> FusedModel:

@@ -81,6 +81,11 @@ class Subgraph:
         return self.smg.key
 
 
+#: the reasons an op the partition left to torch does not run per call after all (``frontend.constants``)
+DEAD = "unused once the kernels took its readers: removed"
+FOLDED = "reads no input and no weight: evaluated once, at compile time (a buffer)"
+
+
 @dataclass(frozen=True)
 class LeftOp:
     """An fx node torch runs, and why no SMG subgraph took it."""
@@ -120,10 +125,14 @@ class Partition:
             lines.append(f"  {len(subs):3d} x {subs[0].label}  [{subs[0].key[:10]}]")
             if key in split:
                 lines.append(f"        {split[key]}")
-        lines.append("left to torch:")
-        for reason, n in self.left_reasons().most_common():
-            ops = sorted({op.op for op in self.left if op.reason == reason})
-            lines.append(f"  {n:3d} x {', '.join(ops)}: {reason}")
+        reasons = self.left_reasons().most_common()
+        for title, once in (("left to torch:", False), ("not run per call:", True)):
+            rows = [(r, n) for r, n in reasons if (r in (DEAD, FOLDED)) == once]
+            if rows or not once:
+                lines.append(title)
+            for reason, n in rows:
+                ops = sorted({op.op for op in self.left if op.reason == reason})
+                lines.append(f"  {n:3d} x {', '.join(ops)}: {reason}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -41,8 +41,9 @@ class Barrier:
 def find_barrier(smg: SMG) -> Barrier | str:
     """The first reduction that ``smg``'s later ops read back along a dim it reduces (directly or through
     ops of fewer dims), when no dim of ``smg`` can be cut and the ops after it can; else why there is none."""
-    if cuttable(smg):
-        return f"{smg.name}: dims {', '.join(cuttable(smg))} can be cut into blocks: no barrier is needed"
+    cut = cuttable(smg)
+    if cut:
+        return f"{smg.name}: dims {', '.join(cut)} can be cut into blocks: no barrier is needed"
     ops = list(smg.ops)
     for k, op in enumerate(ops):
         if not op.reduce:
@@ -56,7 +57,8 @@ def find_barrier(smg: SMG) -> Barrier | str:
         if not back:
             continue
         tail = sub_smg(smg, ops[k + 1:], f"{smg.name}.tail")
-        if not cuttable(tail):
+        tail_cut = cuttable(tail)
+        if not tail_cut:
             continue
         # folded (``smg.fold``): the head's chunks are then slabs of the flat tensor, not rows of one dim
         # with the others kept per chunk
@@ -64,7 +66,7 @@ def find_barrier(smg: SMG) -> Barrier | str:
         dims = ", ".join(op.reduce)
         reason = (f"{op.out} reduces over {dims} and {', '.join(back)} read{'s' if len(back) == 1 else ''} it back "
                   f"along them: no dim of {smg.name} can be cut into blocks, so {op.out} is materialised first "
-                  f"({head.name}) and {tail.name} reads it (blocks over {', '.join(cuttable(tail))})")
+                  f"({head.name}) and {tail.name} reads it (blocks over {', '.join(tail_cut)})")
         return Barrier(smg, op.out, head, tail, reason)
     return f"{smg.name}: no reduction is read back along the dims it reduces with the rest cuttable"
 

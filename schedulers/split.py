@@ -28,7 +28,6 @@ import sympy as sp
 
 from schedulers.errors import TemporalSliceError
 from schedulers.hardware import HardwareModel
-from schedulers.spatial import cuttable
 from schedulers.temporal import TemporalPlan, _inline, new, old, parse, plan_temporal
 from smg.fold import fold_all
 from smg.ir import SMG
@@ -69,8 +68,11 @@ class SplitReduction:
         no element-wise pass: two launches."""
         finals = [op for op in self.combine.ops if op.out in self.combine.outputs and not op.reduce]
         stats = [op for op in self.combine.ops if op not in finals]
-        head = (_folded(self.partial), sub_smg(self.combine, stats, f"{self.smg.name}.stats"))
-        return (*head, _folded(sub_smg(self.combine, finals, f"{self.smg.name}.apply"))) if finals else head
+        # the partial and the pass folded (``smg.fold``: the same memory, one dim fewer): a GroupNorm's (group,
+        # channel) pair is one contiguous row of channels to their blocks, where a group's 4 channels alone
+        # made rows of 8 bytes
+        head = (fold_all(self.partial), sub_smg(self.combine, stats, f"{self.smg.name}.stats"))
+        return (*head, fold_all(sub_smg(self.combine, finals, f"{self.smg.name}.apply"))) if finals else head
 
     def to_dict(self) -> dict[str, Any]:
         """The split as derived here: a GPU machine loads it rather than deriving again (another sympy
@@ -86,13 +88,6 @@ class SplitReduction:
             raise ValueError(f"a split decided by rule {d.get('rule')}, not the current {SPLIT_RULE}")
         return cls(smg, d["dim"], int(d["parts"]), smg_from_dict(d["partial"]), smg_from_dict(d["combine"]),
                    d["reason"])
-
-
-def _folded(g: SMG) -> SMG:
-    """``g`` with every foldable pair of dims folded (``smg.fold``: the same memory, one dim fewer): a
-    GroupNorm's (group, channel) pair is one contiguous row of channels to the partial's and the
-    element-wise pass's blocks, where a group's 4 channels alone made rows of 8 bytes."""
-    return fold_all(g)
 
 
 def _space_name(state: str) -> str:
@@ -382,10 +377,6 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         # (GroupNorm's channels), where one kernel reads them strided; a row of contiguous elements (a decode
         # step's RMSNorm) is already read well by one kernel and stays one
         fits = [p for p in range(2, 2 * hw.num_sms + 1) if size % p == 0 and size // p * other >= SMALL_CHUNK]
-    if not fits and not cuttable(smg):
-        # no dim is left for blocks (``any(isinf(x))`` reduces every dim): one kernel would be one block, so
-        # split into as many chunks of ``min_chunk`` as fit, up to the ``want`` the rule asks for
-        fits = [p for p in range(2, max(want, 2 * hw.num_sms) + 1) if size % p == 0 and size // p * other >= min_chunk]
     parts = max(fits) if fits else None
     if parts is None:
         return (f"{rows} reductions for {hw.num_sms} SMs, but {dim!r} ({size}) has no split into {want}+ chunks of "

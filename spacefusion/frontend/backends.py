@@ -18,7 +18,6 @@ import torch
 
 from schedulers.barrier import Barrier, find_barrier, stages
 from schedulers.hardware import H100, HardwareModel
-from schedulers.spatial import cuttable
 from schedulers.split import SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
@@ -67,12 +66,10 @@ class _Cached:
         return self._kernels[smg.key]
 
     def split_of(self, smg: SMG) -> SplitReduction | None:
-        """``smg``'s split where ``split_hw`` asks for one (the reason kept in ``splits``), else None.  A
-        reduction that leaves no dim to cut into blocks (a barrier's head) is split on every backend: as one
-        kernel it cannot be scheduled at all (without ``split_hw``, by the H100's rule)."""
-        if not any(op.reduce for op in smg.ops) or self.split_hw is None and cuttable(smg):
+        """``smg``'s split where ``split_hw`` asks for one (the reason kept in ``splits``), else None."""
+        if self.split_hw is None or not any(op.reduce for op in smg.ops):
             return None
-        got = decide_split(smg, self.split_hw or H100, **self.split_kw)
+        got = decide_split(smg, self.split_hw, **self.split_kw)
         self.splits[smg.key] = got if isinstance(got, str) else got.reason
         return None if isinstance(got, str) else got
 

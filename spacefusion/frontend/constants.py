@@ -5,10 +5,17 @@ aranges, which the attention now reads as index expressions) or constant (T5's
 relative-position buckets: arithmetic on aranges alone).  An ``fx.GraphModule`` runs every node each call,
 and on the GPU each is a kernel of a few µs: T5's buckets and masks were about 35 of them per forward.
 Dead nodes are removed; nodes that read no input and no weight are evaluated once here and kept as
-buffers (the values a call would compute, on the device the graph names).  Nothing that writes in place
-is removed; a constant written in place by an op that runs each call, or returned, is not folded (each call
-needs a fresh one: a cache's lazily made zeros), and one written by another constant op is folded only
-where every later reader sees it written.
+buffers (the values a call would compute, on the device the graph names).  Where the caller bakes the
+weights (``weights=True``: the Dynamo backend, which rebuilds when a weight changes), nodes computed from
+weights and constants alone are folded too: T5's position bias, an embedding of the constant buckets that
+every layer's attention read through a copy (13 kernels a forward), BERT's position and token-type
+embeddings.  Nothing that writes in place is removed; a constant written in place by an op that runs each
+call, or returned, is not folded (each call needs a fresh one: a cache's lazily made zeros), and one
+written by another constant op is folded only where every later reader sees it written.  No op that writes
+in place is evaluated on a weight (that would change the model), views of a weight are left to run (they
+cost no kernel, and a buffer would copy the weight), and a weight-derived value above ``WEIGHT_FOLD_BYTES``
+is left to run (a buffer kept for the model's life, where torch frees it after each call).  Buffers are
+contiguous, so a kernel binds them without a copy.
 """
 
 from __future__ import annotations
@@ -17,11 +24,14 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from spacefusion.frontend.replay import writes_in_place
 
 #: a folded constant's buffer name prefix
 PREFIX = "_sf_const"
+#: the largest weight-derived value folded (bytes): larger ones are recomputed each call, as torch would
+WEIGHT_FOLD_BYTES = 64 << 20
 #: the meta key of a node's name in the graph a rewrite copied it from (the partition report names those)
 ORIGIN = "sf_origin"
 
@@ -78,10 +88,31 @@ def _written_at_run_time(values: dict[fx.Node, Any]) -> set[fx.Node]:
     return seen
 
 
-def fold_constants(gm: fx.GraphModule) -> list[str]:
-    """Evaluate the nodes that read no input and no weight (nor anything random), keep those that other
-    nodes read as buffers of ``gm``, and remove what is then dead; the names of the nodes folded."""
-    values: dict[fx.Node, Any] = {}
+def _weights(gm: fx.GraphModule) -> dict[fx.Node, torch.Tensor]:
+    """The tensors of ``gm``'s ``get_attr`` nodes."""
+    out: dict[fx.Node, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor):
+                out[node] = value
+    return out
+
+
+def _views_a_weight(value: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    root = value._base if value._base is not None else value
+    return any(root is w for w in weights)
+
+
+def fold_constants(gm: fx.GraphModule, weights: bool = False) -> list[str]:
+    """Evaluate the nodes that read no input (and, with ``weights``, only baked weights: ``gm``'s
+    ``get_attr`` tensors) nor anything random, keep those that other nodes read as contiguous buffers of
+    ``gm``, and remove what is then dead; the names of the nodes folded."""
+    baked = _weights(gm) if weights else {}
+    values: dict[fx.Node, Any] = dict(baked)
+    derived: set[fx.Node] = set(baked)  # computed from a weight
     written_at: dict[fx.Node, int] = {}  # a constant written in place: where (the last time)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
@@ -89,32 +120,43 @@ def fold_constants(gm: fx.GraphModule) -> list[str]:
             continue
         if node.op == "call_function" and node.is_impure():  # random ops, asserts, prints
             continue
+        from_weight = any(i in derived for i in node.all_input_nodes)
+        if from_weight and writes_in_place(node):  # evaluating it here would write the model's weight
+            continue
         try:
             with torch.no_grad():
                 values[node] = _evaluate(node, values)
         except Exception:  # not evaluable here (e.g. needs a value only a call has): torch runs it
             continue
+        if from_weight:
+            derived.add(node)
         if writes_in_place(node) and isinstance(node.args[0], fx.Node):
             written_at[node.args[0]] = order[node]
     fresh = _written_at_run_time(values)
+    tensors = list(baked.values())
     for node, value in list(values.items()):
         readers = [u for u in node.users if u not in values]
-        if not readers or not isinstance(value, torch.Tensor):
+        if node in baked or not readers or not isinstance(value, torch.Tensor):
             continue
         if node in written_at and any(order[u] < written_at[node] for u in readers):
             continue  # a reader before the write sees another value than the one computed here
         if node in fresh or any(u.op == "output" for u in readers):
             continue  # written by a call, or returned: a fresh tensor each call, not one buffer for all calls
+        if node in derived and (_views_a_weight(value, tensors)
+                                or value.numel() * value.element_size() > WEIGHT_FOLD_BYTES):
+            continue
         name = f"{PREFIX}_{len([b for b, _ in gm.named_buffers() if b.startswith(PREFIX)])}"
-        gm.register_buffer(name, value.detach().clone())
+        buffer = value.detach().clone(memory_format=torch.contiguous_format)
+        gm.register_buffer(name, buffer)
         with gm.graph.inserting_before(node):
             attr = gm.graph.get_attr(name)
         attr.meta = {k: v for k, v in node.meta.items() if k != ORIGIN}
+        attr.meta["tensor_meta"] = _extract_tensor_metadata(buffer)
         for u in readers:
             u.replace_input_with(node, attr)
-    names = [_name(v) for v in values]
-    gone = set(remove_dead(gm, set(values)))
+    names = [_name(v) for v in values if v not in baked]
+    gone = set(remove_dead(gm, set(values) - set(baked)))
     return [n for n in names if n in gone]
 
 
-__all__ = ["ORIGIN", "PREFIX", "fold_constants", "remove_dead"]
+__all__ = ["ORIGIN", "PREFIX", "WEIGHT_FOLD_BYTES", "fold_constants", "remove_dead"]

@@ -270,7 +270,8 @@ class _Compiled:
                 ShapeProp(gm).propagate(*example_inputs)
         drop_noops(gm)
         merge_repeated_activations(gm)
-        fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose)
+        fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose,
+                              baked_weights=True)
         self.report.partition = fused.partition
         self.fused: FusedModel = fused
         self.run = fused.graph_module.forward

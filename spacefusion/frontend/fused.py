@@ -249,10 +249,12 @@ def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = Fa
     return fuse_captured(capture(model, *args, **kwargs), backend, verbose)
 
 
-def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -> FusedModel:
+def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
+                  baked_weights: bool = False) -> FusedModel:
     """Partition a captured graph (its nodes carry ``tensor_meta``, its parameters are ``get_attr`` nodes),
     build its kernels on ``backend`` and return it rewritten with one call per fused subgraph.  A subgraph
-    whose kernel cannot be built stays with torch, with the reason in the partition."""
+    whose kernel cannot be built stays with torch, with the reason in the partition.  ``baked_weights``:
+    the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too."""
     part = partition(cap.module)
     be = get_backend(backend)
     by_name = {n.name: n for n in cap.module.graph.nodes}
@@ -270,7 +272,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False) -
     for n in cap.module.graph.nodes:  # the names the report gives, kept through the rewrite's copies
         n.meta[ORIGIN] = n.name
     module = rewrite(cap.module, kernels)
-    dead, folded = set(remove_dead(module)), set(fold_constants(module))
+    dead, folded = set(remove_dead(module)), set(fold_constants(module, weights=baked_weights))
     left = [dataclasses.replace(op, reason=DEAD) if op.node in dead else
             dataclasses.replace(op, reason=FOLDED) if op.node in folded else op for op in left]
     splits = getattr(be, "splits", {})

@@ -83,7 +83,7 @@ class Subgraph:
 
 #: the reasons an op the partition left to torch does not run per call after all (``frontend.constants``)
 DEAD = "unused once the kernels took its readers: removed"
-FOLDED = "reads no input and no weight: evaluated once, at compile time (a buffer)"
+FOLDED = "reads no input (only constants, or weights baked in): evaluated once, at compile time (a buffer)"
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
-#: in-place ops that are not spelled with a trailing underscore
-_WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+#: in-place ops that are not spelled with a trailing underscore (``x[i] = y``, ``x += y``, ``x &= y``, ...)
+_WRITES = {operator.setitem, *(getattr(operator, f"i{op}") for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))}
 
 
 def writes_in_place(node: fx.Node) -> bool:
@@ -43,6 +44,8 @@ def writes_in_place(node: fx.Node) -> bool:
     elif node.op == "call_function":
         if node.target in _WRITES:
             return True
+        if getattr(node.target, "__module__", None) == "_operator":  # operator.and_ / or_: x & y, not in place
+            return False
         name = getattr(node.target, "__name__", "") or str(node.target)
     else:
         return False

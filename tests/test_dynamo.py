@@ -171,6 +171,17 @@ def test_masks_read_their_own_dims() -> None:
     assert masks["t5_encoder"].shape == (2, 16, 16) and masks["t5_encoder"].cast is None
 
 
+def test_a_mask_every_layer_casts_is_cast_once() -> None:
+    """BERT's padding row is bound to each layer's attention as 0/1 in the scores' dtype (a copy): one
+    ``_Bind`` makes it before the first layer and both attentions read that tensor, with the output exact."""
+    compiled = _compiled_matches_eager("bert_padding", "reference")
+    gm = compiled.spacefusion.compiled[0].fused.graph_module
+    binds = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("bind_")]
+    assert len(binds) == 1 and gm.get_submodule(binds[0].target).op.cast == "float32", gm.code
+    readers = [u for u in binds[0].users if u.op == "call_module" and u.target.startswith("fused_")]
+    assert len(readers) == 2, gm.code
+
+
 def test_masked_attention_exports_a_cuda_artefact(tmp_path) -> None:
     """The cuda backend builds an attention with score mods like any other SMG (its tensor-core kernel is
     checked on the GPU by test_mma's mask cases); without a GPU, ``load=False`` exports it and refuses to run."""

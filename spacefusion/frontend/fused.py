@@ -44,6 +44,13 @@ class FusedKernel(nn.Module):
             self._fast = self._plan()
         return self._fast(*args)
 
+    def prebound(self, spaces: set[str]) -> None:
+        """These value operands arrive already bound (``_Bind``, shared with other kernels): taken as
+        they are."""
+        self.values = tuple(dataclasses.replace(op, select=(), cast=None, split=None, permute=None)
+                            if op.space in spaces else op for op in self.values)
+        self._fast = None
+
     def _plan(self) -> Any:
         """The call, planned once: each kernel input taken from an argument (viewed as its space) or a
         buffer, in the kernel's order, and each result viewed from its output.  A kernel without a
@@ -172,9 +179,39 @@ def _closed(sub: Subgraph, by_name: dict[str, fx.Node]) -> bool:
     return all(n in results or all(u.name in inside for u in by_name[n].users) for n in sub.nodes)
 
 
+class _Bind(nn.Module):
+    """A graph value bound as an operand once (a cast, a broadcast dim dropped, a permuted copy), for every
+    kernel that reads it so: BERT's boolean padding mask cast to the scores' dtype was 12 copies a forward,
+    one per layer's attention, where one does."""
+
+    def __init__(self, op: Operand) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return _bind(a, self.op)
+
+
+def _bind_key(op: Operand) -> tuple | None:
+    """What makes two kernels' bindings of a value the same tensor; None where the binding is a view."""
+    if not (op.select or op.cast or op.split or op.permute):
+        return None
+    return op.ref, op.select, op.cast, op.split, op.permute, op.shape
+
+
+def _shared_binds(kernels: list[FusedKernel]) -> set[tuple]:
+    """The bindings that more than one kernel makes (each then made once, by a ``_Bind``)."""
+    seen: dict[tuple, int] = {}
+    for fk in kernels:
+        for key in {_bind_key(op) for op in fk.values} - {None}:
+            seen[key] = seen.get(key, 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
 def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     """A new graph module where each kernel's nodes are one ``call_module``; units are emitted in a
-    topological order that keeps the original order where it can (Kahn's algorithm on a heap)."""
+    topological order that keeps the original order where it can (Kahn's algorithm on a heap).  A value that
+    several kernels bind the same way (a copy) is bound once, before the first of them."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
@@ -192,6 +229,10 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     ready = [(prio[u], u) for u, ds in deps.items() if not ds]
     heapq.heapify(ready)
     graph, env = fx.Graph(), {}
+    shared, bound = _shared_binds(kernels), {}
+    binds = [[op if _bind_key(op) in shared else None for op in fk.values] for fk in kernels]  # as they bind
+    for fk, ops in zip(kernels, binds):
+        fk.prebound({op.space for op in ops if op is not None})
     root = nn.Module()
     for name, child in gm.named_children():
         root.add_module(name, child)
@@ -200,9 +241,16 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
         if u[0] == "n":
             env[by_name[u[1]]] = graph.node_copy(by_name[u[1]], lambda x: env[x])
         else:
-            fk = kernels[u[1]]
+            fk, args = kernels[u[1]], []
             root.add_module(f"fused_{u[1]}", fk)
-            call = graph.call_module(f"fused_{u[1]}", tuple(env[by_name[op.ref]] for op in fk.values))
+            for op, was in zip(fk.values, binds[u[1]]):
+                key = None if was is None else _bind_key(was)
+                if key is not None and key not in bound:
+                    name = f"bind_{len(bound)}"
+                    root.add_module(name, _Bind(was))
+                    bound[key] = graph.call_module(name, (env[by_name[op.ref]],))
+                args.append(env[by_name[op.ref]] if key is None else bound[key])
+            call = graph.call_module(f"fused_{u[1]}", tuple(args))
             for j, r in enumerate(fk.sub.results):
                 env[by_name[r.node]] = graph.call_function(operator.getitem, (call, j))
         for v in users[u]:

@@ -22,7 +22,8 @@ LOG2E = 1.4426950408889634
 
 def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
            fold_log2e: bool = False, fast_div: bool = False,
-           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None) -> tirx.PrimExpr:
+           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None, fast_erf: bool = False
+           ) -> tirx.PrimExpr:
     """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
     ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
     reduction).  With ``fold_log2e`` too, ``log2 e`` is distributed over the terms of ``x`` so
@@ -35,7 +36,9 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
     where it differs from IEEE (|b| > 2**126, or an infinite a) the value is 0 or NaN.
     With ``tanh`` (an emitter of the GPU's ``tanh.approx.f32``), ``tanh(x)`` is that instruction
     and a logistic ``1 / (1 + exp(z))`` is ``0.5 - 0.5 * tanh(z / 2)``: one special-function op
-    where tanhf is a software routine and the logistic an exp2 and a reciprocal."""
+    where tanhf is a software routine and the logistic an exp2 and a reciprocal.
+    With ``fast_erf``, ``erf(x)`` is ``erf_fast`` (absolute error under 1e-6, far below a 16-bit store's
+    rounding: for values stored in fp16 / bf16 only)."""
 
     def div(a: tirx.PrimExpr, b: sp.Expr) -> tirx.PrimExpr:
         logistic = logistic_arg(b) if tanh is not None else None
@@ -84,6 +87,8 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
             return tirx.exp2(go(e.args[0]) * _const(LOG2E))
         if tanh is not None and isinstance(e, sp.tanh):
             return tanh(go(e.args[0]))
+        if fast_erf and isinstance(e, sp.erf):
+            return erf_fast(go(e.args[0]))
         fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
                sp.Abs: tirx.abs}
         for f, g in fns.items():
@@ -113,6 +118,24 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
         raise NotImplementedError(f"cannot lower expression {e} ({type(e).__name__}) to TIR")
 
     return go(expr)
+
+
+#: Abramowitz & Stegun 7.1.26: erf(a) = 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-a^2), t = 1 / (1 + p a)
+ERF_P, ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def erf_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``erf(x)`` branch-free: a fast reciprocal, five FMAs and one ex2 (A&S 7.1.26, |error| < 1.5e-7).
+    Why: CUDA's ``erff`` is a two-branch routine of about twice the dependent operations, and in a GEMM's
+    GELU epilogue (one block per SM, 8 warps, ~100 erfs a thread) that chain is the epilogue's time:
+    BERT's 1024 x 3072 x 768 GEMM + GELU took 22 us where the same schedule with ReLU took 10."""
+    a = tirx.abs(x)
+    t = tirx.call_pure_extern(F32, "__fdividef", _const(1.0), _const(1.0) + _const(ERF_P) * a)
+    poly = _const(ERF_A[-1])
+    for c in reversed(ERF_A[:-1]):
+        poly = poly * t + _const(c)
+    y = _const(1.0) - poly * t * tirx.exp2(a * a * _const(-LOG2E))
+    return tirx.copysign(y, x)
 
 
 def to_tir_int(text: str, value: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:

@@ -214,6 +214,9 @@ CASES = {
                                     {"m": 64, "n": 64}, 64, 4, {"wgmma": True, "tma": True, "slices": 3}),
     "gemm_gated_tma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
                                {"wgmma": True, "tma": True, "slices": 2}),
+    # GPT-2's gelu_new in the epilogue: tanh by ``tanh_fast`` (16-bit output, fast_math off), tails
+    "gemm_wgmma_gelu_tanh": (lambda: patterns.gemm_epilogue(200, 320, 192, "gelu_tanh", True, dtype="float16"),
+                             {"m": 128, "n": 64}, 64, 2, {"wgmma": True, "tma": True}),
     "gemm_stacked_tma_slices4": (lambda: patterns.gemm_epilogue(64, 128, 512, "none", False, "float16", stack=2),
                                  {"m": 64, "n": 128}, 64, 2, {"wgmma": True, "tma": True, "slices": 4}),
     "gemm_gated_wgmma_slices2": (lambda: gated_gemm(200, 320, 256, "silu", "float16"), {"m": 128, "n": 64}, 64, 2,
@@ -1398,9 +1401,9 @@ def test_gated_gemm_wgmma_refusals(mnk, kwargs, match) -> None:
         schedule(gated_gemm(*mnk, "silu", "float16"), tensor_cores=True, wgmma=True, **opts)
 
 
-def test_fast_erf_is_within_its_stated_error() -> None:
-    """``lower.exprs.erf_fast``'s formula (A&S 7.1.26, its constants as the lowering uses them) in float32:
-    within 1e-6 of erf, odd."""
+def test_fast_erf_and_tanh_are_within_their_stated_error() -> None:
+    """``lower.exprs.erf_fast``'s formula (A&S 7.1.26, its constants as the lowering uses them) and
+    ``tanh_fast``'s in float32: within 1e-6 of erf and tanh, odd, saturating to 1."""
     import math
 
     from spacefusion.lower.exprs import ERF_A, ERF_P, LOG2E
@@ -1414,6 +1417,11 @@ def test_fast_erf_is_within_its_stated_error() -> None:
     y = np.copysign(np.float32(1.0) - poly * t * np.exp2(a * a * np.float32(-LOG2E)), x)
     want = np.array([math.erf(float(v)) for v in x])
     assert np.abs(y - want).max() < 1e-6
+    x = np.linspace(-60.0, 60.0, 100001, dtype=np.float32)
+    with np.errstate(over="ignore"):  # exp overflows to inf for large |x|: 2 / inf = 0, tanh 1
+        e = np.exp2(np.abs(x) * np.float32(2.0 * LOG2E))
+        y = np.copysign(np.float32(1.0) - np.float32(2.0) / (np.float32(1.0) + e), x)
+    assert np.abs(y - np.tanh(x.astype(np.float64))).max() < 1e-6 and y[-1] == 1.0 and y[0] == -1.0
 
 
 def test_a_16_bit_gelu_epilogue_uses_the_fast_erf() -> None:
@@ -1422,3 +1430,5 @@ def test_a_16_bit_gelu_epilogue_uses_the_fast_erf() -> None:
     16.3 us on the H100); numerics: the gelu cases of ``test_warp_tile_kernel_matches_numpy_on_gpu``."""
     src = build(_schedule("gemm_wgmma_tma_slices3_gelu"), "cuda").source
     assert "erff(" not in src and "__fdividef" in src and "exp2f(" in src
+    src = build(_schedule("gemm_wgmma_gelu_tanh"), "cuda").source  # GELU-tanh: tanhf likewise
+    assert "tanhf(" not in src and "tanh.approx" not in src and "__fdividef" in src

@@ -37,8 +37,9 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
     With ``tanh`` (an emitter of the GPU's ``tanh.approx.f32``), ``tanh(x)`` is that instruction
     and a logistic ``1 / (1 + exp(z))`` is ``0.5 - 0.5 * tanh(z / 2)``: one special-function op
     where tanhf is a software routine and the logistic an exp2 and a reciprocal.
-    With ``fast_erf``, ``erf(x)`` is ``erf_fast`` (absolute error under 1e-6, far below a 16-bit store's
-    rounding: for values stored in fp16 / bf16 only)."""
+    With ``fast_erf``, ``erf(x)`` is ``erf_fast`` and, where no ``tanh`` emitter is given, ``tanh(x)`` is
+    ``tanh_fast`` (absolute errors under 1e-6, far below a 16-bit store's rounding: for values stored in
+    fp16 / bf16 only)."""
 
     def div(a: tirx.PrimExpr, b: sp.Expr) -> tirx.PrimExpr:
         logistic = logistic_arg(b) if tanh is not None else None
@@ -89,6 +90,8 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
             return tanh(go(e.args[0]))
         if fast_erf and isinstance(e, sp.erf):
             return erf_fast(go(e.args[0]))
+        if fast_erf and isinstance(e, sp.tanh):
+            return tanh_fast(go(e.args[0]))
         fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
                sp.Abs: tirx.abs}
         for f, g in fns.items():
@@ -135,6 +138,16 @@ def erf_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     for c in reversed(ERF_A[:-1]):
         poly = poly * t + _const(c)
     y = _const(1.0) - poly * t * tirx.exp2(a * a * _const(-LOG2E))
+    return tirx.copysign(y, x)
+
+
+def tanh_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``tanh(x)`` branch-free as ``1 - 2 / (1 + exp(2|x|))`` with its sign: one ex2 and a fast division
+    (absolute error about 2e-7; ``exp`` overflowing to inf gives 1).  Why: CUDA's ``tanhf`` is a two-branch
+    routine, the same dependent chain in a GEMM's GELU-tanh epilogue (GPT-2's and ALBERT's ``gelu_new``) as
+    ``erff`` was in GELU's (``erf_fast``)."""
+    e = tirx.exp2(tirx.abs(x) * _const(2.0 * LOG2E))
+    y = _const(1.0) - tirx.call_pure_extern(F32, "__fdividef", _const(2.0), _const(1.0) + e)
     return tirx.copysign(y, x)
 
 

@@ -21,6 +21,27 @@ def test_export_writes_an_artefact_per_smg_key(tmp_path) -> None:
     assert (path / "kernel.cu").read_text()
 
 
+def test_an_artefact_built_by_other_code_is_rebuilt_where_the_backend_can_build(tmp_path) -> None:
+    """A kernel folder keyed by the SMG records the code that built it (``kernel.json``'s ``code``); a backend
+    that builds missing kernels rebuilds one from other code (or recording none) rather than serve it, and a
+    backend that cannot build (a GPU machine without TVM) leaves it as it is."""
+    from spacefusion.lower.fingerprint import code_fingerprint
+
+    g = patterns.layernorm(8, 16, dtype="float16")
+    path = CudaBackend(tmp_path).export(g, cubin=False)
+    assert json.loads((path / "kernel.json").read_text())["code"] == code_fingerprint()
+    for old in ("0" * 16, None):  # another version's, and an artefact from before fingerprints
+        meta = json.loads((path / "kernel.json").read_text())
+        meta.pop("code")
+        (path / "kernel.json").write_text(json.dumps(meta | ({"code": old} if old else {})))
+        (path / "kernel.cu").write_text("// stale")
+        CudaBackend(tmp_path, load=False).compile(g)  # cannot build: served as it is
+        assert (path / "kernel.cu").read_text() == "// stale"
+        CudaBackend(tmp_path, build_missing=True, load=False).compile(g)
+        assert (path / "kernel.cu").read_text() != "// stale"
+        assert json.loads((path / "kernel.json").read_text())["code"] == code_fingerprint()
+
+
 def test_compile_without_export_names_the_missing_artefact(tmp_path) -> None:
     g = patterns.layernorm(8, 16, dtype="float16")
     with pytest.raises(FrontendError, match="no CUDA artefact for layernorm"):

@@ -116,6 +116,17 @@ class LLVMBackend(_Cached):
         return run
 
 
+def _stale(path: Path) -> bool:
+    """Whether the artefact at ``path`` was built by other code than this (``lower.fingerprint``; an artefact
+    that records none counts as other): a backend that can build rebuilds it rather than serve it."""
+    from spacefusion.lower.fingerprint import code_fingerprint
+
+    try:
+        return json.loads((path / "kernel.json").read_text()).get("code") != code_fingerprint()
+    except (OSError, ValueError):
+        return True
+
+
 class CudaBackend(_Cached):
     """The GPU backend: ``export`` builds each SMG's CUDA artefact (needs TVM, this machine);
     ``compile`` loads an exported artefact with ``spacefusion.runtime.gpu`` (needs torch + cupy and a
@@ -166,7 +177,7 @@ class CudaBackend(_Cached):
         from spacefusion.runtime.gpu import load_kernel, torch_dtype
 
         path = self.artefact_dir(smg)
-        if not (path / "kernel.json").is_file() and self.build_missing:
+        if self.build_missing and (not (path / "kernel.json").is_file() or _stale(path)):
             self.export(smg)
         if not (path / "kernel.json").is_file():
             raise FrontendError(f"no CUDA artefact for {smg.name} at {path}: run CudaBackend.export where TVM is")

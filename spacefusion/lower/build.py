@@ -20,6 +20,7 @@ from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import tma_maps
 from smg.errors import ShapeError, SpaceFusionError
+from spacefusion.lower.fingerprint import code_fingerprint
 from spacefusion.lower.tir import build_primfunc, signature
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
@@ -120,6 +121,7 @@ class CudaArtefact:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "kernel.cu").write_text(self.source)
         meta = dict(self.meta)
+        meta.setdefault("code", code_fingerprint())  # the code that built it (a cache keyed by SMG rebuilds on change)
         if compile_cubin and shutil.which("nvcc"):
             out = folder / "kernel.cubin"
             extra = tuple(meta.get("nvcc_flags", ()))

@@ -230,9 +230,9 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     heapq.heapify(ready)
     graph, env = fx.Graph(), {}
     shared, bound = _shared_binds(kernels), {}
-    binds = [[op if _bind_key(op) in shared else None for op in fk.values] for fk in kernels]  # as they bind
-    for fk, ops in zip(kernels, binds):
-        fk.prebound({op.space for op in ops if op is not None})
+    binds = [[(op, key) if (key := _bind_key(op)) in shared else None for op in fk.values] for fk in kernels]
+    for fk, pairs in zip(kernels, binds):  # (the operands as they bound, before prebound makes them plain)
+        fk.prebound({p[0].space for p in pairs if p is not None})
     root = nn.Module()
     for name, child in gm.named_children():
         root.add_module(name, child)
@@ -243,13 +243,16 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
         else:
             fk, args = kernels[u[1]], []
             root.add_module(f"fused_{u[1]}", fk)
-            for op, was in zip(fk.values, binds[u[1]]):
-                key = None if was is None else _bind_key(was)
-                if key is not None and key not in bound:
+            for op, pair in zip(fk.values, binds[u[1]]):
+                if pair is None:
+                    args.append(env[by_name[op.ref]])
+                    continue
+                was, key = pair
+                if key not in bound:
                     name = f"bind_{len(bound)}"
                     root.add_module(name, _Bind(was))
                     bound[key] = graph.call_module(name, (env[by_name[op.ref]],))
-                args.append(env[by_name[op.ref]] if key is None else bound[key])
+                args.append(bound[key])
             call = graph.call_module(f"fused_{u[1]}", tuple(args))
             for j, r in enumerate(fk.sub.results):
                 env[by_name[r.node]] = graph.call_function(operator.getitem, (call, j))

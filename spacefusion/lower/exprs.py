@@ -22,7 +22,7 @@ LOG2E = 1.4426950408889634
 
 def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
            fold_log2e: bool = False, fast_div: bool = False,
-           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None, fast_erf: bool = False
+           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None, branch_free: bool = False
            ) -> tirx.PrimExpr:
     """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
     ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
@@ -37,7 +37,7 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
     With ``tanh`` (an emitter of the GPU's ``tanh.approx.f32``), ``tanh(x)`` is that instruction
     and a logistic ``1 / (1 + exp(z))`` is ``0.5 - 0.5 * tanh(z / 2)``: one special-function op
     where tanhf is a software routine and the logistic an exp2 and a reciprocal.
-    With ``fast_erf``, ``erf(x)`` is ``erf_fast`` and, where no ``tanh`` emitter is given, ``tanh(x)`` is
+    With ``branch_free``, ``erf(x)`` is ``erf_fast`` and, where no ``tanh`` emitter is given, ``tanh(x)`` is
     ``tanh_fast`` (absolute errors under 1e-6, far below a 16-bit store's rounding: for values stored in
     fp16 / bf16 only)."""
 
@@ -88,9 +88,9 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
             return tirx.exp2(go(e.args[0]) * _const(LOG2E))
         if tanh is not None and isinstance(e, sp.tanh):
             return tanh(go(e.args[0]))
-        if fast_erf and isinstance(e, sp.erf):
+        if branch_free and isinstance(e, sp.erf):
             return erf_fast(go(e.args[0]))
-        if fast_erf and isinstance(e, sp.tanh):
+        if branch_free and isinstance(e, sp.tanh):
             return tanh_fast(go(e.args[0]))
         fns = {sp.exp: tirx.exp, sp.log: tirx.log, sp.tanh: tirx.tanh, sp.erf: tirx.erf,
                sp.Abs: tirx.abs}

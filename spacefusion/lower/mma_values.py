@@ -45,7 +45,7 @@ class Values:
         return to_tir(e, load, exp2=True, fold_log2e=st.fold_log2e or (st.unmasked and st.fold_unmasked),
                       fast_div=stored in MMA_DTYPES,
                       tanh=_tanh_approx if st.p.fast_math and stored in MMA_DTYPES else None,
-                      fast_erf=stored in MMA_DTYPES)
+                      branch_free=stored in MMA_DTYPES)
 
     def inlined(self, text_or_expr) -> sp.Expr:
         """``text`` with the inlined score ops (constant scalings) substituted by their bodies."""

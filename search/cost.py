@@ -43,7 +43,7 @@ from schedulers.traffic import fused_kernel
 from smg.expr import body_expr
 from smg.ir import SMG, Op
 
-from .simt_memory import dram_bandwidth, l2_reread_bytes
+from .simt_memory import dram_bandwidth, l1_sector_seconds, l2_reread_bytes
 from .warp_tile_cost import warp_tile_time_s
 
 SECTOR_BYTES = 32
@@ -202,7 +202,8 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         memory_s = nbytes / dram_bandwidth(s, hw, occ, res.threads, frozenset(unco))
     # the warp-tile model has each step's barrier in its chain
     sync_s = 0.0 if s.warp_tile is not None else \
-        waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz
+        waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz \
+        + l1_sector_seconds(s, k, hw, frozenset(unco))
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 

@@ -21,6 +21,14 @@ to').  The scalar kernels reached the same bandwidth whatever their threads per 
 ``WARP_LOADS_PER_SM`` encodes.  The model ranked them all level before (the old bandwidth share only
 counted busy SMs, and vectors and scalars tied).
 
+A warp's load is served by L1 one 32-byte sector at a time (``l1_sector_seconds``): where the warp's 32
+addresses spread over more sectors than its bytes need, the extra sectors cost L1 time on top of the
+memory time.  The lowering puts a row's lanes on consecutive threads, so lanes along a serial dim that
+is not the input's innermost read a few bytes from each of several rows (GroupNorm's partial sums: 8
+lanes over pixels read 8 bytes a sector, 32 lanes 2 bytes); measured on the H100, each extra sector
+cost about one SM clock (``experiments/tuning/raw/groupnorm_round_h100/``: 47 -> 55.6 -> 68 us for 2, 4
+and 8 sectors a warp load at 512x512x128).
+
 Inputs with none of the cut dims (a norm's weight and bias, a bias vector) are the same bytes for
 every block, read at about the same time: the first block's read comes from device memory, the
 other blocks' from L2 where the tensor fits there (``l2_reread_bytes``); the cost model keeps
@@ -52,6 +60,8 @@ SM_PORT_BYTES_PER_CLK = 64
 #: a broadcast input re-read by every block is served by L2 when it is at most this share of L2
 L2_SHARE = 0.25
 SECTOR_BYTES = 32
+#: sectors one SM's L1 serves per clock (fitted on the GroupNorm partial rounds, see the module doc)
+L1_SECTORS_PER_CLK = 1.0
 
 
 def _itemsize(s: Schedule, name: str) -> int:
@@ -74,6 +84,53 @@ def l2_reread_bytes(s: Schedule, k: KernelTraffic, hw: HardwareModel) -> float:
         if n in reads and hw.l2_bytes and size <= L2_SHARE * hw.l2_bytes:
             out += max(0.0, reads[n] - size)
     return out
+
+
+def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
+    """Sectors and distinct bytes of one warp-wide load of global input ``name`` (the first one: every
+    loop at 0), from the lowering's thread order: lanes fastest, then the thread dim, then the other
+    block dims (``lower.tir``); a lane's serial element is ``lane * vector``, read ``vector`` wide where
+    the serial dim is the input's innermost."""
+    dims = s.smg.space(name).dims
+    shape = s.smg.shape(name)
+    item = _itemsize(s, name)
+    tiles = s.tiles
+    order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
+    wide = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
+    sectors: set[int] = set()
+    nbytes: set[int] = set()
+    for t in range(min(32, s.threads)):
+        lane, rest = (t % s.lanes, t // s.lanes) if s.lanes > 1 else (0, t)
+        pos: dict[str, int] = {}
+        for d in order:
+            pos[d] = rest % tiles[d] if d != order[-1] else rest
+            rest //= tiles[d]
+        pos[s.serial] = lane * s.vector
+        flat = 0
+        for d, n in zip(dims, shape):
+            flat = flat * n + min(pos.get(d, 0), n - 1)
+        first = flat * item
+        for b in range(first, first + wide * item):
+            nbytes.add(b)
+            sectors.add(b // SECTOR_BYTES)
+    return len(sectors), len(nbytes)
+
+
+def l1_sector_seconds(s: Schedule, k: KernelTraffic, hw: HardwareModel, skip: frozenset[str] = frozenset()) -> float:
+    """L1 time of the sectors ``s``'s warp loads touch beyond the bytes they bring (``warp_sectors``), for the
+    per-thread global inputs that stream (``skip``: those already charged as uncoalesced device traffic)."""
+    reads = dict(k.reads)
+    broadcast = set(broadcast_inputs(s))
+    extra = 0.0
+    for n in s.smg.inputs:
+        if n in skip or n in broadcast or s.level(n) != "global" or n not in reads:
+            continue
+        sectors, useful = warp_sectors(s, n)
+        need = -(-useful // SECTOR_BYTES)
+        if sectors > need:
+            extra += reads[n] / useful * (sectors - need)  # warp loads x their extra sectors
+    busy = min(hw.num_sms, s.num_blocks)
+    return extra / (busy * L1_SECTORS_PER_CLK * hw.clock_hz)
 
 
 def _per_thread_loads(s: Schedule, uncoalesced: frozenset[str]) -> tuple[int, float]:

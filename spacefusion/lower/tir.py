@@ -480,6 +480,10 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
                     env = k.loops(k.local_dims(o), st)
                     T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
             for u in plan.states:
+                if u.space and s.num_steps == 1:
+                    # an auxiliary accumulator feeds only its state's carry into a later step: with one step
+                    # there is none (a split's stats kernel spent a reduction pass, two barriers, on each)
+                    continue
                 _emit_update(k, u)
             if k.shared:  # the next step overwrites the block-shared tiles
                 T.evaluate(T.tvm_storage_sync("shared"))
@@ -651,11 +655,14 @@ def _emit_update(k: _Kernel, u) -> None:
             # step's GEMV read its weight rows as 2-byte loads: 1.8 TB/s on the H100)
             reads = () if others else k.vector_reads(sym.name for sym in parse(u.body).free_symbols)
             env2 = {**env, **k.loops((k.s.serial,), red, reads=reads)}
+            # the tail guard reads the serial index alone: tested once, outside the other reduced dims' loops.
+            # Inside them it put every load in a branch of its own, which ptxas does not hoist loads across:
+            # a stats kernel's 16 loads a lane ran one after another, each a full memory latency
+            red.enter_context(T.If(k.valid_serial(env2)))
+            red.enter_context(T.Then())
             env2 |= k.loops(others, red)
-            with T.If(k.valid_serial(env2)):
-                with T.Then():
-                    val = k.expr(u.body, env2)
-                    T.buffer_store(part, tirx.max(part[0], val) if u.combiner == "max" else part[0] + val, [0])
+            val = k.expr(u.body, env2)
+            T.buffer_store(part, tirx.max(part[0], val) if u.combiner == "max" else part[0] + val, [0])
         total = k.allreduce(part[0], u.combiner) if k.lanes > 1 else part[0]
         if u.combiner == "max":
             T.buffer_store(buf, tirx.max(buf[idx], total), idx)

@@ -37,7 +37,7 @@ from smg.serialize import smg_from_dict, smg_to_dict
 
 FORMAT = "spacefusion-schedule/1"
 LEVELS = ("global", "shared", "register", "inlined")
-__all__ = ["LANES", "VECTORS", "Schedule", "make_schedule", "pick_serial"]
+__all__ = ["LANES", "VECTORS", "Schedule", "lane_spread", "make_schedule", "pick_serial"]
 
 
 #: where ``Schedule.key`` splices the SMG's canonical text into the schedule's
@@ -226,6 +226,20 @@ class Schedule:
 
         return schedule_html(self)
 
+
+
+def lane_spread(s: Schedule, others: tuple[str, ...], layout: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The dims a lane group's elements are spread over in a step, outermost first, where a state's op
+    reduces ``others`` besides the serial dim: the step's serial positions and ``others`` as one index,
+    laid out as ``layout`` (the dims of the input it streams) orders them, consecutive lanes on its
+    innermost.  None where the lanes stay on the serial dim alone (no lanes, vectors, or no other dims).
+    Why: a split's stats kernel reduces (chunks, channels) per group; lanes over the chunks alone read one
+    float from each 64-byte row of channels.  The lowering (``lower.tir``) and the cost model
+    (``search.simt_memory.warp_sectors``) both read this."""
+    if s.lanes <= 1 or s.vector > 1 or not others:
+        return None
+    dims = (s.serial, *others)
+    return tuple(sorted(dims, key=lambda d: layout.index(d) if d in layout else -1))
 
 def _check_loaded(s: Schedule) -> None:
     """The numbers of a schedule read from JSON, checked as ``make_schedule`` checks them (an edited file

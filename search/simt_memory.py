@@ -42,7 +42,7 @@ import math
 import numpy as np
 
 from schedulers.hardware import HardwareModel
-from schedulers.schedule import Schedule
+from schedulers.schedule import Schedule, lane_spread
 from schedulers.traffic import KernelTraffic
 
 #: DRAM round-trip latency under load (H100 HBM3: ~500 ns idle, more when the memory system is busy)
@@ -90,13 +90,16 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
     """Sectors and distinct bytes of one warp-wide load of global input ``name`` (the first one: every
     loop at 0), from the lowering's thread order: lanes fastest, then the thread dim, then the other
     block dims (``lower.tir``); a lane's serial element is ``lane * vector``, read ``vector`` wide where
-    the serial dim is the input's innermost."""
+    the serial dim is the input's innermost, or its place in the spread of ``schedule.lane_spread``."""
     dims = s.smg.space(name).dims
     shape = s.smg.shape(name)
     item = _itemsize(s, name)
     tiles = s.tiles
     order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
     wide = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
+    reduced = {d for u in s.plan.states for d in s.smg.producer(u.base).reduce} - {s.serial}
+    spread = lane_spread(s, tuple(d for d in dims if d in reduced and d not in tiles), dims)
+    spans = [s.step if d == s.serial else s.smg.dim_sizes[d] for d in spread or ()]
     sectors: set[int] = set()
     nbytes: set[int] = set()
     for t in range(min(32, s.threads)):
@@ -105,7 +108,11 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
         for d in order:
             pos[d] = rest % tiles[d] if d != order[-1] else rest
             rest //= tiles[d]
-        pos[s.serial] = lane * s.vector
+        if spread:  # the lanes spread over the step's serial positions and the other reduced dims
+            for d, n in zip(reversed(spread), reversed(spans)):
+                pos[d], lane = lane % n, lane // n
+        else:
+            pos[s.serial] = lane * s.vector
         flat = 0
         for d, n in zip(dims, shape):
             flat = flat * n + min(pos.get(d, 0), n - 1)

@@ -114,7 +114,10 @@ def test_lanes_beyond_a_warp_reduce_through_shared_memory() -> None:
     s = schedule(g, tiles={"m": 1}, serial="n", step=4096, lanes=128, vector=8)
     assert s.threads == 128
     src = build(s, "cuda").source.split("__global__")[-1]
-    assert "__shfl_xor_sync" in src and src.count("__syncthreads()") >= 2 * 3  # 3 states, 2 barriers each
+    # 2 states, 2 barriers each: the third (N_sqsum's auxiliary accumulator) only carries into a later step,
+    # and this kernel has one
+    assert s.num_steps == 1 and any(u.space for u in s.plan.states)
+    assert "__shfl_xor_sync" in src and src.count("__syncthreads()") == 2 * 2
     assert re.search(r"__shared__ alignas\(\d+\) float _ptr\w*\[4\]", src)  # one partial per warp
     with pytest.raises(ScheduleError, match="lanes 2048 must be a power of two up to 1024"):
         schedule(g, tiles={"m": 1}, serial="n", step=4096, lanes=2048)

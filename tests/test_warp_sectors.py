@@ -69,3 +69,38 @@ def test_the_model_picks_near_the_best_of_each_measured_partial_round(name, monk
         monkeypatch.setattr(sm, "L1_SECTORS_PER_CLK", float("inf"))
         flat = [estimate_us(s, H100) for s, _ in rnd]
         assert top1_slowdown(flat, meas) > 1.15
+
+
+def _stats(pixels: int, channels: int):
+    g = patterns.group_norm(1, pixels, 32, channels, act="silu", dtype="float16")
+    return split_reduction(g, "s", 64).kernels[1]  # reads N_sum_p [n, s_part, g, c_part]: c_part innermost
+
+
+def test_stats_lanes_spread_over_the_chunks_and_channels():
+    """A stats kernel's lanes over the chunks alone read one float from each group's row of channels; spread
+    over (chunk, channel) (``schedule.lane_spread``, as ``lower.tir`` emits it) consecutive lanes read
+    consecutive channels."""
+    from schedulers.schedule import lane_spread
+
+    k = _stats(128 * 128, 512)  # 16 channels a group
+    s = make_schedule(k, tiles={"n": 1, "g": 1}, serial="s_part", step=64, thread_dim="g", lanes=32)
+    assert lane_spread(s, ("c_part",), k.space("N_sum_p").dims) == ("s_part", "c_part")
+    assert sm.warp_sectors(s, "N_sum_p") == (4, 128)  # 2 chunks x 16 channels of 4 bytes
+    one = make_schedule(k, tiles={"n": 1, "g": 1}, serial="s_part", step=64, thread_dim="g")
+    assert lane_spread(one, ("c_part",), k.space("N_sum_p").dims) is None
+
+
+def test_a_spread_stats_kernel_builds_for_cuda(tmp_path):
+    """The spread form lowers and nvcc compiles it (its numerics are checked on the GPU: the cuda tests of
+    tests/test_split.py and experiments/run_artefacts_gpu.py)."""
+    import shutil
+
+    from spacefusion.api import build
+
+    k = _stats(64 * 64, 320)  # 10 channels a group: the flattened tail is guarded
+    s = make_schedule(k, tiles={"n": 1, "g": 1}, serial="s_part", step=64, thread_dim="g", lanes=32)
+    art = build(s, "cuda")
+    assert "% 10" in art.source or "%10" in art.source  # the lane's channel: its flattened index mod 10
+    if shutil.which("nvcc"):
+        art.save(tmp_path / "k", compile_cubin=True)
+        assert (tmp_path / "k" / "kernel.cubin").is_file()

@@ -22,7 +22,7 @@ from tvm.script.ir_builder import tirx as T
 
 from schedulers.errors import ScheduleError
 from schedulers.options import MAX_UNROLL
-from schedulers.schedule import Schedule
+from schedulers.schedule import Schedule, lane_spread
 from schedulers.temporal import parse
 from smg.expr import body_expr
 from smg.ir import Access, Op
@@ -651,16 +651,20 @@ def _emit_update(k: _Kernel, u) -> None:
         with ExitStack() as red:
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
-            # a run's inputs read as one wide access where the serial dim is the innermost loop (a decode
-            # step's GEMV read its weight rows as 2-byte loads: 1.8 TB/s on the H100)
-            reads = () if others else k.vector_reads(sym.name for sym in parse(u.body).free_symbols)
-            env2 = {**env, **k.loops((k.s.serial,), red, reads=reads)}
-            # the tail guard reads the serial index alone: tested once, outside the other reduced dims' loops.
-            # Inside them it put every load in a branch of its own, which ptxas does not hoist loads across:
-            # a stats kernel's 16 loads a lane ran one after another, each a full memory latency
-            red.enter_context(T.If(k.valid_serial(env2)))
-            red.enter_context(T.Then())
-            env2 |= k.loops(others, red)
+            spread = _spread_dims(k, u, others)
+            if spread is not None:
+                env2 = {**env, **_spread_loop(k, spread, red)}
+            else:
+                # a run's inputs read as one wide access where the serial dim is the innermost loop (a decode
+                # step's GEMV read its weight rows as 2-byte loads: 1.8 TB/s on the H100)
+                reads = () if others else k.vector_reads(sym.name for sym in parse(u.body).free_symbols)
+                env2 = {**env, **k.loops((k.s.serial,), red, reads=reads)}
+                # the tail guard reads the serial index alone: tested once, outside the other reduced dims'
+                # loops. Inside them it put every load in a branch of its own, which ptxas does not hoist
+                # loads across: a stats kernel's 16 loads a lane ran one after another, each a memory latency
+                red.enter_context(T.If(k.valid_serial(env2)))
+                red.enter_context(T.Then())
+                env2 |= k.loops(others, red)
             val = k.expr(u.body, env2)
             T.buffer_store(part, tirx.max(part[0], val) if u.combiner == "max" else part[0] + val, [0])
         total = k.allreduce(part[0], u.combiner) if k.lanes > 1 else part[0]
@@ -669,6 +673,45 @@ def _emit_update(k: _Kernel, u) -> None:
         else:
             carried = k.expr(_new_to_cur(u.carry), dict(env)) if u.carry else buf[idx]
             T.buffer_store(buf, carried + total, idx)
+
+
+def _spread_dims(k: _Kernel, u, others: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``schedule.lane_spread`` for this update, where its body reads only global inputs and states (no
+    per-lane tiles, which are indexed by the lane's own serial positions); the layout is the largest input's."""
+    if k.lanes <= 1:
+        return None
+    names = {sym.name for sym in parse(u.body).free_symbols} - set(k.sizes)
+    states = {v.state for v in k.s.plan.states}
+    inputs = [n for n in names if n in k.smg.inputs]
+    if not inputs or any(n not in k.smg.inputs and n.split("__")[0] not in states for n in names) \
+            or any(n in k.shared for n in inputs):
+        return None
+    big = max(inputs, key=lambda n: math.prod(k.smg.shape(n)))
+    return lane_spread(k.s, others, k.smg.space(big).dims)
+
+
+def _spread_loop(k: _Kernel, dims: tuple[str, ...], stack: ExitStack) -> dict[str, tirx.PrimExpr]:
+    """One loop over a step's elements of ``dims`` (the serial dim's ``step`` positions and the others whole),
+    lane ``l`` taking elements ``l, l + lanes, ...`` of their flattened index, the last dim fastest: a warp
+    reads consecutive elements of the innermost one.  The serial tail and the flattened tail are guarded."""
+    sizes = [k.s.step if d == k.s.serial else k.sizes[d] for d in dims]
+    total = math.prod(sizes)
+    trips = -(-total // k.lanes)
+    it = stack.enter_context((T.unroll if trips <= MAX_UNROLL else T.serial)(0, trips))
+    flat = it * k.lanes + k.lane
+    env: dict[str, tirx.PrimExpr] = {}
+    rest = flat
+    for d, n in zip(reversed(dims), reversed(sizes)):
+        env[d] = rest % n if d != dims[0] else rest
+        rest = rest // n
+    ok = [flat < total] if total % k.lanes else []
+    if k.has_tail:
+        ok.append(k.t0 + env[k.s.serial] < k.sizes[k.s.serial])
+        ok.append(env[k.s.serial] < k.s.step)
+    if ok:
+        stack.enter_context(T.If(tirx.all(*ok)))
+        stack.enter_context(T.Then())
+    return env
 
 
 def _new_to_cur(text: str) -> str:

@@ -104,3 +104,15 @@ def test_a_spread_stats_kernel_builds_for_cuda(tmp_path):
     if shutil.which("nvcc"):
         art.save(tmp_path / "k", compile_cubin=True)
         assert (tmp_path / "k" / "kernel.cubin").is_file()
+
+
+def test_the_model_reads_spread_lanes_as_coalesced():
+    """Where the lanes spread onto the innermost dim the device traffic is not charged whole sectors per
+    element; one thread per group looping over the channels still is."""
+    from search.cost import _uncoalesced_reads
+
+    k = _stats(128 * 128, 512)
+    spread = make_schedule(k, tiles={"n": 1, "g": 1}, serial="s_part", step=64, thread_dim="g", lanes=32)
+    alone = make_schedule(k, tiles={"n": 1, "g": 2}, serial="s_part", step=64, thread_dim="g")
+    assert "N_sum_p" not in _uncoalesced_reads(spread)
+    assert "N_sum_p" in _uncoalesced_reads(alone)

@@ -227,7 +227,6 @@ class Schedule:
         return schedule_html(self)
 
 
-
 def lane_spread(s: Schedule, others: tuple[str, ...], layout: tuple[str, ...]) -> tuple[str, ...] | None:
     """The dims a lane group's elements are spread over in a step, outermost first, where a state's op
     reduces ``others`` besides the serial dim: the step's serial positions and ``others`` as one index,
@@ -240,6 +239,7 @@ def lane_spread(s: Schedule, others: tuple[str, ...], layout: tuple[str, ...]) -
         return None
     dims = (s.serial, *others)
     return tuple(sorted(dims, key=lambda d: layout.index(d) if d in layout else -1))
+
 
 def _check_loaded(s: Schedule) -> None:
     """The numbers of a schedule read from JSON, checked as ``make_schedule`` checks them (an edited file

@@ -37,7 +37,7 @@ from smg.serialize import smg_from_dict, smg_to_dict
 
 FORMAT = "spacefusion-schedule/1"
 LEVELS = ("global", "shared", "register", "inlined")
-__all__ = ["LANES", "VECTORS", "Schedule", "lane_spread", "make_schedule", "pick_serial"]
+__all__ = ["LANES", "VECTORS", "Schedule", "input_lane_spread", "lane_spread", "make_schedule", "pick_serial"]
 
 
 #: where ``Schedule.key`` splices the SMG's canonical text into the schedule's
@@ -239,6 +239,14 @@ def lane_spread(s: Schedule, others: tuple[str, ...], layout: tuple[str, ...]) -
         return None
     dims = (s.serial, *others)
     return tuple(sorted(dims, key=lambda d: layout.index(d) if d in layout else -1))
+
+
+def input_lane_spread(s: Schedule, name: str) -> tuple[str, ...] | None:
+    """``lane_spread`` of the state updates' reads of input ``name``: the other reduced dims it has, in its
+    own layout (what the cost model asks of each input)."""
+    dims = s.smg.space(name).dims
+    reduced = {d for u in s.plan.states for d in s.smg.producer(u.base).reduce} - {s.serial}
+    return lane_spread(s, tuple(d for d in dims if d in reduced and d not in s.tiles), dims)
 
 
 def _check_loaded(s: Schedule) -> None:

@@ -38,7 +38,7 @@ import sympy as sp
 
 from schedulers.hardware import HardwareModel
 from schedulers.resources import block_resources
-from schedulers.schedule import Schedule, lane_spread
+from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import fused_kernel
 from smg.expr import body_expr
 from smg.ir import SMG, Op
@@ -119,8 +119,7 @@ def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
         dims = smg.space(name).dims
         if s.lanes > 1 and dims[-1] == s.serial:
             continue  # consecutive lanes read consecutive serial elements: coalesced
-        reduced = {d for u in s.plan.states for d in smg.producer(u.base).reduce} - {s.serial}
-        spread = lane_spread(s, tuple(d for d in dims if d in reduced and d not in s.tiles), dims)
+        spread = input_lane_spread(s, name)
         if spread and spread[-1] == dims[-1]:
             continue  # lanes spread over the reduced dims, consecutive ones on the innermost: coalesced
         if s.thread_dim in dims and dims[-1] != s.thread_dim:

@@ -42,7 +42,7 @@ import math
 import numpy as np
 
 from schedulers.hardware import HardwareModel
-from schedulers.schedule import Schedule, lane_spread
+from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import KernelTraffic
 
 #: DRAM round-trip latency under load (H100 HBM3: ~500 ns idle, more when the memory system is busy)
@@ -90,15 +90,14 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
     """Sectors and distinct bytes of one warp-wide load of global input ``name`` (the first one: every
     loop at 0), from the lowering's thread order: lanes fastest, then the thread dim, then the other
     block dims (``lower.tir``); a lane's serial element is ``lane * vector``, read ``vector`` wide where
-    the serial dim is the input's innermost, or its place in the spread of ``schedule.lane_spread``."""
+    the serial dim is the input's innermost, or its place in the spread of ``schedule.input_lane_spread``."""
     dims = s.smg.space(name).dims
     shape = s.smg.shape(name)
     item = _itemsize(s, name)
     tiles = s.tiles
     order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
     wide = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
-    reduced = {d for u in s.plan.states for d in s.smg.producer(u.base).reduce} - {s.serial}
-    spread = lane_spread(s, tuple(d for d in dims if d in reduced and d not in tiles), dims)
+    spread = input_lane_spread(s, name)
     spans = [s.step if d == s.serial else s.smg.dim_sizes[d] for d in spread or ()]
     sectors: set[int] = set()
     nbytes: set[int] = set()

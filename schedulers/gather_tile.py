@@ -93,6 +93,72 @@ def _gather_tile(smg, op, row: str, L: str) -> GatherTile:
     return GatherTile(op.out, acc.space, acc.index)
 
 
+#: the largest kernel and padding an im2col tensor map describes here (4-d maps: corners in [-128, 127])
+IM2COL_MAX_KERNEL = 7
+IM2COL_MAX_PAD = 3
+#: channels of one im2col box: a 128-byte swizzle band of fp16 / bf16
+IM2COL_BAND = 64
+
+
+@dataclass(frozen=True)
+class Im2col:
+    """A gathered tile that a TMA im2col tensor map loads: the view is a stride-1 ``kernel`` window of the
+    channels-last image ``src`` [n, h, w, c] with ``pad`` zeros around it (``Builder.window2d`` without
+    upsampling), its output ``out`` = (p, q) pixels per image.  A 64-column band of the tile is one tap's 64
+    channels, so one TMA load fetches [rows, 64] with the tap as the load's im2col offsets."""
+
+    src: str
+    kernel: tuple[int, int]
+    pad: int
+    channels: int
+    out: tuple[int, int]
+
+    def tap(self, col: int) -> tuple[int, int, int]:
+        """(ky, kx, channel) of tile column ``col`` (the view's column order: taps, then channels)."""
+        tap, ch = divmod(col, self.channels)
+        return tap // self.kernel[1], tap % self.kernel[1], ch
+
+    @property
+    def corners(self) -> tuple[list[int], list[int]]:
+        """The tensor map's pixel-box corners, (w, h) as the map orders them: a filter's first tap ranges
+        over [-pad, size - 1 + pad - (kernel - 1)] along each, the output pixels (stride 1)."""
+        (r, s), pad = self.kernel, self.pad
+        return [-pad, -pad], [pad - (s - 1), pad - (r - 1)]
+
+
+def im2col_of(smg, g: GatherTile) -> Im2col | str:
+    """``g`` as a TMA im2col load, or why it is not one: the view must be exactly ``window2d``'s stride-1,
+    non-upsampled form (matched by rebuilding its index expressions), its image 16-bit and its channels
+    whole 64-wide bands (a band then never straddles two taps)."""
+    op = smg.producer(g.tile)
+    src = smg.space(g.src)
+    sizes = smg.dim_sizes
+    if len(src.dims) != 4:
+        return f"{g.src!r} is not a 4-d channels-last image"
+    if src.dtype not in ("float16", "bfloat16"):
+        return f"{g.src!r} is {src.dtype}; im2col boxes here are 16-bit"
+    n, h, w, c = (sizes[d] for d in src.dims)
+    m, k = op.out_index
+    if c % IM2COL_BAND:
+        return f"{g.src!r} has {c} channels, not whole {IM2COL_BAND}-channel bands (a band would straddle two taps)"
+    taps = sizes[k] // c
+    norm = tuple(re.sub(r"\s+", "", t) for t in g.index)
+    for r in range(1, IM2COL_MAX_KERNEL + 1):
+        if taps % r or taps // r > IM2COL_MAX_KERNEL:
+            continue
+        s = taps // r
+        for pad in range(IM2COL_MAX_PAD + 1):
+            p, q = h + 2 * pad - r + 1, w + 2 * pad - s + 1
+            if p < 1 or q < 1 or n * p * q != sizes[m]:
+                continue
+            y = f"1*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{s * c}) - {pad}"
+            x = f"1*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {s}*floor({k}/{s * c}) - {pad}"
+            want = (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
+            if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
+                return Im2col(g.src, (r, s), pad, c, (p, q))
+    return f"{g.tile!r} is not a stride-1, non-upsampled window of {g.src!r} (its index {g.index})"
+
+
 def _chunk_constant(arg: sp.Expr, lsym: sp.Symbol) -> bool:
     """``arg`` is ``L / c`` (+ a constant multiple of ``1/c``... only the plain form) with c a multiple of 8."""
     coeff = sp.Poly(arg, lsym).all_coeffs() if arg.is_polynomial(lsym) else None
@@ -102,4 +168,4 @@ def _chunk_constant(arg: sp.Expr, lsym: sp.Symbol) -> bool:
     return c.is_Integer and int(c) % CHUNK == 0
 
 
-__all__ = ["CHUNK", "GatherTile", "gather_tile"]
+__all__ = ["CHUNK", "GatherTile", "Im2col", "gather_tile", "im2col_of"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from schedulers.errors import ScheduleError
-from schedulers.gather_tile import GatherTile, gather_tile
+from schedulers.gather_tile import GatherTile, Im2col, gather_tile, im2col_of
 from schedulers.temporal import UpdateFunction, parse
 from smg.expr import body_expr
 
@@ -99,9 +99,15 @@ class WarpTileProgram:
     pingpong: bool = False  # two MMA warpgroups per block on alternate tiles, taking turns at the tensor cores
     fast_math: bool = False  # tanh and logistics stored in 16 bits on tanh.approx.f32
     gathers: tuple[GatherTile, ...] = ()  # tiles_in that are views of an input (an implicit GEMM's im2col tile)
+    im2cols: tuple[Im2col, ...] = ()  # each gather as a TMA im2col load (empty when one is not: im2col_why)
+    im2col_why: str = ""  # why the gathers are not TMA im2col loads
 
     def gather(self, name: str) -> GatherTile | None:
         return next((g for g in self.gathers if g.tile == name), None)
+
+    def im2col(self, name: str) -> Im2col | None:
+        """The TMA im2col form of gathered tile ``name`` (None: not gathered, or not expressible)."""
+        return next((i for g, i in zip(self.gathers, self.im2cols, strict=False) if g.tile == name), None)
 
     @property
     def wgmma_ss(self) -> bool:
@@ -227,7 +233,15 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                            s.reload_a and gemm is not None, s.early_scores,
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
                            tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
-                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, tuple(gathers))
+                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, tuple(gathers),
+                           *_im2cols(smg, gathers))
+
+
+def _im2cols(smg, gathers: list[GatherTile]) -> tuple[tuple[Im2col, ...], str]:
+    """Every gathered tile's TMA im2col form, or none and the first reason one has none."""
+    got = [im2col_of(smg, g) for g in gathers]
+    why = next((g for g in got if isinstance(g, str)), "")
+    return (() if why else tuple(got)), why
 
 
 #: the N of wgmma.mma_async m64nNk16 (a multiple of 8 up to 256; here of the 64-column swizzle atoms)
@@ -826,11 +840,19 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     """The tensor maps a ``tma`` kernel takes, as kernel param -> {tensor, box (innermost first),
     swizzle (bytes)}: [rows, 64] bands of the inputs on the score plane (a plain GEMM's A, with K
     innermost), [step, 64] bands of the others (K, V, a plain GEMM's B), one (batch, head)
-    coordinate at a time; the launcher encodes them for the tensors it binds."""
+    coordinate at a time; the launcher encodes them for the tensors it binds.  A gathered tile (an
+    implicit GEMM's) maps its image in im2col mode: box [64 channels, rows pixels], and ``im2col``'s
+    pixel-box corners (w, h)."""
     if not p.tma:
         return {}
     maps = {}
     for n in tma_streamed(p):
+        im = p.im2col(n)
+        if im is not None:  # a gathered tile: the image's map in im2col mode, [rows pixels, 64 channels] a load
+            lower, upper = im.corners
+            maps[f"{n}__tmap"] = {"tensor": im.src, "box": [64, p.rows, 1, 1], "swizzle": 128,
+                                  "im2col": {"lower": lower, "upper": upper}}
+            continue
         spec = {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
                 + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128}
         dims = s.smg.space(n).dims
@@ -866,9 +888,14 @@ def tma_reason(p: WarpTileProgram) -> str | None:
     score layout (Softmax-GEMM's S)."""
     if not p.wgmma:
         return "its tiles are not wgmma's swizzled ones (wgmma=True)"
-    if p.gathers:
-        return (f"{p.gathers[0].tile!r} is gathered (an implicit GEMM's im2col view): cp.async loads it chunk by "
-                f"chunk through its index expressions, TMA only boxes of a tensor's own layout")
+    if p.gathers:  # an implicit GEMM's im2col view: TMA's im2col mode loads a stride-1 window's [rows, 64] bands
+        if p.im2col_why:
+            return (f"{p.gathers[0].tile!r} is gathered (an implicit GEMM's im2col view) and no TMA im2col load "
+                    f"describes it: {p.im2col_why}")
+        if p.step % 64:
+            return f"the step {p.step} is not whole 64-channel bands of the gathered view (one TMA im2col load each)"
+        if p.rows > 256:
+            return f"the row tile {p.rows} is more pixels than one TMA im2col load takes (256)"
     if p.wgmma_ss:  # (blocks slicing the steps: each block's coordinates along L start at its first step)
         return None
     if p.tiles_in and p.step % 64:

@@ -69,6 +69,8 @@ TMA_L2_FACTOR = 1.3
 #: 1.25x the best (geometric mean; Spearman 0.47), 2 us gives 1.07x (0.70), 3 us no better; the deeper rings
 #: (4 stages at 128 x 256) that won by 15-25% on the VAE's shapes are what it then prefers
 GATHER_LATENCY_S = 2.0e-6
+#: the latency of a gathered tile loaded by TMA in im2col mode (the copy engine computes the addresses)
+IM2COL_LATENCY_S = 0.5e-6
 #: FP32 operations of CUDA's tanhf, a software routine (exp-based with a polynomial for small |x|)
 TANHF_OPS = 20
 
@@ -192,7 +194,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     carry_simt, carry_sfu = _carries(s, p)
     sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
     simt_s = (elems * step_simt + rows * carry_simt + gather_ops(s, p)) / fp32_rate
-    load = (GATHER_LATENCY_S if p.gathers else LOAD_LATENCY_S) + l2_s
+    load = ((IM2COL_LATENCY_S if p.tma else GATHER_LATENCY_S) if p.gathers else LOAD_LATENCY_S) + l2_s
     # steps loaded ahead: the ring less the slot being read and, a GEMM fed by a producer warpgroup,
     # the slot its wgmma group in flight still holds (attention's steps wait for their wgmma groups)
     ahead = p.stages - 1 - (1 if p.producer and p.wgmma_ss else 0)
@@ -220,8 +222,11 @@ FLOOR_DIV_OPS = 3
 def gather_ops(s: Schedule, p: WarpTileProgram) -> float:
     """Integer ops per step of the gathered tiles' addresses (an implicit GEMM's im2col tile): each 16-byte chunk
     evaluates the view's index expressions (a floor division costs FLOOR_DIV_OPS), checks each component
-    against its bounds and combines them into an offset, on the threads that also issue the MMAs."""
+    against its bounds and combines them into an offset, on the threads that also issue the MMAs.  None by TMA:
+    an im2col load's addresses are the copy engine's."""
     total = 0.0
+    if p.tma:
+        return total
     for g in p.gathers:
         exprs = [parse(e) for e in g.index]
         per_chunk = sum(int(sp.count_ops(e)) + (FLOOR_DIV_OPS - 1) * len(e.atoms(sp.floor)) for e in exprs)

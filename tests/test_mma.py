@@ -308,6 +308,15 @@ CASES = {
                      {"m": 32, "co": 64}, 32, 2),
     "conv_up2_silu": (lambda: patterns.conv2d(1, 6, 6, 32, 64, 3, 1, 1, "silu", upsample=2, dtype="float16"),
                       {"m": 64, "co": 64}, 32, 2),
+    # the gathered tile by TMA in im2col mode: tiles straddling image rows and images, the padding and the rows
+    # past the end zero-filled by the copy engine; two 64-channel bands a tap; a 5x5 window under a producer
+    # warpgroup with persistent blocks taking turns (pingpong)
+    "conv3x3_res_im2col": (lambda: patterns.conv2d(2, 9, 11, 128, 64, 3, 1, 1, "relu", residual=True,
+                                                   dtype="float16"), {"m": 64, "co": 64}, 64, 3,
+                           {"warps": 4, "wgmma": True, "tma": True}),
+    "conv5x5_im2col_pingpong": (lambda: patterns.conv2d(2, 12, 10, 64, 128, 5, 1, 2, "silu", dtype="float16"),
+                                {"m": 64, "co": 128}, 64, 3,
+                                {"wgmma": True, "tma": True, "producer": True, "persistent": 3, "pingpong": True}),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))

@@ -197,6 +197,17 @@ def _check_params(s: Schedule, sig, order: list[str]) -> dict[str, dict]:
     return maps
 
 
+def _with_helpers(src: str) -> str:
+    """``src`` with the device functions its kernel calls that TVM does not emit (TMA im2col loads),
+    defined before the kernel."""
+    from spacefusion.lower.mma_tma import IM2COL_LOAD, IM2COL_SOURCE
+
+    if IM2COL_LOAD not in src:
+        return src
+    at = src.index('extern "C" __global__')
+    return src[:at] + IM2COL_SOURCE + src[at:]
+
+
 def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact:
     """Compile a scheduled IRModule; grid, block and dynamic shared memory are read from the
     lowered device function, so the metadata is what TVM emitted, not what we meant."""
@@ -217,6 +228,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     if m is None:
         raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
     src, kname = _renamed(src, m.group(2), s)
+    src = _with_helpers(src)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
     maps = _check_params(s, sig, order)

@@ -80,6 +80,9 @@ class TmaRing:
                 bar = self.full(slot) if bar is None else bar
                 T.evaluate(T.ptx.mbarrier.arrive.expect_tx.shared.b64(bar, T.uint32(nbytes)))
                 for n in names:
+                    if p.im2col(n) is not None:
+                        self._im2col(n, slot, t0, bar)
+                        continue
                     dims = st.smg.space(n).dims
                     op = T.ptx[f"cp.async.bulk.tensor.{len(dims)}d.shared::cluster.global.mbarrier::complete_tx::bytes"]
                     outer = [st.coord[d] for d in tma_dims(st.smg, p, n)[2:]]  # the map's order
@@ -91,3 +94,35 @@ class TmaRing:
                         else:  # [step, cols]: the band runs along the tile's columns
                             c0, c1 = cols0.get(n, tirx.const(0, I32)) + band * 64, t0
                         T.evaluate(op(dst, st.glob[f"{n}__tmap"].data, c0, c1, *outer, bar))
+
+    def _im2col(self, n: str, slot: tirx.PrimExpr, t0: tirx.PrimExpr, bar: tirx.PrimExpr) -> None:
+        """Gathered tile ``n``'s step at column ``t0`` by TMA im2col loads, one per 64-column band (one tap's
+        64 channels): the box's first pixel is the row tile's first output pixel (n, y, x) at (x - pad,
+        y - pad), the tap (kx, ky) its im2col offsets; pixels past the image's edge arrive as zeros."""
+        st = self.st
+        im = st.p.im2col(n)
+        (p_out, q_out), pad = im.out, im.pad
+        m0 = st.row0
+        img, y0, x0 = m0 // (p_out * q_out), (m0 // q_out) % p_out, m0 % q_out
+        _, rows, cols = st.layout[n]
+        for band in range(cols // 64):
+            col = t0 + band * 64
+            tap, ch = col // im.channels, col % im.channels
+            ky, kx = tap // im.kernel[1], tap % im.kernel[1]
+            dst = st.arena.ptr_to([st.slot_tile(n, slot) + band * rows * 64])
+            T.evaluate(tirx.call_extern("void", IM2COL_LOAD, dst, st.glob[f"{n}__tmap"].data, ch, x0 - pad, y0 - pad,
+                                        img, kx, ky, bar))
+
+
+#: the device function (``IM2COL_SOURCE``) a kernel with im2col loads calls: TVM's PTX builtins have no im2col form
+IM2COL_LOAD = "sf_tma_load_im2col_4d"
+IM2COL_SOURCE = f"""
+__forceinline__ __device__ void {IM2COL_LOAD}(void* dst, const void* tmap, int c, int w, int h, int n, int kx, int ky,
+                                                void* mbar) {{
+  unsigned int d = (unsigned int)__cvta_generic_to_shared(dst), b = (unsigned int)__cvta_generic_to_shared(mbar);
+  unsigned short ow = (unsigned short)kx, oh = (unsigned short)ky;
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {{%2, %3, %4, %5}}], [%6], {{%7, %8}};"
+               :: "r"(d), "l"(tmap), "r"(c), "r"(w), "r"(h), "r"(n), "r"(b), "h"(ow), "h"(oh) : "memory");
+}}
+"""

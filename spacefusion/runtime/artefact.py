@@ -51,6 +51,9 @@ class ParamSpec:
     #: the mapped tensor's dims in the map's order (its first the contiguous one); None: innermost first.
     #: A bshd attention maps K [b, L, h, d] as (d, L, h, b), so its box rows run along L
     tensor_map_dims: tuple[int, ...] | None = None
+    #: an im2col map's pixel-box corners ((w, h) lower, (w, h) upper); its box is then (channels per pixel,
+    #: pixels per load, 1, 1).  None: a tiled map
+    tensor_map_im2col: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def numel(self) -> int:
@@ -63,6 +66,9 @@ class ParamSpec:
             d["tensor_map"] = {"tensor": tensor, "box": list(box), "swizzle": swizzle}
             if self.tensor_map_dims is not None:
                 d["tensor_map"]["dims"] = list(self.tensor_map_dims)
+            if self.tensor_map_im2col is not None:
+                lower, upper = self.tensor_map_im2col
+                d["tensor_map"]["im2col"] = {"lower": list(lower), "upper": list(upper)}
         return d
 
 
@@ -284,7 +290,8 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
             raise ArtefactError(f"{where}: param {name!r} has role {role!r}, expected one of {sorted(ROLES)}")
         tmap = _tensor_map(p, name, role, where)
         out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role, tensor_map=tmap,
-                             tensor_map_dims=_tensor_map_dims(p, name, len(tmap[1]), where) if tmap else None))
+                             tensor_map_dims=_tensor_map_dims(p, name, len(tmap[1]), where) if tmap else None,
+                             tensor_map_im2col=_tensor_map_im2col(p, name, len(tmap[1]), where) if tmap else None))
     names = [p.name for p in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -299,6 +306,22 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
     if not any(p.role == "output" for p in out):
         raise ArtefactError(f"{where}: no param has role 'output'")
     return tuple(out)
+
+
+def _tensor_map_im2col(p: Mapping[str, Any], name: str, rank: int,
+                       where: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """An im2col tensormap's pixel-box corners (``tensor_map.im2col``: lower and upper, one int per spatial
+    dim, each in -128..127 for a 4-d map), or None for a tiled map."""
+    spec = p["tensor_map"].get("im2col")
+    if spec is None:
+        return None
+    ok = isinstance(spec, dict) and rank >= 3
+    corners = [spec.get(k) if ok else None for k in ("lower", "upper")]
+    if not ok or not all(isinstance(c, list) and len(c) == rank - 2 and all(_is_int(v) and -128 <= v <= 127 for v in c)
+                         for c in corners):
+        raise ArtefactError(f"{where}: tensormap {name!r} im2col {spec!r} must be {{lower, upper}}: {rank - 2} ints "
+                            f"each in -128..127 (a {rank}-d image's spatial dims)")
+    return tuple(corners[0]), tuple(corners[1])
 
 
 def _tensor_map_dims(p: Mapping[str, Any], name: str, rank: int, where: str) -> tuple[int, ...] | None:

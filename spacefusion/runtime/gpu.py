@@ -305,8 +305,9 @@ class CudaKernel:
         # fixed address (a workspace: zeroed once and kept)
         plan: list[Any] = []
         for name in art.param_order:  # (every parameter is 8 bytes: a pointer, or a tensor map's address)
-            if name in maps:
-                plan.append(("m", maps[name], slot[maps[name].tensor_map[0]]))
+            if name in maps:  # (with the mapped tensor's own shape: a caller may pass it flat)
+                mapped = maps[name].tensor_map[0]
+                plan.append(("m", maps[name], slot[mapped], art.param(mapped).shape))
             elif name in scratch:
                 plan.append(scratch[name].data_ptr())
             else:
@@ -325,7 +326,7 @@ class CudaKernel:
                 args = [tensors[a[1]].data_ptr() if isinstance(a, tuple) else a for a in plan]
             else:
                 args = [a if not isinstance(a, tuple) else tensors[a[1]].data_ptr() if a[0] == "t"
-                        else self._tensor_map(a[1], tensors[a[2]], device).data_ptr() for a in plan]
+                        else self._tensor_map(a[1], tensors[a[2]].view(a[3]), device).data_ptr() for a in plan]
             if direct is not None:
                 direct(args, raw_stream(device))
                 return result
@@ -347,11 +348,13 @@ class CudaKernel:
         """``p``'s tensor map of ``t``, encoded once per tensor address (a few kept per kernel)."""
         import torch
 
-        from .tensormap import TensorMapError, encode_tiled
+        from .tensormap import TensorMapError, encode_im2col, encode_tiled
 
         def make() -> torch.Tensor:
             _, box, swizzle = p.tensor_map
             try:
+                if p.tensor_map_im2col is not None:
+                    return encode_im2col(t, box[0], box[1], *p.tensor_map_im2col, swizzle)
                 return encode_tiled(t, box, swizzle, p.tensor_map_dims)
             except TensorMapError as e:
                 raise KernelLaunchError(f"{self.artefact.kernel_name}: tensor map {p.name!r} of "

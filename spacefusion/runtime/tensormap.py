@@ -73,17 +73,20 @@ def _libcuda() -> Any:
 _CAPTURED: list[torch.Tensor] = []
 
 
-def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int,
-                 order: Sequence[int] | None = None) -> torch.Tensor:
-    """The tensor map of ``t`` (a CUDA tensor) with ``box`` and ``swizzle``, its dims in ``order``
-    (None: innermost first; see ``tiled_args``), as a uint8[128] tensor on ``t``'s device."""
-    import torch
-
+def _dtype_name(t: torch.Tensor) -> str:
     name = str(t.dtype).removeprefix("torch.")
     if name not in DATA_TYPES:
         raise TensorMapError(f"dtype {name} has no tensor-map type here; known: {sorted(DATA_TYPES)}")
     if t.data_ptr() % 16:
         raise TensorMapError(f"the tensor's address {t.data_ptr():#x} is not 16-byte aligned")
+    return name
+
+
+def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int,
+                 order: Sequence[int] | None = None) -> torch.Tensor:
+    """The tensor map of ``t`` (a CUDA tensor) with ``box`` and ``swizzle``, its dims in ``order``
+    (None: innermost first; see ``tiled_args``), as a uint8[128] tensor on ``t``'s device."""
+    name = _dtype_name(t)
     dims, strides, box = tiled_args(t.shape, t.stride(), t.element_size(), box, swizzle, order)
     rank = len(dims)
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
@@ -96,6 +99,58 @@ def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int,
     if rc != 0:
         raise TensorMapError(f"cuTensorMapEncodeTiled refused dims {dims}, strides {strides} B, box {box}, "
                              f"swizzle {swizzle}: CUresult {rc}")
+    return _on_device(t, addr)
+
+
+def im2col_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, channels: int, pixels: int,
+                lower: Sequence[int], upper: Sequence[int], swizzle: int) -> tuple[list[int], list[int]]:
+    """(dims, byte strides of dims 1..) of a channels-last image [n, (d,) h, w, c] for an im2col map, after the
+    driver's rules: contiguous channels, 16-byte strides, 1..256 channels and pixels a load, one corner per
+    spatial dim, and a channel run of at most ``swizzle`` bytes when swizzled."""
+    rank = len(shape)
+    if not 3 <= rank <= 5 or len(lower) != rank - 2 or len(upper) != rank - 2:
+        raise TensorMapError(f"an im2col map takes a 3-5-d channels-last image and one corner per spatial dim; got "
+                             f"shape {list(shape)}, corners {list(lower)} / {list(upper)}")
+    if strides[-1] != 1:
+        raise TensorMapError(f"the channels have stride {strides[-1]}; an im2col map needs them contiguous")
+    dims = [int(v) for v in reversed(shape)]
+    byte_strides = [int(v) * itemsize for v in reversed(strides[:-1])]
+    if any(b % 16 for b in byte_strides):
+        raise TensorMapError(f"row strides {byte_strides} B must be multiples of 16 for a tensor map")
+    if not (1 <= channels <= 256 and 1 <= pixels <= 256):
+        raise TensorMapError(f"{channels} channels and {pixels} pixels a load must each be 1..256")
+    if swizzle not in SWIZZLES or (swizzle and channels * itemsize > swizzle):
+        raise TensorMapError(f"swizzle {swizzle} must be one of {sorted(SWIZZLES)} bytes and hold a pixel's "
+                             f"{channels * itemsize} B")
+    return dims, byte_strides
+
+
+def encode_im2col(t: torch.Tensor, channels: int, pixels: int, lower: Sequence[int], upper: Sequence[int],
+                  swizzle: int) -> torch.Tensor:
+    """The im2col tensor map of channels-last image ``t`` (a CUDA tensor): each load fetches ``channels``
+    channels of ``pixels`` consecutive pixels of the box whose first-tap corners are ``lower`` / ``upper``
+    (innermost spatial dim first), as a uint8[128] tensor on ``t``'s device."""
+    name = _dtype_name(t)
+    dims, strides = im2col_args(t.shape, t.stride(), t.element_size(), channels, pixels, lower, upper, swizzle)
+    rank = len(dims)
+    u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
+    raw = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + 64))()
+    addr = -(-ctypes.addressof(raw) // 64) * 64
+    rc = _libcuda().cuTensorMapEncodeIm2col(
+        ctypes.c_void_p(addr), DATA_TYPES[name], rank, ctypes.c_void_p(t.data_ptr()), (u64 * rank)(*dims),
+        (u64 * (rank - 1))(*strides), (i32 * (rank - 2))(*lower), (i32 * (rank - 2))(*upper), u32(channels),
+        u32(pixels), (u32 * rank)(*([1] * rank)), 0, SWIZZLES[swizzle], _L2_PROMOTION_128B, 0)
+    if rc != 0:
+        raise TensorMapError(f"cuTensorMapEncodeIm2col refused dims {dims}, strides {strides} B, corners "
+                             f"{list(lower)} / {list(upper)}, {channels} channels x {pixels} pixels, "
+                             f"swizzle {swizzle}: CUresult {rc}")
+    return _on_device(t, addr)
+
+
+def _on_device(t: torch.Tensor, addr: int) -> torch.Tensor:
+    """The 128-byte map at host address ``addr`` copied to ``t``'s device (pinned while a graph captures)."""
+    import torch
+
     blob = bytes((ctypes.c_ubyte * TENSOR_MAP_BYTES).from_address(addr))
     host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     if not torch.cuda.is_current_stream_capturing():

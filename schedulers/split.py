@@ -37,9 +37,13 @@ from smg.subgraph import sub_smg
 
 #: the version of ``decide_split``'s rule and of the graphs it derives: a saved split of another version is
 #: derived again (an export stopped halfway once left splits of an older rule that the next one loaded)
-SPLIT_RULE = 2
+SPLIT_RULE = 3
 #: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
 MIN_CHUNK = 1024
+#: warps of partial states per SM the parts should at least make (each state a thread, its loads one chain):
+#: at 512x512x128, 256 chunks left 8 warps an SM, and the partial read 67 MB at 1.24 TB/s; 128x128x512's 256
+#: chunks of 64 rows (31 warps an SM) read at 2.3 TB/s
+PARTIAL_WARPS_PER_SM = 32
 #: where no split into enough chunks of MIN_CHUNK exists: still split into chunks of at least this many. Why:
 #: the one-kernel form reads a group's channels as strided rows (51 us a call for a 2x1280x8x8 GroupNorm on
 #: the H100), which the split's folded rows do not
@@ -370,8 +374,10 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     want = math.ceil(4 * hw.num_sms / rows)
     other = max(math.prod(smg.dim_sizes[d] for d in op.reduce if d != dim) for op in smg.ops if dim in op.reduce)
     # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
-    # block reads whole channel rows), so its blocks are the parts, not parts x rows
-    fits = [p for p in range(want, max(want, 2 * hw.num_sms) + 1) if size % p == 0 and size // p * other >= min_chunk]
+    # block reads whole channel rows), so its blocks are the parts, not parts x rows; and at least enough
+    # that the partial's states (one thread each) keep PARTIAL_WARPS_PER_SM warps of loads on every SM
+    most = max(want, 2 * hw.num_sms, math.ceil(PARTIAL_WARPS_PER_SM * 32 * hw.num_sms / (rows * other)))
+    fits = [p for p in range(want, most + 1) if size % p == 0 and size // p * other >= min_chunk]
     if not fits and big.dims[-1] != dim:
         # too short for that many: fewer, shorter chunks still read whole rows of the dims inside ``dim``
         # (GroupNorm's channels), where one kernel reads them strided; a row of contiguous elements (a decode
@@ -390,4 +396,5 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         return f"{why}, but: {e}"
 
 
-__all__ = ["MIN_CHUNK", "SMALL_CHUNK", "SPLIT_RULE", "SplitReduction", "decide_split", "split_reduction"]
+__all__ = ["MIN_CHUNK", "PARTIAL_WARPS_PER_SM", "SMALL_CHUNK", "SPLIT_RULE", "SplitReduction", "decide_split",
+           "split_reduction"]

@@ -15,7 +15,7 @@ from torch import nn
 import spacefusion
 from schedulers.errors import TemporalSliceError
 from schedulers.hardware import H100
-from schedulers.split import decide_split, split_reduction
+from schedulers.split import PARTIAL_WARPS_PER_SM, decide_split, split_reduction
 from schedulers.temporal import plan_temporal
 from smg import patterns
 from smg.reference import evaluate
@@ -88,6 +88,9 @@ def test_the_split_is_chosen_for_idle_sms_and_refused_with_reasons() -> None:
     assert not isinstance(got, str), got
     assert got.dim == "s" and got.parts * 32 >= 2 * H100.num_sms and "32 independent reductions" in got.reason
     assert got.partial.shape("X") == (1, got.parts, 512 * 512 // got.parts, 32, 4)
+    # a partial state per thread: the most parts up to PARTIAL_WARPS_PER_SM warps of loads an SM (1024 chunks of
+    # 256 pixels; 256 chunks read 67 MB at 1.24 TB/s on the H100, 1024 at 2.1)
+    assert got.parts == 1024 and 2 * got.parts * 32 * 4 > PARTIAL_WARPS_PER_SM * 32 * H100.num_sms
     # the second pass cuts the pixels: the combined statistics are recomputed per block (cheaply)
     from schedulers.spatial import analyse_spatial
     s = next(d for d in analyse_spatial(got.combine) if d.dim == "s")

@@ -46,12 +46,39 @@ def parse_target(target: str) -> tuple[str, str | None]:
 
 
 def _tvm():
-    """Import TVM lazily; its NVRTC path looks for CUDA next to nvcc unless CUDA_PATH is set."""
+    """Import TVM lazily; its NVRTC path looks for CUDA next to nvcc unless CUDA_PATH is set.  Where TVM
+    compiles CUDA itself (a GPU machine), its compile callback first gets our device helpers (``_with_helpers``)."""
     if Path("/usr/local/cuda-13.0").exists():
         os.environ.setdefault("CUDA_PATH", "/usr/local/cuda-13.0")
     import tvm
 
+    _hook_cuda_compile()
     return tvm
+
+
+_HOOKED: list[bool] = []
+
+
+def _hook_cuda_compile() -> None:
+    """Wrap TVM's ``tvm_callback_cuda_compile`` (once) so the source it compiles defines the device functions
+    our kernels call that TVM does not emit; without it a GPU machine's TVM build fails on an undefined name."""
+    if _HOOKED:
+        return
+    import tvm_ffi
+
+    orig = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+    _HOOKED.append(True)
+    if orig is not None:
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_with_helpers(orig), override=True)
+
+
+def compile_with_helpers(orig: Callable[..., object]) -> Callable[..., object]:
+    """``orig`` (a CUDA compile callback) called on the source with our device helpers defined."""
+
+    def compile_cuda(code: str, *rest: object) -> object:
+        return orig(_with_helpers(code), *rest)
+
+    return compile_cuda
 
 
 @dataclass
@@ -202,7 +229,7 @@ def _with_helpers(src: str) -> str:
     defined before the kernel."""
     from spacefusion.lower.mma_tma import IM2COL_LOAD, IM2COL_SOURCE
 
-    if IM2COL_LOAD not in src:
+    if IM2COL_LOAD not in src or f"void {IM2COL_LOAD}(" in src:
         return src
     at = src.index('extern "C" __global__')
     return src[:at] + IM2COL_SOURCE + src[at:]

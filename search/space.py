@@ -259,8 +259,10 @@ class SearchSpace:
             lazies = (False, True) if self.running_max else (False,)
             tma = self.hopper and self.one_reduction
             # blocks slicing a plain GEMM's steps: by TMA and by cp.async (measured apart: the ring's fill
-            # is a larger share of a slice's few steps)
-            for early, lazy, by_tma in itertools.product(earlies, lazies, (True, False) if tma and sl > 1 else (tma,)):
+            # is a larger share of a slice's few steps); an implicit GEMM's gathered tile both ways too (TMA
+            # im2col lost to the cp.async gather on the UNet's small grids: docs/convolutions.md)
+            both = tma and (sl > 1 or self.gathers)
+            for early, lazy, by_tma in itertools.product(earlies, lazies, (True, False) if both else (tma,)):
                 yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, tensor_cores=True,
                             stages=stages, warps=warps, split=split, slices=sl, reload_a=rl, early_scores=early,
                             lazy_rescale=lazy,
@@ -316,6 +318,11 @@ class SearchSpace:
         return len(reductions) == 1 or bool(reductions) and all(
             op.combiner == "sum" and len(op.inputs) == 2 and all(a.space in self.smg.inputs for a in op.inputs)
             for op in reductions)
+
+    @cached_property
+    def gathers(self) -> bool:
+        """Whether an op reads an input through an index expression (a convolution's im2col view)."""
+        return any(not a.plain for op in self.smg.ops for a in op.inputs)
 
     @cached_property
     def running_max(self) -> bool:

@@ -323,3 +323,21 @@ def test_ray_runner_without_ray_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ImportError, match=r"pip install spacefusion\[ray\]"):
         RayRunner()
+
+
+def test_the_gpu_command_takes_bf16_reference_inputs() -> None:
+    """The reference's bf16 inputs are ``ml_dtypes.bfloat16`` arrays, which torch cannot take from numpy: the
+    GPU command's bf16 candidates failed with a TypeError before they ran.  Through float32 they arrive exact."""
+    import torch
+
+    from smg import patterns
+
+    pytest.importorskip("ml_dtypes")  # numpy's bfloat16 (the GPU machine's numpy has it registered)
+    g = patterns.conv2d(1, 5, 5, 64, 64, 1, 1, 0, "none", dtype="bfloat16")
+    x = random_inputs(g, 3)["X"]
+    assert "bfloat16" in str(x.dtype)
+    t = gpu_batch.as_torch(x, torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.shape == x.shape
+    np.testing.assert_array_equal(t.float().numpy(), x.astype(np.float32))
+    h = gpu_batch.as_torch(np.ones((2, 3), np.float16), torch.float16)
+    assert h.dtype == torch.float16 and float(h.sum()) == 6.0

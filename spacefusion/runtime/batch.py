@@ -132,6 +132,20 @@ class Measured:
     meta: dict[str, Any]
 
 
+def as_torch(a: Any, dtype: Any) -> Any:
+    """Numpy array ``a`` as a CPU tensor of torch dtype ``dtype``.  A dtype torch cannot take from numpy
+    (``ml_dtypes.bfloat16``, the reference's bf16 inputs) goes through float32, which holds it exactly."""
+    import numpy as np
+    import torch
+
+    a = np.ascontiguousarray(a)
+    try:
+        t = torch.from_numpy(a)
+    except TypeError:
+        t = torch.from_numpy(a.astype(np.float32))
+    return t.to(dtype)
+
+
 def measure_artefact(folder: str | Path, smg: Any, inputs: Mapping[str, Any], reference: Mapping[str, Any], *,
                      warmup: int = 10, iters: int = 100, flush_l2: bool = True, budget_s: float | None = None,
                      schedule_key: str | None = None) -> Measured:
@@ -142,7 +156,6 @@ def measure_artefact(folder: str | Path, smg: Any, inputs: Mapping[str, Any], re
     ``budget_s`` caps the timing of a slow candidate (fewer runs, at least 3, recorded in ``meta``);
     ``schedule_key``, when given, must match the one the artefact was built for.
     """
-    import numpy as np
     import torch
 
     from smg.reference import check_numerics
@@ -164,7 +177,7 @@ def measure_artefact(folder: str | Path, smg: Any, inputs: Mapping[str, Any], re
     meta["load_s"] = round(time.perf_counter() - t0, 4)
     try:
         art = kernel.artefact
-        dev_in = {p.name: torch.from_numpy(np.ascontiguousarray(inputs[p.name])).to("cuda") for p in art.inputs}
+        dev_in = {p.name: as_torch(inputs[p.name], gpu.torch_dtype(p.dtype)).to("cuda") for p in art.inputs}
         # NaN-filled outputs: an element the kernel never writes fails the check.
         outs = {p.name: torch.full(p.shape, math.nan, dtype=gpu.torch_dtype(p.dtype), device="cuda")
                 for p in art.outputs}

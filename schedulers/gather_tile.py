@@ -19,6 +19,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.errors import ScheduleError
+from smg.ops import window2d_index
 
 #: elements of a 16-byte chunk (fp16 / bf16)
 CHUNK = 8
@@ -126,10 +127,23 @@ class Im2col:
         return [-pad, -pad], [pad - (s - 1), pad - (r - 1)]
 
 
+#: im2col_of's answers by (SMG content key, gathered tile): asked for every schedule of a conv the search ranks
+_IM2COL_MEMO: dict[tuple[str, GatherTile], Im2col | str] = {}
+
+
 def im2col_of(smg, g: GatherTile) -> Im2col | str:
     """``g`` as a TMA im2col load, or why it is not one: the view must be exactly ``window2d``'s stride-1,
     non-upsampled form (matched by rebuilding its index expressions), its image 16-bit and its channels
     whole 64-wide bands (a band then never straddles two taps)."""
+    key = (smg.key, g)
+    if key not in _IM2COL_MEMO:
+        if len(_IM2COL_MEMO) > 4096:
+            _IM2COL_MEMO.clear()
+        _IM2COL_MEMO[key] = _im2col_of(smg, g)
+    return _IM2COL_MEMO[key]
+
+
+def _im2col_of(smg, g: GatherTile) -> Im2col | str:
     op = smg.producer(g.tile)
     src = smg.space(g.src)
     sizes = smg.dim_sizes
@@ -151,9 +165,7 @@ def im2col_of(smg, g: GatherTile) -> Im2col | str:
             p, q = h + 2 * pad - r + 1, w + 2 * pad - s + 1
             if p < 1 or q < 1 or n * p * q != sizes[m]:
                 continue
-            y = f"1*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{s * c}) - {pad}"
-            x = f"1*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {s}*floor({k}/{s * c}) - {pad}"
-            want = (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
+            want = window2d_index(m, k, c, (p, q), s, 1, pad)
             if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
                 return Im2col(g.src, (r, s), pad, c, (p, q))
     return f"{g.tile!r} is not a stride-1, non-upsampled window of {g.src!r} (its index {g.index})"

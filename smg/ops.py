@@ -69,6 +69,20 @@ class Tensor:
         return tuple(self.builder.dims[d] for d in self.dims)
 
 
+def window2d_index(m: str, k: str, c: int, out: tuple[int, int], kernel_w: int, stride: int, pad: int,
+                   upsample: int = 1) -> tuple[str, str, str, str]:
+    """The index expressions of ``Builder.window2d``'s view into a channels-last image [n, h, w, c]: row ``m``
+    an output pixel of the ``out`` = (p, q) grid, column ``k`` a tap (ky, kx, channel) of a window
+    ``kernel_w`` wide.  One definition, so analyses that recognise a window (a TMA im2col load) rebuild it
+    instead of restating it."""
+    p, q = out
+    y = f"{stride}*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{kernel_w * c}) - {pad}"
+    x = f"{stride}*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {kernel_w}*floor({k}/{kernel_w * c}) - {pad}"
+    if upsample > 1:
+        y, x = f"floor(({y})/{upsample})", f"floor(({x})/{upsample})"
+    return (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
+
+
 class Builder:
     """Collects per-operator SMGs; ``build`` joins them into one fused SMG."""
 
@@ -289,13 +303,8 @@ class Builder:
         p, q = hp // st + 1, wp // st + 1
         self._dim(rows, n * p * q)
         self._dim(cols, r * s * c)
-        m, k = rows, cols
-        y = f"{st}*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{s * c}) - {int(pad)}"
-        xx = f"{st}*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {s}*floor({k}/{s * c}) - {int(pad)}"
-        if u > 1:
-            y, xx = f"floor(({y})/{u})", f"floor(({xx})/{u})"
-        index = (f"floor({m}/{p * q})", y, xx, f"{k} - {c}*floor({k}/{c})")
-        return self._emit(Op("window", self._fresh("window", name), (m, k), (Access(x.name, index),), x.name))
+        index = window2d_index(rows, cols, c, (p, q), s, st, int(pad), u)
+        return self._emit(Op("window", self._fresh("window", name), (rows, cols), (Access(x.name, index),), x.name))
 
     def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None,
                order: tuple[str, ...] | None = None) -> Tensor:

@@ -178,7 +178,7 @@ def test_with_im2col_loads_the_models_picks_beat_the_cp_async_space_on_the_measu
     assert float(np.exp(np.mean(np.log(ratios)))) < 1.2, ratios
 
 
-def test_tvms_own_cuda_compile_gets_the_helpers(monkeypatch) -> None:
+def test_tvms_own_cuda_compile_gets_the_helpers() -> None:
     """Where TVM compiles CUDA itself (a GPU machine's build of a ``cuda`` test), its compile callback sees the
     device function the im2col loads call: without it NVRTC fails on an undefined name."""
     import tvm_ffi
@@ -192,12 +192,13 @@ def test_tvms_own_cuda_compile_gets_the_helpers(monkeypatch) -> None:
     seen: list[str] = []
     try:
         tvm_ffi.register_global_func(name, lambda code, *rest: seen.append(code) or b"cubin", override=True)
-        monkeypatch.setattr(b, "_HOOKED", [])
+        b._hook_cuda_compile.cache_clear()
         b._hook_cuda_compile()
         src = 'extern "C" __global__ void k() { ' + IM2COL_LOAD + "(0, 0, 0, 0, 0, 0, 0, 0, 0); }"
         tvm_ffi.get_global_func(name)(src)
         tvm_ffi.get_global_func(name)('extern "C" __global__ void k() {}')
     finally:
         tvm_ffi.register_global_func(name, saved, override=True)
+        b._hook_cuda_compile.cache_clear()
     assert f"void {IM2COL_LOAD}(" in seen[0] and seen[0].index(f"void {IM2COL_LOAD}(") < seen[0].index("__global__")
     assert seen[1] == 'extern "C" __global__ void k() {}'  # a kernel without im2col loads compiles as it was

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,18 +57,13 @@ def _tvm():
     return tvm
 
 
-_HOOKED: list[bool] = []
-
-
+@functools.cache
 def _hook_cuda_compile() -> None:
     """Wrap TVM's ``tvm_callback_cuda_compile`` (once) so the source it compiles defines the device functions
     our kernels call that TVM does not emit; without it a GPU machine's TVM build fails on an undefined name."""
-    if _HOOKED:
-        return
     import tvm_ffi
 
     orig = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
-    _HOOKED.append(True)
     if orig is not None:
         tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_with_helpers(orig), override=True)
 

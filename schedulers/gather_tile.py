@@ -19,7 +19,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.errors import ScheduleError
-from smg.ops import window2d_index
+from smg.ops import upsample_taps, upsample_window2d_index, window2d_index
 
 #: elements of a 16-byte chunk (fp16 / bf16)
 CHUNK = 8
@@ -106,13 +106,18 @@ class Im2col:
     """A gathered tile that a TMA im2col tensor map loads: the view is a stride-1 ``kernel`` window of the
     channels-last image ``src`` [n, h, w, c] with ``pad`` zeros around it (``Builder.window2d`` without
     upsampling), its output ``out`` = (p, q) pixels per image.  A 64-column band of the tile is one tap's 64
-    channels, so one TMA load fetches [rows, 64] with the tap as the load's im2col offsets."""
+    channels, so one TMA load fetches [rows, 64] with the tap as the load's im2col offsets.
+
+    ``shift`` non-empty: the view is ``Builder.upsample_window2d``'s (a conv after an upsampling, by output
+    parity): ``kernel`` is the merged window, rows are the pixels ``j`` of one small-image row ``nh``, and
+    parity ``a`` reads from small row (column) ``i + shift[a]`` on (a row tile never wraps to the next row)."""
 
     src: str
     kernel: tuple[int, int]
     pad: int
     channels: int
     out: tuple[int, int]
+    shift: tuple[int, ...] = ()
 
     def tap(self, col: int) -> tuple[int, int, int]:
         """(ky, kx, channel) of tile column ``col`` (the view's column order: taps, then channels)."""
@@ -123,6 +128,9 @@ class Im2col:
     def corners(self) -> tuple[list[int], list[int]]:
         """The tensor map's pixel-box corners, (w, h) as the map orders them: a filter's first tap ranges
         over [-pad, size - 1 + pad - (kernel - 1)] along each, the output pixels (stride 1)."""
+        if self.shift:  # by parity: the box's first pixel ranges over [min shift, size - 1 + max shift]
+            lo, hi = min(self.shift), max(self.shift)
+            return [lo, lo], [hi, hi]
         (r, s), pad = self.kernel, self.pad
         return [-pad, -pad], [pad - (s - 1), pad - (r - 1)]
 
@@ -133,8 +141,8 @@ _IM2COL_MEMO: dict[tuple[str, GatherTile], Im2col | str] = {}
 
 def im2col_of(smg, g: GatherTile) -> Im2col | str:
     """``g`` as a TMA im2col load, or why it is not one: the view must be exactly ``window2d``'s stride-1,
-    non-upsampled form (matched by rebuilding its index expressions), its image 16-bit and its channels
-    whole 64-wide bands (a band then never straddles two taps)."""
+    non-upsampled form or ``upsample_window2d``'s (matched by rebuilding its index expressions), its image
+    16-bit and its channels whole 64-wide bands (a band then never straddles two taps)."""
     key = (smg.key, g)
     if key not in _IM2COL_MEMO:
         if len(_IM2COL_MEMO) > 4096:
@@ -152,11 +160,15 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
     if src.dtype not in ("float16", "bfloat16"):
         return f"{g.src!r} is {src.dtype}; im2col boxes here are 16-bit"
     n, h, w, c = (sizes[d] for d in src.dims)
-    m, k = op.out_index
     if c % IM2COL_BAND:
         return f"{g.src!r} has {c} channels, not whole {IM2COL_BAND}-channel bands (a band would straddle two taps)"
-    taps = sizes[k] // c
     norm = tuple(re.sub(r"\s+", "", t) for t in g.index)
+    if op.out_index == ("nh", "a", "b", "j", "k"):
+        return _parity_im2col(g, norm, (h, w), c, sizes["a"])
+    if len(op.out_index) != 2:
+        return f"{g.tile!r} {op.out_index} is not a window2d view [pixels, taps]"
+    m, k = op.out_index
+    taps = sizes[k] // c
     for r in range(1, IM2COL_MAX_KERNEL + 1):
         if taps % r or taps // r > IM2COL_MAX_KERNEL:
             continue
@@ -169,6 +181,18 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
             if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
                 return Im2col(g.src, (r, s), pad, c, (p, q))
     return f"{g.tile!r} is not a stride-1, non-upsampled window of {g.src!r} (its index {g.index})"
+
+
+def _parity_im2col(g: GatherTile, norm: tuple[str, ...], size: tuple[int, int], c: int, factor: int) -> Im2col | str:
+    """``upsample_window2d``'s view as an im2col load (matched by rebuilding its index expressions)."""
+    for kernel in range(1, IM2COL_MAX_KERNEL + 1, 2):
+        pad = (kernel - 1) // 2
+        want = upsample_window2d_index(c, size[0], kernel, pad, factor)
+        if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
+            taps = upsample_taps(kernel, pad, factor)
+            t = taps[0][1][-1] + 1
+            return Im2col(g.src, (t, t), pad, c, size, tuple(d for d, _ in taps))
+    return f"{g.tile!r} is not an upsample_window2d view of {g.src!r} (its index {g.index})"
 
 
 def _chunk_constant(arg: sp.Expr, lsym: sp.Symbol) -> bool:

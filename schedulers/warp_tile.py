@@ -234,12 +234,15 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
                            tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
                            tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
                            s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, tuple(gathers),
-                           *_im2cols(smg, gathers))
+                           *_im2cols(smg, gathers, row))
 
 
-def _im2cols(smg, gathers: list[GatherTile]) -> tuple[tuple[Im2col, ...], str]:
-    """Every gathered tile's TMA im2col form, or none and the first reason one has none."""
-    got = [im2col_of(smg, g) for g in gathers]
+def _im2cols(smg, gathers: list[GatherTile], row: str) -> tuple[tuple[Im2col, ...], str]:
+    """Every gathered tile's TMA im2col form, or none and the first reason one has none (a load walks the
+    pixels of an image row: by output parity the row tile must run along them, ``j``)."""
+    got: list[Im2col | str] = [im2col_of(smg, g) for g in gathers]
+    got = [f"by output parity a TMA im2col load walks the pixels j of an image row, and the row tile runs along "
+           f"{row!r}" if isinstance(g, Im2col) and g.shift and row != "j" else g for g in got]
     why = next((g for g in got if isinstance(g, str)), "")
     return (() if why else tuple(got)), why
 

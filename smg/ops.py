@@ -83,6 +83,45 @@ def window2d_index(m: str, k: str, c: int, out: tuple[int, int], kernel_w: int, 
     return (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
 
 
+def upsample_taps(kernel: int, pad: int, factor: int = 2) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """How a ``kernel``-wide, ``pad``-padded stride-1 window over an image nearest-upsampled ``factor`` times
+    reads the small image, per output parity ``a`` (output row ``factor * i + a``): (``d``, ``taps``) with tap
+    ``ky`` reading small row ``i + d + taps[ky]``.  Taps that land on one small row merge, so each parity is a
+    smaller window (a 3x3 conv after a 2x upsampling is four 2x2 convs of the small image: 2.25x fewer FLOPs).
+    ShapeError where the parities' windows differ in width (they then cannot share one GEMM)."""
+    if kernel < 1 or pad < 0 or factor < 2:
+        raise ShapeError(f"upsample_taps: kernel {kernel}, pad {pad}, factor {factor}")
+    out = []
+    for a in range(factor):
+        rows = [(a + ky - pad) // factor for ky in range(kernel)]
+        out.append((rows[0], tuple(r - rows[0] for r in rows)))
+    widths = {t[-1] + 1 for _, t in out}
+    if len(widths) != 1:
+        raise ShapeError(f"a {kernel}-wide window with pad {pad} over a {factor}x upsampled image reads "
+                         f"{sorted(widths)} small rows depending on the output's parity: no one merged window")
+    return tuple(out)
+
+
+def upsample_window2d_index(c: int, h: int, kernel: int, pad: int, factor: int = 2) -> tuple[str, str, str, str]:
+    """The index expressions of ``Builder.upsample_window2d``'s view [nh, a, b, j, k] into the small image
+    [n, h, w, c]: output pixel (n, factor * i + a, factor * j + b) with ``nh`` = n * h + i, column ``k`` a merged
+    tap (ty, tx, channel).  One definition, shared with the analyses that recognise it (a TMA im2col load)."""
+    taps = upsample_taps(kernel, pad, factor)
+    t = taps[0][1][-1] + 1
+    y = f"nh - {h}*floor(nh/{h}) + floor((a - {pad})/{factor}) + floor(k/{t * c})"
+    x = f"j + floor((b - {pad})/{factor}) + floor(k/{c}) - {t}*floor(k/{t * c})"
+    return (f"floor(nh/{h})", y, x, f"k - {c}*floor(k/{c})")
+
+
+def upsample_fold(kernel: int, pad: int, factor: int = 2) -> list[list[list[int]]]:
+    """The 0/1 matrix F[a][t][ky] that merges a ``kernel``-wide window's taps per output parity ``a``
+    (``upsample_taps``): the merged weight of a conv after an upsampling is
+    ``W'[a, b, t, u, c, co] = sum F[a][t][ky] * F[b][u][kx] * W[ky, kx, c, co]``."""
+    taps = upsample_taps(kernel, pad, factor)
+    t = taps[0][1][-1] + 1
+    return [[[int(tap[ky] == i) for ky in range(kernel)] for i in range(t)] for _, tap in taps]
+
+
 class Builder:
     """Collects per-operator SMGs; ``build`` joins them into one fused SMG."""
 
@@ -305,6 +344,30 @@ class Builder:
         self._dim(cols, r * s * c)
         index = window2d_index(rows, cols, c, (p, q), s, st, int(pad), u)
         return self._emit(Op("window", self._fresh("window", name), (rows, cols), (Access(x.name, index),), x.name))
+
+    def upsample_window2d(self, x: Tensor, kernel: int, pad: int, factor: int = 2,
+                          name: str | None = None) -> Tensor:
+        """The im2col view of a stride-1 ``kernel`` x ``kernel`` window over ``x`` [n, h, w, c] nearest-upsampled
+        ``factor`` times, by output parity: ``A[nh, a, b, j, k]`` is output pixel (n, factor * i + a,
+        factor * j + b) (``nh`` = n * h + i) at merged tap ``k`` = (ty, tx, channel) of the small image
+        (``upsample_taps``; zero outside).  Each parity (a, b) is then a GEMM over the small image with its own
+        merged weight [a, b, k, co] (``upsample_fold``), and an output [nh, a, j, b, co] lies exactly as the
+        upsampled image [n, factor * h, factor * w, co]: an ``Upsample -> Conv`` pair costs the small conv's
+        FLOPs, and the upsampled image is never written."""
+        self._own(x)
+        if len(x.dims) != 4:
+            raise ShapeError(f"upsample_window2d takes a channels-last image [n, h, w, c]; {x.name!r} has dims "
+                             f"{x.dims}")
+        n, h, w, c = (self.dims[d] for d in x.dims)
+        if 2 * pad != kernel - 1:
+            raise ShapeError(f"upsample_window2d of {x.name!r}: kernel {kernel} with pad {pad} is not a 'same' "
+                             f"convolution (pad (kernel - 1) / 2)")
+        t = upsample_taps(int(kernel), int(pad), int(factor))[0][1][-1] + 1
+        for d, size in (("nh", n * h), ("a", factor), ("b", factor), ("j", w), ("k", t * t * c)):
+            self._dim(d, size)
+        index = upsample_window2d_index(c, h, int(kernel), int(pad), int(factor))
+        return self._emit(Op("window", self._fresh("window", name), ("nh", "a", "b", "j", "k"),
+                             (Access(x.name, index),), x.name))
 
     def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None,
                order: tuple[str, ...] | None = None) -> Tensor:

@@ -310,8 +310,14 @@ def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: i
     a = g.window2d(x, (kernel, kernel), stride, pad, upsample=upsample, name="A")
     w = g.input("Wt", {"k": g.dims["k"], "co": c_out})
     y = g.matmul(a, w, reduce="k", name="Y" if not (bias or residual or act != "none") else "C")
+    return _conv_epilogue(g, y, c_out, act, bias, residual, {"m": g.dims["m"], "co": c_out})
+
+
+def _conv_epilogue(g: Builder, y, c_out: int, act: str, bias: bool, residual: bool, rows: dict[str, int]) -> SMG:
+    """A conv's ``act(Y + bias (+ R))`` after its GEMM ``y`` (named C, or Y when nothing follows), R on
+    ``rows``; the graph built."""
     for i, (on, inp) in enumerate(((bias, lambda: g.input("bias", {"co": c_out})),
-                                   (residual, lambda: g.input("R", {"m": g.dims["m"], "co": c_out})))):
+                                   (residual, lambda: g.input("R", rows)))):
         if on:
             last = act == "none" and (i == 1 or not residual)
             y = g.binary("add", y, inp(), name="Y" if last else ("Cb" if i == 0 else "Cr"))
@@ -320,9 +326,30 @@ def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: i
     return g.build(y)
 
 
+def upsample_conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int = 3, pad: int = 1,
+                    act: str = "none", bias: bool = True, residual: bool = False, factor: int = 2,
+                    dtype: str = "float32") -> SMG:
+    """``Y = act(conv2d(upsample(X), W) + bias (+ R))`` for a stride-1 'same' conv after a nearest ``factor``x
+    upsampling, computed by output parity on the small image (``Builder.upsample_window2d``): X [n, h, w, c],
+    the merged weight ``Wt[a, b, k, co]`` (``ops.upsample_fold`` of [kh, kw, c, c_out]; the frontend merges it
+    once), Y and R [nh, a, j, b, co], which lie as the upsampled NHWC image [n, factor * h, factor * w, c_out].
+    A 3x3 conv so costs 4 merged taps an output pixel, not 9."""
+    if act != "none" and act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    g = Builder(f"upsample_conv2d_{kernel}x{kernel}{'_res' if residual else ''}_{act}", dtype)
+    x = g.input("X", {"n": batch, "h": height, "w": width, "c": c_in})
+    a = g.upsample_window2d(x, kernel, pad, factor, name="A")
+    w = g.input("Wt", {"a": factor, "b": factor, "k": g.dims["k"], "co": c_out})
+    plain = not (bias or residual or act != "none")
+    y = g.matmul(a, w, reduce="k", name="Y" if plain else "C", order=("nh", "a", "j", "b", "co"))
+    rows = {"nh": g.dims["nh"], "a": factor, "j": width, "b": factor, "co": c_out}
+    return _conv_epilogue(g, y, c_out, act, bias, residual, rows)
+
+
 PATTERNS = {
     "layernorm": layernorm,
     "conv2d": conv2d,
+    "upsample_conv2d": upsample_conv2d,
     "group_norm": group_norm,
     "rmsnorm": rmsnorm,
     "residual_layernorm": residual_layernorm,

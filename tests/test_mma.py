@@ -317,6 +317,15 @@ CASES = {
     "conv5x5_im2col_pingpong": (lambda: patterns.conv2d(2, 12, 10, 64, 128, 5, 1, 2, "silu", dtype="float16"),
                                 {"m": 64, "co": 128}, 64, 3,
                                 {"wgmma": True, "tma": True, "producer": True, "persistent": 3, "pingpong": True}),
+    # an Upsample -> Conv by output parity (merged 2x2 windows of the small image, each parity a block
+    # coordinate with its own weights, the output interleaved): rows along an image row's pixels (TMA im2col,
+    # the box's first pixel shifted by the parity, a row tile past the row's end) and along a column of rows
+    "upconv_parity_im2col": (lambda: patterns.upsample_conv2d(2, 5, 12, 128, 64, 3, 1, "silu", residual=True,
+                                                              dtype="float16"),
+                             {"nh": 1, "a": 1, "b": 1, "j": 64, "co": 64}, 64, 3, {"warps": 4, "wgmma": True,
+                                                                                    "tma": True}),
+    "upconv_parity_rows_nh": (lambda: patterns.upsample_conv2d(2, 9, 3, 64, 32, 3, 1, "none", dtype="float16"),
+                              {"nh": 16, "a": 1, "b": 1, "j": 1, "co": 32}, 32, 2),
 }
 #: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
 GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
@@ -324,7 +333,7 @@ GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
 
 def _schedule(name: str) -> Schedule:
     mk, tiles, step, stages, *kw = CASES[name]
-    serial = "k" if name.startswith(("gemm", "conv")) else "l"
+    serial = "k" if name.startswith(("gemm", "conv", "upconv")) else "l"
     return schedule(mk(), tiles=tiles, serial=serial, step=step, tensor_cores=True, stages=stages,
                     **(kw[0] if kw else {}))
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from smg.ops import upsample_fold
 from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
@@ -107,8 +108,9 @@ class FusedKernel(nn.Module):
 
 
 def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
-    """A convolution's weight as the implicit GEMM's B [kh * kw * c, co], or its bias, with an inference
-    BatchNorm folded in (in float32, then back to the weight's dtype); the bias of a conv without one, under a
+    """A convolution's weight as the implicit GEMM's B [kh * kw * c, co] (after an upsampling: merged per output
+    parity, ``fold_upsample``), or its bias, with an inference BatchNorm folded in (in float32, then back to the
+    weight's dtype); the bias of a conv without one, under a
     BatchNorm (``ref`` ""), starts from zeros."""
     ref = op.ref or op.fold_bn[0]
     like = _attr(root, ref).detach()
@@ -124,6 +126,9 @@ def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
             t = (t - _attr(root, mean).detach().float()) * scale + (_attr(root, b).detach().float() if b else 0.0)
     if op.conv:
         t = t.permute(2, 3, 1, 0)
+    if op.fold_upsample:
+        fold = torch.tensor(upsample_fold(*op.fold_upsample), dtype=t.dtype, device=t.device)
+        t = torch.einsum("aty,bux,yxco->abtuco", fold, fold, t)
     dt = _attr(root, op.ref).dtype if op.ref else like.dtype
     return t.contiguous().reshape(op.shape).to(dt)
 

@@ -458,6 +458,14 @@ def _conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | 
     return None
 
 
+#: an ``Upsample -> Conv`` runs per output parity (``patterns.upsample_conv2d``: 4 merged taps of the small image
+#: an output pixel, not 9) where its GEMMs' rows fill a warpgroup MMA's 64: they run along one small-image row
+#: (w pixels) or one column of them (n * h).  On the H100 the VAE's three went 115 -> 60, 510 -> 190 and 514 ->
+#: 198 us, the UNet's 2x32x32x640 132 -> 70; its 2x16x16x1280 (32 rows) lost 134 -> 253 and its 2x8x8x1280 54
+#: -> 139 (``experiments/tuning/upsample_parity_h100.json``)
+PARITY_MIN_ROWS = 64
+
+
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``nn.Conv2d`` (any padding and stride, groups 1) -> ``patterns.conv2d``, an implicit GEMM over the
     image seen channels-last, with what follows it fused: an inference BatchNorm (folded into the weight and
@@ -496,20 +504,24 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
         taken.extend(got.nodes)
     pad = cv.padding[0]
     has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
-    smg = _build(ctx, node, lambda: patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad,
-                                                    act.name if act else "none", bias=has_bias,
-                                                    residual=res is not None, upsample=factor, dtype=dt))
+    kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
+    parity = factor > 1 and cv.stride[0] == 1 and 2 * pad == cv.kh - 1 and max(n * h, w) >= PARITY_MIN_ROWS
+    smg = _build(ctx, node, lambda: patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw)
+                 if parity else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor, **kw))
     if smg is None:
         return None
     _, p, q, co = shape(node)[0], shape(node)[2], shape(node)[3], cv.cout
     m, k = n * p * q, cv.kh * cv.kw * c
     fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
-    ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1)),
-           Operand("Wt", "param", cv.weight, (k, co), conv=True, fold_bn=fold)]
+    rows: tuple[int, ...] = (n * h, factor, w, factor, co) if parity else (m, co)
+    wt = (Operand("Wt", "param", cv.weight, (factor, factor, smg.dim_sizes["k"], co), conv=True, fold_bn=fold,
+                  fold_upsample=(cv.kh, pad, factor)) if parity
+          else Operand("Wt", "param", cv.weight, (k, co), conv=True, fold_bn=fold))
+    ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1)), wt]
     if has_bias:
         ops.append(Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold))
     if res is not None:
-        ops.append(_value("R", res, (m, co), (0, 2, 3, 1)))
+        ops.append(_value("R", res, rows, (0, 2, 3, 1)))
     out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, p, q, co))
     parts = ["conv"] + ["bn"] * (bn is not None) + ["add"] * (res is not None) + ([act.name] if act else [])
     label = (f"{' + '.join(parts)}{' (upsample x' + str(factor) + ')' if factor > 1 else ''} {cv.kh}x{cv.kw}/s"

@@ -40,6 +40,9 @@ class Operand:
     #: affine part): a conv weight is scaled by ``w / sqrt(var + eps)`` per output channel, a bias (``ref`` ""
     #: where the conv has none) becomes ``(bias - mean) * scale + b``
     fold_bn: tuple[str, ...] = ()
+    #: a conv weight merged per output parity for a conv after a nearest upsampling, (kernel, pad, factor):
+    #: ``smg.ops.upsample_fold`` takes [kh, kw, c, co] to the parity GEMMs' B [factor, factor, taps * c, co]
+    fold_upsample: tuple[int, int, int] = ()
     #: a "param" read as these rows [start, stop) of its first dim (before any transpose): one half of a
     #: chunked projection's weight or bias (GEGLU's gate and value halves of one linear)
     rows: tuple[int, int] | None = None

@@ -98,12 +98,18 @@ class TmaRing:
     def _im2col(self, n: str, slot: tirx.PrimExpr, t0: tirx.PrimExpr, bar: tirx.PrimExpr) -> None:
         """Gathered tile ``n``'s step at column ``t0`` by TMA im2col loads, one per 64-column band (one tap's
         64 channels): the box's first pixel is the row tile's first output pixel (n, y, x) at (x - pad,
-        y - pad), the tap (kx, ky) its im2col offsets; pixels past the image's edge arrive as zeros."""
+        y - pad) (by parity: the small-image pixel its parity reads first), the tap (kx, ky) its im2col
+        offsets; pixels past the image's edge arrive as zeros."""
         st = self.st
         im = st.p.im2col(n)
         (p_out, q_out), pad = im.out, im.pad
         m0 = st.row0
-        img, y0, x0 = m0 // (p_out * q_out), (m0 // q_out) % p_out, m0 % q_out
+        if im.shift:  # by output parity (a, b): row nh's pixels from j0, shifted by the parity's first small row
+            nh, a, b = (st.coord[d] for d in ("nh", "a", "b"))
+            img, y0, x0 = nh // p_out, nh % p_out + self._shift(im, a), m0 + self._shift(im, b)
+            pad = 0
+        else:
+            img, y0, x0 = m0 // (p_out * q_out), (m0 // q_out) % p_out, m0 % q_out
         _, rows, cols = st.layout[n]
         for band in range(cols // 64):
             col = t0 + band * 64
@@ -112,6 +118,15 @@ class TmaRing:
             dst = st.arena.ptr_to([st.slot_tile(n, slot) + band * rows * 64])
             T.evaluate(tirx.call_extern("void", IM2COL_LOAD, dst, st.glob[f"{n}__tmap"].data, ch, x0 - pad, y0 - pad,
                                         img, kx, ky, bar))
+
+
+    @staticmethod
+    def _shift(im, parity: tirx.PrimExpr) -> tirx.PrimExpr:
+        """``im.shift[parity]`` for a block coordinate ``parity``."""
+        out = tirx.const(im.shift[-1], I32)
+        for i in range(len(im.shift) - 2, -1, -1):
+            out = tirx.Select(parity == i, tirx.const(im.shift[i], I32), out)
+        return out
 
 
 #: the device function (``IM2COL_SOURCE``) a kernel with im2col loads calls: TVM's PTX builtins have no im2col form

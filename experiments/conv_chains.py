@@ -7,7 +7,8 @@
 
 Each chain is one fused kernel (``smg.patterns.conv2d``): the convolution's im2col tile gathered into shared
 memory (no im2col in memory), the inference BatchNorm folded into the weight and bias, ReLU and a residual
-add in the epilogue, or a 2x nearest upsampling folded into the read.  ``run`` checks every candidate
+add in the epilogue, or a 2x nearest upsampling folded into the read (by output parity where the frontend
+takes that form: ``patterns.upsample_conv2d``, the weight merged per parity).  ``run`` checks every candidate
 against a float32 torch reference and times, in the same process and on the same channels-last fp16
 tensors, taking turns: cuDNN's convolution followed by torch's separate epilogues (BatchNorm, add, ReLU;
 ``F.interpolate`` before it), cuDNN's convolution with the BatchNorm folded (bias in the conv) and the rest
@@ -82,9 +83,22 @@ CHAINS = (
 BY_KEY = {c.key: c for c in CHAINS}
 
 
+def by_parity(c: Chain) -> bool:
+    """Whether the frontend computes this chain's conv by output parity (an upsampling 'same' conv whose
+    parity GEMMs fill a 64-row MMA tile: ``spacefusion.frontend.matchers.PARITY_MIN_ROWS``)."""
+    from spacefusion.frontend.matchers import PARITY_MIN_ROWS
+
+    return (c.upsample > 1 and c.stride == 1 and 2 * c.pad == c.kernel - 1
+            and max(c.n * c.h, c.w) >= PARITY_MIN_ROWS)
+
+
 def smg_of(c: Chain) -> Any:
+    """The chain's SMG as the frontend builds it."""
     from smg import patterns
 
+    if by_parity(c):
+        return patterns.upsample_conv2d(c.n, c.h, c.w, c.c, c.co, c.kernel, c.pad, c.act, bias=True,
+                                        residual=c.residual, factor=c.upsample, dtype="float16")
     return patterns.conv2d(c.n, c.h, c.w, c.c, c.co, c.kernel, c.stride, c.pad, c.act, bias=True,
                            residual=c.residual, upsample=c.upsample, dtype="float16")
 
@@ -172,14 +186,22 @@ def _torch_fns(c: Chain, t: dict[str, Any]) -> dict[str, Any]:
 
 def _kernel_fn(folder: Path, c: Chain, t: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """Launch closure of an artefact: X the channels-last input seen as [n, h, w, c], Wt the folded weight as
-    [kh * kw * c, co] (permuted once), Y [m, co] seen back as the NCHW-shaped channels-last output."""
+    [kh * kw * c, co] (permuted once; by output parity merged as [a, b, taps * c, co]), Y [m, co] (by parity
+    [nh, a, j, b, co], the same memory) seen back as the NCHW-shaped channels-last output."""
     import torch
     from gpu_runtime import runtime_module
 
     artefact_mod, gpu = runtime_module("artefact"), runtime_module("gpu")
     kernel = gpu.CudaKernel(artefact_mod.KernelArtefact.load(folder))
     info = {"backend": kernel.compile(), "grid": list(kernel.artefact.grid), "block": list(kernel.artefact.block)}
-    wt = t["wf"].permute(2, 3, 1, 0).reshape(-1, c.co).contiguous()
+    wt = t["wf"].permute(2, 3, 1, 0)  # [kh, kw, c, co]
+    (spec,) = [p for p in kernel.artefact.inputs if p.name == "Wt"]
+    if len(spec.shape) == 4:  # by output parity: the taps merged per parity, [a, b, taps * c, co]
+        from smg.ops import upsample_fold
+
+        fold = torch.tensor(upsample_fold(c.kernel, c.pad, c.upsample), dtype=torch.float32, device="cuda")
+        wt = torch.einsum("aty,bux,yxco->abtuco", fold, fold, wt.float()).half()
+    wt = wt.reshape(spec.shape).contiguous()
     ins = {"X": t["x"].permute(0, 2, 3, 1), "Wt": wt, "bias": t["bf"]}
     if t["res"] is not None:
         ins["R"] = t["res"].permute(0, 2, 3, 1).reshape(-1, c.co)

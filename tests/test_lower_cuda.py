@@ -10,6 +10,7 @@ import pytest
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
+from smg import patterns
 from smg.workloads import mha, softmax_gemm
 from spacefusion.api import build, schedule
 from spacefusion.runtime.artefact import KernelArtefact
@@ -27,6 +28,24 @@ def test_cuda_source_and_metadata(arch, dtype) -> None:
     assert {p["name"]: p["shape"] for p in m["params"]}["O"] == [2, 3, 197, 64]
     assert all(p["dtype"] == dtype for p in m["params"])
     assert m["static_smem_bytes"] == 2 * 32 * 64 * (2 if dtype == "float16" else 4)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_kernels_for_hopper_wait_for_the_grid_before_them_first(arch) -> None:
+    """On sm_90+ every kernel's first statement is ``griddepcontrol.wait`` and its metadata says so (the
+    runtime then launches it programmatically dependent); sm_80 has no such instruction."""
+    from spacefusion.lower.build import GRID_WAIT
+
+    g = patterns.gemm_epilogue(128, 128, 64, "relu", True, "float16")
+    for s in (schedule(mha(1, 2, 64, 64, 64), tiles={"m": 64}, step=32),
+              schedule(g, tiles={"m": 64, "n": 64}, serial="k", step=32, tensor_cores=True, stages=2)):
+        art = build(s, f"cuda:{arch}")
+        hopper = arch == "sm_90a"
+        assert art.meta["grid_dependency_wait"] is hopper
+        assert art.source.count(GRID_WAIT) == int(hopper)
+        if hopper:  # the first statement of the kernel's definition
+            body = art.source.split(f"{art.meta['kernel_name']}(", 2)[-1]
+            assert body.split("{", 1)[1].lstrip().startswith(GRID_WAIT)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -87,6 +87,16 @@ def test_nvcc_flags_round_trip(tmp_path: Path) -> None:
     assert "nvcc_flags" not in KernelArtefact.load(_write(tmp_path / "g", _meta())).to_meta()
 
 
+def test_grid_dependency_wait_round_trips_and_is_checked(tmp_path: Path) -> None:
+    """Only a kernel that says it waits for the grid before it may be launched programmatically dependent."""
+    art = KernelArtefact.load(_write(tmp_path / "f", _meta(grid_dependency_wait=True)))
+    assert art.grid_dependency_wait and art.to_meta()["grid_dependency_wait"] is True
+    plain = KernelArtefact.load(_write(tmp_path / "g", _meta()))
+    assert not plain.grid_dependency_wait and "grid_dependency_wait" not in plain.to_meta()
+    with pytest.raises(ArtefactError, match="grid_dependency_wait must be true or false"):
+        KernelArtefact.load(_write(tmp_path / "h", _meta(grid_dependency_wait="yes")))
+
+
 def test_scratch_params_are_the_launchers(tmp_path: Path) -> None:
     """A workspace param (role scratch) is neither an input nor an output: the launcher keeps it."""
     params = [*_meta()["params"], {"name": "ws", "shape": [4, 8], "dtype": "int32", "role": "scratch"}]
@@ -446,3 +456,103 @@ def test_direct_launch_hands_the_driver_a_block_of_the_addresses(monkeypatch) ->
     monkeypatch.setitem(sys.modules, "cupy.cuda.driver", types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "cupy.cuda", types.SimpleNamespace(driver=types.SimpleNamespace()))
     assert _direct_launch(raw_kernel, (1, 1, 1), (32, 1, 1), 0, 1) is None  # no binding: cupy's own call
+
+
+def test_a_dependent_launch_hands_cuLaunchKernelEx_the_driver_s_config(monkeypatch) -> None:
+    """``dependent``, under graph capture: the launch goes through ``cuLaunchKernelEx`` with one attribute,
+    programmatic stream serialization on, in the driver's ``CUlaunchConfig`` layout (stream at byte 32,
+    attributes at 40, their count at 48; an attribute is its id, 4 bytes of padding, a 64-byte value); not
+    capturing, the plain launch."""
+    import ctypes
+    import sys
+    import types
+
+    from spacefusion.runtime import gpu
+
+    seen: list[tuple] = []
+
+    def launch_ex(cfg, f, params, extra) -> int:
+        raw = ctypes.string_at(cfg, 56)
+        grid, block = [int.from_bytes(raw[i:i + 4], "little") for i in range(0, 12, 4)], \
+            [int.from_bytes(raw[i:i + 4], "little") for i in range(12, 24, 4)]
+        smem, stream = int.from_bytes(raw[24:28], "little"), int.from_bytes(raw[32:40], "little")
+        attrs, count = int.from_bytes(raw[40:48], "little"), int.from_bytes(raw[48:52], "little")
+        attr = ctypes.string_at(attrs, 72)
+        pointers = (ctypes.c_void_p * 2).from_address(params)
+        seen.append((f, grid, block, smem, stream, count, int.from_bytes(attr[:4], "little"),
+                     int.from_bytes(attr[8:12], "little"), [ctypes.c_uint64.from_address(p).value for p in pointers],
+                     extra))
+        return 0
+
+    plain: list[tuple] = []
+    driver = types.SimpleNamespace(launchKernel=lambda *a: plain.append(a))
+    cuda = types.SimpleNamespace(driver=driver)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.driver", driver)
+    monkeypatch.setattr(gpu, "_launch_ex", lambda: launch_ex)
+    raw_kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00))
+    capture = [True]
+    go = gpu._direct_launch(raw_kernel, (132, 2, 1), (384, 1, 1), 4096, 2, dependent=True,
+                            capturing=lambda: capture[0])
+    go([7, 9], 0xABC)
+    assert seen == [(0xF00, [132, 2, 1], [384, 1, 1], 4096, 0xABC, 1, gpu.PROGRAMMATIC_STREAM_SERIALIZATION, 1,
+                     [7, 9], None)] and not plain
+    capture[0] = False
+    go([1, 2], 0xDEF)
+    assert len(seen) == 1 and [a[:9] for a in plain] == [(0xF00, 132, 2, 1, 384, 1, 1, 4096, 0xDEF)]
+    monkeypatch.setenv("SPACEFUSION_PDL", "0")
+    assert not gpu.pdl_enabled()
+    monkeypatch.setenv("SPACEFUSION_PDL", "1")
+    assert gpu.pdl_enabled()
+
+
+WAITING_VADD = r"""
+extern "C" __global__ void vadd(const float* __restrict__ B, float* __restrict__ C,
+                                const float* __restrict__ A) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int j = i; j < (1 << 20); j += gridDim.x * blockDim.x) C[j] = A[j] + 2.0f * B[j];
+}
+"""
+
+
+@pytest.mark.cuda
+def test_dependent_launches_of_a_waiting_kernel_see_their_predecessors_writes(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain of 64 launches, each reading what the one before wrote: launched plainly, and captured in a
+    CUDA graph programmatically dependent (the kernel waits for the grid before it first thing); the last
+    output is x + 128 b both ways."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no CUDA device with griddepcontrol (sm_90+)")
+    from spacefusion.runtime import gpu
+
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPACEFUSION_PDL", "1")
+    assert gpu._launch_ex() is not None
+    n = 1 << 20
+    vec = [{"name": nm, "shape": [n], "dtype": "float32", "role": "input"} for nm in ("A", "B")]
+    major, minor = torch.cuda.get_device_capability()
+    meta = _meta(kernel_name="vadd", arch=f"sm_{major}{minor}", grid=[264], block=[256],
+                 params=[*vec, {"name": "C", "shape": [n], "dtype": "float32", "role": "output"}],
+                 param_order=["B", "C", "A"], workload={"name": "vadd"}, grid_dependency_wait=True)
+    kernel = gpu.CudaKernel(KernelArtefact.save(tmp_path / "vadd", WAITING_VADD, meta))
+    run = kernel.launcher(0)
+    x = torch.randn(n, device="cuda")
+    b = torch.randn(n, device="cuda") * 1e-3
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(64):
+            (y,) = run(y, b)
+        return y
+
+    torch.testing.assert_close(chain(), x + 128 * b, rtol=1e-5, atol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    chain()
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    torch.testing.assert_close(out, x + 128 * b, rtol=1e-5, atol=1e-5)

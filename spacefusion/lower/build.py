@@ -231,6 +231,23 @@ def _with_helpers(src: str) -> str:
     return src[:at] + IM2COL_SOURCE + src[at:]
 
 
+#: first in a kernel for sm_90+: wait until the grid before it on the stream has finished and its writes are
+#: visible.  A launch with programmatic stream serialization (the runtime's, where ``grid_dependency_wait``) may
+#: then start this kernel while that one drains; launched plainly, the wait is a no-op
+GRID_WAIT = 'asm volatile("griddepcontrol.wait;" ::: "memory");'
+
+
+def _wait_for_previous_grid(src: str, arch: str) -> tuple[str, bool]:
+    """``src`` with ``GRID_WAIT`` as its kernel's first statement where ``arch`` has it (sm_90+), and whether."""
+    if int(re.sub(r"\D", "", arch)) < 90:
+        return src, False
+    for m in _SIG.finditer(src):  # the definition, not a forward declaration
+        body = re.compile(r"\s*\{").match(src, m.end())
+        if body is not None:
+            return src[:body.end()] + "\n  " + GRID_WAIT + src[body.end():], True
+    return src, False
+
+
 def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact:
     """Compile a scheduled IRModule; grid, block and dynamic shared memory are read from the
     lowered device function, so the metadata is what TVM emitted, not what we meant."""
@@ -251,7 +268,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     if m is None:
         raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
     src, kname = _renamed(src, m.group(2), s)
-    src = _with_helpers(src)
+    src, waits = _wait_for_previous_grid(_with_helpers(src), arch)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
     maps = _check_params(s, sig, order)
@@ -265,6 +282,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         "grid": [dims.get(f"blockIdx.{a}", 1) for a in "xyz"],
         "block": [dims.get(f"threadIdx.{a}", 1) for a in "xyz"],
         "dynamic_smem_bytes": dyn, "static_smem_bytes": 0, "param_order": order, "lowering": lowering,
+        "grid_dependency_wait": waits,
         "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} | (
             {"tensor_map": maps[n]} if n in maps else {}) for n, sh, dt, r in sig.params],
         "schedule_key": s.key,
@@ -330,6 +348,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         raise RuntimeError("no __global__ kernel found in TVM's CUDA output")
     bounds, kname, plist = m.groups()
     src, kname = _renamed(src, kname, s)
+    src, waits = _wait_for_previous_grid(src, arch)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
     sig = signature(s)
     _check_params(s, sig, order)
@@ -342,7 +361,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         "grid": [s.num_blocks, 1, 1],
         "block": [s.threads, 1, 1],
         "dynamic_smem_bytes": dyn_bytes,
-        "static_smem_bytes": 0 if dynamic else smem,
+        "static_smem_bytes": 0 if dynamic else smem, "grid_dependency_wait": waits,
         "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
         "param_order": order,
         "schedule_key": s.key,

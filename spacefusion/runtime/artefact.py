@@ -88,6 +88,9 @@ class KernelArtefact:
     cubin: str | None = None
     #: code-generation flags the kernel was built with (e.g. -ftz=true): every compile path uses them
     nvcc_flags: tuple[str, ...] = ()
+    #: the kernel's first statement waits for the grid before it (``griddepcontrol.wait``): the runtime may
+    #: launch it programmatically dependent (overlapping that grid's end), which is unsafe for a kernel without
+    grid_dependency_wait: bool = False
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -157,6 +160,9 @@ class KernelArtefact:
         cubin = meta.get("cubin")
         if cubin is not None and (not isinstance(cubin, str) or Path(cubin).name != cubin):
             raise ArtefactError(f"{where}: cubin must be a file name inside the artefact, got {cubin!r}")
+        waits = meta.get("grid_dependency_wait", False)
+        if not isinstance(waits, bool):
+            raise ArtefactError(f"{where}: grid_dependency_wait must be true or false, got {waits!r}")
         flags = meta.get("nvcc_flags", [])
         if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("-") for f in flags):
             raise ArtefactError(f"{where}: nvcc_flags must be a list of '-flag' strings, got {flags!r}")
@@ -173,6 +179,7 @@ class KernelArtefact:
             workload=workload,
             cubin=cubin,
             nvcc_flags=tuple(flags),
+            grid_dependency_wait=waits,
         )
 
     @classmethod
@@ -254,6 +261,8 @@ class KernelArtefact:
             meta["cubin"] = self.cubin
         if self.nvcc_flags:
             meta["nvcc_flags"] = list(self.nvcc_flags)
+        if self.grid_dependency_wait:
+            meta["grid_dependency_wait"] = True
         return meta
 
 

@@ -77,12 +77,31 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
 }
 
 
+
+def _torchvision():
+    """torchvision; where its C++ ops do not load against this torch (PyPI's CUDA wheel beside a CPU torch:
+    "operator torchvision::nms does not exist"), imported without registering their fake kernels, which only
+    the detection ops (nms, roi_align, ...) use: the classification models need none of them."""
+    try:
+        import torchvision
+    except RuntimeError as exc:
+        if "torchvision::" not in str(exc):
+            raise
+        import types
+
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        print(f"torchvision's C++ ops did not load ({exc}); imported without their fake kernels", flush=True)
+        import torchvision
+    return torchvision
+
 def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
     cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
     if cfg_cls in ("torchvision", "diffusers"):  # CNNs: fp16 channels-last, what cuDNN is fastest on
         if cfg_cls == "torchvision":
-            import torchvision
+            torchvision = _torchvision()
 
             cls, arg, ch = getattr(torchvision.models, model_cls), "x", 3
         elif kind == "latent+text":

@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
+from schedulers.gather_tile import Im2col
 from schedulers.warp_tile import split_ring, tma_dims, tma_streamed
 from spacefusion.lower.mma_state import I32, KernelState
 
@@ -121,7 +122,7 @@ class TmaRing:
 
 
     @staticmethod
-    def _shift(im, parity: tirx.PrimExpr) -> tirx.PrimExpr:
+    def _shift(im: Im2col, parity: tirx.PrimExpr) -> tirx.PrimExpr:
         """``im.shift[parity]`` for a block coordinate ``parity``."""
         out = tirx.const(im.shift[-1], I32)
         for i in range(len(im.shift) - 2, -1, -1):

@@ -148,15 +148,15 @@ def encode_im2col(t: torch.Tensor, channels: int, pixels: int, lower: Sequence[i
 
 
 def _on_device(t: torch.Tensor, addr: int) -> torch.Tensor:
-    """The 128-byte map at host address ``addr`` copied to ``t``'s device (pinned while a graph captures)."""
+    """The 128-byte map at host address ``addr`` copied to ``t``'s device from pinned memory, without the host
+    waiting: a copy from pageable memory first waits for the stream to drain, which stalled every launch
+    queued behind a newly encoded map (a model run kernel by kernel, whose activations' addresses move)."""
     import torch
 
     blob = bytes((ctypes.c_ubyte * TENSOR_MAP_BYTES).from_address(addr))
-    host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    if not torch.cuda.is_current_stream_capturing():
-        return host.to(t.device)
-    # inside a CUDA graph capture only a pinned host buffer may be copied from, and a replay copies it
-    # again: kept alive with the process (128 bytes per tensor address a captured launch saw)
-    host = host.pin_memory()
-    _CAPTURED.append(host)
+    host = torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        # a replay copies it again: kept alive with the process (128 bytes per tensor address a captured
+        # launch saw); otherwise torch's pinned allocator keeps the block until the copy has run
+        _CAPTURED.append(host)
     return host.to(t.device, non_blocking=True)

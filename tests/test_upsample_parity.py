@@ -132,21 +132,24 @@ def test_the_im2col_kernel_shifts_its_box_by_the_parity() -> None:
 
 
 class _UpConv(nn.Module):
-    def __init__(self, c: int) -> None:
+    def __init__(self, c: int, factor: int = 2) -> None:
         super().__init__()
-        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.factor = factor
+        self.up = nn.Upsample(scale_factor=factor, mode="nearest")
         self.conv = nn.Conv2d(c, c, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.silu(self.conv(self.up(x)) + x.repeat_interleave(2, 2).repeat_interleave(2, 3))
+        skip = x.repeat_interleave(self.factor, 2).repeat_interleave(self.factor, 3)
+        return torch.nn.functional.silu(self.conv(self.up(x)) + skip)
 
 
-@pytest.mark.parametrize("size, parity", [(64, True), (6, False)])
-def test_the_frontend_runs_an_upsampling_conv_by_parity_where_its_rows_fill_an_mma(size, parity) -> None:
+@pytest.mark.parametrize("size, factor, parity", [(64, 2, True), (6, 2, False), (64, 3, False)])
+def test_the_frontend_runs_an_upsampling_conv_by_parity_where_its_rows_fill_an_mma(size, factor, parity) -> None:
     """Through TorchDynamo: the conv's weight merged per parity once, the residual and the output in the
-    upsampled image's layout; a small image (rows short of a 64-row MMA tile) keeps the upsampled read."""
+    upsampled image's layout; a small image (rows short of a 64-row MMA tile), and a 3x upsampling (whose
+    parities read windows of different widths), keep the upsampled read."""
     torch.manual_seed(0)
-    model = _UpConv(8).eval()
+    model = _UpConv(8, factor).eval()
     x = torch.randn(1, 8, 2, size)
     with torch.no_grad():
         ref = model(x)
@@ -155,7 +158,7 @@ def test_the_frontend_runs_an_upsampling_conv_by_parity_where_its_rows_fill_an_m
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     (sub,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs if s.kind == "conv"]
     assert sub.smg.name.startswith("upsample_conv2d") == parity, sub.smg.name
-    assert "(upsample x2)" in sub.label
+    assert f"(upsample x{factor})" in sub.label
 
 
 def test_the_measured_parity_convs_beat_the_upsampled_read_where_the_frontend_takes_them() -> None:

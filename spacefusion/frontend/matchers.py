@@ -17,9 +17,9 @@ import torch
 from torch import fx
 
 from smg import patterns
-from smg.errors import SpaceFusionError
+from smg.errors import ShapeError, SpaceFusionError
 from smg.ir import SMG
-from smg.ops import Builder
+from smg.ops import Builder, upsample_taps
 from spacefusion.frontend import builders
 from spacefusion.frontend.activations import Activation, activation_after
 from spacefusion.frontend.gated import gated_of
@@ -466,6 +466,16 @@ def _conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | 
 PARITY_MIN_ROWS = 64
 
 
+def _one_window_per_parity(kernel: int, pad: int, factor: int) -> bool:
+    """Whether every output parity reads a window of one width (``upsample_taps``; a 3x3 after a 3x upsampling
+    does not: it keeps the upsampled read)."""
+    try:
+        upsample_taps(kernel, pad, factor)
+    except ShapeError:
+        return False
+    return True
+
+
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``nn.Conv2d`` (any padding and stride, groups 1) -> ``patterns.conv2d``, an implicit GEMM over the
     image seen channels-last, with what follows it fused: an inference BatchNorm (folded into the weight and
@@ -505,7 +515,8 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     pad = cv.padding[0]
     has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
     kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
-    parity = factor > 1 and cv.stride[0] == 1 and 2 * pad == cv.kh - 1 and max(n * h, w) >= PARITY_MIN_ROWS
+    parity = factor > 1 and cv.stride[0] == 1 and 2 * pad == cv.kh - 1 and max(n * h, w) >= PARITY_MIN_ROWS \
+        and _one_window_per_parity(cv.kh, pad, factor)
     smg = _build(ctx, node, lambda: patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw)
                  if parity else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor, **kw))
     if smg is None:

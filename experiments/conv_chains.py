@@ -84,12 +84,10 @@ BY_KEY = {c.key: c for c in CHAINS}
 
 
 def by_parity(c: Chain) -> bool:
-    """Whether the frontend computes this chain's conv by output parity (an upsampling 'same' conv whose
-    parity GEMMs fill a 64-row MMA tile: ``spacefusion.frontend.matchers.PARITY_MIN_ROWS``)."""
-    from spacefusion.frontend.matchers import PARITY_MIN_ROWS
+    """Whether the frontend computes this chain's conv by output parity (its rule, asked)."""
+    from spacefusion.frontend.matchers import by_parity as frontend_rule
 
-    return (c.upsample > 1 and c.stride == 1 and 2 * c.pad == c.kernel - 1
-            and max(c.n * c.h, c.w) >= PARITY_MIN_ROWS)
+    return frontend_rule(c.n * c.h, c.w, c.kernel, c.stride, c.pad, c.upsample)
 
 
 def smg_of(c: Chain) -> Any:

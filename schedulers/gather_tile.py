@@ -19,7 +19,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.errors import ScheduleError
-from smg.ops import upsample_taps, upsample_window2d_index, window2d_index
+from smg.ops import UPSAMPLE_VIEW, upsample_taps, upsample_window2d_index, window2d_index
 
 #: elements of a 16-byte chunk (fp16 / bf16)
 CHUNK = 8
@@ -163,7 +163,7 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
     if c % IM2COL_BAND:
         return f"{g.src!r} has {c} channels, not whole {IM2COL_BAND}-channel bands (a band would straddle two taps)"
     norm = tuple(re.sub(r"\s+", "", t) for t in g.index)
-    if op.out_index == ("nh", "a", "b", "j", "k"):
+    if op.out_index == UPSAMPLE_VIEW:
         return _parity_im2col(g, norm, (h, w), c, sizes["a"])
     if len(op.out_index) != 2:
         return f"{g.tile!r} {op.out_index} is not a window2d view [pixels, taps]"

@@ -31,6 +31,7 @@ from schedulers.errors import ScheduleError
 from schedulers.gather_tile import GatherTile, Im2col, gather_tile, im2col_of
 from schedulers.temporal import UpdateFunction, parse
 from smg.expr import body_expr
+from smg.ops import UPSAMPLE_VIEW
 
 #: shared-memory rows are padded by 8 halfs (16 B): ldmatrix row addresses then fall in distinct banks
 PAD = 8
@@ -242,7 +243,7 @@ def _im2cols(smg, gathers: list[GatherTile], row: str) -> tuple[tuple[Im2col, ..
     pixels of an image row: by output parity the row tile must run along them, ``j``)."""
     got: list[Im2col | str] = [im2col_of(smg, g) for g in gathers]
     got = [f"by output parity a TMA im2col load walks the pixels j of an image row, and the row tile runs along "
-           f"{row!r}" if isinstance(g, Im2col) and g.shift and row != "j" else g for g in got]
+           f"{row!r}" if isinstance(g, Im2col) and g.shift and row != UPSAMPLE_VIEW[3] else g for g in got]
     why = next((g for g in got if isinstance(g, str)), "")
     return (() if why else tuple(got)), why
 

@@ -83,6 +83,11 @@ def window2d_index(m: str, k: str, c: int, out: tuple[int, int], kernel_w: int, 
     return (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
 
 
+#: the dims of ``Builder.upsample_window2d``'s view, in order: small-image row (n * h + i), the output's row and
+#: column parities, small-image column, merged tap; analyses that recognise the view name them from here
+UPSAMPLE_VIEW = ("nh", "a", "b", "j", "k")
+
+
 def upsample_taps(kernel: int, pad: int, factor: int = 2) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """How a ``kernel``-wide, ``pad``-padded stride-1 window over an image nearest-upsampled ``factor`` times
     reads the small image, per output parity ``a`` (output row ``factor * i + a``): (``d``, ``taps``) with tap
@@ -90,7 +95,8 @@ def upsample_taps(kernel: int, pad: int, factor: int = 2) -> tuple[tuple[int, tu
     smaller window (a 3x3 conv after a 2x upsampling is four 2x2 convs of the small image: 2.25x fewer FLOPs).
     ShapeError where the parities' windows differ in width (they then cannot share one GEMM)."""
     if kernel < 1 or pad < 0 or factor < 2:
-        raise ShapeError(f"upsample_taps: kernel {kernel}, pad {pad}, factor {factor}")
+        raise ShapeError(f"an upsampling conv by output parity needs kernel >= 1, pad >= 0 and an upsampling "
+                         f"factor >= 2; got kernel {kernel}, pad {pad}, factor {factor}")
     out = []
     for a in range(factor):
         rows = [(a + ky - pad) // factor for ky in range(kernel)]
@@ -363,10 +369,10 @@ class Builder:
             raise ShapeError(f"upsample_window2d of {x.name!r}: kernel {kernel} with pad {pad} is not a 'same' "
                              f"convolution (pad (kernel - 1) / 2)")
         t = upsample_taps(int(kernel), int(pad), int(factor))[0][1][-1] + 1
-        for d, size in (("nh", n * h), ("a", factor), ("b", factor), ("j", w), ("k", t * t * c)):
+        for d, size in zip(UPSAMPLE_VIEW, (n * h, factor, factor, w, t * t * c), strict=True):
             self._dim(d, size)
         index = upsample_window2d_index(c, h, int(kernel), int(pad), int(factor))
-        return self._emit(Op("window", self._fresh("window", name), ("nh", "a", "b", "j", "k"),
+        return self._emit(Op("window", self._fresh("window", name), UPSAMPLE_VIEW,
                              (Access(x.name, index),), x.name))
 
     def matmul(self, a: Tensor, b: Tensor, reduce: str, name: str | None = None,

@@ -54,6 +54,8 @@ def test_taps_merge_per_parity() -> None:
     assert upsample_fold(3, 1) == [[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]]
     with pytest.raises(ShapeError, match="depending on the output's parity"):
         upsample_taps(2, 0)  # parity 0 reads one small row, parity 1 two
+    with pytest.raises(ShapeError, match="factor >= 2"):
+        upsample_taps(3, 1, 1)
 
 
 @settings(max_examples=12, deadline=None)
@@ -165,7 +167,7 @@ def test_the_measured_parity_convs_beat_the_upsampled_read_where_the_frontend_ta
     """The committed H100 batch: every kernel passed its check, and the frontend's rule (``PARITY_MIN_ROWS``)
     takes the parity form exactly where its first pick was faster than the upsampled read's."""
     from search.records import MeasureResult
-    from spacefusion.frontend.matchers import PARITY_MIN_ROWS
+    from spacefusion.frontend.matchers import by_parity
 
     data = json.loads((ROOT / "experiments/tuning/upsample_parity_h100.json").read_text())
     assert data["device"].startswith("NVIDIA H100")
@@ -177,4 +179,4 @@ def test_the_measured_parity_convs_beat_the_upsampled_read_where_the_frontend_ta
             picks.setdefault(tuple(lab["shape"]), {})[lab["form"]] = res.median_us
     assert len(picks) == 6
     for (b, size, _, _), us in picks.items():
-        assert (max(b * size, size) >= PARITY_MIN_ROWS) == (us["parity"] < us["plain"]), (b, size, us)
+        assert by_parity(b * size, size, 3, 1, 1, 2) == (us["parity"] < us["plain"]), (b, size, us)

@@ -466,9 +466,13 @@ def _conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | 
 PARITY_MIN_ROWS = 64
 
 
-def _one_window_per_parity(kernel: int, pad: int, factor: int) -> bool:
-    """Whether every output parity reads a window of one width (``upsample_taps``; a 3x3 after a 3x upsampling
-    does not: it keeps the upsampled read)."""
+def by_parity(rows: int, width: int, kernel: int, stride: int, pad: int, factor: int) -> bool:
+    """Whether a conv after a nearest ``factor``x upsampling of ``rows`` (n * h) image rows ``width`` wide runs
+    by output parity: a stride-1 'same' conv whose parity GEMMs' rows fill a 64-row MMA tile
+    (``PARITY_MIN_ROWS``) and whose parities each read a window of one width (``upsample_taps``; a 3x3
+    after a 3x upsampling does not, and keeps the upsampled read)."""
+    if factor < 2 or stride != 1 or 2 * pad != kernel - 1 or max(rows, width) < PARITY_MIN_ROWS:
+        return False
     try:
         upsample_taps(kernel, pad, factor)
     except ShapeError:
@@ -515,8 +519,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     pad = cv.padding[0]
     has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
     kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
-    parity = factor > 1 and cv.stride[0] == 1 and 2 * pad == cv.kh - 1 and max(n * h, w) >= PARITY_MIN_ROWS \
-        and _one_window_per_parity(cv.kh, pad, factor)
+    parity = by_parity(n * h, w, cv.kh, cv.stride[0], pad, factor)
     smg = _build(ctx, node, lambda: patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw)
                  if parity else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor, **kw))
     if smg is None:

@@ -14,6 +14,7 @@ from tvm.script.ir_builder import tirx as T
 
 from schedulers.gather_tile import Im2col
 from schedulers.warp_tile import split_ring, tma_dims, tma_streamed
+from smg.ops import UPSAMPLE_VIEW
 from spacefusion.lower.mma_state import I32, KernelState
 
 
@@ -106,7 +107,7 @@ class TmaRing:
         (p_out, q_out), pad = im.out, im.pad
         m0 = st.row0
         if im.shift:  # by output parity (a, b): row nh's pixels from j0, shifted by the parity's first small row
-            nh, a, b = (st.coord[d] for d in ("nh", "a", "b"))
+            nh, a, b = (st.coord[d] for d in UPSAMPLE_VIEW[:3])
             img, y0, x0 = nh // p_out, nh % p_out + self._shift(im, a), m0 + self._shift(im, b)
             pad = 0
         else:

@@ -58,6 +58,10 @@ SLICES = (2, 4, 8)  # blocks dividing a row tile's steps, offered when the grid 
 #: more slices where even 8 leave the SMs short (a GQA decoder's few kv heads at one sequence: 8 row
 #: tiles x 8 slices stayed behind cuDNN's time), up to this many blocks per SM in all
 MORE_SLICES, SLICED_BLOCKS_PER_SM = (16, 32), 4
+#: an implicit GEMM's slices of up to this many blocks also get a 4-deep ring: SD 1.5 UNet's 8x8 convs (128 rows,
+#: 11520-23040 steps of reduction) ran 19-26% faster in 8 slices on 4 stages than on 3, whose wgmma group in
+#: flight leaves the loads a single step ahead (experiments/tuning/unet_convs_h100.json)
+SLICED_DEEP_MAX = 8
 #: the serial extent from which the search offers attention's warp-specialised (FlashAttention-3)
 #: variants: one block of 384 threads per SM pays each block's ring fill alone, which long rows
 #: amortise (LLaMA's 2048) and short ones do not (BERT's 512, ViT's 197), where the cost model puts
@@ -253,7 +257,7 @@ class SearchSpace:
         for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES + deep, WARPS, parts, reloads):
             if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
                 continue
-            if stages in deep and (split > 1 or sl > 2):
+            if stages in deep and (split > 1 or sl > (SLICED_DEEP_MAX if self.gathers and stages == 4 else 2)):
                 continue
             earlies = (False, True) if stages > 1 and split == 1 else (False,)
             lazies = (False, True) if self.running_max else (False,)

@@ -197,7 +197,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     load = ((IM2COL_LATENCY_S if p.tma else GATHER_LATENCY_S) if p.gathers else LOAD_LATENCY_S) + l2_s
     # steps loaded ahead: the ring less the slot being read and, a GEMM fed by a producer warpgroup,
     # the slot its wgmma group in flight still holds (attention's steps wait for their wgmma groups)
-    ahead = p.stages - 1 - (1 if p.producer and p.wgmma_ss else 0)
+    ahead = p.stages - 1 - (1 if p.wgmma_ss and (p.producer or p.stages >= 3) else 0)
     if ahead <= 0:
         latency = load
     else:
@@ -259,11 +259,24 @@ def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[fl
         return tiles * (main + c.fixed_s) - (tiles - 1) * LOAD_LATENCY_S, _flops(s, p, groups, steps)
     slots = max(1, occupancy) * p.split * hw.num_sms
     full, rest = divmod(groups, slots)
-    total = full * (steps * c.round_s(max(1, occupancy) * p.split) + c.fixed_s)
+    fixed = c.fixed_s + merge_s(s, p, hw)
+    total = full * (steps * c.round_s(max(1, occupancy) * p.split) + fixed)
     if rest:
         per_sm = -(-rest // hw.num_sms)
-        total += steps * c.round_s(per_sm) + c.fixed_s
+        total += steps * c.round_s(per_sm) + fixed
     return total, _flops(s, p, groups, steps)
+
+
+def merge_s(s: Schedule, p: WarpTileProgram, hw: HardwareModel) -> float:
+    """The slices' merge on a row tile's critical path: every block stores its partial accumulators, and the
+    last one to finish reads all ``slices`` of them back alone, at one SM's share of the L2 bandwidth (the
+    device-wide bytes are in the memory term).  8 slices of a 128 x 128 tile read 512 KB through one SM:
+    SD 1.5 UNet's convs in them measured 1.3-4.8x their estimate without this (unet_convs_h100.json).  Charged to
+    the GEMM form (GEMMs, implicit-GEMM convs), where it was measured."""
+    if s.slices == 1 or p.gemm is not None or p.row_states or p.score_ops:
+        return 0.0  # attention's slices (flash-decoding) merge a few rows of states: the prior was fitted there
+    part = p.merge_floats() * 32 * p.warps * p.split * 4
+    return (1 + s.slices) * part / (hw.l2_bandwidth_bytes_per_s / hw.num_sms)
 
 
 def _flops(s: Schedule, p: WarpTileProgram, groups: int, steps: float) -> float:

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""SD 1.5 UNet's convolutions on small grids: a wide candidate batch per conv, against cuDNN in one run.
+
+Usage:
+    python experiments/tuning/unet_convs.py export ART [--per 14]     # here (TVM): the offline batch
+    python3 experiments/tuning/unet_convs.py run ART --out R.json       # on the GPU: the batch + cuDNN
+    python experiments/tuning/unet_convs.py table ART R.json [--records OUT] [--db DB]
+
+The UNet's convolutions at 32x32, 16x16 and 8x8 (batch 2) are GEMMs of 128 to 2048 rows over 5760 to
+23040 steps of reduction: their row tiles leave most of the H100's 132 SMs idle, so the search offers
+slices of the steps across blocks, and the tuner's first pick ran them at 120-300 TFLOP/s in the model
+(`dynamo_unet_h100.json`).  ``export`` writes, per conv, the tuner's first ``--top`` picks and the
+analytical model's best of each family it ranks lower (slices 1-16 x TMA or cp.async x a producer
+warpgroup x ring depth), so one run shows which family the first round should have measured.  ``run``
+checks and times the batch (``spacefusion.runtime.batch``) and times cuDNN's conv (channels-last fp16,
+with the bias and residual add as torch adds them) on the same machine in the same process.  ``table``
+prints first pick, best, best family and cuDNN per conv; ``--db`` adds every measurement to a tuning
+database, which ``dynamo_gpu.py export --db`` then builds the model from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+#: (batch, h = w, c_in, c_out, kernel, residual, calls per UNet forward) of SD 1.5's convs on small grids
+CONVS = [(2, 32, 640, 640, 3, True, 5), (2, 16, 1280, 1280, 3, True, 5), (2, 8, 1280, 1280, 3, True, 7),
+         (2, 8, 1280, 1280, 3, False, 4), (2, 8, 2560, 1280, 3, False, 3), (2, 16, 2560, 1280, 3, False, 2),
+         (2, 32, 1920, 640, 3, False, 1), (2, 16, 1920, 1280, 3, False, 1), (2, 32, 1280, 640, 3, False, 1),
+         (2, 16, 1280, 1280, 1, True, 5)]
+
+
+def _label(c: tuple) -> str:
+    b, hw, ci, co, k, res, _ = c
+    return f"{b}x{hw}x{hw}x{ci}->{co} {k}x{k}" + (" +res" if res else "")
+
+
+def _smg(c: tuple):
+    from smg import patterns
+
+    b, hw, ci, co, k, res, _ = c
+    return patterns.conv2d(b, hw, hw, ci, co, k, 1, k // 2, residual=res, dtype="float16")
+
+
+def _family(s) -> tuple:
+    return (s.slices, bool(s.tma), bool(s.producer), s.stages >= 4)
+
+
+def pick(smg, top: int, per: int) -> list[tuple[str, Any]]:
+    """(why, schedule): the first ``top`` in the tuner's order, then the best-estimated of each family
+    not yet held, in estimate order, up to ``per`` in all."""
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from spacefusion.frontend.schedules import ranked
+
+    order = ranked(smg)
+    out = [(f"rank {i}", s) for i, s in enumerate(order[:top])]
+    seen = {_family(s) for _, s in out}
+    fams: dict[tuple, Any] = {}
+    for s in order[top:]:
+        fams.setdefault(_family(s), s)
+    for fam, s in sorted(fams.items(), key=lambda kv: estimate_us(kv[1], H100)):
+        if len(out) >= per:
+            break
+        if fam not in seen:
+            seen.add(fam)
+            out.append((f"family slices {fam[0]} tma {fam[1]} producer {fam[2]} deep {fam[3]}", s))
+    return out + deeper(order[0])
+
+
+def deeper(s) -> list[tuple[str, Any]]:
+    """The first pick with a deeper ring (4 and 6 stages), which the space offers a sliced block only up to
+    3 of: a slice's few steps each wait for a load issued only ``stages - 1`` steps before."""
+    from schedulers.errors import ScheduleError
+    from schedulers.options import non_defaults
+    from schedulers.schedule import make_schedule
+
+    out = []
+    for stages in (4, 6):
+        if stages <= s.stages:
+            continue
+        knobs = {**non_defaults(s.warp), **non_defaults(s.hopper), "stages": stages}
+        try:
+            t = make_schedule(s.smg, tiles=dict(s.block), serial=s.serial, step=s.step, thread_dim=s.thread_dim,
+                              tensor_cores=True, **knobs)
+        except (ScheduleError, ValueError) as exc:
+            print(f"  {stages} stages refused: {exc}")
+            continue
+        out.append((f"rank 0 with {stages} stages", t))
+    return out
+
+
+def export(art: Path, top: int, per: int) -> None:
+    from search.records import MeasureInput
+    from spacefusion.runners.offline import export_batch
+
+    inputs, labels = [], []
+    for c in CONVS:
+        g = _smg(c)
+        for why, s in pick(g, top, per):
+            inputs.append(MeasureInput(s, "cuda:sm_90a"))
+            labels.append({"conv": list(c[:6]), "calls": c[6], "why": why, "workload_key": g.key,
+                           "schedule_key": s.key, "slices": s.slices, "tma": bool(s.tma),
+                           "producer": bool(s.producer), "stages": s.stages, "block": [list(t) for t in s.block]})
+    export_batch(inputs, art)
+    (art / "labels.json").write_text(json.dumps(labels, indent=1) + "\n")
+    print(f"{len(inputs)} candidates of {len(CONVS)} convs in {art}")
+
+
+def cudnn_times(iters: int) -> list[dict[str, Any]]:
+    """cuDNN's conv per shape (channels-last fp16, bias, then the residual add as torch does it), timed
+    with CUDA events over an L2 flush, median of ``iters``."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.backends.cudnn.benchmark = True
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for c in CONVS:
+        b, hw, ci, co, k, res, _ = c
+        x = torch.randn(b, ci, hw, hw, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+        w = (torch.randn(co, ci, k, k, device="cuda", generator=g) / (ci * k * k) ** 0.5).half()
+        w = w.to(memory_format=torch.channels_last)
+        bias = torch.randn(co, device="cuda", generator=g).half()
+        r = torch.randn(b, co, hw, hw, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+
+        def conv(x=x, w=w, bias=bias, r=r, res=res, k=k):
+            y = F.conv2d(x, w, bias, padding=k // 2)
+            return y + r if res else y
+
+        def alone(x=x, w=w, bias=bias, k=k):
+            return F.conv2d(x, w, bias, padding=k // 2)
+
+        times = {}
+        for name, fn in (("cudnn_conv_us", alone), ("cudnn_conv_add_us", conv)):
+            for _ in range(10):
+                fn()
+            ts = []
+            for _ in range(iters):
+                flush.zero_()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                ts.append(s.elapsed_time(e) * 1e3)
+            times[name] = round(statistics.median(ts), 2)
+        out.append({"conv": list(c[:6]), **times})
+        print(_label(c), times, flush=True)
+    return out
+
+
+def run(art: Path, out: Path, iters: int) -> int:
+    import subprocess
+
+    tmp = out.with_suffix(".batch.json")
+    rc = subprocess.call([sys.executable, "-m", "spacefusion.runtime.batch", str(art), "--out", str(tmp),
+                          "--iters", str(iters)], cwd=ROOT)
+    whole = json.loads(tmp.read_text())
+    whole["cudnn"] = cudnn_times(iters)
+    out.write_text(json.dumps(whole, indent=1) + "\n")
+    return rc
+
+
+def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
+    from search.records import MeasureResult
+
+    labels = json.loads((art / "labels.json").read_text())
+    whole = json.loads(results.read_text())
+    res = [MeasureResult.from_dict(r) for r in whole["results"]]
+    cudnn = {tuple(c["conv"]): c for c in whole.get("cudnn", [])}
+    rows: dict[tuple, list] = {}
+    for lab, r in zip(labels, res, strict=True):
+        rows.setdefault(tuple(lab["conv"]), []).append((lab, r.median_us if r.ok else None, r.error))
+    print("| conv (batch x h x w x c_in -> c_out) | calls | first pick | best | best's family | cuDNN conv (+ add) "
+          "| first / cuDNN | best / cuDNN |")
+    print("|---|---|---|---|---|---|---|---|")
+    tot = {"first": 0.0, "best": 0.0, "cudnn": 0.0}
+    for conv, got in rows.items():
+        first = got[0][1]
+        ok = [(u, lab) for lab, u, _ in got if u is not None]
+        best, blab = min(ok, key=lambda t: t[0]) if ok else (None, None)
+        cd = cudnn.get(conv, {})
+        ref = cd.get("cudnn_conv_add_us" if conv[5] else "cudnn_conv_us")
+        calls = got[0][0]["calls"]
+        for k, v in (("first", first), ("best", best), ("cudnn", ref)):
+            tot[k] += (v or 0.0) * calls
+        fam = (f"{blab['block']} slices {blab['slices']} stages {blab['stages']} tma {blab['tma']} "
+               f"producer {blab['producer']}") if blab else "-"
+        f = lambda v: f"{v:.1f}" if v else "failed"  # noqa: E731
+        r = lambda a, b: f"{b / a:.2f}x" if a and b else "-"  # noqa: E731
+        label = _label((*conv, calls))
+        print(f"| {label} | {calls} | {f(first)} | {f(best)} | {fam} | {f(ref)} | {r(first, ref)} | {r(best, ref)} |")
+    print(f"per UNet forward: first picks {tot['first']:.0f} us, bests {tot['best']:.0f}, cuDNN {tot['cudnn']:.0f}")
+    if records is not None:  # tuning records (``search.prior.read_records``), the labels and cuDNN beside them
+        manifest = json.loads((art / "manifest.json").read_text())["candidates"]
+        rows_out = [{"workload": entry["workload"]["name"], "tuning_key": lab["workload_key"],
+                     "schedule": entry["schedule"], "result": raw, "label": lab}
+                    for lab, entry, raw in zip(labels, manifest, whole["results"], strict=True)]
+        meta = {k: v for k, v in whole.items() if k not in ("results", "format", "cudnn")}
+        records.write_text(json.dumps({"format": "spacefusion-records/1", **meta, "cudnn": whole.get("cudnn", []),
+                                       "records": rows_out}, indent=1) + "\n")
+    if db is not None:
+        import shutil
+        import tempfile
+
+        from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
+
+        with tempfile.TemporaryDirectory() as tmp:  # the batch folder's layout: its manifest and results
+            shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
+            Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != "cudnn"}))
+            print(f"{import_offline(db, tmp)} measurements added to {db}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("art", type=Path)
+    e.add_argument("--top", type=int, default=4)
+    e.add_argument("--per", type=int, default=14)
+    r = sub.add_parser("run")
+    r.add_argument("art", type=Path)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--iters", type=int, default=50)
+    t = sub.add_parser("table")
+    t.add_argument("art", type=Path)
+    t.add_argument("results", type=Path)
+    t.add_argument("--records", type=Path, default=None)
+    t.add_argument("--db", type=Path, default=None)
+    a = ap.parse_args()
+    if a.cmd == "export":
+        export(a.art, a.top, a.per)
+    elif a.cmd == "run":
+        sys.exit(run(a.art, a.out, a.iters))
+    else:
+        table(a.art, a.results, a.records, a.db)
+
+
+if __name__ == "__main__":
+    main()

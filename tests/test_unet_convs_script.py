@@ -1,0 +1,46 @@
+"""experiments/tuning/unet_convs.py: the candidate batch it measures, and the records it commits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments" / "tuning"))
+
+import unet_convs  # noqa: E402
+
+
+def test_the_batch_starts_with_the_tuners_order_then_one_pick_per_family() -> None:
+    from smg import patterns
+    from spacefusion.frontend.schedules import ranked
+
+    g = patterns.conv2d(2, 8, 8, 64, 64, 3, 1, 1, residual=True, dtype="float16")
+    got = unet_convs.pick(g, 3, 9)
+    order = ranked(g)
+    assert [s.key for _, s in got[:3]] == [s.key for s in order[:3]]
+    fams = [unet_convs._family(s) for why, s in got[3:] if why.startswith("family")]
+    assert fams and len(set(fams)) == len(fams)
+    assert not set(fams) & {unet_convs._family(s) for _, s in got[:3]}
+    deeper = [s for why, s in got if why.startswith("rank 0 with")]
+    assert all(s.block == order[0].block and s.slices == order[0].slices and s.stages > order[0].stages
+               for s in deeper)
+    assert len({s.key for _, s in got}) == len(got)
+
+
+def test_the_committed_rounds_are_checked_records_with_cudnn_beside_them() -> None:
+    from search.records import MeasureResult
+
+    for name, per in (("unet_convs_h100.json", 15), ("unet_convs_round2_h100.json", 4)):
+        data = json.loads((ROOT / "experiments" / "tuning" / name).read_text())
+        assert data["format"] == "spacefusion-records/1" and "H100" in data["device"]
+        convs = {tuple(r["label"]["conv"]) for r in data["records"]}
+        assert convs == {tuple(c[:6]) for c in unet_convs.CONVS}
+        for c in convs:
+            rows = [r for r in data["records"] if tuple(r["label"]["conv"]) == c]
+            assert len(rows) >= per and rows[0]["label"]["why"] == "rank 0"
+            # every kernel matched the numpy reference before it was timed (the batch's check)
+            assert all(MeasureResult.from_dict(r["result"]).ok and r["result"]["max_abs_err"] is not None for r in rows)
+        assert {tuple(c["conv"]) for c in data["cudnn"]} == convs
+        assert all(c["cudnn_conv_us"] > 0 for c in data["cudnn"])

@@ -176,6 +176,9 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
 
     labels = json.loads((art / "labels.json").read_text())
     whole = json.loads(results.read_text())
+    if len(labels) != len(whole["results"]):
+        raise SystemExit(f"{results} holds {len(whole['results'])} results but {art} exported {len(labels)} "
+                         f"candidates: the results are not this batch's")
     res = [MeasureResult.from_dict(r) for r in whole["results"]]
     cudnn = {tuple(c["conv"]): c for c in whole.get("cudnn", [])}
     rows: dict[tuple, list] = {}

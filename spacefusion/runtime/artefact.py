@@ -90,6 +90,7 @@ class KernelArtefact:
     nvcc_flags: tuple[str, ...] = ()
     #: the kernel's first statement waits for the grid before it (``griddepcontrol.wait``): the runtime may
     #: launch it programmatically dependent (overlapping that grid's end), which is unsafe for a kernel without
+    #: the wait (it could read the previous grid's outputs before they are written)
     grid_dependency_wait: bool = False
 
     # ---- construction -------------------------------------------------------------------------

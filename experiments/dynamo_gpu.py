@@ -410,7 +410,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             times: dict[str, list[float]] = {k: [] for k in systems}
             for _ in range(repeats):
                 for sys_name, fn in systems.items():
-                    times[sys_name].append(time_cuda(lambda f=fn, x=x: f(**x), warmup=warmup, iters=iters).median_us)
+                    times[sys_name].append(time_cuda(lambda f=fn, x=x: f(**x), warmup=warmup, iters=iters,
+                                                        hold=False).median_us)
             row["us"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
             row["partition"] = str(sf.spacefusion)
             row["partition_no_graph"] = str(nog.spacefusion)

@@ -226,7 +226,7 @@ def run(art: Path, out_path: Path, warmup: int, iters: int, repeats: int, use_co
         for _ in range(repeats):
             for _name, row in rows.items():
                 if "fn" in row:
-                    t = timing.time_cuda(row["fn"], warmup=warmup, iters=iters)
+                    t = timing.time_cuda(row["fn"], warmup=warmup, iters=iters, hold=False)
                     row.setdefault("medians_us", []).append(t.median_us)
         for name, row in rows.items():
             row.pop("fn", None)

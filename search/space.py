@@ -188,12 +188,17 @@ class SearchSpace:
             steps = _pow2_upto(min(sizes[serial], self.max_step or sizes[serial]), lo=min(8, sizes[serial]))
             if sizes[serial] not in steps:
                 steps.append(sizes[serial])
+            # the dims reduced with the serial one: lanes spread over a step's positions times these
+            # (``schedule.lane_spread``; a split's stats kernel: 16 chunks x 20 channels a step of 16 or 20)
+            others = math.prod(sizes[d] for d in {d for op in self.smg.ops if serial in op.reduce
+                                                  for d in op.reduce} - {serial})
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
                 threads = math.prod(tiles.values())
                 simt_points = itertools.product(movers, steps, LANES, self.vectors) if simt else ()
                 for thread_dim, step, lanes, vec in simt_points:
-                    if lanes > step or (vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):
+                    if lanes > step * (others if vec == 1 else 1) or (
+                            vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):
                         continue
                     if not self.block_threads_floor <= threads * lanes <= self.hw.max_threads_per_block:
                         continue

@@ -115,3 +115,22 @@ def test_gemm_epilogue_on_tensor_cores() -> None:
     assert sorted(art.meta["param_order"]) == ["A", "Bw", "Y", "bias"]
     with pytest.raises(ScheduleError, match="tensor cores requested for 'layernorm'.*warp-tile program: outputs keep"):
         schedule(patterns.layernorm(64, 256, "float16"), tiles={"m": 16}, step=64, tensor_cores=True)
+
+
+def test_spread_lanes_load_without_a_branch_per_element() -> None:
+    """A split's stats kernel spreads its lanes over (chunks x channels); a step past the serial dim's end
+    (80 channels in steps of 64) clamps the index and selects, so no load sits in a branch of its own:
+    ptxas does not hoist loads across branches, and the H100 ran such a kernel's 40 loads a lane one memory
+    latency after another (12.7 us for 1 MB)."""
+    from schedulers.hardware import H100
+    from schedulers.schedule import make_schedule
+    from schedulers.split import decide_split
+
+    split = decide_split(patterns.group_norm(2, 256, 32, 2560, "silu", dtype="float16"), H100)
+    stats = split.kernels[1]
+    assert stats.dim_sizes["c_part"] == 80
+    s = make_schedule(stats, tiles={"n": 2, "g": 2}, serial="c_part", step=64, lanes=32)
+    lines = [ln.strip() for ln in build(s, "cuda").source.splitlines() if ln.strip()]
+    loads = [i for i, ln in enumerate(lines) if re.search(r"N_sum_p_ptr\[", ln)]
+    assert loads and "min(" in "".join(lines[i] for i in loads)
+    assert not [lines[i] for i in loads if lines[i - 1].startswith("if (")]

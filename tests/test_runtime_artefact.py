@@ -556,3 +556,23 @@ def test_dependent_launches_of_a_waiting_kernel_see_their_predecessors_writes(tm
         out = chain()
     graph.replay()
     torch.testing.assert_close(out, x + 128 * b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_a_kernel_shorter_than_its_launch_is_timed_without_the_host() -> None:
+    """A one-element add from Python: the host needs longer to launch it than the GPU to run it.  Held
+    behind a sleep kernel, the timed runs go back to back and the event pair brackets the kernel alone;
+    without the hold each run also waits for the host (a model benchmark's ``hold=False``)."""
+    import torch
+
+    from spacefusion.runtime.timing import time_cuda
+
+    x = torch.zeros(1, device="cuda")
+
+    def slow_host() -> None:
+        sum(range(20000))  # a launch path as slow as a Python wrapper's
+        x.add_(1)
+
+    held = time_cuda(slow_host, warmup=5, iters=50, flush_l2=False).median_us
+    paced = time_cuda(slow_host, warmup=5, iters=50, flush_l2=False, hold=False).median_us
+    assert held < 20 < paced, (held, paced)

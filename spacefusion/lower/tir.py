@@ -652,8 +652,10 @@ def _emit_update(k: _Kernel, u) -> None:
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
             spread = _spread_dims(k, u, others)
+            keep = None  # the spread loop's flattened-tail predicate: past it an element adds the identity
             if spread is not None:
-                env2 = {**env, **_spread_loop(k, spread, red)}
+                got, keep = _spread_loop(k, spread, red)
+                env2 = {**env, **got}
             else:
                 # a run's inputs read as one wide access where the serial dim is the innermost loop (a decode
                 # step's GEMV read its weight rows as 2-byte loads: 1.8 TB/s on the H100)
@@ -666,6 +668,10 @@ def _emit_update(k: _Kernel, u) -> None:
                 red.enter_context(T.Then())
                 env2 |= k.loops(others, red)
             val = k.expr(u.body, env2)
+            if keep is not None:  # loaded unconditionally (the index is clamped), then selected
+                got = T.alloc_buffer((1,), F32, scope="local")
+                T.buffer_store(got, val, [0])
+                val = tirx.Select(keep, got[0], part[0] if u.combiner == "max" else tirx.FloatImm(F32, 0.0))
             T.buffer_store(part, tirx.max(part[0], val) if u.combiner == "max" else part[0] + val, [0])
         total = k.allreduce(part[0], u.combiner) if k.lanes > 1 else part[0]
         if u.combiner == "max":
@@ -690,28 +696,30 @@ def _spread_dims(k: _Kernel, u, others: tuple[str, ...]) -> tuple[str, ...] | No
     return lane_spread(k.s, others, k.smg.space(big).dims)
 
 
-def _spread_loop(k: _Kernel, dims: tuple[str, ...], stack: ExitStack) -> dict[str, tirx.PrimExpr]:
+def _spread_loop(k: _Kernel, dims: tuple[str, ...], stack: ExitStack
+                 ) -> tuple[dict[str, tirx.PrimExpr], tirx.PrimExpr | None]:
     """One loop over a step's elements of ``dims`` (the serial dim's ``step`` positions and the others whole),
     lane ``l`` taking elements ``l, l + lanes, ...`` of their flattened index, the last dim fastest: a warp
-    reads consecutive elements of the innermost one.  The serial tail and the flattened tail are guarded."""
+    reads consecutive elements of the innermost one.  The tails (the flattened index's and the serial dim's)
+    are not branches: their indices are clamped to an element inside and the returned predicate says which
+    elements count.  Why: a branch per unrolled trip put every load in a block of its own, which ptxas does not hoist
+    loads across, so a stats kernel's 40 loads a lane ran one memory latency after another."""
     sizes = [k.s.step if d == k.s.serial else k.sizes[d] for d in dims]
     total = math.prod(sizes)
     trips = -(-total // k.lanes)
     it = stack.enter_context((T.unroll if trips <= MAX_UNROLL else T.serial)(0, trips))
     flat = it * k.lanes + k.lane
+    ok = [flat < total] if total % k.lanes else []
+    rest = tirx.min(flat, total - 1) if ok else flat
     env: dict[str, tirx.PrimExpr] = {}
-    rest = flat
     for d, n in zip(reversed(dims), reversed(sizes)):
         env[d] = rest % n if d != dims[0] else rest
         rest = rest // n
-    ok = [flat < total] if total % k.lanes else []
-    if k.has_tail:
-        ok.append(k.t0 + env[k.s.serial] < k.sizes[k.s.serial])
-        ok.append(env[k.s.serial] < k.s.step)
-    if ok:
-        stack.enter_context(T.If(tirx.all(*ok)))
-        stack.enter_context(T.Then())
-    return env
+    if k.has_tail:  # the step's last positions past the dim (or past the step): clamped to its last element
+        pos, serial = env[k.s.serial], k.s.serial
+        ok += [k.t0 + pos < k.sizes[serial], pos < k.s.step]
+        env[serial] = tirx.min(tirx.min(pos, k.s.step - 1), k.sizes[serial] - 1 - k.t0)
+    return env, (tirx.all(*ok) if ok else None)
 
 
 def _new_to_cur(text: str) -> str:

@@ -37,19 +37,13 @@ from smg.subgraph import sub_smg
 
 #: the version of ``decide_split``'s rule and of the graphs it derives: a saved split of another version is
 #: derived again (an export stopped halfway once left splits of an older rule that the next one loaded)
-SPLIT_RULE = 4
+SPLIT_RULE = 3
 #: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
 MIN_CHUNK = 1024
 #: warps of partial states per SM the parts should at least make (each state a thread, its loads one chain):
 #: at 512x512x128, 256 chunks left 8 warps an SM, and the partial read 67 MB at 1.24 TB/s; 128x128x512's 256
 #: chunks of 64 rows (31 warps an SM) read at 2.3 TB/s
 PARTIAL_WARPS_PER_SM = 32
-#: a reduction of at most this many elements a row stays one kernel however few its rows: each block reads
-#: its row in one pass, and the split's two more launches (each a few us of latency however small) cost more
-#: than the idle SMs.  Measured on the H100 (``experiments/tuning/unet_groupnorms_h100.json``, SD 1.5's UNet
-#: GroupNorms at batch 2, cold L2): rows of 2560 and 5120 elements took 13.1-15.6 us as one kernel against
-#: 17.3-22.0 split; rows of 10240 took 27-36 against 20-21 split
-MIN_SPLIT_ROW = 8192
 #: where no split into enough chunks of MIN_CHUNK exists: still split into chunks of at least this many. Why:
 #: the one-kernel form reads a group's channels as strided rows (51 us a call for a 2x1280x8x8 GroupNorm on
 #: the H100), which the split's folded rows do not
@@ -353,13 +347,16 @@ def _with_dtypes(smg: SMG, dtypes: dict[str, str]) -> SMG:
     return dataclasses.replace(smg, spaces=spaces)
 
 
-def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk: int = MIN_CHUNK,
-                 min_row: int = MIN_SPLIT_ROW) -> SplitReduction | str:
+def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk: int = MIN_CHUNK
+                 ) -> SplitReduction | str:
     """Split ``smg``'s longest reduction when its rows leave most SMs idle, else say why not.
 
-    The rule: rows (independent reductions, one block each at most) under half the SMs, each reducing more
-    than ``min_row`` elements, and a reduced dim long enough for at least ``4 * SMs / rows`` chunks of
-    ``min_chunk`` elements; the most such parts up to two per SM."""
+    The rule: rows (independent reductions, one block each at most) under half the SMs, and a reduced dim
+    long enough for at least ``4 * SMs / rows`` chunks of ``min_chunk`` elements; the most such parts up to
+    two per SM.  Short rows split too: SD 1.5's UNet's 8x8x1280 GroupNorm (rows of 2560 elements) took 9.7
+    us a call as one kernel in the model's CUDA graph on the H100, against 6.7 for its three split kernels
+    (1.8 + 2.3 + 2.6, L2 warm); with L2 flushed before each kernel the one kernel won (13.1 against 17.3),
+    which is not how a model runs them (``docs/convolutions.md``)."""
     reduced = {d for op in smg.ops for d in op.reduce}
     if not reduced:
         return "no op reduces: nothing to split"
@@ -379,9 +376,6 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     size = smg.dim_sizes[dim]
     want = math.ceil(4 * hw.num_sms / rows)
     other = max(math.prod(smg.dim_sizes[d] for d in op.reduce if d != dim) for op in smg.ops if dim in op.reduce)
-    if size * other <= min_row:
-        return (f"{rows} reductions of {size * other} elements each: a block reads its row in one pass, and up to "
-                f"{min_row} elements a row the split's two more launches cost more than the idle SMs: one kernel")
     # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
     # block reads whole channel rows), so its blocks are the parts, not parts x rows; and at least enough
     # that the partial's states (one thread each) keep PARTIAL_WARPS_PER_SM warps of loads on every SM
@@ -405,5 +399,5 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
         return f"{why}, but: {e}"
 
 
-__all__ = ["MIN_CHUNK", "MIN_SPLIT_ROW", "PARTIAL_WARPS_PER_SM", "SMALL_CHUNK", "SPLIT_RULE", "SplitReduction",
-           "decide_split", "split_reduction"]
+__all__ = ["MIN_CHUNK", "PARTIAL_WARPS_PER_SM", "SMALL_CHUNK", "SPLIT_RULE", "SplitReduction", "decide_split",
+           "split_reduction"]

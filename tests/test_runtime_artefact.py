@@ -563,8 +563,9 @@ def test_a_kernel_shorter_than_its_launch_is_timed_without_the_host() -> None:
     """A one-element add from Python: the host needs longer to launch it than the GPU to run it.  Held
     behind a sleep kernel, the timed runs go back to back and the event pair brackets the kernel alone;
     without the hold each run also waits for the host (a model benchmark's ``hold=False``)."""
-    import torch
-
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     from spacefusion.runtime.timing import time_cuda
 
     x = torch.zeros(1, device="cuda")

@@ -160,25 +160,17 @@ def cudnn_times(iters: int) -> list[dict[str, Any]]:
 
 
 def run(art: Path, out: Path, iters: int) -> int:
-    import subprocess
+    from batch_rounds import run_batch
 
-    tmp = out.with_suffix(".batch.json")
-    rc = subprocess.call([sys.executable, "-m", "spacefusion.runtime.batch", str(art), "--out", str(tmp),
-                          "--iters", str(iters)], cwd=ROOT)
-    whole = json.loads(tmp.read_text())
-    whole["cudnn"] = cudnn_times(iters)
-    out.write_text(json.dumps(whole, indent=1) + "\n")
-    return rc
+    return run_batch(art, out, iters, "cudnn", cudnn_times)
 
 
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
+    from batch_rounds import add_to_db, load_round, save_records
+
     from search.records import MeasureResult
 
-    labels = json.loads((art / "labels.json").read_text())
-    whole = json.loads(results.read_text())
-    if len(labels) != len(whole["results"]):
-        raise SystemExit(f"{results} holds {len(whole['results'])} results but {art} exported {len(labels)} "
-                         f"candidates: the results are not this batch's")
+    labels, whole = load_round(art, results)
     res = [MeasureResult.from_dict(r) for r in whole["results"]]
     cudnn = {tuple(c["conv"]): c for c in whole.get("cudnn", [])}
     rows: dict[tuple, list] = {}
@@ -205,23 +197,9 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
         print(f"| {label} | {calls} | {f(first)} | {f(best)} | {fam} | {f(ref)} | {r(first, ref)} | {r(best, ref)} |")
     print(f"per UNet forward: first picks {tot['first']:.0f} us, bests {tot['best']:.0f}, cuDNN {tot['cudnn']:.0f}")
     if records is not None:  # tuning records (``search.prior.read_records``), the labels and cuDNN beside them
-        manifest = json.loads((art / "manifest.json").read_text())["candidates"]
-        rows_out = [{"workload": entry["workload"]["name"], "tuning_key": lab["workload_key"],
-                     "schedule": entry["schedule"], "result": raw, "label": lab}
-                    for lab, entry, raw in zip(labels, manifest, whole["results"], strict=True)]
-        meta = {k: v for k, v in whole.items() if k not in ("results", "format", "cudnn")}
-        records.write_text(json.dumps({"format": "spacefusion-records/1", **meta, "cudnn": whole.get("cudnn", []),
-                                       "records": rows_out}, indent=1) + "\n")
+        save_records(art, labels, whole, records, "cudnn")
     if db is not None:
-        import shutil
-        import tempfile
-
-        from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
-
-        with tempfile.TemporaryDirectory() as tmp:  # the batch folder's layout: its manifest and results
-            shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
-            Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != "cudnn"}))
-            print(f"{import_offline(db, tmp)} measurements added to {db}")
+        add_to_db(art, whole, db, "cudnn")
 
 
 def main() -> None:

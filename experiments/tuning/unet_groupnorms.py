@@ -3,18 +3,22 @@
 
 Usage:
     python experiments/tuning/unet_groupnorms.py export ART [--top 3 --per 8]   # here (TVM): the batch
+    python experiments/tuning/unet_groupnorms.py export ART --whole --max-hw 32   # the same, unsplit
     python3 experiments/tuning/unet_groupnorms.py run ART --out R.json            # on the GPU: batch + torch
     python experiments/tuning/unet_groupnorms.py table ART R.json [--records OUT] [--db DB]
 
 At batch 2 a GroupNorm's 64 (sample, group) reductions leave most of the H100's SMs idle, so
 ``schedulers.split`` runs each as three kernels: the partial sums over chunks of pixels, their totals
 (``stats``: one tiny reduction per group) and the element-wise ``apply``.  The UNet runs 61 of them a
-forward (22 distinct SMGs); their 183 kernels took 756 us of its 6570 (`dynamo_unet_h100.json`), the stats
-kernels alone 298 us for a few KB each.  ``export`` writes, per kernel, the tuner's first ``--top`` picks and
-the analytical model's best of each CUDA-core family it ranks lower (lanes x vector x threads), up to
+forward (22 distinct SMGs); their 183 kernels took 756 us of its 6570
+(`history/dynamo_unet_h100_before_groupnorm_lanes.json`), the stats kernels alone 298 us for a few KB each.
+``export`` writes, per kernel, the tuner's first ``--top`` picks, the previous space's first pick and the
+analytical model's best of each CUDA-core family it ranks lower (lanes x vector x threads), up to
 ``--per``; ``run`` checks and times the batch (``spacefusion.runtime.batch``) and times torch's
 ``group_norm`` (+ SiLU, + the time embedding's add where the UNet has it; fp16 channels-last, eager) on the
 same machine in the same process; ``table`` prints first pick and best per GroupNorm and per forward.
+The batch flushes L2 before each kernel, which a model's graph does not: compare candidates of one kernel
+here, not the split with one kernel (``docs/convolutions.md``, 'Small grids').
 """
 
 from __future__ import annotations
@@ -158,15 +162,9 @@ def torch_times(iters: int) -> list[dict[str, Any]]:
 
 
 def run(art: Path, out: Path, iters: int) -> int:
-    import subprocess
+    from batch_rounds import run_batch
 
-    tmp = out.with_suffix(".batch.json")
-    rc = subprocess.call([sys.executable, "-m", "spacefusion.runtime.batch", str(art), "--out", str(tmp),
-                          "--iters", str(iters)], cwd=ROOT)
-    whole = json.loads(tmp.read_text())
-    whole["torch"] = torch_times(iters)
-    out.write_text(json.dumps(whole, indent=1) + "\n")
-    return rc
+    return run_batch(art, out, iters, "torch", torch_times)
 
 
 def summarize(labels: list[dict], results: list[Any]) -> dict[tuple, dict[str, dict[str, Any]]]:
@@ -185,13 +183,11 @@ def summarize(labels: list[dict], results: list[Any]) -> dict[tuple, dict[str, d
 
 
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
+    from batch_rounds import add_to_db, load_round, save_records
+
     from search.records import MeasureResult
 
-    labels = json.loads((art / "labels.json").read_text())
-    whole = json.loads(results.read_text())
-    if len(labels) != len(whole["results"]):
-        raise SystemExit(f"{results} holds {len(whole['results'])} results but {art} exported {len(labels)} "
-                         f"candidates: the results are not this batch's")
+    labels, whole = load_round(art, results)
     res = [MeasureResult.from_dict(r) for r in whole["results"]]
     eager = {tuple(t["gn"]): t["torch_eager_us"] for t in whole.get("torch", [])}
     summary = summarize(labels, res)
@@ -214,23 +210,9 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
     print(f"per UNet forward (kernel time, no launch gaps): first picks {tot['first']:.0f} us, bests "
           f"{tot['best']:.0f}, torch eager {tot['torch']:.0f}")
     if records is not None:
-        manifest = json.loads((art / "manifest.json").read_text())["candidates"]
-        rows_out = [{"workload": entry["workload"]["name"], "tuning_key": lab["workload_key"],
-                     "schedule": entry["schedule"], "result": raw, "label": lab}
-                    for lab, entry, raw in zip(labels, manifest, whole["results"], strict=True)]
-        meta = {k: v for k, v in whole.items() if k not in ("results", "format", "torch")}
-        records.write_text(json.dumps({"format": "spacefusion-records/1", **meta, "torch": whole.get("torch", []),
-                                       "records": rows_out}, indent=1) + "\n")
+        save_records(art, labels, whole, records, "torch")
     if db is not None:
-        import shutil
-        import tempfile
-
-        from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
-
-        with tempfile.TemporaryDirectory() as tmp:
-            shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
-            Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != "torch"}))
-            print(f"{import_offline(db, tmp)} measurements added to {db}")
+        add_to_db(art, whole, db, "torch")
 
 
 def main() -> None:

@@ -1,0 +1,61 @@
+"""The plumbing the per-model tuning rounds share (``unet_convs.py``, ``unet_groupnorms.py``): run an offline
+batch on the GPU with a baseline beside it, read its results back against the labels it was exported with,
+and keep them as tuning records or in a tuning database.  Each script keeps what is its own: which
+candidates, which baseline, which table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_batch(art: Path, out: Path, iters: int, baseline_key: str, baseline: Callable[[int], list]) -> int:
+    """``spacefusion.runtime.batch`` on ``art`` (each candidate checked, then timed), then ``baseline(iters)``
+    in the same process, written to ``out`` under ``baseline_key``; the batch's exit status."""
+    tmp = out.with_suffix(".batch.json")
+    rc = subprocess.call([sys.executable, "-m", "spacefusion.runtime.batch", str(art), "--out", str(tmp),
+                          "--iters", str(iters)], cwd=ROOT)
+    whole = json.loads(tmp.read_text())
+    whole[baseline_key] = baseline(iters)
+    out.write_text(json.dumps(whole, indent=1) + "\n")
+    return rc
+
+
+def load_round(art: Path, results: Path) -> tuple[list[dict], dict[str, Any]]:
+    """(the labels ``art`` was exported with, the results file), refusing results of another batch by name."""
+    labels = json.loads((art / "labels.json").read_text())
+    whole = json.loads(results.read_text())
+    if len(labels) != len(whole["results"]):
+        raise SystemExit(f"{results} holds {len(whole['results'])} results but {art} exported {len(labels)} "
+                         f"candidates: the results are not this batch's")
+    return labels, whole
+
+
+def save_records(art: Path, labels: list[dict], whole: dict[str, Any], records: Path, baseline_key: str) -> None:
+    """Tuning records (``search.prior.read_records``) with the labels and the baseline beside them."""
+    manifest = json.loads((art / "manifest.json").read_text())["candidates"]
+    rows = [{"workload": entry["workload"]["name"], "tuning_key": lab["workload_key"],
+             "schedule": entry["schedule"], "result": raw, "label": lab}
+            for lab, entry, raw in zip(labels, manifest, whole["results"], strict=True)]
+    meta = {k: v for k, v in whole.items() if k not in ("results", "format", baseline_key)}
+    records.write_text(json.dumps({"format": "spacefusion-records/1", **meta,
+                                   baseline_key: whole.get(baseline_key, []), "records": rows}, indent=1) + "\n")
+
+
+def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> None:
+    """Every measurement of the round into the tuning database ``db`` (the batch folder's layout)."""
+    import shutil
+    import tempfile
+
+    from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
+        Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != baseline_key}))
+        print(f"{import_offline(db, tmp)} measurements added to {db}")

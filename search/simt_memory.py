@@ -50,6 +50,12 @@ DRAM_LATENCY_S = 700e-9
 #: independent global loads a thread keeps outstanding before it stalls on the first one's use
 #: (nvcc hoists the loads of unrolled runs ahead of their use, within its register budget)
 LOADS_IN_FLIGHT = 8
+#: loads a thread of an element-wise pass (no reduction: each element loaded, computed, stored) keeps
+#: outstanding.  Fitted on the UNet's GroupNorm ``apply`` kernels on the H100
+#: (``experiments/tuning/unet_groupnorms_h100.json``): their bandwidth followed the resident threads, about
+#: 1.5 vector loads in flight each (512-thread blocks on 128 SMs drew 0.9-1.2 TB/s, two 1024-thread blocks
+#: an SM 1.5-2.1), where the row norms' reductions keep ``LOADS_IN_FLIGHT``
+ELEMENTWISE_LOADS_IN_FLIGHT = 1.5
 #: warp-wide global loads one SM keeps outstanding (its miss-tracking capacity); at 2 bytes a lane
 #: a warp load brings 64 bytes, at 16 bytes 512: calibrated on the scalar row norms above, whose
 #: bandwidth on 128-132 SMs, whatever their threads, is 64 x 64 B per SM per DRAM_LATENCY_S
@@ -175,7 +181,8 @@ def dram_bandwidth(s: Schedule, hw: HardwareModel, occupancy: int, threads: int,
     if loads == 0:
         return hw.dram_bandwidth_bytes_per_s
     per_load = nbytes / loads  # bytes one thread's load brings in, on average
-    in_flight = min(per_sm * min(loads, LOADS_IN_FLIGHT), WARP_LOADS_PER_SM * 32) * per_load  # per SM
+    ahead = LOADS_IN_FLIGHT if any(op.reduce for op in s.smg.ops) else ELEMENTWISE_LOADS_IN_FLIGHT
+    in_flight = min(per_sm * min(loads, ahead), WARP_LOADS_PER_SM * 32) * per_load  # per SM
     little = busy * in_flight / DRAM_LATENCY_S
     port = busy * SM_PORT_BYTES_PER_CLK * hw.clock_hz
     return max(1.0, min(hw.dram_bandwidth_bytes_per_s, little, port))

@@ -5,6 +5,7 @@ candidates, which baseline, which table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -59,3 +60,16 @@ def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> 
         shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
         Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != baseline_key}))
         print(f"{import_offline(db, tmp)} measurements added to {db}")
+
+
+def add_round_commands(sub: argparse._SubParsersAction) -> None:
+    """The ``run ART --out R.json [--iters N]`` and ``table ART R.json [--records OUT] [--db DB]`` sub-commands."""
+    r = sub.add_parser("run")
+    r.add_argument("art", type=Path)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--iters", type=int, default=50)
+    t = sub.add_parser("table")
+    t.add_argument("art", type=Path)
+    t.add_argument("results", type=Path)
+    t.add_argument("--records", type=Path, default=None)
+    t.add_argument("--db", type=Path, default=None)

@@ -203,21 +203,15 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
 
 
 def main() -> None:
+    from batch_rounds import add_round_commands
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export")
     e.add_argument("art", type=Path)
     e.add_argument("--top", type=int, default=4)
     e.add_argument("--per", type=int, default=14)
-    r = sub.add_parser("run")
-    r.add_argument("art", type=Path)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--iters", type=int, default=50)
-    t = sub.add_parser("table")
-    t.add_argument("art", type=Path)
-    t.add_argument("results", type=Path)
-    t.add_argument("--records", type=Path, default=None)
-    t.add_argument("--db", type=Path, default=None)
+    add_round_commands(sub)
     a = ap.parse_args()
     if a.cmd == "export":
         export(a.art, a.top, a.per)

@@ -109,8 +109,12 @@ def export(art: Path, top: int, per: int, whole: bool = False, max_hw: int = 64)
     from search.records import MeasureInput
     from spacefusion.runners.offline import export_batch
 
+    chosen = [g for g in GNORMS if g[1] <= max_hw]
+    if not chosen:
+        raise SystemExit(f"--max-hw {max_hw}: no GroupNorm of the UNet has an image side of at most that "
+                         f"(its sides: {sorted({g[1] for g in GNORMS})})")
     inputs, labels = [], []
-    for g in (g for g in GNORMS if g[1] <= max_hw):
+    for g in chosen:
         for part, k in kernels(g, whole):
             for why, s in pick(k, top, per):
                 inputs.append(MeasureInput(s, "cuda:sm_90a"))
@@ -216,6 +220,8 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
 
 
 def main() -> None:
+    from batch_rounds import add_round_commands
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export")
@@ -224,15 +230,7 @@ def main() -> None:
     e.add_argument("--per", type=int, default=8)
     e.add_argument("--whole", action="store_true", help="the unsplit GroupNorms (one kernel each) instead")
     e.add_argument("--max-hw", type=int, default=64, help="only the GroupNorms of images up to this side")
-    r = sub.add_parser("run")
-    r.add_argument("art", type=Path)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--iters", type=int, default=50)
-    t = sub.add_parser("table")
-    t.add_argument("art", type=Path)
-    t.add_argument("results", type=Path)
-    t.add_argument("--records", type=Path, default=None)
-    t.add_argument("--db", type=Path, default=None)
+    add_round_commands(sub)
     a = ap.parse_args()
     if a.cmd == "export":
         export(a.art, a.top, a.per, a.whole, a.max_hw)

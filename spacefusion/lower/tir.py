@@ -669,9 +669,9 @@ def _emit_update(k: _Kernel, u) -> None:
                 env2 |= k.loops(others, red)
             val = k.expr(u.body, env2)
             if keep is not None:  # loaded unconditionally (the index is clamped), then selected
-                got = T.alloc_buffer((1,), F32, scope="local")
-                T.buffer_store(got, val, [0])
-                val = tirx.Select(keep, got[0], part[0] if u.combiner == "max" else tirx.FloatImm(F32, 0.0))
+                loaded = T.alloc_buffer((1,), F32, scope="local")
+                T.buffer_store(loaded, val, [0])
+                val = tirx.Select(keep, loaded[0], part[0] if u.combiner == "max" else tirx.FloatImm(F32, 0.0))
             T.buffer_store(part, tirx.max(part[0], val) if u.combiner == "max" else part[0] + val, [0])
         total = k.allreduce(part[0], u.combiner) if k.lanes > 1 else part[0]
         if u.combiner == "max":

@@ -97,14 +97,14 @@ def time_cuda(
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         evict = buf.zero_ if flush == "write" else buf.amax
 
-    t0 = time.perf_counter()
-    for i in range(warmup + 1):  # the first (a module's load, an allocation) is not timed as enqueueing
-        if i == 1:
-            t0 = time.perf_counter()
+    marks = [time.perf_counter()]
+    for _ in range(warmup):
         if evict is not None:
             evict()
         fn()
-    host_s = (time.perf_counter() - t0) / max(warmup, 1)  # an iteration's enqueueing (or the GPU's, if longer)
+        marks.append(time.perf_counter())
+    # an iteration's enqueueing (or the GPU's, if longer); the first (a module's load, an allocation) left out
+    host_s = (marks[-1] - marks[1]) / (len(marks) - 2) if len(marks) > 2 else marks[-1] - marks[0]
     torch.cuda.synchronize(device)
 
     # the GPU busy while the host enqueues every timed run: otherwise a start event fires when recorded and a

@@ -336,7 +336,7 @@ def kernel_profile(fn: Any, x: dict[str, Any], n: int = 200) -> dict[str, Any]:
 def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int,
         modes: tuple[str, ...] = ("default", "reduce-overhead"), build_missing: bool = False,
         tune_trials: int = 0, db_path: Path | None = None, workers: int = 8, second_art: Path | None = None,
-        second_name: str = "tuned", pdl_ab: bool = False) -> int:
+        second_name: str = "tuned", pdl_ab: bool = False, map_copy_ab: bool = False) -> int:
     from gpu_runtime import runtime_module
 
     import spacefusion
@@ -390,6 +390,14 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                     _last_hidden(systems["spacefusion+graph no PDL"](**x))
                 finally:
                     os.environ.pop("SPACEFUSION_PDL")
+            if map_copy_ab:  # the same kernels, each replay copying the maps its capture encoded (as before)
+                os.environ["SPACEFUSION_DEFER_MAPS"] = "0"
+                try:
+                    copying = CudaBackend(art / "kernels", schedule_for=first_pick)
+                    systems["spacefusion+graph map copies"] = spacefusion.compile(model, target=copying)
+                    _last_hidden(systems["spacefusion+graph map copies"](**x))
+                finally:
+                    os.environ.pop("SPACEFUSION_DEFER_MAPS")
             if second_art is not None:  # another export's artefacts (export --db: the tuned kernels), same code
                 second_be = CudaBackend(second_art / "kernels", schedule_for=first_pick)
                 systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be)
@@ -422,7 +430,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
         best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
                           "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
-        for other in {"tuned", second_name, "no PDL"} & {k.removeprefix("spacefusion+graph ") for k in row["us"]}:
+        others = {"tuned", second_name, "no PDL", "map copies"}
+        for other in others & {k.removeprefix("spacefusion+graph ") for k in row["us"]}:
             other_us = row["us"][f"spacefusion+graph {other}"]
             row["speedup"] |= {f"{other}_vs_eager": round(row["us"]["eager"] / other_us, 3),
                                f"{other}_vs_best_compile": round(best_compile / other_us, 3)}
@@ -458,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                          "same code, as 'spacefusion+graph NAME' (--second-name)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="run: also the same kernels launched without programmatic dependent launch ('no PDL')")
+    ap.add_argument("--map-copy-ab", action="store_true",
+                    help="run: also the same kernels with each replay copying the tensor maps its capture encoded "
+                         "('map copies', SPACEFUSION_DEFER_MAPS=0)")
     ap.add_argument("--second-name", default="tuned",
                     help="run: the second export's system name (default 'tuned'; e.g. 'first picks' or a commit)")
     ap.add_argument("--workers", type=int, default=8, help="parallel TVM builds while tuning")
@@ -470,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
     return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
-               a.tune, a.db, a.workers, a.second_art, a.second_name, a.pdl_ab)
+               a.tune, a.db, a.workers, a.second_art, a.second_name, a.pdl_ab,
+               a.map_copy_ab)
 
 
 if __name__ == "__main__":

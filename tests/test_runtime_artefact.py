@@ -577,3 +577,25 @@ def test_a_kernel_shorter_than_its_launch_is_timed_without_the_host() -> None:
     held = time_cuda(slow_host, warmup=5, iters=50, flush_l2=False).median_us
     paced = time_cuda(slow_host, warmup=5, iters=50, flush_l2=False, hold=False).median_us
     assert held < 20 < paced, (held, paced)
+
+
+def test_a_deferred_capture_hands_out_slab_slots_in_order_and_falls_back_past_them(monkeypatch) -> None:
+    """``tensormap.deferred_copies``' slab: each map encoded while capturing takes the next 128-byte slot (a
+    view of the slab allocated before the capture, never memory of the capture's own pool), its copy is kept
+    for the block's end; past ``DEFERRED_SLOTS`` or on another device there is no slot (the caller falls back
+    to a copy node in the graph)."""
+    torch = pytest.importorskip("torch")
+    from spacefusion.runtime import tensormap
+
+    monkeypatch.setattr(tensormap, "DEFERRED_SLOTS", 2)
+    slab = torch.zeros(2 * tensormap.TENSOR_MAP_BYTES, dtype=torch.uint8)
+    state = tensormap._Deferred(slab)
+    hosts = [torch.full((tensormap.TENSOR_MAP_BYTES,), i + 1, dtype=torch.uint8) for i in range(3)]
+    slots = [state.take(h, torch.device("cpu")) for h in hosts]
+    assert slots[2] is None and state.used == 2
+    assert [s.data_ptr() - slab.data_ptr() for s in slots[:2]] == [0, tensormap.TENSOR_MAP_BYTES]
+    assert [h is p[1] for h, p in zip(hosts, state.pending)] == [True, True]
+    assert tensormap._Deferred(torch.zeros(256, dtype=torch.uint8)).take(hosts[0], torch.device("meta")) is None
+    for dev, host in state.pending:  # what the block's end does
+        dev.copy_(host)
+    assert slab.view(2, -1)[:, 0].tolist() == [1, 2]

@@ -31,6 +31,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
+from spacefusion.runtime.tensormap import deferred_copies
+
 #: in-place ops that are not spelled with a trailing underscore (``x[i] = y``, ``x += y``, ``x &= y``, ...)
 _WRITES = {operator.setitem, *(getattr(operator, f"i{op}") for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))}
@@ -100,7 +102,7 @@ class GraphReplay:
         self.copied = [i for i in range(len(args)) if tensor[i] and i not in static]
         self.copied_back = sorted(mutated - static)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+        with deferred_copies(), torch.cuda.graph(self.graph), torch.no_grad():
             self.outputs = fn(*self.inputs)
 
     def captures(self, args: Sequence[Any]) -> bool:

@@ -10,7 +10,8 @@ The checks here run before the driver sees anything, so a bad tensor gets a mess
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,57 @@ def _libcuda() -> Any:
 
 #: pinned host copies of tensor maps encoded during a CUDA graph capture (their replays read them)
 _CAPTURED: list[torch.Tensor] = []
+#: maps one ``deferred_copies`` block can place (128 B each: a 512 KB slab allocated before its capture)
+DEFERRED_SLOTS = 4096
+
+
+class _Deferred:
+    """A capture's slab of map slots, taken in order, and the (slot, pinned host map) copies still to do."""
+
+    def __init__(self, slab: torch.Tensor) -> None:
+        self.slab, self.used = slab, 0
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def take(self, host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        if self.used >= DEFERRED_SLOTS or self.slab.device != device:
+            return None
+        dev = self.slab[self.used * TENSOR_MAP_BYTES:(self.used + 1) * TENSOR_MAP_BYTES]
+        self.used += 1
+        self.pending.append((dev, host))
+        return dev
+
+
+_DEFERRED: list[_Deferred] = []
+
+
+@contextmanager
+def deferred_copies() -> Iterator[None]:
+    """Around a CUDA graph capture (on the current device) whose graph is not replayed before the block
+    ends: a map encoded while capturing gets a slot of a slab allocated before the capture, filled once when
+    the block ends, instead of a copy node in the graph.  Each such node ran again at every replay and cut
+    the programmatic dependent launch of the kernel after it: the SD 1.5 UNet's graph idled 798 us between
+    its 489 kernels, with 94 gaps of 5-20 us, most before a TMA kernel whose activation maps the capture had
+    encoded anew (its memory pool moves every activation).  The slab is not the capture's pool on purpose:
+    memory allocated while capturing may be a block an earlier kernel of the graph writes at every replay.
+    Past ``DEFERRED_SLOTS`` maps, and outside the block (a capture of the caller's own), maps keep the copy
+    node, as they do with ``SPACEFUSION_DEFER_MAPS=0`` (an A/B of this)."""
+    import os
+
+    import torch
+
+    if os.environ.get("SPACEFUSION_DEFER_MAPS", "1") == "0" or not torch.cuda.is_available():
+        yield
+        return
+    state = _Deferred(torch.empty(DEFERRED_SLOTS * TENSOR_MAP_BYTES, dtype=torch.uint8, device="cuda"))
+    _DEFERRED.append(state)
+    try:
+        yield
+    finally:
+        _DEFERRED.pop()
+        for dev, host in state.pending:
+            dev.copy_(host, non_blocking=True)
+        if state.pending:
+            torch.cuda.synchronize()
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -155,7 +207,11 @@ def _on_device(t: torch.Tensor, addr: int) -> torch.Tensor:
 
     blob = bytes((ctypes.c_ubyte * TENSOR_MAP_BYTES).from_address(addr))
     host = torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory()
-    if torch.cuda.is_current_stream_capturing():
+    capturing = torch.cuda.is_current_stream_capturing()
+    dev = _DEFERRED[-1].take(host, t.device) if capturing and _DEFERRED else None
+    if dev is not None:  # filled when the capture's block ends (the caller keeps ``dev`` alive)
+        return dev
+    if capturing:
         # a replay copies it again: kept alive with the process (128 bytes per tensor address a captured
         # launch saw); otherwise torch's pinned allocator keeps the block until the copy has run
         _CAPTURED.append(host)

@@ -382,22 +382,19 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                                     schedule_for=report.schedule_for(fallback=first_pick))
                 systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned)
                 _last_hidden(systems["spacefusion+graph tuned"](**x))
-            if pdl_ab:  # the same kernels launched plainly, not programmatically dependent (SPACEFUSION_PDL=0)
-                os.environ["SPACEFUSION_PDL"] = "0"
+            # the same kernels with one runtime feature off, captured (and so built into the graph) under it
+            ablations = [("no PDL", "SPACEFUSION_PDL", pdl_ab),  # launched plainly, not programmatically dependent
+                         ("map copies", "SPACEFUSION_DEFER_MAPS", map_copy_ab)]  # maps copied at every replay
+            for ab_name, env, wanted in ablations:
+                if not wanted:
+                    continue
+                os.environ[env] = "0"
                 try:
-                    plain = CudaBackend(art / "kernels", schedule_for=first_pick)
-                    systems["spacefusion+graph no PDL"] = spacefusion.compile(model, target=plain)
-                    _last_hidden(systems["spacefusion+graph no PDL"](**x))
+                    off = CudaBackend(art / "kernels", schedule_for=first_pick)
+                    systems[f"spacefusion+graph {ab_name}"] = spacefusion.compile(model, target=off)
+                    _last_hidden(systems[f"spacefusion+graph {ab_name}"](**x))
                 finally:
-                    os.environ.pop("SPACEFUSION_PDL")
-            if map_copy_ab:  # the same kernels, each replay copying the maps its capture encoded (as before)
-                os.environ["SPACEFUSION_DEFER_MAPS"] = "0"
-                try:
-                    copying = CudaBackend(art / "kernels", schedule_for=first_pick)
-                    systems["spacefusion+graph map copies"] = spacefusion.compile(model, target=copying)
-                    _last_hidden(systems["spacefusion+graph map copies"](**x))
-                finally:
-                    os.environ.pop("SPACEFUSION_DEFER_MAPS")
+                    os.environ.pop(env)
             if second_art is not None:  # another export's artefacts (export --db: the tuned kernels), same code
                 second_be = CudaBackend(second_art / "kernels", schedule_for=first_pick)
                 systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # only a type here: the GPU runtime reads records without importing the schedulers
     from schedulers.schedule import Schedule
+    from smg.ir import SMG
 
 RECORD_FORMAT = "spacefusion-record/1"
 
@@ -24,10 +25,13 @@ RECORD_FORMAT = "spacefusion-record/1"
 @dataclass(frozen=True)
 class MeasureInput:
     """One candidate to measure: a schedule and the target it is built for
-    (``"llvm"`` or ``"cuda:<arch>"``)."""
+    (``"llvm"`` or ``"cuda:<arch>"``).  ``inputs_from``: the SMG whose outputs the schedule's graph reads
+    (a split reduction's partial, whose sums its ``stats`` kernel totals), so its check runs on inputs that
+    graph computes, not on random ones (``smg.reference.produced_inputs``)."""
 
     schedule: Schedule
     target: str
+    inputs_from: SMG | None = None
 
     @property
     def key(self) -> str:

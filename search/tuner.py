@@ -124,14 +124,16 @@ def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "c
          db: TuningDatabase | str | Path | None = None, trials: int = 64, batch: int = 16, explore: float = 0.25,
          seed: int = 0, workers: int = 2, progress: bool = True, recompute: bool = False,
          max_step: int | None = None, fast_math: bool = False, use_prior: bool = True,
-         builder: Builder | None = None) -> TuneSummary:
+         builder: Builder | None = None, inputs_from: SMG | None = None) -> TuneSummary:
     """Find a fast schedule of ``smg`` on ``runner``; see the module docstring.  ``fast_math`` lets
     tensor-core candidates compute tanh and logistics on tanh.approx (``Schedule.fast_math``); it is
     part of the database key, so approximate and exact results never stand in for each other.
     ``use_prior`` breaks the analytical model's ties in the first round with the ranker learned from
     the committed measurements of ``hw`` (``search.prior``), where there is one.  ``builder`` lowers the
     candidates (prebuilt in ``workers`` processes) and its flags key the database; by default the runner's
-    own (``runner.builder``), as every runner of ``spacefusion.runners`` has one."""
+    own (``runner.builder``), as every runner of ``spacefusion.runners`` has one.  ``inputs_from``: the graph
+    whose outputs ``smg`` reads (a split's partial for its ``stats`` kernel), so every candidate is checked on
+    inputs it computes (``MeasureInput.inputs_from``)."""
     builder = builder if builder is not None else getattr(runner, "builder", None)
     if builder is None:
         raise TypeError(f"tune needs a builder: pass builder=..., or a runner with a .builder "
@@ -141,7 +143,7 @@ def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "c
     database = TuningDatabase(db if db is not None else Path(tempfile.mkdtemp()) / "tuning.db") if own_db else db
     try:
         return _tune(smg, runner, builder, hw, target, database, trials, batch, explore, seed, workers, progress,
-                     recompute, max_step, t_start, fast_math, use_prior)
+                     recompute, max_step, t_start, fast_math, use_prior, inputs_from)
     finally:
         if own_db:
             database.close()
@@ -154,7 +156,8 @@ def _flags(builder: Builder, fast_math: bool) -> tuple[str, ...]:
 
 def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target: str, db: TuningDatabase,
           trials: int, batch: int, explore: float, seed: int, workers: int, progress: bool, recompute: bool,
-          max_step: int | None, t_start: float, fast_math: bool = False, use_prior: bool = True) -> TuneSummary:
+          max_step: int | None, t_start: float, fast_math: bool = False, use_prior: bool = True,
+          inputs_from: SMG | None = None) -> TuneSummary:
     flags = _flags(builder, fast_math)
     key = tuning_key(smg, hw, target, flags)
     parts = key_parts(smg, hw, target, flags)
@@ -198,7 +201,7 @@ def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target:
         rng = np.random.default_rng([seed, len(db.measured_keys(key))])
         if n - len(pick) > 0 and rest:
             pick += list(rng.choice(rest, size=min(n - len(pick), len(rest)), replace=False))
-        inputs = [MeasureInput(remaining[k], target) for k in pick]
+        inputs = [MeasureInput(remaining[k], target, inputs_from) for k in pick]
         if not db.readonly:  # another tune on this database measures what it claimed: not here as well
             granted = set(db.claim(key, [i.key for i in inputs], owner))
             for i in inputs:

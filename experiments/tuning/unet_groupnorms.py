@@ -115,9 +115,12 @@ def export(art: Path, top: int, per: int, whole: bool = False, max_hw: int = 64)
                          f"(its sides: {sorted({g[1] for g in GNORMS})})")
     inputs, labels = [], []
     for g in chosen:
-        for part, k in kernels(g, whole):
+        parts = kernels(g, whole)
+        for part, k in parts:
+            # a stats kernel is checked on the partial sums its partial computes, not on random ones
+            producer = dict(parts)["partial"] if part == "stats" else None
             for why, s in pick(k, top, per):
-                inputs.append(MeasureInput(s, "cuda:sm_90a"))
+                inputs.append(MeasureInput(s, "cuda:sm_90a", producer))
                 labels.append({"gn": list(g[:5]), "calls": g[5], "part": part, "why": why, "workload_key": k.key,
                                "schedule_key": s.key, "lanes": s.lanes, "vector": s.vector, "threads": s.threads,
                                "blocks": s.num_blocks, "step": s.step, "estimate_us": round(estimate_us(s, H100), 3)})

@@ -32,7 +32,7 @@ def prepare(inp: MeasureInput, builder: Builder, kind: str, refusal: str, refs: 
     except Exception as exc:
         return fail(inp, f"target: {describe(exc)}", meta)
     try:
-        _, x, ref = refs.get(inp.schedule.smg, seed)
+        _, x, ref = refs.get(inp.schedule.smg, seed, inp.inputs_from)
         return x, ref
     except Exception as exc:
         return fail(inp, f"reference: {describe(exc)}", meta)

@@ -49,6 +49,8 @@ def export_batch(inputs: Sequence[MeasureInput], folder: str | Path, seed: int =
         entry: dict[str, Any] = {"index": i, "schedule_key": inp.key, "target": inp.target, "artefact": None,
                                  "schedule": s.to_dict(), "workload": smg_to_dict(s.smg),
                                  "workload_key": s.smg.key, "seed": seed, "error": None}
+        if inp.inputs_from is not None:  # the check's inputs come from this graph (a split's partial)
+            entry["inputs_from"] = smg_to_dict(inp.inputs_from)
         try:
             if builder.target_kind(inp.target) != "cuda":
                 raise ValueError(f"offline batches hold CUDA artefacts; target {inp.target!r} is not CUDA")

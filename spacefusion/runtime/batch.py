@@ -11,7 +11,8 @@ On the GPU machine (``pip install --no-build-isolation -e ".[gpu]"`` in a checko
 
 A batch folder holds ``manifest.json`` (format ``MANIFEST_FORMAT``: one entry per candidate with its
 schedule key, target, artefact folder, workload SMG as data, and seed, or the error that stopped its
-build) and one kernel artefact folder per candidate.  The results file (``RESULTS_FORMAT``) holds one
+build; ``inputs_from``, where present, the SMG whose outputs the check's inputs are) and one kernel
+artefact folder per candidate.  The results file (``RESULTS_FORMAT``) holds one
 ``search.records.MeasureResult`` dict per entry, in manifest order, rewritten after every candidate.
 Exit status: 0 when the results file was written, 2 when there is no GPU or the manifest is unreadable.
 """
@@ -106,18 +107,22 @@ class References:
     """Seeded inputs and float64 reference outputs, computed once per workload (SMG key) and seed."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, int], tuple[Any, dict[str, Any], dict[str, Any]]] = {}
+        self._cache: dict[tuple[str, int, str | None], tuple[Any, dict[str, Any], dict[str, Any]]] = {}
 
-    def get(self, smg: Any, seed: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        """(smg, inputs, reference) for an ``smg.ir.SMG`` or its ``smg_to_dict`` form."""
-        from smg.reference import evaluate, random_inputs
+    def get(self, smg: Any, seed: int, inputs_from: Any = None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(smg, inputs, reference) for an ``smg.ir.SMG`` or its ``smg_to_dict`` form; with ``inputs_from``
+        (an SMG or its dict: the graph whose outputs ``smg`` reads), inputs that graph computes
+        (``smg.reference.produced_inputs``)."""
+        from smg.reference import evaluate, produced_inputs, random_inputs
         from smg.serialize import smg_from_dict
 
         if isinstance(smg, Mapping):
             smg = smg_from_dict(dict(smg))
-        key = (smg.key, int(seed))
+        if isinstance(inputs_from, Mapping):
+            inputs_from = smg_from_dict(dict(inputs_from))
+        key = (smg.key, int(seed), inputs_from.key if inputs_from is not None else None)
         if key not in self._cache:
-            x = random_inputs(smg, int(seed))
+            x = random_inputs(smg, int(seed)) if inputs_from is None else produced_inputs(smg, inputs_from, int(seed))
             self._cache[key] = (smg, x, evaluate(smg, x))
         return self._cache[key]
 
@@ -221,7 +226,7 @@ def measure_entry(entry: Mapping[str, Any], folder: Path, refs: References, *, w
     if not entry["artefact"]:
         return result(error="build: the manifest names no artefact for this candidate")
     try:
-        smg, x, ref = refs.get(entry["workload"], entry["seed"])
+        smg, x, ref = refs.get(entry["workload"], entry["seed"], entry.get("inputs_from"))
     except Exception as exc:
         return result(error=f"reference: {describe(exc)}")
     return result(measure_artefact(folder / entry["artefact"], smg, x, ref, warmup=warmup, iters=iters,

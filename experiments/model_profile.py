@@ -167,17 +167,20 @@ def gaps(timeline: list[tuple[str, float, float]], top: int = 15) -> dict[str, A
 
 def our_convs(timeline: list[tuple[str, float, float]], kernels: dict[str, dict[str, Any]]
               ) -> dict[ConvKey, list[Any]]:
-    """Our conv kernels of one forward: key -> [µs, calls, kernel names]."""
+    """Our conv kernels of one forward: key -> [µs, calls, {kernel name: [µs, calls]}] (a key's convs may be
+    several kernels: with and without a residual, an upsampled read)."""
     out: dict[ConvKey, list[Any]] = {}
     for name, s, e in timeline:
         j = kernels.get(name)
         key = j and conv_key_of_workload(j["workload"]["name"], j["workload"]["shape"])
         if not key:
             continue
-        got = out.setdefault(key, [0.0, 0, set()])
+        got = out.setdefault(key, [0.0, 0, {}])
         got[0] += e - s
         got[1] += 1
-        got[2].add(name)
+        own = got[2].setdefault(name, [0.0, 0])
+        own[0] += e - s
+        own[1] += 1
     return out
 
 
@@ -222,8 +225,8 @@ def profile_model(arts: list[Path], name: str, out_path: Path, compile_torch: bo
         c.get(k, [0.0])[0] for c in convs.values()))
     res["convs"] = [{"conv": _key_str(k), "key": list(k),
                      **{s: ([round(c[k][0], 1), c[k][1]] if k in c else None) for s, c in convs.items()},
-                     "kernels": sorted({n for s, c in convs.items() if s != "cuDNN (eager)" and k in c
-                                        for n in c[k][2]})}
+                     "kernels": {s: {n: [round(t, 1), calls] for n, (t, calls) in sorted(c[k][2].items())}
+                                 for s, c in convs.items() if s != "cuDNN (eager)" and k in c}}
                     for k in keys]
     res["conv_totals_us"] = {s: round(sum(v[0] for v in c.values()), 1) for s, c in convs.items()}
     out_path.write_text(json.dumps(res, indent=1) + "\n")

@@ -51,3 +51,13 @@ def test_idle_time_counts_overlapping_kernels_once() -> None:
 def test_the_script_refuses_an_export_without_kernels(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         model_profile.main([str(tmp_path)])
+
+
+def test_our_convs_are_summed_by_key_and_by_kernel() -> None:
+    shape = {"n": 2, "h": 16, "w": 16, "c": 64, "m": 512, "k": 576, "co": 32}
+    kernels = {"sf_a": {"workload": {"name": "conv2d_3x3_res_none", "shape": shape}},
+               "sf_b": {"workload": {"name": "conv2d_3x3_none", "shape": shape}},
+               "sf_gn": {"workload": {"name": "group_norm_silu.apply", "shape": {"n": 2}}}}
+    tl = [("sf_a", 0.0, 5.0), ("sf_gn", 5.0, 6.0), ("sf_b", 6.0, 8.0), ("sf_a", 8.0, 12.0), ("cudnn", 12.0, 20.0)]
+    got = model_profile.our_convs(tl, kernels)
+    assert got == {(2, 64, 32, 3, 16, 1): [11.0, 3, {"sf_a": [9.0, 2], "sf_b": [2.0, 1]}]}

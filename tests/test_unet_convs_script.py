@@ -29,6 +29,25 @@ def test_the_batch_starts_with_the_tuners_order_then_one_pick_per_family() -> No
     assert len({s.key for _, s in got}) == len(got)
 
 
+def test_the_tile_option_adds_the_best_of_each_tile_shape_the_batch_lacks() -> None:
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from smg import patterns
+    from spacefusion.frontend.schedules import ranked
+
+    g = patterns.conv2d(2, 8, 8, 64, 64, 3, 1, 1, residual=True, dtype="float16")
+    held = unet_convs.pick(g, 2, 3)
+    got = unet_convs.by_tile(g, held, 4)
+    shapes = [tuple(s.block) for _, s in got]
+    assert got and len(got) <= 4 and len(set(shapes)) == len(shapes)
+    assert not set(shapes) & {tuple(s.block) for _, s in held}
+    order = [s for s in ranked(g) if s.tensor_cores]
+    for _, s in got:  # each the model's first of its shape
+        assert s.key == next(t for t in order if t.block == s.block).key
+    est = [estimate_us(s, H100) for _, s in got]
+    assert est == sorted(est)
+
+
 def test_the_committed_rounds_are_checked_records_with_cudnn_beside_them() -> None:
     from search.records import MeasureResult
 

@@ -2,7 +2,7 @@
 """SD 1.5 UNet's convolutions on small grids: a wide candidate batch per conv, against cuDNN in one run.
 
 Usage:
-    python experiments/tuning/unet_convs.py export ART [--per 14]     # here (TVM): the offline batch
+    python experiments/tuning/unet_convs.py export ART [--per 14] [--tiles N]  # here (TVM): the batch
     python3 experiments/tuning/unet_convs.py run ART --out R.json       # on the GPU: the batch + cuDNN
     python experiments/tuning/unet_convs.py table ART R.json [--records OUT] [--db DB]
 
@@ -74,6 +74,24 @@ def pick(smg, top: int, per: int) -> list[tuple[str, Any]]:
     return out + deeper(order[0])
 
 
+def by_tile(smg, held: list[tuple[str, Any]], limit: int) -> list[tuple[str, Any]]:
+    """The analytical model's best of each tensor-core tile shape (rows x columns) not among ``held``, in
+    estimate order, at most ``limit``.  Its estimates of the 16x16x1280 conv's tiles lie within 41-44 us
+    (64x128 to 192x128), and the rounds measured 128x192, cuDNN's tile there, only on 16 slices: this puts
+    each shape's best form in the batch."""
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from spacefusion.frontend.schedules import ranked
+
+    shapes = {tuple(s.block) for _, s in held}
+    best: dict[tuple, Any] = {}
+    for s in ranked(smg):
+        if s.tensor_cores and tuple(s.block) not in shapes:
+            best.setdefault(tuple(s.block), s)
+    chosen = sorted(best.values(), key=lambda s: estimate_us(s, H100))[:limit]
+    return [(f"tile {'x'.join(str(v) for _, v in s.block)}", s) for s in chosen]
+
+
 def deeper(s) -> list[tuple[str, Any]]:
     """The first pick with a deeper ring (4 and 6 stages), which the space offers a sliced block only up to
     3 of: a slice's few steps each wait for a load issued only ``stages - 1`` steps before."""
@@ -96,14 +114,15 @@ def deeper(s) -> list[tuple[str, Any]]:
     return out
 
 
-def export(art: Path, top: int, per: int) -> None:
+def export(art: Path, top: int, per: int, tiles: int = 0) -> None:
     from search.records import MeasureInput
     from spacefusion.runners.offline import export_batch
 
     inputs, labels = [], []
     for c in CONVS:
         g = _smg(c)
-        for why, s in pick(g, top, per):
+        got = pick(g, top, per)
+        for why, s in got + (by_tile(g, got, tiles) if tiles else []):
             inputs.append(MeasureInput(s, "cuda:sm_90a"))
             labels.append({"conv": list(c[:6]), "calls": c[6], "why": why, "workload_key": g.key,
                            "schedule_key": s.key, "slices": s.slices, "tma": bool(s.tma),
@@ -211,10 +230,12 @@ def main() -> None:
     e.add_argument("art", type=Path)
     e.add_argument("--top", type=int, default=4)
     e.add_argument("--per", type=int, default=14)
+    e.add_argument("--tiles", type=int, default=0, metavar="N",
+                   help="also the model's best of up to N tile shapes the batch does not hold")
     add_round_commands(sub)
     a = ap.parse_args()
     if a.cmd == "export":
-        export(a.art, a.top, a.per)
+        export(a.art, a.top, a.per, a.tiles)
     elif a.cmd == "run":
         sys.exit(run(a.art, a.out, a.iters))
     else:

@@ -62,6 +62,26 @@ def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> 
         print(f"{import_offline(db, tmp)} measurements added to {db}")
 
 
+def round_main(doc: str, export_args: Callable[[argparse.ArgumentParser], None],
+               export: Callable[[argparse.Namespace], None], run: Callable[[Path, Path, int], int],
+               table: Callable[[Path, Path, Path | None, Path | None], None]) -> None:
+    """A round script's command line: ``export ART ...`` (its own arguments, added by ``export_args``), then
+    the shared ``run`` and ``table`` (``add_round_commands``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("art", type=Path)
+    export_args(e)
+    add_round_commands(sub)
+    a = ap.parse_args()
+    if a.cmd == "export":
+        export(a)
+    elif a.cmd == "run":
+        sys.exit(run(a.art, a.out, a.iters))
+    else:
+        table(a.art, a.results, a.records, a.db)
+
+
 def add_round_commands(sub: argparse._SubParsersAction) -> None:
     """The ``run ART --out R.json [--iters N]`` and ``table ART R.json [--records OUT] [--db DB]`` sub-commands."""
     r = sub.add_parser("run")

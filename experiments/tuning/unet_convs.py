@@ -134,14 +134,14 @@ def export(art: Path, top: int, per: int, tiles: int = 0) -> None:
 
 def cudnn_times(iters: int) -> list[dict[str, Any]]:
     """cuDNN's conv per shape (channels-last fp16, bias, then the residual add as torch does it), timed
-    with CUDA events over an L2 flush, median of ``iters``."""
-    import statistics
-
+    as the batch times our kernels (``runtime.timing.time_cuda``: CUDA events, L2 flushed, the launches held
+    behind a sleep so the host's Python is not timed), median of ``iters``."""
     import torch
     import torch.nn.functional as F
 
+    from spacefusion.runtime.timing import time_cuda  # the GPU runtime: no TVM
+
     torch.backends.cudnn.benchmark = True
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     out = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for c in CONVS:
@@ -159,20 +159,8 @@ def cudnn_times(iters: int) -> list[dict[str, Any]]:
         def alone(x=x, w=w, bias=bias, k=k):
             return F.conv2d(x, w, bias, padding=k // 2)
 
-        times = {}
-        for name, fn in (("cudnn_conv_us", alone), ("cudnn_conv_add_us", conv)):
-            for _ in range(10):
-                fn()
-            ts = []
-            for _ in range(iters):
-                flush.zero_()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3)
-            times[name] = round(statistics.median(ts), 2)
+        times = {name: round(time_cuda(fn, warmup=10, iters=iters).median_us, 2)
+                 for name, fn in (("cudnn_conv_us", alone), ("cudnn_conv_add_us", conv))}
         out.append({"conv": list(c[:6]), **times})
         print(_label(c), times, flush=True)
     return out
@@ -222,24 +210,15 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
 
 
 def main() -> None:
-    from batch_rounds import add_round_commands
+    from batch_rounds import round_main
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export")
-    e.add_argument("art", type=Path)
-    e.add_argument("--top", type=int, default=4)
-    e.add_argument("--per", type=int, default=14)
-    e.add_argument("--tiles", type=int, default=0, metavar="N",
-                   help="also the model's best of up to N tile shapes the batch does not hold")
-    add_round_commands(sub)
-    a = ap.parse_args()
-    if a.cmd == "export":
-        export(a.art, a.top, a.per, a.tiles)
-    elif a.cmd == "run":
-        sys.exit(run(a.art, a.out, a.iters))
-    else:
-        table(a.art, a.results, a.records, a.db)
+    def export_args(e: argparse.ArgumentParser) -> None:
+        e.add_argument("--top", type=int, default=4)
+        e.add_argument("--per", type=int, default=14)
+        e.add_argument("--tiles", type=int, default=0, metavar="N",
+                       help="also the model's best of up to N tile shapes the batch does not hold")
+
+    round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.tiles), run, table)
 
 
 if __name__ == "__main__":

@@ -132,13 +132,13 @@ def export(art: Path, top: int, per: int, whole: bool = False, max_hw: int = 64)
 
 def torch_times(iters: int) -> list[dict[str, Any]]:
     """torch's eager GroupNorm per shape (fp16 channels-last; + SiLU, + the add before it where the UNet has
-    them), timed with CUDA events over an L2 flush, median of ``iters``."""
-    import statistics
-
+    them), timed as the batch times our kernels (``runtime.timing.time_cuda``: CUDA events, L2 flushed, the
+    launches held behind a sleep so the host's Python is not timed), median of ``iters``."""
     import torch
     import torch.nn.functional as F
 
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    from spacefusion.runtime.timing import time_cuda  # the GPU runtime: no TVM
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for g in GNORMS:
@@ -152,18 +152,8 @@ def torch_times(iters: int) -> list[dict[str, Any]]:
             y = F.group_norm(x + e if add else x, GROUPS, w, b, eps)
             return F.silu(y) if silu else y
 
-        for _ in range(10):
-            fn()
-        ts = []
-        for _ in range(iters):
-            flush.zero_()
-            s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            t.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(t) * 1e3)
-        out.append({"gn": list(g[:5]), "torch_eager_us": round(statistics.median(ts), 2)})
+        us = time_cuda(fn, warmup=10, iters=iters).median_us
+        out.append({"gn": list(g[:5]), "torch_eager_us": round(us, 2)})
         print(_label(g), out[-1]["torch_eager_us"], flush=True)
     return out
 
@@ -223,24 +213,15 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
 
 
 def main() -> None:
-    from batch_rounds import add_round_commands
+    from batch_rounds import round_main
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export")
-    e.add_argument("art", type=Path)
-    e.add_argument("--top", type=int, default=3)
-    e.add_argument("--per", type=int, default=8)
-    e.add_argument("--whole", action="store_true", help="the unsplit GroupNorms (one kernel each) instead")
-    e.add_argument("--max-hw", type=int, default=64, help="only the GroupNorms of images up to this side")
-    add_round_commands(sub)
-    a = ap.parse_args()
-    if a.cmd == "export":
-        export(a.art, a.top, a.per, a.whole, a.max_hw)
-    elif a.cmd == "run":
-        sys.exit(run(a.art, a.out, a.iters))
-    else:
-        table(a.art, a.results, a.records, a.db)
+    def export_args(e: argparse.ArgumentParser) -> None:
+        e.add_argument("--top", type=int, default=3)
+        e.add_argument("--per", type=int, default=8)
+        e.add_argument("--whole", action="store_true", help="the unsplit GroupNorms (one kernel each) instead")
+        e.add_argument("--max-hw", type=int, default=64, help="only the GroupNorms of images up to this side")
+
+    round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.whole, a.max_hw), run, table)
 
 
 if __name__ == "__main__":

@@ -299,9 +299,9 @@ def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, Any]:
 CATEGORIES = (
     ("spacefusion conv", r"^sf_conv"), ("spacefusion attention", r"^sf_attention"),
     ("spacefusion group_norm", r"^sf_group_norm"), ("spacefusion norm", r"^sf_(residual_)?(layer|rms)norm"),
-    ("spacefusion gemm", r"^sf_"), ("triton (inductor)", r"^triton_"),
-    ("cuDNN conv", r"fprop|implicit_gemm|conv|nhwc|nchw|cudnn"),
-    ("torch attention", r"flash|fmha|attention|sdpa"), ("cuBLAS gemm", r"gemm|cutlass|cublas|xmma|sm90_"),
+    ("spacefusion pool", r"^sf_max_pool"), ("spacefusion gemm", r"^sf_"), ("triton (inductor)", r"^triton_"),
+    ("torch attention", r"flash|fmha|attention|sdpa"), ("torch pool", r"max_pool|avg_pool"),
+    ("cuDNN conv", r"fprop|implicit_gemm|conv|nhwc|nchw|cudnn"), ("cuBLAS gemm", r"gemm|cutlass|cublas|xmma|sm90_"),
     ("torch element-wise", r"elementwise|vectorized|reduce_kernel|cat|copy|CatArray"),
 )
 

@@ -43,12 +43,20 @@ from schedulers.traffic import fused_kernel
 from smg.expr import body_expr
 from smg.ir import SMG, Op
 
-from .simt_memory import dram_bandwidth, l1_sector_seconds, l2_reread_bytes
+from .simt_memory import dram_bandwidth, l1_sector_seconds, l2_reread_bytes, view_run_bytes
 from .warp_tile_cost import warp_tile_time_s
 
 SECTOR_BYTES = 32
+#: device memory serves a view's reads in 64-byte pairs of sectors: a run of neighbours shorter than this
+#: wastes the rest (ResNet-50's stem pool on the H100: 16-channel fp16 runs 51.6 us, 32- and 64-channel 37)
+DRAM_RUN_BYTES = 64
 BARRIER_CYCLES = 200
 LAUNCH_US = 2.0
+#: the time an SM takes to retire and start a block, whatever the block does: a CUDA-core grid of many tiny
+#: blocks is bound by it.  ResNet-50's stem pool on the H100 (``experiments/tuning/raw/pool_round_view3_h100.json``):
+#: 802816 blocks of 8 outputs took 485 us (6082 an SM: 80 ns each), 100352 blocks of 64 took 65 us, 50176 of
+#: 128 took 36 (then the memory binds)
+BLOCK_ISSUE_S = 75e-9
 
 
 @lru_cache(maxsize=4096)
@@ -109,7 +117,10 @@ def _work(s: Schedule) -> tuple[float, float, float]:
 
 def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
     """Per-thread global reads that consecutive threads make far apart, and their extra bytes (a whole
-    sector per element)."""
+    sector per element).  An input read through a view is coalesced where the index consecutive threads
+    step (the lanes' serial dim, else the thread dim) is in the expression of its innermost dim: a pool's
+    threads over the channels read 64 neighbours, over the output pixels or the taps a channel row apart
+    (ResNet-50's stem pool took 485 us on the H100 with 8 lanes over its 9 taps)."""
     smg = s.smg
     extra: dict[str, float] = {}
     k = fused_kernel(s)
@@ -117,6 +128,11 @@ def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
         if s.level(name) != "global" or (s.tiles.get(s.thread_dim, 1) == 1 and s.lanes == 1):
             continue
         dims = smg.space(name).dims
+        run = view_run_bytes(s, name)
+        if run is not None:
+            if run < DRAM_RUN_BYTES:
+                extra[name] = nbytes * (DRAM_RUN_BYTES / run - 1)
+            continue
         if s.lanes > 1 and dims[-1] == s.serial:
             continue  # consecutive lanes read consecutive serial elements: coalesced
         spread = input_lane_spread(s, name)
@@ -203,6 +219,7 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     else:  # the bytes its resident threads keep in flight bound a CUDA-core kernel (search.simt_memory)
         memory_s = nbytes / dram_bandwidth(s, hw, occ, res.threads, frozenset(unco))
+        memory_s = max(memory_s, math.ceil(blocks / hw.num_sms) * BLOCK_ISSUE_S)
     # the warp-tile model has each step's barrier in its chain
     sync_s = 0.0 if s.warp_tile is not None else \
         waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz \

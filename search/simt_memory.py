@@ -145,9 +145,42 @@ def l1_sector_seconds(s: Schedule, k: KernelTraffic, hw: HardwareModel, skip: fr
     return extra / (busy * L1_SECTORS_PER_CLK * hw.clock_hz)
 
 
+def view_reuse(s: Schedule, name: str) -> float:
+    """How many times a view (``window``: a pool's or a conv's taps) reads each element of input ``name``: its
+    points over the input's elements (1 for an input read plainly).  Overlapping windows re-read neighbours
+    from L1/L2, and a load that hits there frees its miss slot long before ``DRAM_LATENCY_S``: the miss slots
+    then carry that many times the scalar loads' device-memory bytes.  Measured: ResNet-50's stem pool (3x3,
+    stride 2: 2.25 reads an element) drew 1.8 TB/s with scalar fp16 loads on the H100, 2.3x the row norms'
+    cap (``experiments/tuning/raw/pool_round_view3_h100.json``)."""
+    smg = s.smg
+    for op in smg.ops:
+        if op.kind == "window" and any(a.space == name for a in op.inputs):
+            size = math.prod(smg.dim_sizes[d] for d in smg.space(name).dims)
+            return max(1.0, math.prod(smg.dim_sizes[d] for d in op.iter_dims) / size)
+    return 1.0
+
+
+def view_run_bytes(s: Schedule, name: str) -> float | None:
+    """Bytes of the run of neighbours consecutive threads read of input ``name`` through a view (``window``),
+    None where it is read plainly: the lanes' or the thread dim's tile of elements where that dim is in the
+    expression of the input's innermost index, else one element (the threads a channel row or more apart)."""
+    import sympy as sp
+
+    for op in s.smg.ops:
+        acc = next((a for a in op.inputs if a.space == name), None) if op.kind == "window" else None
+        if acc is None:
+            continue
+        fastest = s.serial if s.lanes > 1 else s.thread_dim
+        inner = {str(v) for v in sp.sympify(str(acc.index[-1])).free_symbols}
+        run = (min(s.lanes, s.step) if s.lanes > 1 else s.tiles.get(fastest, 1)) if fastest in inner else 1
+        return float(run * _itemsize(s, name))
+    return None
+
+
 def _per_thread_loads(s: Schedule, uncoalesced: frozenset[str]) -> tuple[int, float]:
     """Global load instructions one thread issues per step for the inputs that stream from device
-    memory, and the bytes they bring in (a whole sector for a load whose neighbours are far apart)."""
+    memory, and the device-memory bytes they keep in flight (a whole sector for a load whose neighbours
+    are far apart; a view's re-reads scaled by ``view_reuse``)."""
     lane_step = -(-s.step // s.lanes)
     broadcast = set(broadcast_inputs(s))
     loads, nbytes = 0, 0.0
@@ -155,11 +188,20 @@ def _per_thread_loads(s: Schedule, uncoalesced: frozenset[str]) -> tuple[int, fl
         if s.level(n) != "global" or n in broadcast:
             continue  # staged inputs are loaded cooperatively: counted below with the block's threads
         dims = s.smg.space(n).dims
-        per_elem = lane_step if s.serial in dims else 1
+        viewed = view_run_bytes(s, n) is not None
+        # a view streams the input along its own dims (a pool's taps): a load per serial element as well
+        per_elem = lane_step if s.serial in dims or viewed else 1
         width = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
         count = -(-per_elem // width)
         loads += count
-        nbytes += count * (SECTOR_BYTES if n in uncoalesced else width * _itemsize(s, n))
+        item = width * _itemsize(s, n)
+        if viewed:
+            # a view's short runs (a sector's worth of threads spread over several sectors) hold a miss slot
+            # per sector, not more bytes per slot: their extra sectors are extra bytes at the same cap (a pool's
+            # 8-channel runs took 100 us on the H100, its 64-channel ones 36)
+            nbytes += count * item * view_reuse(s, n)
+            continue
+        nbytes += count * (SECTOR_BYTES if n in uncoalesced else item)
     staged = [n for n in s.smg.inputs if s.level(n) == "shared" and n not in broadcast]
     for n in staged:  # a staged tile is copied element by element, spread over the block's threads
         tile = math.prod(s.tiles.get(d, s.step if d == s.serial else s.smg.dim_sizes[d])

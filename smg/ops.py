@@ -351,6 +351,33 @@ class Builder:
         index = window2d_index(rows, cols, c, (p, q), s, st, int(pad), u)
         return self._emit(Op("window", self._fresh("window", name), (rows, cols), (Access(x.name, index),), x.name))
 
+    def pool_window2d(self, x: Tensor, kernel: int, stride: int, pad: int, name: str | None = None) -> Tensor:
+        """The pooling view of a channels-last image ``x`` [n, h, w, c]: ``A[n, p, q, ky, kx, c] = x[n, s*p + ky -
+        pad, s*q + kx - pad, c]`` (output pixel (p, q), tap (ky, kx)), with the taps outside the image masked to
+        -1e30 (torch's -inf padding; the view alone would read zero there).  The conditions are linear in the
+        view's own dims, so the mask needs no division.  A max pool is its max over (ky, kx), per channel."""
+        self._own(x)
+        if len(x.dims) != 4:
+            raise ShapeError(f"pool_window2d takes a channels-last image [n, h, w, c]; {x.name!r} has dims {x.dims}")
+        n, y, xx, c = x.dims
+        h, w = self.dims[y], self.dims[xx]
+        k, st, pd = int(kernel), int(stride), int(pad)
+        if min(k, st) < 1 or pd < 0 or 2 * pd > k:
+            raise ShapeError(f"pool_window2d of {x.name!r}: kernel {kernel} and stride {stride} must be positive and "
+                             f"pad {pad} between 0 and half the kernel")
+        if h + 2 * pd < k or w + 2 * pd < k:
+            raise ShapeError(f"pool_window2d of {x.name!r}: a {k}x{k} window does not fit the padded {h}x{w} image")
+        for d, size in (("p", (h + 2 * pd - k) // st + 1), ("q", (w + 2 * pd - k) // st + 1), ("ky", k), ("kx", k)):
+            self._dim(d, size)
+        index = (n, f"{st}*p + ky - {pd}", f"{st}*q + kx - {pd}", c)
+        view = self._emit(Op("window", self._fresh("window", None if pd else name), (n, "p", "q", "ky", "kx", c),
+                             (Access(x.name, index),), x.name))
+        if not pd:
+            return view
+        keep = (f"({st}*p + ky >= {pd}) & ({st}*p + ky <= {h - 1 + pd}) & ({st}*q + kx >= {pd}) & "
+                f"({st}*q + kx <= {w - 1 + pd})")
+        return self.mask(view, keep, name=name)
+
     def upsample_window2d(self, x: Tensor, kernel: int, pad: int, factor: int = 2,
                           name: str | None = None) -> Tensor:
         """The im2col view of a stride-1 ``kernel`` x ``kernel`` window over ``x`` [n, h, w, c] nearest-upsampled

@@ -273,6 +273,26 @@ def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int
     return g.build(g.unary("silu", gn, name="Out"))
 
 
+def max_pool2d(batch: int, height: int, width: int, channels: int, kernel: int = 3, stride: int = 2, pad: int = 1,
+               act: str = "none", bias: bool = False, dtype: str = "float32") -> SMG:
+    """``Y = act(max_pool2d(X) (+ bias))`` on a channels-last image ``X[n, h, w, c]``: the pooling view
+    ``A[n, p, q, ky, kx, c]`` (``Builder.pool_window2d``, the taps outside the image masked as torch pads, with
+    -inf), its max over the taps, ``Y[n, p, q, c]`` NHWC.  A per-channel ``bias`` and a monotone ``act`` commute
+    with the max, so the frontend moves a ``conv -> +bias -> ReLU -> MaxPool`` chain's bias and ReLU after it
+    (ResNet's stem: its BatchNorm's shift and ReLU)."""
+    if act != "none" and act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    g = Builder(f"max_pool2d_{kernel}x{kernel}_s{stride}{'_bias' if bias else ''}{'_' + act if act != 'none' else ''}",
+                dtype)
+    x = g.input("X", {"n": batch, "h": height, "w": width, "c": channels})
+    a = g.pool_window2d(x, kernel, stride, pad, name="A")
+    last = not bias and act == "none"
+    y = g.reduce(a, ("ky", "kx"), "max", name="Y" if last else "M")
+    if bias:
+        y = g.binary("add", y, g.input("bias", {"c": channels}), name="Y" if act == "none" else "Mb")
+    return g.build(y if act == "none" else g.unary(act, y, name="Y"))
+
+
 def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "none", affine: bool = True,
                dtype: str = "float32", eps: float = 1e-5, shift: bool = False) -> SMG:
     """``Y = act(GroupNorm(X))`` on a channels-last image ``X[n, s, g, c]``: ``s`` the pixels (h * w), the

@@ -12,6 +12,7 @@ from torch import fx, nn
 
 from smg.ops import upsample_fold
 from spacefusion.frontend.backends import Kernel, get_backend
+from spacefusion.frontend.bn_fold import fold_bn_into_left_convs
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
 from spacefusion.frontend.partition import partition
@@ -311,6 +312,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     build its kernels on ``backend`` and return it rewritten with one call per fused subgraph.  A subgraph
     whose kernel cannot be built stays with torch, with the reason in the partition.  ``baked_weights``:
     the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too."""
+    fold_bn_into_left_convs(cap.module)
     part = partition(cap.module)
     be = get_backend(backend)
     by_name = {n.name: n for n in cap.module.graph.nodes}

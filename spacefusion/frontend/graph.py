@@ -254,6 +254,45 @@ def batchnorm_of(node: fx.Node, gm: fx.GraphModule) -> BatchNorm | None:
 
 
 @dataclass(frozen=True)
+class MaxPool:
+    """``nn.MaxPool2d`` / ``F.max_pool2d``: a square window, one stride and one padding (what the SMG's pooling
+    view takes); ``None`` from ``max_pool_of`` for what it does not (dilation, ceil mode, indices)."""
+
+    x: fx.Node
+    kernel: int
+    stride: int
+    pad: int
+
+
+_MAX_POOLS = (F.max_pool2d, torch.max_pool2d)
+
+
+def is_max_pool(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """``node`` calls a max pool (2-d), supported or not."""
+    return is_function(node, _MAX_POOLS) or (node.op == "call_module"
+                                             and isinstance(gm.get_submodule(node.target), nn.MaxPool2d))
+
+
+def max_pool_of(node: fx.Node, gm: fx.GraphModule) -> MaxPool | None:
+    if is_function(node, _MAX_POOLS):
+        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+        a = dict(zip(names, node.args)) | node.kwargs
+    elif node.op == "call_module" and isinstance(mod := gm.get_submodule(node.target), nn.MaxPool2d):
+        a = {"input": node.args[0] if node.args else None, "kernel_size": mod.kernel_size, "stride": mod.stride,
+             "padding": mod.padding, "dilation": mod.dilation, "ceil_mode": mod.ceil_mode,
+             "return_indices": mod.return_indices}
+    else:
+        return None
+    k, s, p, d = (_pair(v) for v in (a.get("kernel_size"), a.get("stride") or a.get("kernel_size"),
+                                     a.get("padding", 0), a.get("dilation", 1)))
+    if not isinstance(a.get("input"), fx.Node) or a.get("ceil_mode") or a.get("return_indices") or d != (1, 1):
+        return None
+    if not all(isinstance(v, tuple) and len(v) == 2 and v[0] == v[1] and isinstance(v[0], int) for v in (k, s, p)):
+        return None
+    return MaxPool(a["input"], k[0], s[0], p[0])
+
+
+@dataclass(frozen=True)
 class GroupNorm:
     """``nn.GroupNorm`` / ``F.group_norm``: per (sample, group) statistics over the group's channels and pixels."""
 

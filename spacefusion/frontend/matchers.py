@@ -36,9 +36,12 @@ from spacefusion.frontend.graph import (
     groupnorm_of,
     heads_interleaved,
     is_function,
+    is_max_pool,
     linear_of,
+    max_pool_of,
     nearest_upsample_of,
     norm_of,
+    param_ref,
     patch_conv_of,
     row_view,
     rows,
@@ -435,7 +438,7 @@ def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
 CONV_ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh")
 
 
-def _conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | None:
+def conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | None:
     """Why the implicit-GEMM convolution cannot take ``cv`` (None: it can)."""
     from spacefusion.frontend.reasons import conv_reason
 
@@ -492,7 +495,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     if patch_conv_of(node, ctx.gm) is not None and not _fused_after(node, ctx):
         return None  # a lone patch embedding (ViT's): match_patch_conv's GEMM of the patches
     x, dt = cv.x, dtype(node)
-    why = _conv_refusal(cv, shape(x), dt)
+    why = conv_refusal(cv, shape(x), dt)
     if why is not None:
         ctx.refuse(node, why)
         return None
@@ -541,6 +544,54 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     label = (f"{' + '.join(parts)}{' (upsample x' + str(factor) + ')' if factor > 1 else ''} {cv.kh}x{cv.kw}/s"
              f"{cv.stride[0]} {n}x{c}x{h * factor}x{w * factor} -> {co} {dt}")
     return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
+def match_max_pool(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``nn.MaxPool2d`` / ``F.max_pool2d`` -> ``patterns.max_pool2d``: the window read through the SMG's pooling
+    view (taps outside the image masked as torch pads them, with -inf), the max over its taps, per channel.  A
+    free ReLU right before the pool, and a per-channel shift before that (a BatchNorm's, which ``bn_fold``
+    leaves after a cuDNN conv), move after the max, where they give the same values (both are monotone), and
+    join the kernel."""
+    if not is_max_pool(node, ctx.gm) or not ctx.free(node):
+        return None
+    mp = max_pool_of(node, ctx.gm)
+    if mp is None:
+        ctx.refuse(node, "a max pool with dilation, ceil mode, indices or a non-square window: the SMG's pooling "
+                         "view takes a square window with one stride and one padding")
+        return None
+    xs, dt = shape(mp.x), dtype(node)
+    if xs is None or len(xs) != 4 or dt not in ("float16", "bfloat16", "float32"):
+        ctx.refuse(node, f"a max pool of a non-float or non-image input (shape {xs}, dtype {dt})")
+        return None
+    n, c, h, w = xs
+    x, taken, act, bias = mp.x, [node], "none", None
+
+    def movable(v: fx.Node, reader: fx.Node) -> fx.Node | None:
+        """The input of ``v``, where ``v`` (read by ``reader`` alone) may leave the graph: an in-place op wrote
+        its input too, so that input must have no other reader either."""
+        src = v.args[0] if v.args else None
+        ok = isinstance(src, fx.Node) and single_user(v) is reader and single_user(src) is v and ctx.free(v) \
+            and shape(src) == xs
+        return src if ok else None
+
+    if activation_of(x, ctx.gm) == "relu" and (src := movable(x, node)) is not None:
+        taken, act, reader, x = [x, node], "relu", x, src
+        if is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and single_user(x) is reader and ctx.free(x):
+            img, b = x.args
+            ref = param_ref(b)
+            if isinstance(img, fx.Node) and ref is not None and shape(img) == xs and shape(b) in ((1, c, 1, 1),
+                                                                                            (c, 1, 1)):
+                taken, bias, x = [x, *taken], ref, img
+    smg = _build(ctx, node, lambda: patterns.max_pool2d(n, h, w, c, mp.kernel, mp.stride, mp.pad, act,
+                                                        bias is not None, dt))
+    if smg is None:
+        return None
+    p, q = shape(node)[2], shape(node)[3]
+    ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1))] + ([_param("bias", bias, (c,))] if bias else [])
+    out = Result("Y", node.name, shape(node), permute=(0, 3, 1, 2), split=(n, p, q, c))
+    label = (f"{'add + ' if bias else ''}{'relu + ' if act == 'relu' else ''}max_pool {mp.kernel}x{mp.kernel}/s"
+             f"{mp.stride} {n}x{c}x{h}x{w} {dt}")
+    return Subgraph("pool", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
 
 
 def match_group_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -777,4 +828,4 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
 #: in priority order: a node taken by an earlier matcher is not offered to later ones
 MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
     match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_conv, match_patch_conv, match_norm,
-    match_group_norm, match_rope, match_guard)
+    match_group_norm, match_max_pool, match_rope, match_guard)

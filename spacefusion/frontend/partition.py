@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from spacefusion.frontend.bn_fold import BN_FOLDED
 from spacefusion.frontend.eager_attention import match_eager_attention
 from spacefusion.frontend.graph import call_name
 from spacefusion.frontend.matchers import MATCHERS, Context
@@ -32,8 +33,8 @@ def partition(gm: fx.GraphModule) -> Partition:
                 ctx.claimed.update(sub.nodes)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     found.sort(key=lambda s: max(order[n] for n in s.nodes))
-    left = tuple(LeftOp(n.name, call_name(n, gm), ctx.refused.get(n.name) or _reason(n, gm))
-                 for n in calls if n.name not in ctx.claimed)
+    left = tuple(LeftOp(n.name, call_name(n, gm), (ctx.refused.get(n.name) or _reason(n, gm)) + (
+        f" ({n.meta[BN_FOLDED]})" if n.meta.get(BN_FOLDED) else "")) for n in calls if n.name not in ctx.claimed)
     return Partition(tuple(found), left)
 
 

@@ -180,3 +180,41 @@ def test_the_measured_parity_convs_beat_the_upsampled_read_where_the_frontend_ta
     assert len(picks) == 6
     for (b, size, _, _), us in picks.items():
         assert by_parity(b * size, size, 3, 1, 1, 2) == (us["parity"] < us["plain"]), (b, size, us)
+
+
+def test_a_small_upsampled_image_runs_apart() -> None:
+    """Too few rows for the parity form and few pixels: torch upsamples and the conv reads a plain image by TMA
+    im2col (SD 1.5's UNet's 8x8 1280-channel upsampler, where the window read measured 2x the plain conv). The
+    16x16 one, a parity conv, a stride, or channels TMA cannot band keep the fused read; the rule needs no cost
+    model, so the GPU machine partitions alike."""
+    from spacefusion.frontend.graph import Conv
+    from spacefusion.frontend.matchers import upsample_apart
+
+    def conv(c: int, stride: int = 1) -> Conv:
+        return Conv(None, "w", "b", c, 3, 3, c, (stride, stride), (1, 1), (1, 1), 1)
+
+    why = upsample_apart((2, 1280, 8, 8), conv(1280), 2)
+    assert why is not None and "runs apart" in why and "512 pixels" in why, why
+    assert upsample_apart((2, 1280, 16, 16), conv(1280), 2) is None  # 2048 pixels
+    assert upsample_apart((2, 640, 32, 32), conv(640), 2) is None  # by parity
+    assert upsample_apart((2, 1280, 8, 8), conv(1280, 2), 2) is None
+    assert upsample_apart((2, 40, 8, 8), conv(40), 2) is None
+
+
+def test_an_upsampling_run_apart_is_left_to_torch_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the model says apart: torch upsamples (the reason in the report) and the conv reads the result as a
+    plain image; the output is eager's."""
+    from spacefusion.frontend import matchers
+
+    monkeypatch.setattr(matchers, "upsample_apart", lambda *a: "apart, as the model says")
+    torch.manual_seed(0)
+    model = _UpConv(8, 2).eval()
+    x = torch.randn(1, 8, 2, 6)
+    with torch.no_grad():
+        ref = model(x)
+        compiled = spacefusion.compile(model, target="llvm")
+        got = compiled(x)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    (sub,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs if s.kind == "conv"]
+    assert "upsample" not in sub.label and sub.smg.dim_sizes["m"] == 1 * 4 * 12, sub.label
+    assert "apart, as the model says" in str(compiled.spacefusion.partitions[0])

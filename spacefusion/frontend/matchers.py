@@ -483,6 +483,33 @@ def by_parity(rows: int, width: int, kernel: int, stride: int, pad: int, factor:
     return True
 
 
+#: an upsampled image of at most this many pixels (n * H * W, after the upsampling) that the parity form refuses
+#: is written apart (torch's nearest kernel) and convolved as a plain image, by TMA im2col.  SD 1.5's UNet's
+#: 2x1280x8x8 -> 16x16 (512 pixels) took 106 us read through the window on the H100, its plain 16x16 1280-channel
+#: convs 44-55 (``experiments/results/model_profile_unet_h100.json``; the analytical model agrees: 64 against 41
+#: + the copy).  Its 2x1280x16x16 -> 32x32 (2048) keeps the window read: 129 us measured, the plain form not
+#: measured (the model's 98 + 4 was not trusted).  A rule, not the model's estimate, because the partition is
+#: derived again on the GPU machine, which has no cost model (islpy), and must come out the same there
+APART_MAX_PIXELS = 512
+
+
+def upsample_apart(small: tuple[int, ...], cv, factor: int) -> str | None:
+    """Why a nearest ``factor``x upsampling of ``small`` (NCHW) before ``cv`` should run apart (torch writes the
+    upsampled image, the conv reads it as a plain one), or None to read it through the conv's window or by
+    parity: where the parity form is refused (``by_parity``), the window read gathers its tile by cp.async (no
+    TMA im2col reads ``floor(y / 2)``), and on a small grid that lost to the plain conv by TMA
+    (``APART_MAX_PIXELS``); the plain conv must itself take TMA im2col (stride 1, whole 64-channel bands)."""
+    n, c, h, w = small
+    pad, k, stride = cv.padding[0], cv.kh, cv.stride[0]
+    pixels = n * h * w * factor * factor
+    if factor < 2 or by_parity(n * h, w, k, stride, pad, factor) or stride != 1 or c % 64 \
+            or pixels > APART_MAX_PIXELS:
+        return None
+    return (f"a {factor}x nearest upsampling of a {n}x{c}x{h}x{w} image runs apart (torch's kernel): too few rows "
+            f"for the parity form, and {pixels} pixels (at most {APART_MAX_PIXELS}) read through the window by the "
+            f"cp.async gather lost to the plain conv by TMA im2col")
+
+
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``nn.Conv2d`` (any padding and stride, groups 1) -> ``patterns.conv2d``, an implicit GEMM over the
     image seen channels-last, with what follows it fused: an inference BatchNorm (folded into the weight and
@@ -502,7 +529,12 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     taken: list[fx.Node] = []
     up, factor = nearest_upsample_of(x, ctx.gm) or (None, 1)
     if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None:
-        taken, x = [x], up
+        apart = upsample_apart(shape(up), cv, factor)
+        if apart is None:
+            taken, x = [x], up
+        else:
+            ctx.refuse(x, apart)
+            factor = 1
     else:
         factor = 1
     n, c, h, w = shape(x)

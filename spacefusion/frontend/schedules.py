@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 from schedulers.hardware import H100, HardwareModel
@@ -33,16 +34,31 @@ def from_database(db, hw: HardwareModel = H100, target: str = "llvm",
     return pick
 
 
+#: the last orders ``ranked`` computed, by (SMG key, hardware): a conv's space takes seconds to rank, and an
+#: export, the frontend's upsampling rule and the round scripts rank the same SMG again
+_RANKED: OrderedDict[tuple[str, HardwareModel], tuple[Schedule, ...]] = OrderedDict()
+RANKED_CACHE = 64
+
+
 def ranked(smg: SMG, hw: HardwareModel = H100) -> list[Schedule]:
     """``smg``'s candidates in the order the tuner's first round measures them: the analytical model's
-    estimates, ties broken by the prior learned from the committed measurements (``search.prior``)."""
+    estimates, ties broken by the prior learned from the committed measurements (``search.prior``).  The
+    last ``RANKED_CACHE`` orders are kept (schedules are immutable; a new list each call)."""
     from search.cost import estimate_us, simt_veto
     from search.prior import first_round_order, load_prior
     from search.space import SearchSpace
 
+    key = (smg.key, hw)
+    if key in _RANKED:
+        _RANKED.move_to_end(key)
+        return list(_RANKED[key])
     cands = {s.key: s for s in SearchSpace(smg, hw).candidates(skip_simt=simt_veto(hw))}
     est = {k: estimate_us(s, hw) for k, s in cands.items()}
-    return [cands[k] for k in first_round_order(cands, est, load_prior(hw))]
+    order = tuple(cands[k] for k in first_round_order(cands, est, load_prior(hw)))
+    _RANKED[key] = order
+    while len(_RANKED) > RANKED_CACHE:
+        _RANKED.popitem(last=False)
+    return list(order)
 
 
 def model_pick(smg: SMG, hw: HardwareModel = H100, build: Callable[[Schedule], object] | None = None,

@@ -145,11 +145,9 @@ class _UpConv(nn.Module):
         return torch.nn.functional.silu(self.conv(self.up(x)) + skip)
 
 
-@pytest.mark.parametrize("size, factor, parity", [(64, 2, True), (6, 2, False), (64, 3, False)])
-def test_the_frontend_runs_an_upsampling_conv_by_parity_where_its_rows_fill_an_mma(size, factor, parity) -> None:
-    """Through TorchDynamo: the conv's weight merged per parity once, the residual and the output in the
-    upsampled image's layout; a small image (rows short of a 64-row MMA tile), and a 3x upsampling (whose
-    parities read windows of different widths), keep the upsampled read."""
+def _compiled_upconv(factor: int, size: int):
+    """``_UpConv`` of a 1x8x2x``size`` image through TorchDynamo on llvm, checked against eager: the compiled
+    model and its conv subgraph."""
     torch.manual_seed(0)
     model = _UpConv(8, factor).eval()
     x = torch.randn(1, 8, 2, size)
@@ -159,6 +157,15 @@ def test_the_frontend_runs_an_upsampling_conv_by_parity_where_its_rows_fill_an_m
         got = compiled(x)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     (sub,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs if s.kind == "conv"]
+    return compiled, sub
+
+
+@pytest.mark.parametrize("size, factor, parity", [(64, 2, True), (6, 2, False), (64, 3, False)])
+def test_the_frontend_runs_an_upsampling_conv_by_parity_where_its_rows_fill_an_mma(size, factor, parity) -> None:
+    """Through TorchDynamo: the conv's weight merged per parity once, the residual and the output in the
+    upsampled image's layout; a small image (rows short of a 64-row MMA tile), and a 3x upsampling (whose
+    parities read windows of different widths), keep the upsampled read."""
+    compiled, sub = _compiled_upconv(factor, size)
     assert sub.smg.name.startswith("upsample_conv2d") == parity, sub.smg.name
     assert f"(upsample x{factor})" in sub.label
 
@@ -202,19 +209,11 @@ def test_a_small_upsampled_image_runs_apart() -> None:
 
 
 def test_an_upsampling_run_apart_is_left_to_torch_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the model says apart: torch upsamples (the reason in the report) and the conv reads the result as a
+    """Where the rule says apart: torch upsamples (the reason in the report) and the conv reads the result as a
     plain image; the output is eager's."""
     from spacefusion.frontend import matchers
 
-    monkeypatch.setattr(matchers, "upsample_apart", lambda *a: "apart, as the model says")
-    torch.manual_seed(0)
-    model = _UpConv(8, 2).eval()
-    x = torch.randn(1, 8, 2, 6)
-    with torch.no_grad():
-        ref = model(x)
-        compiled = spacefusion.compile(model, target="llvm")
-        got = compiled(x)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    (sub,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs if s.kind == "conv"]
+    monkeypatch.setattr(matchers, "upsample_apart", lambda *a: "apart, as the rule says")
+    compiled, sub = _compiled_upconv(2, 6)
     assert "upsample" not in sub.label and sub.smg.dim_sizes["m"] == 1 * 4 * 12, sub.label
-    assert "apart, as the model says" in str(compiled.spacefusion.partitions[0])
+    assert "apart, as the rule says" in str(compiled.spacefusion.partitions[0])

@@ -62,6 +62,16 @@ def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> 
         print(f"{import_offline(db, tmp)} measurements added to {db}")
 
 
+def keep_round(art: Path, labels: list[dict], whole: dict[str, Any], records: Path | None, db: Path | None,
+               baseline_key: str) -> None:
+    """What a round's ``table --records OUT --db DB`` keeps: the records file and the database rows, each where
+    asked for."""
+    if records is not None:
+        save_records(art, labels, whole, records, baseline_key)
+    if db is not None:
+        add_to_db(art, whole, db, baseline_key)
+
+
 def round_main(doc: str, export_args: Callable[[argparse.ArgumentParser], None],
                export: Callable[[argparse.Namespace], None], run: Callable[[Path, Path, int], int],
                table: Callable[[Path, Path, Path | None, Path | None], None]) -> None:

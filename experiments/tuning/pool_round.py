@@ -112,7 +112,7 @@ def run(art: Path, out: Path, iters: int) -> int:
 
 
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
-    from batch_rounds import add_to_db, load_round, save_records
+    from batch_rounds import keep_round, load_round
 
     from search.records import MeasureResult
 
@@ -128,10 +128,7 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
         print(f"| {_label((*lab['pool'], lab['calls']))} | {lab['why']} | {lab['block']} | {lab['lanes']} | "
               f"{lab['threads']} | {f'{us:.1f}' if us else 'failed: ' + str(r.error)[:60]} | "
               f"{ratio(t.get('torch_eager_us'))} | {ratio(t.get('torch_compile_us'))} |")
-    if records is not None:
-        save_records(art, labels, whole, records, "torch")
-    if db is not None:
-        add_to_db(art, whole, db, "torch")
+    keep_round(art, labels, whole, records, db, "torch")
 
 
 def main() -> None:

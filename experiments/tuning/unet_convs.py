@@ -173,7 +173,7 @@ def run(art: Path, out: Path, iters: int) -> int:
 
 
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
-    from batch_rounds import add_to_db, load_round, save_records
+    from batch_rounds import keep_round, load_round
 
     from search.records import MeasureResult
 
@@ -203,10 +203,7 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
         label = _label((*conv, calls))
         print(f"| {label} | {calls} | {f(first)} | {f(best)} | {fam} | {f(ref)} | {r(first, ref)} | {r(best, ref)} |")
     print(f"per UNet forward: first picks {tot['first']:.0f} us, bests {tot['best']:.0f}, cuDNN {tot['cudnn']:.0f}")
-    if records is not None:  # tuning records (``search.prior.read_records``), the labels and cuDNN beside them
-        save_records(art, labels, whole, records, "cudnn")
-    if db is not None:
-        add_to_db(art, whole, db, "cudnn")
+    keep_round(art, labels, whole, records, db, "cudnn")
 
 
 def main() -> None:

@@ -180,7 +180,7 @@ def summarize(labels: list[dict], results: list[Any]) -> dict[tuple, dict[str, d
 
 
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
-    from batch_rounds import add_to_db, load_round, save_records
+    from batch_rounds import keep_round, load_round
 
     from search.records import MeasureResult
 
@@ -206,10 +206,7 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
         print(f"| {_label((*gn, calls))} | {calls} | {' | '.join(cells)} | {first:.1f} | {best:.1f} | {f(ref)} |")
     print(f"per UNet forward (kernel time, no launch gaps): first picks {tot['first']:.0f} us, bests "
           f"{tot['best']:.0f}, torch eager {tot['torch']:.0f}")
-    if records is not None:
-        save_records(art, labels, whole, records, "torch")
-    if db is not None:
-        add_to_db(art, whole, db, "torch")
+    keep_round(art, labels, whole, records, db, "torch")
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ those re-reads in its L1/L2 operand term.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -160,18 +161,24 @@ def view_reuse(s: Schedule, name: str) -> float:
     return 1.0
 
 
+@lru_cache(maxsize=1024)
+def _names(expr: str) -> frozenset[str]:
+    """The dim names an index expression reads (parsed once: the model asks for every candidate)."""
+    import sympy as sp
+
+    return frozenset(str(v) for v in sp.sympify(expr).free_symbols)
+
+
 def view_run_bytes(s: Schedule, name: str) -> float | None:
     """Bytes of the run of neighbours consecutive threads read of input ``name`` through a view (``window``),
     None where it is read plainly: the lanes' or the thread dim's tile of elements where that dim is in the
     expression of the input's innermost index, else one element (the threads a channel row or more apart)."""
-    import sympy as sp
-
     for op in s.smg.ops:
         acc = next((a for a in op.inputs if a.space == name), None) if op.kind == "window" else None
         if acc is None:
             continue
         fastest = s.serial if s.lanes > 1 else s.thread_dim
-        inner = {str(v) for v in sp.sympify(str(acc.index[-1])).free_symbols}
+        inner = _names(str(acc.index[-1]))
         run = (min(s.lanes, s.step) if s.lanes > 1 else s.tiles.get(fastest, 1)) if fastest in inner else 1
         return float(run * _itemsize(s, name))
     return None

@@ -10,6 +10,7 @@ where a pool follows (the conv then runs without a bias).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,20 @@ BN_FOLDED = "sf_bn_folded"
 PREFIX = "_sf_bnfold"
 
 
+def fold_batchnorm(get: Callable[[str], torch.Tensor], mean: str, var: str, weight: str | None, bias: str | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """An inference BatchNorm as ``y = x * scale + shift`` per channel, in float32 (``get``: a reference's
+    tensor): ``scale = gamma / sqrt(var + eps)``, ``shift = beta - mean * scale``.  A conv before it folds as
+    ``W * scale`` and ``b * scale + shift``; ``fused._conv_param`` folds our convs' weights the same way."""
+    scale = torch.rsqrt(get(var).detach().float() + float(eps))
+    if weight:
+        scale = scale * get(weight).detach().float()
+    shift = -get(mean).detach().float() * scale
+    if bias:
+        shift = shift + get(bias).detach().float()
+    return scale, shift
+
+
 def fold_bn_into_left_convs(gm: fx.GraphModule) -> list[str]:
     """Rewrite each ``conv -> BatchNorm`` (eval mode, the BatchNorm the conv's only reader) where ``match_conv``
     refuses the conv (``conv_refusal``: it stays with torch) as one ``F.conv2d`` with the folded weight
@@ -51,15 +66,11 @@ def fold_bn_into_left_convs(gm: fx.GraphModule) -> list[str]:
             continue
         with torch.no_grad():
             w = param_tensor(gm, cv.weight)
-            scale = torch.rsqrt(param_tensor(gm, bn.var).float() + bn.eps)
-            if bn.weight:
-                scale = scale * param_tensor(gm, bn.weight).float()
             b = param_tensor(gm, cv.bias).float() if cv.bias else torch.zeros(cv.cout, device=w.device)
-            b = (b - param_tensor(gm, bn.mean).float()) * scale
-            if bn.bias:
-                b = b + param_tensor(gm, bn.bias).float()
+            scale, shift = fold_batchnorm(lambda ref: param_tensor(gm, ref), bn.mean, bn.var, bn.weight, bn.bias,
+                                          bn.eps)
             wf = (w.float() * scale[:, None, None, None]).to(w.dtype).contiguous()
-            bf = b.to(w.dtype).contiguous()
+            bf = (b * scale + shift).to(w.dtype).contiguous()
         pooled = _relu_then_max_pool(u, gm)
         if pooled:  # the shift after the conv, where the pool's kernel takes it (after its max)
             bf = bf.reshape(1, -1, 1, 1)
@@ -97,4 +108,4 @@ def _relu_then_max_pool(node: fx.Node, gm: fx.GraphModule) -> bool:
         and is_max_pool(p, gm)
 
 
-__all__ = ["BN_FOLDED", "fold_bn_into_left_convs"]
+__all__ = ["BN_FOLDED", "fold_batchnorm", "fold_bn_into_left_convs"]

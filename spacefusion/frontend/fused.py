@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from smg.ops import upsample_fold
 from spacefusion.frontend.backends import Kernel, get_backend
-from spacefusion.frontend.bn_fold import fold_bn_into_left_convs
+from spacefusion.frontend.bn_fold import fold_batchnorm, fold_bn_into_left_convs
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
 from spacefusion.frontend.partition import partition
@@ -118,13 +118,8 @@ def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
     t = _attr(root, op.ref).detach().float() if op.ref else torch.zeros(op.shape, device=like.device)
     if op.fold_bn:
         mean, var, w, b, eps = op.fold_bn
-        scale = torch.rsqrt(_attr(root, var).detach().float() + float(eps))
-        if w:
-            scale = scale * _attr(root, w).detach().float()
-        if op.conv:
-            t = t * scale[:, None, None, None]
-        else:
-            t = (t - _attr(root, mean).detach().float()) * scale + (_attr(root, b).detach().float() if b else 0.0)
+        scale, shift = fold_batchnorm(lambda ref: _attr(root, ref), mean, var, w, b, float(eps))
+        t = t * scale[:, None, None, None] if op.conv else t * scale + shift
     if op.conv:
         t = t.permute(2, 3, 1, 0)
     if op.fold_upsample:

@@ -11,10 +11,12 @@ to cuDNN, because torch's graph replays cuDNN's kernels without their shapes, no
 beyond the kernels goes. This script answers both, from one forward of each system under the profiler:
 
 - **convs**: eager torch runs each ``nn.Conv2d`` call inside a profiler range named by its shape (forward
-  hooks), whose device time is cuDNN's kernels, the bias included (eager picks the same cuDNN heuristics
-  that Inductor's convolution fallback does); each export's kernels are grouped by the workload recorded
-  in their ``kernel.json``. Both sides are keyed by (batch, c_in, c_out, kernel, output size, stride): an upsampling
-  conv fused with its nearest 2x upsampling meets cuDNN's conv over the upsampled image.
+  hooks), whose device time is cuDNN's kernels, the bias included, and eager's layout conversions where it
+  makes them; torch.compile's (default mode) runs each of its cuDNN calls (``extern_kernels.convolution``)
+  inside such a range, which is what reduce-overhead's graph replays (``inductor_convs``); each export's
+  kernels are grouped by the workload recorded in their ``kernel.json``. All are keyed by (batch, c_in,
+  c_out, kernel, output size, stride): an upsampling conv fused with its nearest 2x upsampling meets cuDNN's
+  conv over the upsampled image.
 - **gaps**: the kernels of one CUDA-graph replay in time order; idle time is the wall time from the first
   kernel's start to the last one's end that no kernel covers (overlapping kernels, as programmatic
   dependent launch makes them, count once). The largest gaps name the kernels on either side.
@@ -70,6 +72,17 @@ def _conv_key_of_module(mod: Any, inp: Any) -> ConvKey:
     return (n, ci, mod.out_channels, ks, (h + 2 * pad - mod.dilation[0] * (ks - 1) - 1) // s + 1, s)
 
 
+def _conv_key_of_call(args: tuple, kw: dict[str, Any]) -> list[int]:
+    """An ``aten.convolution(input, weight, bias, stride, padding, dilation, ...)`` call's key, its arguments
+    given by position or by name as Inductor's generated code passes them."""
+    inp, w = args[0], args[1]
+    get = lambda name, i: kw[name] if name in kw else args[i]  # noqa: E731
+    s, pad, dil = get("stride", 3)[0], get("padding", 4)[0], get("dilation", 5)[0]
+    ks, h = w.shape[-1], inp.shape[2]
+    out_hw = (h + 2 * pad - dil * (ks - 1) - 1) // s + 1
+    return [int(v) for v in (inp.shape[0], inp.shape[1], w.shape[0], ks, out_hw, s)]
+
+
 def _events_time_us(e: Any) -> float:
     return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
 
@@ -78,7 +91,6 @@ def cudnn_convs(model: Any, x: dict[str, Any]) -> dict[ConvKey, list[float]]:
     """Eager torch's convolutions: key -> [device µs of one forward, calls].  Each ``nn.Conv2d`` call runs
     inside a profiler range named by its key (forward hooks), whose kernels are cuDNN's (and the bias's)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     ranges: list[Any] = []
 
@@ -95,14 +107,28 @@ def cudnn_convs(model: Any, x: dict[str, Any]) -> dict[ConvKey, list[float]]:
         if isinstance(mod, torch.nn.Conv2d):
             hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     try:
-        model(**x)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            model(**x)
-            torch.cuda.synchronize()
+        prof = _profiled(model, x)
     finally:
         for h in hooks:
             h.remove()
+    return _conv_ranges(prof)
+
+
+def _profiled(fn: Any, x: dict[str, Any]) -> Any:
+    """The profiler (CPU ranges and CUDA kernels) of one call of ``fn(**x)``, after one unprofiled call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(**x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(**x)
+        torch.cuda.synchronize()
+    return prof
+
+
+def _conv_ranges(prof: Any) -> dict[ConvKey, list[float]]:
+    """key -> [device µs, calls] of the profiler ranges named ``conv:<key>``."""
     out: dict[ConvKey, list[float]] = {}
     for e in prof.events():
         if not e.name.startswith("conv:") or "CPU" not in str(getattr(e, "device_type", "CPU")):
@@ -111,6 +137,28 @@ def cudnn_convs(model: Any, x: dict[str, Any]) -> dict[ConvKey, list[float]]:
         got[0] += _events_time_us(e)
         got[1] += 1
     return out
+
+
+def inductor_convs(model: Any, x: dict[str, Any]) -> dict[ConvKey, list[float]]:
+    """torch.compile's convolutions, conv by conv: key -> [device µs of one forward, calls].  Inductor's
+    generated code calls cuDNN through ``extern_kernels.convolution`` (the bias and what follows are its own
+    Triton kernels); reduce-overhead replays those calls' kernels in a CUDA graph, which hides their shapes,
+    so this compiles the default mode with each call inside a profiler range named by its key."""
+    import torch
+    from torch._inductor.select_algorithm import extern_kernels
+
+    orig = extern_kernels.convolution
+
+    def conv(*args: Any, **kw: Any) -> Any:
+        with torch.profiler.record_function("conv:" + json.dumps(_conv_key_of_call(args, kw))):
+            return orig(*args, **kw)
+
+    extern_kernels.convolution = conv
+    try:
+        prof = _profiled(torch.compile(model), x)
+    finally:
+        extern_kernels.convolution = orig
+    return _conv_ranges(prof)
 
 
 def exported_workloads(art: Path) -> dict[str, dict[str, Any]]:
@@ -213,6 +261,8 @@ def profile_model(arts: list[Path], name: str, out_path: Path, compile_torch: bo
         cudnn = cudnn_convs(model, x)
         res["systems"] = {}
         convs: dict[str, dict[ConvKey, list[Any]]] = {"cuDNN (eager)": cudnn}
+        if compile_torch:
+            convs["cuDNN (torch.compile)"] = inductor_convs(model, x)
         for sys_name, fn in systems.items():
             if sys_name == "eager":
                 continue
@@ -226,7 +276,7 @@ def profile_model(arts: list[Path], name: str, out_path: Path, compile_torch: bo
     res["convs"] = [{"conv": _key_str(k), "key": list(k),
                      **{s: ([round(c[k][0], 1), c[k][1]] if k in c else None) for s, c in convs.items()},
                      "kernels": {s: {n: [round(t, 1), calls] for n, (t, calls) in sorted(c[k][2].items())}
-                                 for s, c in convs.items() if s != "cuDNN (eager)" and k in c}}
+                                 for s, c in convs.items() if not s.startswith("cuDNN") and k in c}}
                     for k in keys]
     res["conv_totals_us"] = {s: round(sum(v[0] for v in c.values()), 1) for s, c in convs.items()}
     out_path.write_text(json.dumps(res, indent=1) + "\n")

@@ -97,16 +97,19 @@ def _gather_tile(smg, op, row: str, L: str) -> GatherTile:
 #: the largest kernel and padding an im2col tensor map describes here (4-d maps: corners in [-128, 127])
 IM2COL_MAX_KERNEL = 7
 IM2COL_MAX_PAD = 3
+#: the largest traversal stride a tensor map takes (the driver's ``elementStrides``: 1..8)
+IM2COL_MAX_STRIDE = 8
 #: channels of one im2col box: a 128-byte swizzle band of fp16 / bf16
 IM2COL_BAND = 64
 
 
 @dataclass(frozen=True)
 class Im2col:
-    """A gathered tile that a TMA im2col tensor map loads: the view is a stride-1 ``kernel`` window of the
-    channels-last image ``src`` [n, h, w, c] with ``pad`` zeros around it (``Builder.window2d`` without
-    upsampling), its output ``out`` = (p, q) pixels per image.  A 64-column band of the tile is one tap's 64
-    channels, so one TMA load fetches [rows, 64] with the tap as the load's im2col offsets.
+    """A gathered tile that a TMA im2col tensor map loads: the view is a ``kernel`` window of the channels-last
+    image ``src`` [n, h, w, c] with ``pad`` zeros around it, moved ``stride`` pixels an output pixel
+    (``Builder.window2d`` without upsampling), its output ``out`` = (p, q) pixels per image.  A 64-column band
+    of the tile is one tap's 64 channels, so one TMA load fetches [rows, 64] with the tap as the load's im2col
+    offsets; a stride is the map's traversal stride (``elementStrides``) along w and h.
 
     ``shift`` non-empty: the view is ``Builder.upsample_window2d``'s (a conv after an upsampling, by output
     parity): ``kernel`` is the merged window, rows are the pixels ``j`` of one small-image row ``nh``, and
@@ -118,6 +121,7 @@ class Im2col:
     channels: int
     out: tuple[int, int]
     shift: tuple[int, ...] = ()
+    stride: int = 1
 
     def tap(self, col: int) -> tuple[int, int, int]:
         """(ky, kx, channel) of tile column ``col`` (the view's column order: taps, then channels)."""
@@ -127,7 +131,9 @@ class Im2col:
     @property
     def corners(self) -> tuple[list[int], list[int]]:
         """The tensor map's pixel-box corners, (w, h) as the map orders them: a filter's first tap ranges
-        over [-pad, size - 1 + pad - (kernel - 1)] along each, the output pixels (stride 1)."""
+        over [-pad, size - 1 + pad - (kernel - 1)] along each.  Stride 1: the output pixels.  Stride s: the
+        map steps s pixels through the same box, ceil((size + 2 pad - kernel + 1) / s) of them, which is
+        floor((size + 2 pad - kernel) / s) + 1, the output pixels again."""
         if self.shift:  # by parity: the box's first pixel ranges over [min shift, size - 1 + max shift]
             lo, hi = min(self.shift), max(self.shift)
             return [lo, lo], [hi, hi]
@@ -140,8 +146,9 @@ _IM2COL_MEMO: dict[tuple[str, GatherTile], Im2col | str] = {}
 
 
 def im2col_of(smg, g: GatherTile) -> Im2col | str:
-    """``g`` as a TMA im2col load, or why it is not one: the view must be exactly ``window2d``'s stride-1,
-    non-upsampled form or ``upsample_window2d``'s (matched by rebuilding its index expressions), its image
+    """``g`` as a TMA im2col load, or why it is not one: the view must be exactly ``window2d``'s
+    non-upsampled form (any stride up to ``IM2COL_MAX_STRIDE``) or ``upsample_window2d``'s (matched by
+    rebuilding its index expressions), its image
     16-bit and its channels whole 64-wide bands (a band then never straddles two taps)."""
     key = (smg.key, g)
     if key not in _IM2COL_MEMO:
@@ -174,13 +181,17 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
             continue
         s = taps // r
         for pad in range(IM2COL_MAX_PAD + 1):
-            p, q = h + 2 * pad - r + 1, w + 2 * pad - s + 1
-            if p < 1 or q < 1 or n * p * q != sizes[m]:
-                continue
-            want = window2d_index(m, k, c, (p, q), s, 1, pad)
-            if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
-                return Im2col(g.src, (r, s), pad, c, (p, q))
-    return f"{g.tile!r} is not a stride-1, non-upsampled window of {g.src!r} (its index {g.index})"
+            for stride in range(1, IM2COL_MAX_STRIDE + 1):
+                if h + 2 * pad < r or w + 2 * pad < s:
+                    continue
+                p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - s) // stride + 1
+                if n * p * q != sizes[m]:
+                    continue
+                want = window2d_index(m, k, c, (p, q), s, stride, pad)
+                if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
+                    return Im2col(g.src, (r, s), pad, c, (p, q), stride=stride)
+    return (f"{g.tile!r} is not a non-upsampled window of {g.src!r} that a tensor map steps through "
+            f"(its index {g.index})")
 
 
 def _parity_im2col(g: GatherTile, norm: tuple[str, ...], size: tuple[int, int], c: int, factor: int) -> Im2col | str:

@@ -846,7 +846,7 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     innermost), [step, 64] bands of the others (K, V, a plain GEMM's B), one (batch, head)
     coordinate at a time; the launcher encodes them for the tensors it binds.  A gathered tile (an
     implicit GEMM's) maps its image in im2col mode: box [64 channels, rows pixels], and ``im2col``'s
-    pixel-box corners (w, h)."""
+    pixel-box corners (w, h) and, for a strided window, its traversal stride (w, h)."""
     if not p.tma:
         return {}
     maps = {}
@@ -854,8 +854,8 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
         im = p.im2col(n)
         if im is not None:  # a gathered tile: the image's map in im2col mode, [rows pixels, 64 channels] a load
             lower, upper = im.corners
-            maps[f"{n}__tmap"] = {"tensor": im.src, "box": [64, p.rows, 1, 1], "swizzle": 128,
-                                  "im2col": {"lower": lower, "upper": upper}}
+            spec = {"lower": lower, "upper": upper} | ({"stride": [im.stride] * 2} if im.stride > 1 else {})
+            maps[f"{n}__tmap"] = {"tensor": im.src, "box": [64, p.rows, 1, 1], "swizzle": 128, "im2col": spec}
             continue
         spec = {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
                 + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128}
@@ -892,7 +892,7 @@ def tma_reason(p: WarpTileProgram) -> str | None:
     score layout (Softmax-GEMM's S)."""
     if not p.wgmma:
         return "its tiles are not wgmma's swizzled ones (wgmma=True)"
-    if p.gathers:  # an implicit GEMM's im2col view: TMA's im2col mode loads a stride-1 window's [rows, 64] bands
+    if p.gathers:  # an implicit GEMM's im2col view: TMA's im2col mode loads a window's [rows, 64] bands
         if p.im2col_why:
             return (f"{p.gathers[0].tile!r} is gathered (an implicit GEMM's im2col view) and no TMA im2col load "
                     f"describes it: {p.im2col_why}")

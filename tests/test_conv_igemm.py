@@ -85,15 +85,19 @@ def test_the_gathered_tile_is_read_in_chunks_of_eight_channels() -> None:
         gather_tile(bad, bad.producer("A"), "m", "k")
 
 
-def test_tensor_core_conv_schedule_gathers_a_and_refuses_tma() -> None:
+def test_tensor_core_conv_schedule_gathers_a_and_refuses_tma_where_no_map_describes_it() -> None:
+    """A strided window is gathered by cp.async or loaded by TMA im2col (the map's traversal stride); a
+    window read through a nearest upsampling has no map, and ``tma=True`` says why."""
     g = patterns.conv2d(2, 9, 9, 64, 64, 3, 2, 1, "relu", residual=True, dtype="float16")
-    s = schedule(g, tiles={"m": 64, "co": 64}, serial="k", step=64, tensor_cores=True, stages=3, warps=4,
-                 wgmma=True)
+    kw = {"tiles": {"m": 64, "co": 64}, "serial": "k", "step": 64, "tensor_cores": True, "stages": 3, "warps": 4,
+          "wgmma": True}
+    s = schedule(g, **kw)
     p = s.warp_tile
     assert p.tiles_in == ("A",) and p.gather("A").src == "X" and p.wgmma_ss
+    assert schedule(g, tma=True, **kw).warp_tile.im2col("A").stride == 2
+    up = patterns.conv2d(2, 5, 5, 64, 64, 3, 1, 1, "relu", upsample=2, dtype="float16")
     with pytest.raises(ScheduleError, match="gathered"):
-        schedule(g, tiles={"m": 64, "co": 64}, serial="k", step=64, tensor_cores=True, stages=3, warps=4,
-                 wgmma=True, tma=True)
+        schedule(up, tma=True, **kw)
 
 
 @pytest.mark.parametrize("k, stride, up", [(3, 1, 1), (3, 2, 1), (1, 1, 1), (3, 1, 2)])

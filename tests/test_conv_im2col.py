@@ -39,9 +39,23 @@ def test_a_stride_one_window_is_an_im2col_load(k, pad, h, w) -> None:
     assert (w - 1 + upper[0]) - lower[0] + 1 == im.out[1]
 
 
+@pytest.mark.parametrize("k, pad, stride, h, w", [(3, 1, 2, 64, 64), (3, 1, 2, 9, 7), (1, 0, 2, 7, 8),
+                                                 (7, 3, 2, 15, 15), (3, 0, 3, 10, 11)])
+def test_a_strided_window_is_an_im2col_load_stepping_through_the_same_box(k, pad, stride, h, w) -> None:
+    """A stride-s window keeps the stride-1 box; the map's traversal stride then walks ceil(box / s) pixels of
+    it along each dim, which is the output's size, from s times the output pixel less the padding."""
+    g = patterns.conv2d(2, h, w, 64, 32, k, stride, pad, dtype="float16")
+    im = im2col_of(g, _view(g))
+    p, q = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    assert im == Im2col("X", (k, k), pad, 64, (p, q), stride=stride)
+    lower, upper = im.corners
+    assert lower == [-pad, -pad] and upper == [pad - k + 1, pad - k + 1]
+    box_w, box_h = (w - 1 + upper[0]) - lower[0] + 1, (h - 1 + upper[1]) - lower[1] + 1
+    assert (-(-box_w // stride), -(-box_h // stride)) == (q, p)
+
+
 @pytest.mark.parametrize("kw, why", [
-    ({"stride": 2}, "not a stride-1, non-upsampled window"),
-    ({"upsample": 2}, "not a stride-1, non-upsampled window"),
+    ({"upsample": 2}, "not a non-upsampled window"),
     ({"c_in": 32, "kernel": 2, "pad": 0}, "not whole 64-channel bands"),
 ])
 def test_windows_a_tensor_map_cannot_describe_say_why(kw, why) -> None:
@@ -56,13 +70,14 @@ def test_windows_a_tensor_map_cannot_describe_say_why(kw, why) -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(k=st.sampled_from([1, 3, 5]), h=st.integers(5, 12), w=st.integers(5, 12), bands=st.integers(1, 3),
-       data=st.data())
-def test_taps_and_pixels_are_what_the_view_reads(k, h, w, bands, data) -> None:
-    """For any column and row, the view's index expressions read the image at the row's first-tap pixel plus
-    the column's tap, channel included: what the im2col load with that tap as its offsets fetches."""
+       stride=st.sampled_from([1, 2, 3]), data=st.data())
+def test_taps_and_pixels_are_what_the_view_reads(k, h, w, bands, stride, data) -> None:
+    """For any column and row, the view's index expressions read the image at the row's first-tap pixel
+    (stride times the output pixel, less the padding) plus the column's tap, channel included: what the
+    im2col load with that tap as its offsets fetches."""
     pad = data.draw(st.integers(0, k // 2))
     c = 64 * bands
-    g = patterns.conv2d(2, h, w, c, 16, k, 1, pad, dtype="float16")
+    g = patterns.conv2d(2, h, w, c, 16, k, stride, pad, dtype="float16")
     view = _view(g)
     im = im2col_of(g, view)
     assert isinstance(im, Im2col)
@@ -73,13 +88,32 @@ def test_taps_and_pixels_are_what_the_view_reads(k, h, w, bands, data) -> None:
     got = [int(sp.sympify(e, locals=syms).subs({syms["m"]: m, syms["k"]: col})) for e in view.index]
     ky, kx, ch = im.tap(col)
     img, y, x = m // (p * q), (m // q) % p, m % q
-    assert got == [img, y - pad + ky, x - pad + kx, ch]
+    assert im.stride == stride
+    assert got == [img, stride * y - pad + ky, stride * x - pad + kx, ch]
 
 
 def _conv_tma(tmp_path=None, producer: bool = False):
     g = patterns.conv2d(1, 16, 16, 128, 64, 3, 1, 1, "relu", residual=True, dtype="float16")
     kw = dict(TC, stages=3, producer=True) if producer else TC
     return schedule(g, tiles={"m": 128, "co": 64}, tma=True, **kw)
+
+
+def test_a_strided_kernel_gives_its_map_the_stride_and_starts_at_stride_times_the_pixel(tmp_path) -> None:
+    from spacefusion.lower.build import build_cuda
+
+    g = patterns.conv2d(2, 18, 18, 128, 64, 3, 2, 1, "relu", residual=True, dtype="float16")
+    s = schedule(g, tiles={"m": 64, "co": 64}, tma=True, **dict(TC, producer=True))
+    assert s.warp_tile.im2col("A") == Im2col("X", (3, 3), 1, 128, (9, 9), stride=2)
+    assert tma_maps(s, s.warp_tile)["A__tmap"]["im2col"] == {"lower": [-1, -1], "upper": [-1, -1], "stride": [2, 2]}
+    art = build_cuda(s)
+    folder = art.save(tmp_path / "k", compile_cubin=False)
+    loaded = KernelArtefact.from_meta(json.loads((folder / "kernel.json").read_text()), folder)
+    (spec,) = [p for p in loaded.params if p.name == "A__tmap"]
+    assert spec.tensor_map_im2col == ((-1, -1), (-1, -1)) and spec.tensor_map_im2col_stride == (2, 2)
+    assert spec.to_json()["tensor_map"]["im2col"]["stride"] == [2, 2]
+    # the first tap's pixel: twice the output pixel (y0, x0), less the padding
+    (call,) = [ln for ln in art.source.splitlines() if "sf_tma_load_im2col_4d(" in ln and "__device__" not in ln]
+    assert call.count("* 2) - 1)") == 2, call
 
 
 def test_the_kernel_maps_the_image_in_im2col_mode() -> None:
@@ -130,19 +164,25 @@ def test_a_bad_im2col_description_is_refused_by_name(tmp_path) -> None:
     p["tensor_map"]["im2col"] = {"lower": [-1], "upper": [-1, 400]}
     with pytest.raises(ArtefactError, match="'A__tmap' im2col"):
         KernelArtefact.from_meta(meta, tmp_path)
+    p["tensor_map"]["im2col"] = {"lower": [-1, -1], "upper": [-1, -1], "stride": [2, 9]}
+    with pytest.raises(ArtefactError, match="'A__tmap' im2col stride"):
+        KernelArtefact.from_meta(meta, tmp_path)
 
 
 def test_the_launchers_map_arguments_follow_the_drivers_rules() -> None:
     shape, strides = (2, 16, 16, 128), (16 * 16 * 128, 16 * 128, 128, 1)
-    dims, byte_strides = im2col_args(shape, strides, 2, 64, 128, [-1, -1], [-1, -1], 128)
-    assert dims == [128, 16, 16, 2] and byte_strides == [256, 16 * 256, 16 * 16 * 256]
+    dims, byte_strides, elems = im2col_args(shape, strides, 2, 64, 128, [-1, -1], [-1, -1], 128)
+    assert dims == [128, 16, 16, 2] and byte_strides == [256, 16 * 256, 16 * 16 * 256] and elems == [1, 1, 1, 1]
+    assert im2col_args(shape, strides, 2, 64, 128, [-1, -1], [-1, -1], 128, [2, 2])[2] == [1, 2, 2, 1]
+    with pytest.raises(TensorMapError, match="1..8"):
+        im2col_args(shape, strides, 2, 64, 128, [-1, -1], [-1, -1], 128, [2, 9])
     with pytest.raises(TensorMapError, match="contiguous"):
         im2col_args(shape, (1, 2, 3, 4), 2, 64, 128, [-1, -1], [-1, -1], 128)
     with pytest.raises(TensorMapError, match="256"):
         im2col_args(shape, strides, 2, 64, 512, [-1, -1], [-1, -1], 128)
     with pytest.raises(TensorMapError, match="hold a pixel"):
         im2col_args(shape, strides, 2, 128, 128, [-1, -1], [-1, -1], 128)
-    with pytest.raises(TensorMapError, match="one corner per spatial dim"):
+    with pytest.raises(TensorMapError, match="one corner and one traversal stride per spatial dim"):
         im2col_args(shape, strides, 2, 64, 128, [-1], [-1, -1], 128)
     assert np.prod(dims) == np.prod(shape)
 

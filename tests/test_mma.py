@@ -317,6 +317,13 @@ CASES = {
     "conv5x5_im2col_pingpong": (lambda: patterns.conv2d(2, 12, 10, 64, 128, 5, 1, 2, "silu", dtype="float16"),
                                 {"m": 64, "co": 128}, 64, 3,
                                 {"wgmma": True, "tma": True, "producer": True, "persistent": 3, "pingpong": True}),
+    # strided windows by TMA im2col (the map's traversal stride): a 3x3/2 whose odd image leaves a last input
+    # row and column unread, and ResNet's 1x1/2 downsampling under a producer warpgroup
+    "conv3x3_s2_res_im2col": (lambda: patterns.conv2d(2, 13, 11, 128, 64, 3, 2, 1, "relu", residual=True,
+                                                      dtype="float16"), {"m": 64, "co": 64}, 64, 3,
+                              {"warps": 4, "wgmma": True, "tma": True}),
+    "conv1x1_s2_im2col_producer": (lambda: patterns.conv2d(2, 14, 14, 64, 128, 1, 2, 0, "none", dtype="float16"),
+                                   {"m": 64, "co": 128}, 64, 3, {"wgmma": True, "tma": True, "producer": True}),
     # an Upsample -> Conv by output parity (merged 2x2 windows of the small image, each parity a block
     # coordinate with its own weights, the output interleaved): rows along an image row's pixels (TMA im2col,
     # the box's first pixel shifted by the parity, a row tile past the row's end) and along a column of rows

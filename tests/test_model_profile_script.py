@@ -33,6 +33,11 @@ def test_an_exported_conv_and_torchs_conv_of_one_shape_get_one_key() -> None:
         x = torch.zeros(shape)
         assert ours == model_profile._conv_key_of_module(conv, x), smg.name
         assert ours[4] == conv(x).shape[-1]
+        # Inductor's cuDNN call, its arguments by position and by name, gets the module's key
+        pos = (x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, False, (0, 0), 1)
+        named = {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
+        assert tuple(model_profile._conv_key_of_call(pos, {})) == ours
+        assert tuple(model_profile._conv_key_of_call((x, conv.weight, None), named)) == ours
         keys.add(ours)
     # both upsampling forms are torch's conv over the upsampled 16x16 image, as the first case (a residual
     # add is not part of a key: torch adds it apart)

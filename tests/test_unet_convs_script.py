@@ -63,3 +63,51 @@ def test_the_committed_rounds_are_checked_records_with_cudnn_beside_them() -> No
             assert all(MeasureResult.from_dict(r["result"]).ok and r["result"]["max_abs_err"] is not None for r in rows)
         assert {tuple(c["conv"]) for c in data["cudnn"]} == convs
         assert all(c["cudnn_conv_us"] > 0 for c in data["cudnn"])
+
+
+def test_the_strided_set_builds_strided_windows_that_tma_im2col_loads() -> None:
+    """``--set strided``: each conv's SMG has the stride its key names, and its view is a TMA im2col load
+    stepping by it (the map's traversal stride), so the batch measures the TMA families too."""
+    from schedulers.gather_tile import Im2col, gather_tile, im2col_of
+
+    assert unet_convs.SETS["small"] is unet_convs.CONVS
+    for c in unet_convs.STRIDED:
+        key = unet_convs._key(c)
+        assert key == [*c[:6], 2] and "/2" in unet_convs._label(c)
+        g = unet_convs._smg(c)
+        im = im2col_of(g, gather_tile(g, g.producer("A"), "m", "k"))
+        assert isinstance(im, Im2col) and im.stride == 2, im
+        out = (c[1] + 2 * (c[4] // 2) - c[4]) // 2 + 1
+        assert im.out == (out, out)
+    assert unet_convs._key(unet_convs.CONVS[0]) == list(unet_convs.CONVS[0][:6])
+
+
+def test_the_strided_and_large_rounds_are_checked_records_with_cudnn_beside_them() -> None:
+    """``unet_convs_strided_h100.json`` (the same batch on an H200 in ``raw/``) and
+    ``unet_convs_large_h100.json`` (the 64x64 convs): every built kernel matched
+    the numpy reference before it was timed; the two failures are the deeper rings that do not fit in shared
+    memory, refused at build with that reason."""
+
+    for name, device, convs in (("unet_convs_strided_h100.json", "H100", unet_convs.STRIDED),
+                                ("raw/unet_convs_strided_h200.json", "H200", unet_convs.STRIDED),
+                                ("unet_convs_large_h100.json", "H100", unet_convs.LARGE)):
+        _checked_round(json.loads((ROOT / "experiments" / "tuning" / name).read_text()), device, convs)
+
+
+def _checked_round(data: dict, device: str, convs: list[tuple]) -> None:
+    from search.records import MeasureResult
+
+    assert data["format"] == "spacefusion-records/1" and device in data["device"]
+    want = {tuple(unet_convs._key(c)) for c in convs}
+    assert {tuple(r["label"]["conv"]) for r in data["records"]} == want == {tuple(c["conv"]) for c in data["cudnn"]}
+    for r in data["records"]:
+        res = MeasureResult.from_dict(r["result"])
+        assert res.ok == (res.error is None)
+        if not res.ok:
+            assert "shared memory" in res.error and r["label"]["why"].startswith("rank 0 with")
+        else:
+            assert r["result"]["max_abs_err"] is not None and r["label"]["tma"] in (True, False)
+    # every conv's first pick was a TMA im2col kernel and ran
+    for key in want:
+        first = next(r for r in data["records"] if tuple(r["label"]["conv"]) == key)
+        assert first["label"]["why"] == "rank 0" and first["label"]["tma"] and first["result"]["error"] is None

@@ -2,7 +2,7 @@
 """SD 1.5 UNet's convolutions on small grids: a wide candidate batch per conv, against cuDNN in one run.
 
 Usage:
-    python experiments/tuning/unet_convs.py export ART [--per 14] [--tiles N]  # here (TVM): the batch
+    python experiments/tuning/unet_convs.py export ART [--per 14] [--tiles N] [--set strided]  # here (TVM)
     python3 experiments/tuning/unet_convs.py run ART --out R.json       # on the GPU: the batch + cuDNN
     python experiments/tuning/unet_convs.py table ART R.json [--records OUT] [--db DB]
 
@@ -16,6 +16,10 @@ checks and times the batch (``spacefusion.runtime.batch``) and times cuDNN's con
 with the bias and residual add as torch adds them) on the same machine in the same process.  ``table``
 prints first pick, best, best family and cuDNN per conv; ``--db`` adds every measurement to a tuning
 database, which ``dynamo_gpu.py export --db`` then builds the model from.
+
+``--set strided`` takes the strided convs instead (``STRIDED``: the UNet's three downsamplers and
+ResNet-50's 3x3/2 and 1x1/2 convs), which TMA im2col loads by the map's traversal stride; ``--set large``
+the UNet's 64x64 convs (``LARGE``).
 """
 
 from __future__ import annotations
@@ -34,18 +38,37 @@ CONVS = [(2, 32, 640, 640, 3, True, 5), (2, 16, 1280, 1280, 3, True, 5), (2, 8, 
          (2, 8, 1280, 1280, 3, False, 4), (2, 8, 2560, 1280, 3, False, 3), (2, 16, 2560, 1280, 3, False, 2),
          (2, 32, 1920, 640, 3, False, 1), (2, 16, 1920, 1280, 3, False, 1), (2, 32, 1280, 640, 3, False, 1),
          (2, 16, 1280, 1280, 1, True, 5)]
+#: the strided convs, the same fields and the stride last: SD 1.5's downsamplers (batch 2) and torchvision
+#: ResNet-50's (batch 32, 224x224: each stage's first 3x3 and its 1x1 downsampling, both stride 2)
+STRIDED = [(2, 64, 320, 320, 3, False, 1, 2), (2, 32, 640, 640, 3, False, 1, 2), (2, 16, 1280, 1280, 3, False, 1, 2),
+           (32, 56, 128, 128, 3, False, 1, 2), (32, 28, 256, 256, 3, False, 1, 2), (32, 14, 512, 512, 3, False, 1, 2),
+           (32, 56, 256, 512, 1, False, 1, 2), (32, 28, 512, 1024, 1, False, 1, 2),
+           (32, 14, 1024, 2048, 1, False, 1, 2)]
+#: the UNet's 64x64 convs (batch 2), the largest grids: measured only in the TMA im2col round before
+LARGE = [(2, 64, 320, 320, 3, True, 5), (2, 64, 320, 320, 3, False, 2), (2, 64, 640, 320, 3, False, 2),
+         (2, 64, 960, 320, 3, False, 1)]
+SETS = {"small": CONVS, "strided": STRIDED, "large": LARGE}
+
+
+def _stride(c: tuple) -> int:
+    return c[7] if len(c) > 7 else 1
+
+
+def _key(c: tuple) -> list:
+    """A conv's key in the labels and the cuDNN rows: the first six fields, and the stride where not 1."""
+    return list(c[:6]) + ([_stride(c)] if _stride(c) > 1 else [])
 
 
 def _label(c: tuple) -> str:
-    b, hw, ci, co, k, res, _ = c
-    return f"{b}x{hw}x{hw}x{ci}->{co} {k}x{k}" + (" +res" if res else "")
+    b, hw, ci, co, k, res = c[:6]
+    return f"{b}x{hw}x{hw}x{ci}->{co} {k}x{k}" + (f"/{_stride(c)}" if _stride(c) > 1 else "") + (" +res" if res else "")
 
 
 def _smg(c: tuple):
     from smg import patterns
 
-    b, hw, ci, co, k, res, _ = c
-    return patterns.conv2d(b, hw, hw, ci, co, k, 1, k // 2, residual=res, dtype="float16")
+    b, hw, ci, co, k, res = c[:6]
+    return patterns.conv2d(b, hw, hw, ci, co, k, _stride(c), k // 2, residual=res, dtype="float16")
 
 
 def _family(s) -> tuple:
@@ -114,25 +137,26 @@ def deeper(s) -> list[tuple[str, Any]]:
     return out
 
 
-def export(art: Path, top: int, per: int, tiles: int = 0) -> None:
+def export(art: Path, top: int, per: int, tiles: int = 0, convs: str = "small") -> None:
     from search.records import MeasureInput
     from spacefusion.runners.offline import export_batch
 
     inputs, labels = [], []
-    for c in CONVS:
+    for c in SETS[convs]:
         g = _smg(c)
         got = pick(g, top, per)
         for why, s in got + (by_tile(g, got, tiles) if tiles else []):
             inputs.append(MeasureInput(s, "cuda:sm_90a"))
-            labels.append({"conv": list(c[:6]), "calls": c[6], "why": why, "workload_key": g.key,
+            labels.append({"conv": _key(c), "calls": c[6], "why": why, "workload_key": g.key,
                            "schedule_key": s.key, "slices": s.slices, "tma": bool(s.tma),
                            "producer": bool(s.producer), "stages": s.stages, "block": [list(t) for t in s.block]})
     export_batch(inputs, art)
     (art / "labels.json").write_text(json.dumps(labels, indent=1) + "\n")
-    print(f"{len(inputs)} candidates of {len(CONVS)} convs in {art}")
+    (art / "convs.json").write_text(json.dumps(SETS[convs]) + "\n")  # what ``run`` times cuDNN on
+    print(f"{len(inputs)} candidates of {len(SETS[convs])} convs in {art}")
 
 
-def cudnn_times(iters: int) -> list[dict[str, Any]]:
+def cudnn_times(iters: int, convs: list[tuple]) -> list[dict[str, Any]]:
     """cuDNN's conv per shape (channels-last fp16, bias, then the residual add as torch does it), timed
     as the batch times our kernels (``runtime.timing.time_cuda``: CUDA events, L2 flushed, the launches held
     behind a sleep so the host's Python is not timed), median of ``iters``."""
@@ -144,24 +168,26 @@ def cudnn_times(iters: int) -> list[dict[str, Any]]:
     torch.backends.cudnn.benchmark = True
     out = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for c in CONVS:
-        b, hw, ci, co, k, res, _ = c
+    for c in convs:
+        b, hw, ci, co, k, res = c[:6]
+        st = _stride(c)
         x = torch.randn(b, ci, hw, hw, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
         w = (torch.randn(co, ci, k, k, device="cuda", generator=g) / (ci * k * k) ** 0.5).half()
         w = w.to(memory_format=torch.channels_last)
         bias = torch.randn(co, device="cuda", generator=g).half()
-        r = torch.randn(b, co, hw, hw, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+        ho = (hw + 2 * (k // 2) - k) // st + 1
+        r = torch.randn(b, co, ho, ho, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
 
-        def conv(x=x, w=w, bias=bias, r=r, res=res, k=k):
-            y = F.conv2d(x, w, bias, padding=k // 2)
+        def conv(x=x, w=w, bias=bias, r=r, res=res, k=k, st=st):
+            y = F.conv2d(x, w, bias, stride=st, padding=k // 2)
             return y + r if res else y
 
-        def alone(x=x, w=w, bias=bias, k=k):
-            return F.conv2d(x, w, bias, padding=k // 2)
+        def alone(x=x, w=w, bias=bias, k=k, st=st):
+            return F.conv2d(x, w, bias, stride=st, padding=k // 2)
 
         times = {name: round(time_cuda(fn, warmup=10, iters=iters).median_us, 2)
                  for name, fn in (("cudnn_conv_us", alone), ("cudnn_conv_add_us", conv))}
-        out.append({"conv": list(c[:6]), **times})
+        out.append({"conv": _key(c), **times})
         print(_label(c), times, flush=True)
     return out
 
@@ -169,7 +195,9 @@ def cudnn_times(iters: int) -> list[dict[str, Any]]:
 def run(art: Path, out: Path, iters: int) -> int:
     from batch_rounds import run_batch
 
-    return run_batch(art, out, iters, "cudnn", cudnn_times)
+    path = art / "convs.json"  # an export before ``--set`` wrote none: the small-grid set
+    convs = [tuple(c) for c in json.loads(path.read_text())] if path.exists() else CONVS
+    return run_batch(art, out, iters, "cudnn", lambda it: cudnn_times(it, convs))
 
 
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
@@ -200,7 +228,7 @@ def table(art: Path, results: Path, records: Path | None, db: Path | None) -> No
                f"producer {blab['producer']}") if blab else "-"
         f = lambda v: f"{v:.1f}" if v else "failed"  # noqa: E731
         r = lambda a, b: f"{b / a:.2f}x" if a and b else "-"  # noqa: E731
-        label = _label((*conv, calls))
+        label = _label((*conv[:6], calls, *conv[6:]))
         print(f"| {label} | {calls} | {f(first)} | {f(best)} | {fam} | {f(ref)} | {r(first, ref)} | {r(best, ref)} |")
     print(f"per UNet forward: first picks {tot['first']:.0f} us, bests {tot['best']:.0f}, cuDNN {tot['cudnn']:.0f}")
     keep_round(art, labels, whole, records, db, "cudnn")
@@ -214,8 +242,10 @@ def main() -> None:
         e.add_argument("--per", type=int, default=14)
         e.add_argument("--tiles", type=int, default=0, metavar="N",
                        help="also the model's best of up to N tile shapes the batch does not hold")
+        e.add_argument("--set", dest="convs", choices=sorted(SETS), default="small",
+                       help="the small-grid convs (default), the strided ones or the 64x64 ones")
 
-    round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.tiles), run, table)
+    round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.tiles, a.convs), run, table)
 
 
 if __name__ == "__main__":

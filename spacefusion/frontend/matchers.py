@@ -498,7 +498,7 @@ def upsample_apart(small: tuple[int, ...], cv, factor: int) -> str | None:
     upsampled image, the conv reads it as a plain one), or None to read it through the conv's window or by
     parity: where the parity form is refused (``by_parity``), the window read gathers its tile by cp.async (no
     TMA im2col reads ``floor(y / 2)``), and on a small grid that lost to the plain conv by TMA
-    (``APART_MAX_PIXELS``); the plain conv must itself take TMA im2col (stride 1, whole 64-channel bands)."""
+    (``APART_MAX_PIXELS``); the plain conv must itself take TMA im2col (whole 64-channel bands; it is stride 1 here)."""
     n, c, h, w = small
     pad, k, stride = cv.padding[0], cv.kh, cv.stride[0]
     pixels = n * h * w * factor * factor

@@ -99,8 +99,8 @@ class TmaRing:
 
     def _im2col(self, n: str, slot: tirx.PrimExpr, t0: tirx.PrimExpr, bar: tirx.PrimExpr) -> None:
         """Gathered tile ``n``'s step at column ``t0`` by TMA im2col loads, one per 64-column band (one tap's
-        64 channels): the box's first pixel is the row tile's first output pixel (n, y, x) at (x - pad,
-        y - pad) (by parity: the small-image pixel its parity reads first), the tap (kx, ky) its im2col
+        64 channels): the box's first pixel is the row tile's first output pixel (n, y, x) at (s x - pad,
+        s y - pad) for stride s (by parity: the small-image pixel its parity reads first), the tap (kx, ky) its im2col
         offsets; pixels past the image's edge arrive as zeros."""
         st = self.st
         im = st.p.im2col(n)
@@ -112,6 +112,8 @@ class TmaRing:
             pad = 0
         else:
             img, y0, x0 = m0 // (p_out * q_out), (m0 // q_out) % p_out, m0 % q_out
+            if im.stride > 1:  # the output pixel's first tap: ``stride`` input pixels an output pixel
+                y0, x0 = y0 * im.stride, x0 * im.stride
         _, rows, cols = st.layout[n]
         for band in range(cols // 64):
             col = t0 + band * 64

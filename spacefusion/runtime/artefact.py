@@ -54,6 +54,8 @@ class ParamSpec:
     #: an im2col map's pixel-box corners ((w, h) lower, (w, h) upper); its box is then (channels per pixel,
     #: pixels per load, 1, 1).  None: a tiled map
     tensor_map_im2col: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: an im2col map's traversal stride along its spatial dims ((w, h): a strided conv's); None: 1 each
+    tensor_map_im2col_stride: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -69,6 +71,8 @@ class ParamSpec:
             if self.tensor_map_im2col is not None:
                 lower, upper = self.tensor_map_im2col
                 d["tensor_map"]["im2col"] = {"lower": list(lower), "upper": list(upper)}
+                if self.tensor_map_im2col_stride is not None:
+                    d["tensor_map"]["im2col"]["stride"] = list(self.tensor_map_im2col_stride)
         return d
 
 
@@ -301,7 +305,8 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
         tmap = _tensor_map(p, name, role, where)
         out.append(ParamSpec(name=name, shape=tuple(shape), dtype=dtype, role=role, tensor_map=tmap,
                              tensor_map_dims=_tensor_map_dims(p, name, len(tmap[1]), where) if tmap else None,
-                             tensor_map_im2col=_tensor_map_im2col(p, name, len(tmap[1]), where) if tmap else None))
+                             tensor_map_im2col=_tensor_map_im2col(p, name, len(tmap[1]), where) if tmap else None,
+                             tensor_map_im2col_stride=_im2col_stride(p, name, len(tmap[1]), where) if tmap else None))
     names = [p.name for p in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -332,6 +337,19 @@ def _tensor_map_im2col(p: Mapping[str, Any], name: str, rank: int,
         raise ArtefactError(f"{where}: tensormap {name!r} im2col {spec!r} must be {{lower, upper}}: {rank - 2} ints "
                             f"each in -128..127 (a {rank}-d image's spatial dims)")
     return tuple(corners[0]), tuple(corners[1])
+
+
+def _im2col_stride(p: Mapping[str, Any], name: str, rank: int, where: str) -> tuple[int, ...] | None:
+    """An im2col tensormap's traversal stride (``tensor_map.im2col.stride``: one int in 1..8 per spatial dim),
+    or None where it has none (1 each, a stride-1 window, or a tiled map)."""
+    spec = p["tensor_map"].get("im2col")
+    stride = spec.get("stride") if isinstance(spec, dict) else None
+    if stride is None:
+        return None
+    if not (isinstance(stride, list) and len(stride) == rank - 2 and all(_is_int(v) and 1 <= v <= 8 for v in stride)):
+        raise ArtefactError(f"{where}: tensormap {name!r} im2col stride {stride!r} must be {rank - 2} ints each in "
+                            f"1..8 (the map's traversal stride along a {rank}-d image's spatial dims)")
+    return tuple(stride)
 
 
 def _tensor_map_dims(p: Mapping[str, Any], name: str, rank: int, where: str) -> tuple[int, ...] | None:

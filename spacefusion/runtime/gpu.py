@@ -355,7 +355,8 @@ class CudaKernel:
             _, box, swizzle = p.tensor_map
             try:
                 if p.tensor_map_im2col is not None:
-                    return encode_im2col(t, box[0], box[1], *p.tensor_map_im2col, swizzle)
+                    return encode_im2col(t, box[0], box[1], *p.tensor_map_im2col, swizzle,
+                                         p.tensor_map_im2col_stride)
                 return encode_tiled(t, box, swizzle, p.tensor_map_dims)
             except TensorMapError as e:
                 raise KernelLaunchError(f"{self.artefact.kernel_name}: tensor map {p.name!r} of "

@@ -155,14 +155,20 @@ def encode_tiled(t: torch.Tensor, box: Sequence[int], swizzle: int,
 
 
 def im2col_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, channels: int, pixels: int,
-                lower: Sequence[int], upper: Sequence[int], swizzle: int) -> tuple[list[int], list[int]]:
-    """(dims, byte strides of dims 1..) of a channels-last image [n, (d,) h, w, c] for an im2col map, after the
-    driver's rules: contiguous channels, 16-byte strides, 1..256 channels and pixels a load, one corner per
-    spatial dim, and a channel run of at most ``swizzle`` bytes when swizzled."""
+                lower: Sequence[int], upper: Sequence[int], swizzle: int,
+                traversal: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(dims, byte strides of dims 1..., element strides) of a channels-last image [n, (d,) h, w, c] for an
+    im2col map, after the driver's rules: contiguous channels, 16-byte strides, 1..256 channels and pixels a
+    load, one corner and one traversal stride (1..8, innermost spatial dim first; None: 1 each) per spatial
+    dim, and a channel run of at most ``swizzle`` bytes when swizzled."""
     rank = len(shape)
-    if not 3 <= rank <= 5 or len(lower) != rank - 2 or len(upper) != rank - 2:
-        raise TensorMapError(f"an im2col map takes a 3-5-d channels-last image and one corner per spatial dim; got "
-                             f"shape {list(shape)}, corners {list(lower)} / {list(upper)}")
+    traversal = [1] * (rank - 2) if traversal is None else [int(v) for v in traversal]
+    if not 3 <= rank <= 5 or len(lower) != rank - 2 or len(upper) != rank - 2 or len(traversal) != rank - 2:
+        raise TensorMapError(f"an im2col map takes a 3-5-d channels-last image and one corner and one traversal "
+                             f"stride per spatial dim; got shape {list(shape)}, corners {list(lower)} / "
+                             f"{list(upper)}, stride {traversal}")
+    if not all(1 <= v <= 8 for v in traversal):
+        raise TensorMapError(f"traversal strides {traversal} must each be 1..8")
     if strides[-1] != 1:
         raise TensorMapError(f"the channels have stride {strides[-1]}; an im2col map needs them contiguous")
     dims = [int(v) for v in reversed(shape)]
@@ -174,16 +180,18 @@ def im2col_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, cha
     if swizzle not in SWIZZLES or (swizzle and channels * itemsize > swizzle):
         raise TensorMapError(f"swizzle {swizzle} must be one of {sorted(SWIZZLES)} bytes and hold a pixel's "
                              f"{channels * itemsize} B")
-    return dims, byte_strides
+    return dims, byte_strides, [1, *traversal, 1]
 
 
 def encode_im2col(t: torch.Tensor, channels: int, pixels: int, lower: Sequence[int], upper: Sequence[int],
-                  swizzle: int) -> torch.Tensor:
+                  swizzle: int, traversal: Sequence[int] | None = None) -> torch.Tensor:
     """The im2col tensor map of channels-last image ``t`` (a CUDA tensor): each load fetches ``channels``
     channels of ``pixels`` consecutive pixels of the box whose first-tap corners are ``lower`` / ``upper``
-    (innermost spatial dim first), as a uint8[128] tensor on ``t``'s device."""
+    (innermost spatial dim first), stepping ``traversal`` pixels along each spatial dim (a strided conv's
+    output pixels; None: 1), as a uint8[128] tensor on ``t``'s device."""
     name = _dtype_name(t)
-    dims, strides = im2col_args(t.shape, t.stride(), t.element_size(), channels, pixels, lower, upper, swizzle)
+    dims, strides, element_strides = im2col_args(t.shape, t.stride(), t.element_size(), channels, pixels, lower,
+                                                 upper, swizzle, traversal)
     rank = len(dims)
     u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
     raw = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + 64))()
@@ -191,10 +199,11 @@ def encode_im2col(t: torch.Tensor, channels: int, pixels: int, lower: Sequence[i
     rc = _libcuda().cuTensorMapEncodeIm2col(
         ctypes.c_void_p(addr), DATA_TYPES[name], rank, ctypes.c_void_p(t.data_ptr()), (u64 * rank)(*dims),
         (u64 * (rank - 1))(*strides), (i32 * (rank - 2))(*lower), (i32 * (rank - 2))(*upper), u32(channels),
-        u32(pixels), (u32 * rank)(*([1] * rank)), 0, SWIZZLES[swizzle], _L2_PROMOTION_128B, 0)
+        u32(pixels), (u32 * rank)(*element_strides), 0, SWIZZLES[swizzle], _L2_PROMOTION_128B, 0)
     if rc != 0:
         raise TensorMapError(f"cuTensorMapEncodeIm2col refused dims {dims}, strides {strides} B, corners "
-                             f"{list(lower)} / {list(upper)}, {channels} channels x {pixels} pixels, "
+                             f"{list(lower)} / {list(upper)}, element strides {element_strides}, "
+                             f"{channels} channels x {pixels} pixels, "
                              f"swizzle {swizzle}: CUresult {rc}")
     return _on_device(t, addr)
 

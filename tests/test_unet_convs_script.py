@@ -65,6 +65,21 @@ def test_the_committed_rounds_are_checked_records_with_cudnn_beside_them() -> No
         assert all(c["cudnn_conv_us"] > 0 for c in data["cudnn"])
 
 
+def test_the_wide_option_adds_the_best_128_row_form_of_each_tile_slices_and_producer() -> None:
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from smg import patterns
+
+    g = patterns.conv2d(2, 8, 8, 128, 256, 3, 1, 1, dtype="float16")
+    held = unet_convs.pick(g, 1, 1)
+    got = unet_convs.by_tile_slices(g, held, 6)
+    forms = [(tuple(s.block), s.slices, bool(s.producer)) for _, s in got]
+    assert got and len(got) <= 6 and len(set(forms)) == len(forms)
+    assert all(s.tma and s.block[0][1] >= 128 and s.key not in {h.key for _, h in held} for _, s in got)
+    est = [estimate_us(s, H100) for _, s in got]
+    assert est == sorted(est)
+
+
 def test_the_strided_set_builds_strided_windows_that_tma_im2col_loads() -> None:
     """``--set strided``: each conv's SMG has the stride its key names, and its view is a TMA im2col load
     stepping by it (the map's traversal stride), so the batch measures the TMA families too."""
@@ -90,7 +105,8 @@ def test_the_strided_and_large_rounds_are_checked_records_with_cudnn_beside_them
 
     for name, device, convs in (("unet_convs_strided_h100.json", "H100", unet_convs.STRIDED),
                                 ("raw/unet_convs_strided_h200.json", "H200", unet_convs.STRIDED),
-                                ("unet_convs_large_h100.json", "H100", unet_convs.LARGE)):
+                                ("unet_convs_large_h100.json", "H100", unet_convs.LARGE),
+                                ("unet_convs_wide16_h100.json", "H100", unet_convs.WIDE16)):
         _checked_round(json.loads((ROOT / "experiments" / "tuning" / name).read_text()), device, convs)
 
 

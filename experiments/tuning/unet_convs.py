@@ -19,7 +19,8 @@ database, which ``dynamo_gpu.py export --db`` then builds the model from.
 
 ``--set strided`` takes the strided convs instead (``STRIDED``: the UNet's three downsamplers and
 ResNet-50's 3x3/2 and 1x1/2 convs), which TMA im2col loads by the map's traversal stride; ``--set large``
-the UNet's 64x64 convs (``LARGE``).
+the UNet's 64x64 convs (``LARGE``); ``--set wide16 --wide N`` the 16x16 1280-channel ones with the model's best
+128-row forms with fewer slices (``by_tile_slices``).
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ STRIDED = [(2, 64, 320, 320, 3, False, 1, 2), (2, 32, 640, 640, 3, False, 1, 2),
            (32, 56, 128, 128, 3, False, 1, 2), (32, 28, 256, 256, 3, False, 1, 2), (32, 14, 512, 512, 3, False, 1, 2),
            (32, 56, 256, 512, 1, False, 1, 2), (32, 28, 512, 1024, 1, False, 1, 2),
            (32, 14, 1024, 2048, 1, False, 1, 2)]
+#: the UNet's 16x16 1280-channel convs, where torch.compile's in-graph cuDNN is furthest ahead
+WIDE16 = [(2, 16, 1280, 1280, 3, True, 5), (2, 16, 1280, 1280, 3, False, 2), (2, 16, 2560, 1280, 3, False, 2)]
 #: the UNet's 64x64 convs (batch 2), the largest grids: measured only in the TMA im2col round before
 LARGE = [(2, 64, 320, 320, 3, True, 5), (2, 64, 320, 320, 3, False, 2), (2, 64, 640, 320, 3, False, 2),
          (2, 64, 960, 320, 3, False, 1)]
-SETS = {"small": CONVS, "strided": STRIDED, "large": LARGE}
+SETS = {"small": CONVS, "strided": STRIDED, "large": LARGE, "wide16": WIDE16}
 
 
 def _stride(c: tuple) -> int:
@@ -115,6 +118,24 @@ def by_tile(smg, held: list[tuple[str, Any]], limit: int) -> list[tuple[str, Any
     return [(f"tile {'x'.join(str(v) for _, v in s.block)}", s) for s in chosen]
 
 
+def by_tile_slices(smg, held: list[tuple[str, Any]], limit: int, min_rows: int = 128) -> list[tuple[str, Any]]:
+    """The analytical model's best of each (tile shape, slices, producer) with at least ``min_rows`` rows
+    not among ``held``, in estimate order, at most ``limit``.  In torch.compile's graph cuDNN ran the 16x16
+    1280-channel convs in 33.8 µs a call (`model_profile_unet_h100.json`) against our 44; the rounds
+    measured its 128x192 tile only with 16 slices: this puts 128-row tiles' fewer-slice forms in a batch."""
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from spacefusion.frontend.schedules import ranked
+
+    have = {s.key for _, s in held}
+    best: dict[tuple, Any] = {}
+    for s in ranked(smg):
+        if s.tensor_cores and s.tma and s.block[0][1] >= min_rows and s.key not in have:
+            best.setdefault((tuple(s.block), s.slices, bool(s.producer)), s)
+    chosen = sorted(best.values(), key=lambda s: estimate_us(s, H100))[:limit]
+    return [(f"tile {'x'.join(str(v) for _, v in s.block)} slices {s.slices}", s) for s in chosen]
+
+
 def deeper(s) -> list[tuple[str, Any]]:
     """The first pick with a deeper ring (4 and 6 stages), which the space offers a sliced block only up to
     3 of: a slice's few steps each wait for a load issued only ``stages - 1`` steps before."""
@@ -137,7 +158,7 @@ def deeper(s) -> list[tuple[str, Any]]:
     return out
 
 
-def export(art: Path, top: int, per: int, tiles: int = 0, convs: str = "small") -> None:
+def export(art: Path, top: int, per: int, tiles: int = 0, convs: str = "small", wide: int = 0) -> None:
     from search.records import MeasureInput
     from spacefusion.runners.offline import export_batch
 
@@ -145,7 +166,8 @@ def export(art: Path, top: int, per: int, tiles: int = 0, convs: str = "small") 
     for c in SETS[convs]:
         g = _smg(c)
         got = pick(g, top, per)
-        for why, s in got + (by_tile(g, got, tiles) if tiles else []):
+        extra = (by_tile(g, got, tiles) if tiles else []) + (by_tile_slices(g, got, wide) if wide else [])
+        for why, s in got + extra:
             inputs.append(MeasureInput(s, "cuda:sm_90a"))
             labels.append({"conv": _key(c), "calls": c[6], "why": why, "workload_key": g.key,
                            "schedule_key": s.key, "slices": s.slices, "tma": bool(s.tma),
@@ -242,10 +264,12 @@ def main() -> None:
         e.add_argument("--per", type=int, default=14)
         e.add_argument("--tiles", type=int, default=0, metavar="N",
                        help="also the model's best of up to N tile shapes the batch does not hold")
+        e.add_argument("--wide", type=int, default=0, metavar="N",
+                       help="also the model's best of up to N (tile, slices, producer) forms with 128+ rows")
         e.add_argument("--set", dest="convs", choices=sorted(SETS), default="small",
-                       help="the small-grid convs (default), the strided ones or the 64x64 ones")
+                       help="the small-grid convs (default), the strided ones, the 64x64 ones or the 16x16 ones")
 
-    round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.tiles, a.convs), run, table)
+    round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.tiles, a.convs, a.wide), run, table)
 
 
 if __name__ == "__main__":

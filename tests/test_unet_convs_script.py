@@ -70,7 +70,7 @@ def test_the_wide_option_adds_the_best_128_row_form_of_each_tile_slices_and_prod
     from search.cost import estimate_us
     from smg import patterns
 
-    g = patterns.conv2d(2, 8, 8, 128, 256, 3, 1, 1, dtype="float16")
+    g = patterns.conv2d(2, 8, 8, 64, 64, 3, 1, 1, residual=True, dtype="float16")  # the first test's: ranked once
     held = unet_convs.pick(g, 1, 1)
     got = unet_convs.by_tile_slices(g, held, 6)
     forms = [(tuple(s.block), s.slices, bool(s.producer)) for _, s in got]

@@ -20,7 +20,7 @@ database, which ``dynamo_gpu.py export --db`` then builds the model from.
 ``--set strided`` takes the strided convs instead (``STRIDED``: the UNet's three downsamplers and
 ResNet-50's 3x3/2 and 1x1/2 convs), which TMA im2col loads by the map's traversal stride; ``--set large``
 the UNet's 64x64 convs (``LARGE``); ``--set wide16 --wide N`` the 16x16 1280-channel ones with the model's best
-128-row forms with fewer slices (``by_tile_slices``).
+128-row forms with fewer slices (``by_tile_slices``); ``--set wide_rest`` the other small-grid convs it lost.
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ STRIDED = [(2, 64, 320, 320, 3, False, 1, 2), (2, 32, 640, 640, 3, False, 1, 2),
            (32, 14, 1024, 2048, 1, False, 1, 2)]
 #: the UNet's 16x16 1280-channel convs, where torch.compile's in-graph cuDNN is furthest ahead
 WIDE16 = [(2, 16, 1280, 1280, 3, True, 5), (2, 16, 1280, 1280, 3, False, 2), (2, 16, 2560, 1280, 3, False, 2)]
+#: the other small-grid convs torch.compile's in-graph cuDNN ran faster (`model_profile_unet_h100.json`)
+WIDE_REST = [(2, 8, 1280, 1280, 3, True, 7), (2, 8, 1280, 1280, 3, False, 4), (2, 8, 2560, 1280, 3, False, 3),
+             (2, 16, 1920, 1280, 3, False, 1), (2, 32, 960, 640, 3, False, 1), (2, 32, 640, 640, 3, True, 5)]
 #: the UNet's 64x64 convs (batch 2), the largest grids: measured only in the TMA im2col round before
 LARGE = [(2, 64, 320, 320, 3, True, 5), (2, 64, 320, 320, 3, False, 2), (2, 64, 640, 320, 3, False, 2),
          (2, 64, 960, 320, 3, False, 1)]
-SETS = {"small": CONVS, "strided": STRIDED, "large": LARGE, "wide16": WIDE16}
+SETS = {"small": CONVS, "strided": STRIDED, "large": LARGE, "wide16": WIDE16, "wide_rest": WIDE_REST}
 
 
 def _stride(c: tuple) -> int:
@@ -267,7 +270,7 @@ def main() -> None:
         e.add_argument("--wide", type=int, default=0, metavar="N",
                        help="also the model's best of up to N (tile, slices, producer) forms with 128+ rows")
         e.add_argument("--set", dest="convs", choices=sorted(SETS), default="small",
-                       help="the small-grid convs (default), the strided ones, the 64x64 ones or the 16x16 ones")
+                       help="the small-grid convs (default), the strided, 64x64, 16x16 or other lost ones")
 
     round_main(__doc__, export_args, lambda a: export(a.art, a.top, a.per, a.tiles, a.convs, a.wide), run, table)
 

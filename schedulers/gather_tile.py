@@ -97,7 +97,8 @@ def _gather_tile(smg, op, row: str, L: str) -> GatherTile:
 #: the largest kernel and padding an im2col tensor map describes here (4-d maps: corners in [-128, 127])
 IM2COL_MAX_KERNEL = 7
 IM2COL_MAX_PAD = 3
-#: the largest traversal stride a tensor map takes (the driver's ``elementStrides``: 1..8)
+#: the largest stride matched: the driver's ``elementStrides`` limit (``runtime.tensormap.MAX_TRAVERSAL_STRIDE``,
+#: which this layer does not import; ``tests/test_conv_im2col.py`` checks the two agree)
 IM2COL_MAX_STRIDE = 8
 #: channels of one im2col box: a 128-byte swizzle band of fp16 / bf16
 IM2COL_BAND = 64
@@ -181,9 +182,9 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
             continue
         s = taps // r
         for pad in range(IM2COL_MAX_PAD + 1):
+            if h + 2 * pad < r or w + 2 * pad < s:
+                continue
             for stride in range(1, IM2COL_MAX_STRIDE + 1):
-                if h + 2 * pad < r or w + 2 * pad < s:
-                    continue
                 p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - s) // stride + 1
                 if n * p * q != sizes[m]:
                     continue

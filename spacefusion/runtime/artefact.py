@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .tensormap import MAX_TRAVERSAL_STRIDE
+
 FORMAT_TAG = "spacefusion-kernel/1"
 SOURCE_FILE = "kernel.cu"
 META_FILE = "kernel.json"
@@ -340,15 +342,16 @@ def _tensor_map_im2col(p: Mapping[str, Any], name: str, rank: int,
 
 
 def _im2col_stride(p: Mapping[str, Any], name: str, rank: int, where: str) -> tuple[int, ...] | None:
-    """An im2col tensormap's traversal stride (``tensor_map.im2col.stride``: one int in 1..8 per spatial dim),
-    or None where it has none (1 each, a stride-1 window, or a tiled map)."""
+    """An im2col tensormap's traversal stride (``tensor_map.im2col.stride``: one int in 1..``MAX_TRAVERSAL_STRIDE``
+    per spatial dim), or None where it has none (1 each, a stride-1 window, or a tiled map)."""
     spec = p["tensor_map"].get("im2col")
     stride = spec.get("stride") if isinstance(spec, dict) else None
     if stride is None:
         return None
-    if not (isinstance(stride, list) and len(stride) == rank - 2 and all(_is_int(v) and 1 <= v <= 8 for v in stride)):
+    top = MAX_TRAVERSAL_STRIDE
+    if not (isinstance(stride, list) and len(stride) == rank - 2 and all(_is_int(v) and 1 <= v <= top for v in stride)):
         raise ArtefactError(f"{where}: tensormap {name!r} im2col stride {stride!r} must be {rank - 2} ints each in "
-                            f"1..8 (the map's traversal stride along a {rank}-d image's spatial dims)")
+                            f"1..{top} (the map's traversal stride along a {rank}-d image's spatial dims)")
     return tuple(stride)
 
 

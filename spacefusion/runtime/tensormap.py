@@ -24,6 +24,8 @@ DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
 _L2_PROMOTION_128B = 2
 TENSOR_MAP_BYTES = 128
+#: the largest traversal stride (``elementStrides``) the driver takes along a dim
+MAX_TRAVERSAL_STRIDE = 8
 
 
 class TensorMapError(ValueError):
@@ -159,16 +161,16 @@ def im2col_args(shape: Sequence[int], strides: Sequence[int], itemsize: int, cha
                 traversal: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
     """(dims, byte strides of dims 1..., element strides) of a channels-last image [n, (d,) h, w, c] for an
     im2col map, after the driver's rules: contiguous channels, 16-byte strides, 1..256 channels and pixels a
-    load, one corner and one traversal stride (1..8, innermost spatial dim first; None: 1 each) per spatial
-    dim, and a channel run of at most ``swizzle`` bytes when swizzled."""
+    load, one corner and one traversal stride (1..``MAX_TRAVERSAL_STRIDE``, innermost spatial dim first;
+    None: 1 each) per spatial dim, and a channel run of at most ``swizzle`` bytes when swizzled."""
     rank = len(shape)
     traversal = [1] * (rank - 2) if traversal is None else [int(v) for v in traversal]
     if not 3 <= rank <= 5 or len(lower) != rank - 2 or len(upper) != rank - 2 or len(traversal) != rank - 2:
         raise TensorMapError(f"an im2col map takes a 3-5-d channels-last image and one corner and one traversal "
                              f"stride per spatial dim; got shape {list(shape)}, corners {list(lower)} / "
                              f"{list(upper)}, stride {traversal}")
-    if not all(1 <= v <= 8 for v in traversal):
-        raise TensorMapError(f"traversal strides {traversal} must each be 1..8")
+    if not all(1 <= v <= MAX_TRAVERSAL_STRIDE for v in traversal):
+        raise TensorMapError(f"traversal strides {traversal} must each be 1..{MAX_TRAVERSAL_STRIDE}")
     if strides[-1] != 1:
         raise TensorMapError(f"the channels have stride {strides[-1]}; an im2col map needs them contiguous")
     dims = [int(v) for v in reversed(shape)]

@@ -97,7 +97,7 @@ def _gather_tile(smg, op, row: str, L: str) -> GatherTile:
 #: the largest kernel and padding an im2col tensor map describes here (4-d maps: corners in [-128, 127])
 IM2COL_MAX_KERNEL = 7
 IM2COL_MAX_PAD = 3
-#: the largest stride matched: the driver's ``elementStrides`` limit (``runtime.tensormap.MAX_TRAVERSAL_STRIDE``,
+#: the largest stride matched: the driver's ``elementStrides`` limit (``runtime.artefact.MAX_TRAVERSAL_STRIDE``,
 #: which this layer does not import; ``tests/test_conv_im2col.py`` checks the two agree)
 IM2COL_MAX_STRIDE = 8
 #: channels of one im2col box: a 128-byte swizzle band of fp16 / bf16

@@ -175,7 +175,7 @@ def test_the_launchers_map_arguments_follow_the_drivers_rules() -> None:
     assert dims == [128, 16, 16, 2] and byte_strides == [256, 16 * 256, 16 * 16 * 256] and elems == [1, 1, 1, 1]
     assert im2col_args(shape, strides, 2, 64, 128, [-1, -1], [-1, -1], 128, [2, 2])[2] == [1, 2, 2, 1]
     from schedulers.gather_tile import IM2COL_MAX_STRIDE
-    from spacefusion.runtime.tensormap import MAX_TRAVERSAL_STRIDE
+    from spacefusion.runtime.artefact import MAX_TRAVERSAL_STRIDE
 
     assert IM2COL_MAX_STRIDE == MAX_TRAVERSAL_STRIDE  # what the scheduler matches, the launcher encodes
     with pytest.raises(TensorMapError, match="1..8"):

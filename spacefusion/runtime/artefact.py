@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tensormap import MAX_TRAVERSAL_STRIDE
+#: the largest traversal stride (``elementStrides``) the driver takes along a tensor map's dim: the contract's
+#: bound on ``tensor_map.im2col.stride`` (``runtime.tensormap`` encodes it)
+MAX_TRAVERSAL_STRIDE = 8
 
 FORMAT_TAG = "spacefusion-kernel/1"
 SOURCE_FILE = "kernel.cu"

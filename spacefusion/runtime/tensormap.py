@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from .artefact import MAX_TRAVERSAL_STRIDE
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,8 +26,6 @@ DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
 _L2_PROMOTION_128B = 2
 TENSOR_MAP_BYTES = 128
-#: the largest traversal stride (``elementStrides``) the driver takes along a dim
-MAX_TRAVERSAL_STRIDE = 8
 
 
 class TensorMapError(ValueError):

@@ -185,8 +185,9 @@ def float_inputs(name: str, model: torch.nn.Module, x: dict[str, Any]) -> dict[s
     return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in x.items()}
 
 
-def export(art: Path, names: list[str], db: Path | None = None) -> int:
-    """Each model's first picks (with ``db``, its best measured schedules where tuned) as CUDA artefacts."""
+def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[str, ...] = ("H100",)) -> int:
+    """Each model's first picks (with ``db``, its best schedules measured on the first of ``hardware`` with a
+    record of them) as CUDA artefacts."""
     from spacefusion.frontend.dynamo import export_cuda
 
     for name in names:
@@ -195,7 +196,7 @@ def export(art: Path, names: list[str], db: Path | None = None) -> int:
         # decoders make a KV cache whose first append (cat onto an empty tensor) fake tensors refuse on meta
         prefill = MODELS[name][1] in ("LlamaModel", "GPT2Model") and MODELS[name][3] != "decode"
         model, x = build(name, "cpu" if prefill else "meta")
-        backend = export_cuda(model, art / "kernels", db=db, **x)
+        backend = export_cuda(model, art / "kernels", db=db, hardware=hardware, **x)
         took = time.perf_counter() - t
         (art / f"{name}.partition.txt").write_text(str(backend) + "\n")
         print(f"{name}: exported in {took:.1f} s\n{backend}\n", flush=True)
@@ -456,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also tune every distinct SMG on this GPU (TVM here) and time the tuned kernels")
     ap.add_argument("--db", type=Path, default=None,
                     help="the tuning database (tune, run --tune: default ART/tuning.db; export: build its picks)")
+    ap.add_argument("--hw", nargs="+", default=["H100"],
+                    help="export --db: whose measurements to build from, in order (a record of the first wins; "
+                         "e.g. 'H200 H100': a round measured on an H200 where it has one, else the H100's)")
     ap.add_argument("--kinds", nargs="*", default=None,
                     help="tune: only the subgraphs of these kinds (conv, attention, gemm, group_norm, ...)")
     ap.add_argument("--trials", type=int, default=8, help="tune: candidates per SMG")
@@ -474,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
     a = ap.parse_args(argv)
     if a.phase == "export":
-        return export(a.art, a.models, a.db)
+        return export(a.art, a.models, a.db, tuple(a.hw))
     if a.phase == "tune":
         return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))

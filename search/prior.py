@@ -20,9 +20,11 @@ rebuilt from the records by ``experiments/tuning/train_prior.py``.
 from __future__ import annotations
 
 import json
+import lzma
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
@@ -48,11 +50,20 @@ def load_prior(hw: HardwareModel) -> LearnedCostModel | None:
     return LearnedCostModel.load(path) if path.is_file() else None
 
 
+def read_json(path: Path | str) -> Any:
+    """A committed JSON file, xz-compressed where its name ends ``.xz`` (the larger tuning rounds)."""
+    path = Path(path)
+    if path.suffix == ".xz":
+        with lzma.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
 def read_records(path: Path) -> tuple[list[Schedule], list[MeasureResult], list[str]]:
     """Schedules, results and groups (workload + tuning key) of a ``spacefusion-records/1`` file, of
     ``warp_tile_calibration.json`` (rows of schedule, workload and median), or of the models' tuning rounds
     (``spacefusion-e2e-rounds/2``: each round's SMG stored once; H100 rounds only)."""
-    data = json.loads(Path(path).read_text())
+    data = read_json(path)
     scheds, res, groups = [], [], []
     if "rounds" in data:
         for rnd in data["rounds"]:

@@ -73,3 +73,36 @@ def test_captured_partitions_keep_the_kinds_asked_for() -> None:
     with pytest.raises(FrontendError, match="no subgraph of kind convs in Sequential; its kinds: conv, gemm"):
         captured_partitions(model, x, kinds=["convs"])
     torch._dynamo.reset()
+
+
+def test_tuned_reads_the_named_machines_records_in_order(tmp_path) -> None:
+    """Records are keyed by the machine they were measured on: ``tuned(..., ("H200", "H100"))`` takes an
+    H200 record where there is one, else the H100's, else the fallback; an unknown machine is named."""
+    from schedulers.hardware import H100, H200
+    from search.database import key_parts, tuning_key
+    from search.records import MeasureResult
+    from spacefusion.frontend.dynamo import tuned
+    from spacefusion.frontend.schedules import ranked
+    from spacefusion.lower.build import COMPILE_FLAGS
+
+    both, h100_only, neither = patterns.softmax(64, 256), patterns.softmax(32, 512), patterns.softmax(16, 128)
+    target = "cuda:sm_90a"
+    db = tmp_path / "t.db"
+    picks = {}
+    with TuningDatabase(db) as opened:
+        for smg, machines in ((both, (H100, H200)), (h100_only, (H100,))):
+            order = ranked(smg)
+            for i, hw in enumerate(machines):
+                s = order[i + 1]  # a different schedule per machine, neither the first pick
+                picks[(smg.key, hw.name)] = s.key
+                res = MeasureResult(schedule_key=s.key, target=target, latencies_us=(10.0,), max_abs_err=0.0)
+                key = tuning_key(smg, hw, target, COMPILE_FLAGS)
+                opened.add(key, s, res, key_parts(smg, hw, target, COMPILE_FLAGS))
+    fallback = lambda smg: ranked(smg)[0]  # noqa: E731
+    h200_first = tuned(db, target, fallback, ("H200", "H100"))
+    assert h200_first(both).key == picks[(both.key, "H200")]
+    assert h200_first(h100_only).key == picks[(h100_only.key, "H100")]
+    assert h200_first(neither).key == ranked(neither)[0].key
+    assert tuned(db, target, fallback)(both).key == picks[(both.key, "H100")]  # the default: H100's alone
+    with pytest.raises(FrontendError, match="unknown hardware 'Z9'"):
+        tuned(db, target, fallback, ("Z9",))

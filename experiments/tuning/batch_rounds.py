@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,27 +40,41 @@ def load_round(art: Path, results: Path) -> tuple[list[dict], dict[str, Any]]:
 
 
 def save_records(art: Path, labels: list[dict], whole: dict[str, Any], records: Path, baseline_key: str) -> None:
-    """Tuning records (``search.prior.read_records``) with the labels and the baseline beside them."""
+    """Tuning records (``search.prior.read_records``) with the labels and the baseline beside them; a path
+    ending ``.xz`` is written xz-compressed."""
     manifest = json.loads((art / "manifest.json").read_text())["candidates"]
     rows = [{"workload": entry["workload"]["name"], "tuning_key": lab["workload_key"],
              "schedule": entry["schedule"], "result": raw, "label": lab}
             for lab, entry, raw in zip(labels, manifest, whole["results"], strict=True)]
     meta = {k: v for k, v in whole.items() if k not in ("results", "format", baseline_key)}
-    records.write_text(json.dumps({"format": "spacefusion-records/1", **meta,
-                                   baseline_key: whole.get(baseline_key, []), "records": rows}, indent=1) + "\n")
+    text = json.dumps({"format": "spacefusion-records/1", **meta, baseline_key: whole.get(baseline_key, []),
+                       "records": rows}, indent=1) + "\n"
+    if records.suffix == ".xz":  # the schedules repeat: xz keeps a round's records 40x smaller in the repo
+        with lzma.open(records, "wt") as f:
+            f.write(text)
+    else:
+        records.write_text(text)
 
 
 def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> None:
-    """Every measurement of the round into the tuning database ``db`` (the batch folder's layout)."""
+    """Every measurement of the round into the tuning database ``db`` (the batch folder's layout), under the
+    hardware the results name (an H200's measurements are not an H100's; before, every round went in as
+    H100's). Results that name no device, or one with no preset, are refused by name."""
     import shutil
     import tempfile
 
+    from schedulers.hardware import HardwareError, get_hardware
     from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
 
+    try:
+        hw = get_hardware(whole.get("device", ""))
+    except HardwareError as exc:
+        raise SystemExit(f"the results' device {whole.get('device')!r} has no hardware preset ({exc}): "
+                         f"its measurements would be filed under another machine's key") from exc
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
         Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != baseline_key}))
-        print(f"{import_offline(db, tmp)} measurements added to {db}")
+        print(f"{import_offline(db, tmp, hw)} measurements of {hw.name} added to {db}")
 
 
 def keep_round(art: Path, labels: list[dict], whole: dict[str, Any], records: Path | None, db: Path | None,

@@ -20,7 +20,8 @@ database, which ``dynamo_gpu.py export --db`` then builds the model from.
 ``--set strided`` takes the strided convs instead (``STRIDED``: the UNet's three downsamplers and
 ResNet-50's 3x3/2 and 1x1/2 convs), which TMA im2col loads by the map's traversal stride; ``--set large``
 the UNet's 64x64 convs (``LARGE``); ``--set wide16 --wide N`` the 16x16 1280-channel ones with the model's best
-128-row forms with fewer slices (``by_tile_slices``); ``--set wide_rest`` the other small-grid convs it lost.
+128-row forms with fewer slices (``by_tile_slices``); ``--set wide_rest`` the other small-grid convs it lost;
+``--set apart32`` the 32x32 plain form of the 16x16 -> 32x32 upsampled conv.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ WIDE_REST = [(2, 8, 1280, 1280, 3, True, 7), (2, 8, 1280, 1280, 3, False, 4), (2
 #: the UNet's 64x64 convs (batch 2), the largest grids: measured only in the TMA im2col round before
 LARGE = [(2, 64, 320, 320, 3, True, 5), (2, 64, 320, 320, 3, False, 2), (2, 64, 640, 320, 3, False, 2),
          (2, 64, 960, 320, 3, False, 1)]
-SETS = {"small": CONVS, "strided": STRIDED, "large": LARGE, "wide16": WIDE16, "wide_rest": WIDE_REST}
+#: the 2x1280x16x16 -> 32x32 upsampled conv's plain form (torch writing the upsampled image apart): its window
+#: read took 129 us in the graph (`matchers.APART_MAX_PIXELS` keeps it there), the plain form was not measured
+APART32 = [(2, 32, 1280, 1280, 3, False, 1)]
+SETS = {"small": CONVS, "apart32": APART32, "strided": STRIDED, "large": LARGE, "wide16": WIDE16,
+        "wide_rest": WIDE_REST}
 
 
 def _stride(c: tuple) -> int:

@@ -452,14 +452,26 @@ def check_database(db: str | Path, target: Any) -> None:
         raise FrontendError(f"tuning database {db}: {exc}") from exc
 
 
-def tuned(db: str | Path, target: str, fallback: Any) -> Any:
-    """Each SMG's best schedule in the tuning database ``db`` for an H100 and ``target``, else ``fallback``'s;
-    a database that is missing or not one is an error naming it."""
+def tuned(db: str | Path, target: str, fallback: Any, hardware: Sequence[str] = ("H100",)) -> Any:
+    """Each SMG's best schedule in the tuning database ``db`` for ``target``, measured on the first of
+    ``hardware`` that has a record of it (records are keyed by the machine they were measured on), else
+    ``fallback``'s; a database that is missing or not one, or an unknown machine, is an error naming it."""
+    from schedulers.hardware import HardwareError, get_hardware
     from search.database import TuningDatabase
     from spacefusion.frontend.schedules import from_database
 
     check_database(db, target.split(":")[0])
-    return from_database(TuningDatabase(db, readonly=True), target=target, fallback=fallback)
+    try:
+        models = [get_hardware(h) for h in hardware]
+    except HardwareError as exc:
+        raise FrontendError(f"tuning database {db}: {exc}") from exc
+    if not models:
+        raise FrontendError(f"tuning database {db}: no hardware named to read its records for")
+    database = TuningDatabase(db, readonly=True)
+    pick = fallback
+    for hw in reversed(models):
+        pick = from_database(database, hw=hw, target=target, fallback=pick)
+    return pick
 
 
 def first_pick(smg: Any) -> Any:
@@ -474,15 +486,16 @@ def first_pick(smg: Any) -> Any:
 
 
 def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path | None = None,
-                **kwargs: Any) -> SpaceFusionBackend:
+                hardware: Sequence[str] = ("H100",), **kwargs: Any) -> SpaceFusionBackend:
     """Capture ``model`` on the example inputs (meta tensors do: nothing runs) and write the CUDA artefact
-    of every fused SMG's first pick (with ``db``, its best measured schedule there where it has one) into
+    of every fused SMG's first pick (with ``db``, its best schedule measured on the first of ``hardware``
+    with a record of it) into
     ``folder``, where TVM is and no GPU: on the GPU machine ``spacefusion.compile(model,
     target=CudaBackend(folder))`` then loads them with no TVM there (the SMG content keys name the
     artefacts).  Returns the backend, whose report says what was fused."""
     from spacefusion.frontend.backends import CudaBackend
 
-    pick = first_pick if db is None else tuned(db, "cuda:sm_90a", first_pick)
+    pick = first_pick if db is None else tuned(db, "cuda:sm_90a", first_pick, hardware)
     backend = SpaceFusionBackend(CudaBackend(folder, schedule_for=pick, build_missing=True, load=False),
                                  export_only=True)
     with torch.no_grad():

@@ -17,6 +17,30 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def first_and_families(smg: Any, top: int, per: int, family: Callable[[Any], tuple],
+                       say: Callable[[tuple], str]) -> list[tuple[str, Any]]:
+    """(why, schedule): the tuner's first ``top`` (``ranked``), then the analytical model's best of each
+    ``family`` not yet held, in estimate order (``say(family)`` the why), up to ``per`` in all: one run
+    shows which family the first round should have measured."""
+    from schedulers.hardware import H100
+    from search.cost import estimate_us
+    from spacefusion.frontend.schedules import ranked
+
+    order = ranked(smg)
+    out = [(f"rank {i}", s) for i, s in enumerate(order[:top])]
+    seen = {family(s) for _, s in out}
+    best: dict[tuple, Any] = {}
+    for s in order[top:]:
+        best.setdefault(family(s), s)
+    for fam, s in sorted(best.items(), key=lambda kv: estimate_us(kv[1], H100)):
+        if len(out) >= per:
+            break
+        if fam not in seen:
+            seen.add(fam)
+            out.append((say(fam), s))
+    return out
+
+
 def run_batch(art: Path, out: Path, iters: int, baseline_key: str, baseline: Callable[[int], list]) -> int:
     """``spacefusion.runtime.batch`` on ``art`` (each candidate checked, then timed), then ``baseline(iters)``
     in the same process, written to ``out`` under ``baseline_key``; the batch's exit status."""

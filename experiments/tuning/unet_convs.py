@@ -88,24 +88,14 @@ def _family(s) -> tuple:
 
 def pick(smg, top: int, per: int) -> list[tuple[str, Any]]:
     """(why, schedule): the first ``top`` in the tuner's order, then the best-estimated of each family
-    not yet held, in estimate order, up to ``per`` in all."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
+    not yet held, in estimate order, up to ``per`` in all, then the first pick's deeper rings."""
+    from batch_rounds import first_and_families
+
     from spacefusion.frontend.schedules import ranked
 
-    order = ranked(smg)
-    out = [(f"rank {i}", s) for i, s in enumerate(order[:top])]
-    seen = {_family(s) for _, s in out}
-    fams: dict[tuple, Any] = {}
-    for s in order[top:]:
-        fams.setdefault(_family(s), s)
-    for fam, s in sorted(fams.items(), key=lambda kv: estimate_us(kv[1], H100)):
-        if len(out) >= per:
-            break
-        if fam not in seen:
-            seen.add(fam)
-            out.append((f"family slices {fam[0]} tma {fam[1]} producer {fam[2]} deep {fam[3]}", s))
-    return out + deeper(order[0])
+    got = first_and_families(smg, top, per, _family,
+                             lambda fam: f"family slices {fam[0]} tma {fam[1]} producer {fam[2]} deep {fam[3]}")
+    return got + deeper(ranked(smg)[0])
 
 
 def by_tile(smg, held: list[tuple[str, Any]], limit: int) -> list[tuple[str, Any]]:

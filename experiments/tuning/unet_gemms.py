@@ -62,74 +62,85 @@ def family(s: Any) -> tuple:
 
 
 def candidates(smg: Any, top: int, per: int) -> list[tuple[str, Any]]:
-    """(why, schedule): the tuner's first ``top``, then the model's best of each family not yet held, in
+    """(why, schedule): the tuner's first ``top``, then the model's best of each ``family`` not yet held, in
     estimate order, up to ``per`` in all."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.frontend.schedules import ranked
+    from batch_rounds import first_and_families
 
-    order = ranked(smg)
-    out = [(f"rank {i}", s) for i, s in enumerate(order[:top])]
-    seen = {family(s) for _, s in out}
-    best: dict[tuple, Any] = {}
-    for s in order[top:]:
-        best.setdefault(family(s), s)
-    for fam, s in sorted(best.items(), key=lambda kv: estimate_us(kv[1], H100)):
-        if len(out) >= per:
-            break
-        if fam not in seen:
-            seen.add(fam)
-            out.append((f"family {'x'.join(str(v) for _, v in fam[0])} slices {fam[1]} producer {fam[2]} "
-                        f"deep {fam[3]}", s))
-    return out
+    return first_and_families(smg, top, per, family, lambda fam: f"family {'x'.join(str(v) for _, v in fam[0])} "
+                              f"slices {fam[1]} producer {fam[2]} deep {fam[3]}")
 
 
 #: the knobs ``variants`` varies around the first pick: the serial step, the ring's depth, the row sums on
 #: tensor cores, the accumulator's lazy rescale
-VARY = {"step": (0.5, 1, 2), "stages": (2, 3, 4), "mma_row_sums": (False, True), "lazy_rescale": (False, True)}
+VARY = {"step": (0.5, 1.0, 2.0), "stages": (2, 3, 4), "mma_row_sums": (False, True), "lazy_rescale": (False, True)}
+#: ``--set conv``'s: the step, the ring (to 6) and the slices across blocks (halved or doubled)
+VARY_CONV = {"step": (0.5, 1.0, 2.0), "stages": (2, 3, 4, 6), "slices": (0.5, 1.0, 2.0)}
+KINDS["conv"] = ("conv",)
+_SAID = {"mma_row_sums": "row sums", "lazy_rescale": "lazy"}
 
 
-def variants(s: Any, limit: int) -> list[tuple[str, Any]]:
-    """The first pick with its knobs varied (``VARY``: every combination the schedule admits, in a fixed
-    order), at most ``limit``.  Why: the SD 1.5 UNet's 4096-token attention (843 µs of a forward) had no
-    better candidate among the tuner's order and the model's family bests, which differ from the first pick
-    in several knobs at once."""
+def variants(s: Any, limit: int, vary: dict[str, tuple] | None = None, nearest: bool = False,
+             name: str = "rank 0") -> list[tuple[str, Any]]:
+    """``s`` with its knobs varied (``vary``, default ``VARY``: every combination the schedule admits, in
+    product order, or with ``nearest`` those that change fewest knobs first), at most ``limit``.  A factor
+    (a float) scales the knob's value; anything else replaces it.  Why: the SD 1.5 UNet's 4096-token
+    attention (843 µs of a forward) had no better candidate among the tuner's order and the model's family
+    bests, which differ from the first pick in several knobs at once."""
     import itertools
 
     from schedulers.errors import ScheduleError
     from schedulers.options import non_defaults
     from schedulers.schedule import make_schedule
 
+    vary = VARY if vary is None else vary
     base = {**non_defaults(s.warp), **non_defaults(s.hopper)}
+    now = {"step": s.step, **{k: getattr(s, k) for k in vary if k != "step"}}
+    combos = [dict(zip(vary, c, strict=True)) for c in itertools.product(*vary.values())]
+    values = [{k: (int(now[k] * v) if isinstance(v, float) else v) for k, v in c.items()} for c in combos]
+    if nearest:
+        values.sort(key=lambda v: sum(v[k] != now[k] for k in v))
     out, seen = [], {s.key}
-    for f, stages, sums, lazy in itertools.product(*VARY.values()):
-        step = int(s.step * f)
-        knobs = {**base, "stages": stages, "mma_row_sums": sums, "lazy_rescale": lazy}
+    for v in values:
+        knobs = {**base, **{k: x for k, x in v.items() if k != "step"}}
         try:
-            t = make_schedule(s.smg, tiles=dict(s.block), serial=s.serial, step=step, thread_dim=s.thread_dim,
+            t = make_schedule(s.smg, tiles=dict(s.block), serial=s.serial, step=v["step"], thread_dim=s.thread_dim,
                               tensor_cores=True, **knobs)
         except (ScheduleError, ValueError):
             continue
         if t.key not in seen:
             seen.add(t.key)
-            out.append((f"rank 0 with step {step} stages {stages} row sums {sums} lazy {lazy}", t))
+            said = " ".join(f"{_SAID.get(k, k)} {x}" for k, x in v.items())
+            out.append((f"{name} with {said}", t))
         if len(out) >= limit:
             break
     return out
 
 
-def export(art: Path, groups: list[str], top: int, per: int, vary: int = 0, only: str = "") -> None:
+def export(art: Path, groups: list[str], top: int, per: int, vary: int = 0, only: str = "",
+           around: Path | None = None, hardware: tuple[str, ...] = ("H200", "H100")) -> None:
+    """The batch: per SMG ``candidates``, then up to ``vary`` knob variants of its first pick, or with
+    ``around`` (a tuning database) of its best record there (``hardware`` in order), nearest first."""
     from schedulers.hardware import H100
     from search.cost import estimate_us
     from search.records import MeasureInput
+    from spacefusion.frontend.dynamo import tuned
     from spacefusion.runners.offline import export_batch
 
+    best_of = tuned(around, "cuda:sm_90a", lambda _: None, hardware) if around is not None else None
     inputs, labels = [], []
     for smg, calls, label in workloads(groups):
         if only and only not in label:
             continue
         got = candidates(smg, top, per)
-        got += variants(got[0][1], vary) if vary and got[0][1].tensor_cores else []
+        base, name = got[0][1], "rank 0"
+        if around is not None:
+            best = best_of(smg)
+            base, name = (best, "best") if best is not None else (base, name)
+            if best is not None and best.key not in {s.key for _, s in got}:
+                got.append(("best", best))
+        if vary and base.tensor_cores:
+            got += variants(base, vary, VARY_CONV if "conv" in groups else None, nearest=around is not None,
+                            name=name)
         for why, s in got:
             inputs.append(MeasureInput(s, "cuda:sm_90a"))
             labels.append({"smg": label, "calls": calls, "why": why, "workload_key": smg.key,
@@ -188,8 +199,12 @@ def main() -> None:
         e.add_argument("--vary", type=int, default=0, metavar="N",
                        help="also up to N variants of each first pick's knobs (VARY)")
         e.add_argument("--only", default="", help="only the SMGs whose label holds this text")
+        e.add_argument("--around", type=Path, default=None, metavar="DB",
+                       help="vary each SMG's best record in this tuning database (else its first pick)")
+        e.add_argument("--hw", nargs="+", default=["H200", "H100"], help="--around: whose records, in order")
 
-    round_main(__doc__, export_args, lambda a: export(a.art, a.kinds, a.top, a.per, a.vary, a.only), run, table)
+    round_main(__doc__, export_args,
+               lambda a: export(a.art, a.kinds, a.top, a.per, a.vary, a.only, a.around, tuple(a.hw)), run, table)
 
 
 if __name__ == "__main__":

@@ -130,3 +130,28 @@ def test_relative_links_resolve(path: Path) -> None:
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
         if "://" not in target:
             assert (path.parent / target).exists(), f"{path.name}: broken link {target}"
+
+
+def _table_rows_off_their_header(text: str) -> list[str]:
+    """Rows of the markdown tables in ``text`` whose cell count is not their header's (``\\|`` escapes)."""
+    bad, width = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            width = None
+            continue
+        cells = len(re.findall(r"(?<!\\)\|", line)) - 1
+        if width is None:
+            width = cells
+        elif cells != width:
+            bad.append(line[:80])
+    return bad
+
+
+@pytest.mark.parametrize("path", [*DOCS, RESULTS / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_table_rows_have_their_headers_columns(path: Path) -> None:
+    assert _table_rows_off_their_header(path.read_text()) == []
+
+
+def test_a_row_off_its_header_is_found() -> None:
+    text = "| a | b |\n|---|---|\n| 1 | 2 | 3 |\n\n| c |\n|---|\n| 4 |\n"
+    assert _table_rows_off_their_header(text) == ["| 1 | 2 | 3 |"]

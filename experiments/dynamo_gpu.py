@@ -203,6 +203,18 @@ def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[
     return 0
 
 
+def device_hardware() -> Any:
+    """The hardware preset of this machine's GPU, under whose key the in-place tunes file their records (an
+    H200's measurements are not an H100's, as the offline rounds file them: ``tuning/batch_rounds.py``); the
+    H100's where the device's name matches no preset."""
+    from schedulers.hardware import H100, HardwareError, get_hardware
+
+    try:
+        return get_hardware(torch.cuda.get_device_name())
+    except HardwareError:
+        return H100
+
+
 def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int, db: Path | None,
                workers: int) -> int:
     """Tune the distinct SMGs of ``kinds`` in each model on this GPU (TVM here) into ``db``: ``trials``
@@ -228,8 +240,8 @@ def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int
         return uses[sub.key] * max(math.prod(sizes[d] for d in op.iter_dims) for op in sub.smg.ops)
 
     parts = [dataclasses.replace(p, subgraphs=tuple(sorted(p.subgraphs, key=work, reverse=True))) for p in parts]
-    report = tune_partitions(parts, LocalGPURunner(), db or art / "tuning.db", trials=trials, workers=workers,
-                             progress=False)
+    report = tune_partitions(parts, LocalGPURunner(), db or art / "tuning.db", hw=device_hardware(), trials=trials,
+                             workers=workers, progress=False)
     (art / "tune_report.txt").write_text(str(report) + "\n")
     print(report, flush=True)
     return 0
@@ -374,8 +386,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                 from spacefusion.runners import LocalGPURunner
 
                 t = time.perf_counter()
-                report = tune_partitions(sf.spacefusion.partitions, LocalGPURunner(), db, trials=tune_trials,
-                                         workers=workers, progress=False)
+                report = tune_partitions(sf.spacefusion.partitions, LocalGPURunner(), db, hw=device_hardware(),
+                                         trials=tune_trials, workers=workers, progress=False)
                 row["tune"] = {"s": round(time.perf_counter() - t, 1), "trials": tune_trials,
                                "subgraphs": len(report.tuned), "cached": report.cached, "report": str(report)}
                 print(report, flush=True)

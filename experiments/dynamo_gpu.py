@@ -203,23 +203,12 @@ def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[
     return 0
 
 
-def device_hardware() -> Any:
-    """The hardware preset of this machine's GPU, under whose key the in-place tunes file their records (an
-    H200's measurements are not an H100's, as the offline rounds file them: ``tuning/batch_rounds.py``); the
-    H100's where the device's name matches no preset."""
-    from schedulers.hardware import H100, HardwareError, get_hardware
-
-    try:
-        return get_hardware(torch.cuda.get_device_name())
-    except HardwareError:
-        return H100
-
-
 def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int, db: Path | None,
                workers: int) -> int:
     """Tune the distinct SMGs of ``kinds`` in each model on this GPU (TVM here) into ``db``: ``trials``
     candidates each, checked, then timed with L2 flushed (``LocalGPURunner``).  ``export --db`` then builds
     the best of each where TVM is."""
+    from spacefusion.frontend.dynamo import device_hardware
     from spacefusion.frontend.tune import captured_partitions, tune_partitions
     from spacefusion.runners import LocalGPURunner
 
@@ -382,6 +371,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             nog = spacefusion.compile(model, target=backend, mode="max-autotune-no-cudagraphs")
             systems["spacefusion"] = nog
             if tune_trials:  # every distinct SMG measured on this GPU; the best of each built apart
+                from spacefusion.frontend.dynamo import device_hardware
                 from spacefusion.frontend.tune import tune_partitions
                 from spacefusion.runners import LocalGPURunner
 

@@ -51,10 +51,3 @@ def test_export_builds_the_decode_step_on_meta(tiny: str) -> None:
     keys = x["past_key_values"].layers[0].keys  # allocated as a prefill would have, without one
     assert keys.device.type == "meta" and keys.shape[2] == PAST + 64 and keys.dtype == torch.float16
 
-
-@pytest.mark.parametrize("name, preset", [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
-                                          ("Some GPU 9000", "H100")])
-def test_in_place_tunes_file_under_this_gpus_preset(monkeypatch: pytest.MonkeyPatch, name: str, preset: str) -> None:
-    """``tune`` and ``run --tune`` key their records by the GPU they run on (an unknown name: the H100's)."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
-    assert dynamo_gpu.device_hardware().name == preset

@@ -75,13 +75,12 @@ def test_captured_partitions_keep_the_kinds_asked_for() -> None:
     torch._dynamo.reset()
 
 
-def test_tuned_reads_the_named_machines_records_in_order(tmp_path) -> None:
-    """Records are keyed by the machine they were measured on: ``tuned(..., ("H200", "H100"))`` takes an
-    H200 record where there is one, else the H100's, else the fallback; an unknown machine is named."""
+def _two_machine_db(tmp_path):
+    """A database with a softmax SMG measured on an H100 and an H200 (a different schedule each, neither the
+    first pick) and another measured on the H100 only; (path, both, h100_only, neither, picks)."""
     from schedulers.hardware import H100, H200
     from search.database import key_parts, tuning_key
     from search.records import MeasureResult
-    from spacefusion.frontend.dynamo import tuned
     from spacefusion.frontend.schedules import ranked
     from spacefusion.lower.build import COMPILE_FLAGS
 
@@ -93,11 +92,22 @@ def test_tuned_reads_the_named_machines_records_in_order(tmp_path) -> None:
         for smg, machines in ((both, (H100, H200)), (h100_only, (H100,))):
             order = ranked(smg)
             for i, hw in enumerate(machines):
-                s = order[i + 1]  # a different schedule per machine, neither the first pick
+                s = order[i + 1]
                 picks[(smg.key, hw.name)] = s.key
                 res = MeasureResult(schedule_key=s.key, target=target, latencies_us=(10.0,), max_abs_err=0.0)
                 key = tuning_key(smg, hw, target, COMPILE_FLAGS)
                 opened.add(key, s, res, key_parts(smg, hw, target, COMPILE_FLAGS))
+    return db, both, h100_only, neither, picks
+
+
+def test_tuned_reads_the_named_machines_records_in_order(tmp_path) -> None:
+    """Records are keyed by the machine they were measured on: ``tuned(..., ("H200", "H100"))`` takes an
+    H200 record where there is one, else the H100's, else the fallback; an unknown machine is named."""
+    from spacefusion.frontend.dynamo import tuned
+    from spacefusion.frontend.schedules import ranked
+
+    db, both, h100_only, neither, picks = _two_machine_db(tmp_path)
+    target = "cuda:sm_90a"
     fallback = lambda smg: ranked(smg)[0]  # noqa: E731
     h200_first = tuned(db, target, fallback, ("H200", "H100"))
     assert h200_first(both).key == picks[(both.key, "H200")]
@@ -106,3 +116,20 @@ def test_tuned_reads_the_named_machines_records_in_order(tmp_path) -> None:
     assert tuned(db, target, fallback)(both).key == picks[(both.key, "H100")]  # the default: H100's alone
     with pytest.raises(FrontendError, match="unknown hardware 'Z9'"):
         tuned(db, target, fallback, ("Z9",))
+
+
+@pytest.mark.parametrize("name, preset", [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
+                                          ("Some GPU 9000", "H100")])
+def test_the_cuda_target_reads_this_gpus_records_first(tmp_path, monkeypatch, name: str, preset: str) -> None:
+    """``spacefusion.compile(model, target="cuda", db=...)``: each SMG's best record of this GPU's preset
+    (``device_hardware``; an unknown name is taken for an H100), else the H100's, else the first pick."""
+    from spacefusion.frontend import dynamo
+
+    db, both, h100_only, _, picks = _two_machine_db(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path / "cache"))
+    assert dynamo.device_hardware().name == preset
+    pick = dynamo.kernel_backend("cuda", db).schedule_for
+    assert pick(both).key == picks[(both.key, preset)]
+    assert pick(h100_only).key == picks[(h100_only.key, "H100")]

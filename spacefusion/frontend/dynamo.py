@@ -420,7 +420,8 @@ def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
     """The kernel backend of a target: "reference", "llvm", "cuda" (TVM builds each SMG's first pick, the
     analytical model's best schedule for an H100, into ``kernel_cache()`` and the GPU runtime launches it:
     TVM, nvcc and the GPU on one machine), or a backend object.  With ``db`` (a tuning database that
-    ``frontend.tune.tune_model`` filled) "llvm" and "cuda" build each SMG's best measured schedule there."""
+    ``frontend.tune.tune_model`` filled) "llvm" and "cuda" build each SMG's best measured schedule there
+    ("cuda": measured on this GPU's preset, ``device_hardware``, else on an H100)."""
     if target == "llvm" and db is not None:
         from spacefusion.frontend.backends import LLVMBackend
         from spacefusion.frontend.schedules import default_schedule
@@ -434,8 +435,21 @@ def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
 
     if db is None:
         return CudaBackend(kernel_cache(), schedule_for=first_pick, build_missing=True)
-    return CudaBackend(kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick), build_missing=True,
-                       by_schedule=True)
+    own = device_hardware().name
+    return CudaBackend(kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick, (own, "H100")),
+                       build_missing=True, by_schedule=True)
+
+
+def device_hardware() -> Any:
+    """The hardware preset of this machine's GPU: the key its tunes file records under, and whose records a
+    tuned build reads first (an H200's measurements are not an H100's); the H100's where the device's name
+    matches no preset."""
+    from schedulers.hardware import H100, HardwareError, get_hardware
+
+    try:
+        return get_hardware(torch.cuda.get_device_name())
+    except HardwareError:
+        return H100
 
 
 def check_database(db: str | Path, target: Any) -> None:

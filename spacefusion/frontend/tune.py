@@ -148,12 +148,15 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise FrontendError(f"runner 'gpu' needs a CUDA GPU here ({reason}); tune with runner='llvm'")
+        from spacefusion.frontend.dynamo import device_hardware
+
         measure: Runner = LocalGPURunner()
+        hw = device_hardware()  # records under this GPU's preset, which compile(..., db=) reads first
     else:
         from spacefusion.runners import LLVMRunner
 
-        measure = LLVMRunner()
-    return tune_partitions(captured_partitions(model, *args, **kwargs), measure, db, target=RUNNERS[runner],
+        measure, hw = LLVMRunner(), H100
+    return tune_partitions(captured_partitions(model, *args, **kwargs), measure, db, hw=hw, target=RUNNERS[runner],
                            trials=trials, workers=workers, progress=progress)
 
 

@@ -568,6 +568,12 @@ def _query_torch(index: int) -> dict[str, Any] | None:
     }
 
 
+def preset_of_device(name: str) -> HardwareModel | None:
+    """The preset a device's name ("NVIDIA H200", "NVIDIA H100 PCIe", ...) names, or None: the key a
+    measurement on that device is filed under."""
+    return _matching_preset(name, None, None)
+
+
 def _matching_preset(name: str, major: int | None, minor: int | None) -> HardwareModel | None:
     """Preset whose FLOP peaks apply: by marketing name first, then by data-centre compute capability."""
     upper = name.upper()

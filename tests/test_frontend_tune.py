@@ -119,7 +119,7 @@ def test_tuned_reads_the_named_machines_records_in_order(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name, preset", [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
-                                          ("Some GPU 9000", "H100")])
+                                          ("NVIDIA H100 PCIe", "H100"), ("Some GPU 9000", "H100")])
 def test_the_cuda_target_reads_this_gpus_records_first(tmp_path, monkeypatch, name: str, preset: str) -> None:
     """``spacefusion.compile(model, target="cuda", db=...)``: each SMG's best record of this GPU's preset
     (``device_hardware``; an unknown name is taken for an H100), else the H100's, else the first pick."""

@@ -84,7 +84,7 @@ def test_a_round_is_filed_under_the_machine_it_was_measured_on(tmp_path: Path) -
     from search.database import TuningDatabase, tuning_key
     from spacefusion.lower.build import COMPILE_FLAGS
 
-    art, whole = _round(tmp_path, "NVIDIA H200")
+    art, whole = _round(tmp_path, "NVIDIA H200")  # as spacefusion.runtime.batch names the device
     db = tmp_path / "t.db"
     batch_rounds.add_to_db(art, whole, db, "baseline")
     g = _gemm()
@@ -95,7 +95,7 @@ def test_a_round_is_filed_under_the_machine_it_was_measured_on(tmp_path: Path) -
 
 def test_a_round_of_an_unknown_machine_is_refused_by_name(tmp_path: Path) -> None:
     art, whole = _round(tmp_path, "Some GPU 9000")
-    with pytest.raises(SystemExit, match="'Some GPU 9000' has no hardware preset"):
+    with pytest.raises(SystemExit, match="'Some GPU 9000' has no hardware preset: its measurements"):
         batch_rounds.add_to_db(art, whole, tmp_path / "t.db", "baseline")
     assert not (tmp_path / "t.db").exists()
 

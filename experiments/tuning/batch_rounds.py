@@ -87,14 +87,13 @@ def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> 
     import shutil
     import tempfile
 
-    from schedulers.hardware import HardwareError, get_hardware
+    from schedulers.hardware import preset_of_device
     from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
 
-    try:
-        hw = get_hardware(whole.get("device", ""))
-    except HardwareError as exc:
-        raise SystemExit(f"the results' device {whole.get('device')!r} has no hardware preset ({exc}): "
-                         f"its measurements would be filed under another machine's key") from exc
+    hw = preset_of_device(str(whole.get("device", "")))
+    if hw is None:
+        raise SystemExit(f"the results' device {whole.get('device')!r} has no hardware preset: its "
+                         f"measurements would be filed under another machine's key")
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(art / MANIFEST_FILE, Path(tmp) / MANIFEST_FILE)
         Path(tmp, RESULTS_FILE).write_text(json.dumps({k: v for k, v in whole.items() if k != baseline_key}))

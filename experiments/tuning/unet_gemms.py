@@ -148,6 +148,9 @@ def export(art: Path, groups: list[str], top: int, per: int, vary: int = 0, only
                            "block": [list(t) for t in s.block], "slices": s.slices, "stages": s.stages,
                            "producer": bool(s.producer), "tensor_cores": bool(s.tensor_cores)})
         print(f"{label}: {len(got)} candidates", flush=True)
+    if not inputs:
+        raise SystemExit(f"no SMG of kinds {', '.join(groups)} in the UNet"
+                         + (f" has a label holding {only!r}" if only else ""))
     export_batch(inputs, art)
     (art / "labels.json").write_text(json.dumps(labels, indent=1) + "\n")
     print(f"{len(inputs)} candidates in {art}")

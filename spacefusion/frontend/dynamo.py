@@ -435,8 +435,8 @@ def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
 
     if db is None:
         return CudaBackend(kernel_cache(), schedule_for=first_pick, build_missing=True)
-    own = device_hardware().name
-    return CudaBackend(kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick, (own, "H100")),
+    machines = tuple(dict.fromkeys((device_hardware().name, "H100")))
+    return CudaBackend(kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick, machines),
                        build_missing=True, by_schedule=True)
 
 
@@ -444,12 +444,9 @@ def device_hardware() -> Any:
     """The hardware preset of this machine's GPU: the key its tunes file records under, and whose records a
     tuned build reads first (an H200's measurements are not an H100's); the H100's where the device's name
     matches no preset."""
-    from schedulers.hardware import H100, HardwareError, get_hardware
+    from schedulers.hardware import H100, preset_of_device
 
-    try:
-        return get_hardware(torch.cuda.get_device_name())
-    except HardwareError:
-        return H100
+    return preset_of_device(torch.cuda.get_device_name()) or H100
 
 
 def check_database(db: str | Path, target: Any) -> None:

@@ -426,6 +426,9 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             row["host"] = host_cost_us(nog)
             row["kernels"] = {k: kernel_profile(systems[k], x) for k in ("spacefusion", *(
                 f"torch.compile {m}" for m in modes))}
+            if second_art is not None:  # both exports' kernels as their graphs replay them (PDL overlaps included)
+                for k in ("spacefusion+graph", f"spacefusion+graph {second_name}"):
+                    row["kernels"][k] = kernel_profile(systems[k], x)
             row["top_kernels"] = row["kernels"]["spacefusion"]["top"][:12]
         best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),

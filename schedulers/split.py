@@ -37,13 +37,19 @@ from smg.subgraph import sub_smg
 
 #: the version of ``decide_split``'s rule and of the graphs it derives: a saved split of another version is
 #: derived again (an export stopped halfway once left splits of an older rule that the next one loaded)
-SPLIT_RULE = 3
+SPLIT_RULE = 4
 #: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
 MIN_CHUNK = 1024
 #: warps of partial states per SM the parts should at least make (each state a thread, its loads one chain):
 #: at 512x512x128, 256 chunks left 8 warps an SM, and the partial read 67 MB at 1.24 TB/s; 128x128x512's 256
 #: chunks of 64 rows (31 warps an SM) read at 2.3 TB/s
 PARTIAL_WARPS_PER_SM = 32
+#: rows (one independent reduction's elements) up to this many stay one kernel even where they leave SMs idle:
+#: SD 1.5's UNet at batch 2 on the H200, in the model's graph, one kernel a row (up to 1024 lanes, the pass
+#: spread as its updates are) against the split's three: 2560-5120 elements 2.9-5.1 us a call against 6.0-9.7;
+#: 10240 won plain (4.4 against 7.5) and lost with the time embedding's add (13.2 against 9.6); 20480 lost
+#: (21.4 against 9.9) (docs/convolutions.md, 'Short rows in one kernel, again')
+ONE_KERNEL_MAX_ROW = 5120
 #: where no split into enough chunks of MIN_CHUNK exists: still split into chunks of at least this many. Why:
 #: the one-kernel form reads a group's channels as strided rows (51 us a call for a 2x1280x8x8 GroupNorm on
 #: the H100), which the split's folded rows do not
@@ -347,8 +353,8 @@ def _with_dtypes(smg: SMG, dtypes: dict[str, str]) -> SMG:
     return dataclasses.replace(smg, spaces=spaces)
 
 
-def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk: int = MIN_CHUNK
-                 ) -> SplitReduction | str:
+def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk: int = MIN_CHUNK,
+                 one_kernel_max_row: int = ONE_KERNEL_MAX_ROW) -> SplitReduction | str:
     """Split ``smg``'s longest reduction when its rows leave most SMs idle, else say why not.
 
     The rule: rows (independent reductions, one block each at most) under half the SMs, and a reduced dim
@@ -376,6 +382,9 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     size = smg.dim_sizes[dim]
     want = math.ceil(4 * hw.num_sms / rows)
     other = max(math.prod(smg.dim_sizes[d] for d in op.reduce if d != dim) for op in smg.ops if dim in op.reduce)
+    if size * other <= one_kernel_max_row:
+        return (f"{rows} reductions of {size * other} elements (at most {one_kernel_max_row}): one kernel, a block "
+                f"a row, whose passes re-read it from L1, costs less in a model's graph than a split's three launches")
     # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
     # block reads whole channel rows), so its blocks are the parts, not parts x rows; and at least enough
     # that the partial's states (one thread each) keep PARTIAL_WARPS_PER_SM warps of loads on every SM

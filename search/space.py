@@ -41,6 +41,8 @@ from smg.ir import SMG
 # The H100 measurements behind the choices below (stages, slices, tiles, the FlashAttention-3 variants, the
 # knobs offered on): docs/tuning.md, "Why the search space looks as it does".
 LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
+#: more lanes where the grid leaves most SMs idle (a GroupNorm at batch 2: 64 rows of 10240+ elements)
+WIDE_LANES = (512, 1024)
 STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
 #: deeper rings offered for GEMMs (their ring holds only the A and B tiles), in blocks taking all of a
 #: row tile's steps or half: a deep K (BERT's and ViT's FFN output GEMMs, K = 3072) ran faster on 6
@@ -195,7 +197,8 @@ class SearchSpace:
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
                 threads = math.prod(tiles.values())
-                simt_points = itertools.product(movers, steps, LANES, self.vectors) if simt else ()
+                lanes_here = LANES + (WIDE_LANES if 2 * self._blocks(tiles) <= self.hw.num_sms else ())
+                simt_points = itertools.product(movers, steps, lanes_here, self.vectors) if simt else ()
                 for thread_dim, step, lanes, vec in simt_points:
                     if lanes > step * (others if vec == 1 else 1) or (
                             vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):

@@ -97,8 +97,13 @@ def test_the_split_is_chosen_for_idle_sms_and_refused_with_reasons() -> None:
     assert s.cut and "cheap to recompute" in s.reason
     full = decide_split(patterns.group_norm(16, 64 * 64, 32, 512, dtype="float16"), H100)
     assert isinstance(full, str) and "fill" in full
+    short = decide_split(patterns.group_norm(2, 16 * 16, 32, 1280, "silu", dtype="float16"), H100)
+    assert not isinstance(short, str) and short.parts == 32, short  # strided group rows: split into short chunks
+    # rows of up to ONE_KERNEL_MAX_ROW elements stay one kernel (a block a row), idle SMs or not
     small = decide_split(patterns.group_norm(2, 8 * 8, 32, 1280, "silu", dtype="float16"), H100)
-    assert not isinstance(small, str) and small.parts == 8, small  # strided group rows: split into short chunks
+    assert isinstance(small, str) and "2560 elements (at most 5120): one kernel" in small, small
+    assert not isinstance(decide_split(patterns.group_norm(2, 8 * 8, 32, 1280, "silu", dtype="float16"), H100,
+                                       one_kernel_max_row=0), str)
     decode = decide_split(patterns.rmsnorm(1, 4096, "float16"), H100)  # one contiguous row: one kernel
     assert isinstance(decode, str) and "one kernel" in decode, decode
     gemm = decide_split(patterns.gemm_epilogue(16, 64, 8192, "relu", True, "float16"), H100)
@@ -129,7 +134,7 @@ def test_group_norm_through_dynamo_is_split_and_matches_eager() -> None:
     x = torch.randn(1, 16, 32, 32) * 2 + 0.5
     small = dataclasses.replace(H100, name="small", num_sms=32)  # 4 and 2 groups leave it idle
     backend = LLVMBackend(split_hw=small)
-    backend.split_kw = {"min_chunk": 64}
+    backend.split_kw = {"min_chunk": 64, "one_kernel_max_row": 0}  # rows of 4096 and 8192 elements: split too
     with torch.no_grad():
         compiled = spacefusion.compile(model, target=backend)
         got = compiled(x)

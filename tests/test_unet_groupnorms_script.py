@@ -15,7 +15,7 @@ import unet_groupnorms  # noqa: E402
 def test_the_stats_batch_holds_the_tuners_order_the_previous_pick_and_one_per_family() -> None:
     from spacefusion.frontend.schedules import ranked
 
-    parts = dict(unet_groupnorms.kernels((2560, 8, True, False, 1e-5, 3)))
+    parts = dict(unet_groupnorms.kernels((2560, 16, True, False, 1e-5, 2)))
     assert set(parts) == {"partial", "stats", "apply"}
     stats = parts["stats"]
     got = unet_groupnorms.pick(stats, 3, 8)
@@ -25,7 +25,7 @@ def test_the_stats_batch_holds_the_tuners_order_the_previous_pick_and_one_per_fa
     assert prev == [next(s for s in order if s.lanes <= s.step)]  # lanes at most a step's positions
     assert any(s.lanes > s.step for _, s in got[:3])  # the widened space's first picks spread wider
     assert len({s.key for _, s in got}) == len(got) <= 8
-    assert unet_groupnorms.kernels((2560, 8, True, False, 1e-5, 3), whole=True)[0][0] == "whole"
+    assert unet_groupnorms.kernels((2560, 16, True, False, 1e-5, 2), whole=True)[0][0] == "whole"
 
 
 def test_the_committed_rounds_are_records_of_every_groupnorm_with_torch_beside_them() -> None:

@@ -537,9 +537,17 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
         reads = k.vector_reads(sym.name for sym in parse(text).free_symbols) if serial else ()
         local = k.local_dims(out)
         spread = not serial and k.lanes > 1 and bool(local)
-        env = k.loops(local[:-1] if spread else local, st, reads=reads, writes=(out,) if wide else ())
+        across = _pass_spread(k, out, text) if serial else None
+        keep = None
+        if across is not None:
+            across, text = across
+            env, keep = _spread_loop(k, across, st)
+        else:
+            env = k.loops(local[:-1] if spread else local, st, reads=reads, writes=(out,) if wide else ())
         conds = [k.origin[d] < k.sizes[d] for d in k.smg.space(out).dims if d in k.cut]
-        if serial:
+        if across is not None:
+            conds += [keep] if keep is not None else []
+        elif serial:
             conds.append(k.valid_serial(env))
         elif spread:
             # every lane holds the row's final values: the lanes take turns over its last local dim (a
@@ -560,6 +568,36 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
                     T.buffer_store(k.outs[out], val, [env[VEC_I]])
                 else:
                     T.buffer_store(k.glob[out], val, k.global_index(out, env))
+
+
+def _pass_spread(k: _Kernel, out: str, text: str) -> tuple[tuple[str, ...], str] | None:
+    """The dims a second pass's lanes spread over when storing ``out`` (its local dims: the step's serial
+    positions and the others whole, in its own layout, consecutive lanes on the innermost, as the state
+    updates spread theirs in ``_spread_dims``) and ``text`` with each streamed element-wise tile of inputs
+    recomputed from its body (a lane holds only its own part of the tile: ``T = X + E``).  None where the lanes
+    keep to the serial dim: no lanes or a vector width, no other local dim, or a read of another per-lane
+    tile.  Why: a one-kernel GroupNorm's pass over a group (serial: its 40 channels, 128 lanes; the 64 pixels a
+    loop) ran 40 of 128 lanes, each pixel one dependent trip."""
+    local = k.local_dims(out)
+    if k.lanes <= 1 or k.vec > 1 or k.s.serial not in local or len(local) < 2:
+        return None
+    states = {u.state for u in k.s.plan.states}
+    expr = parse(text)
+    subs = {}
+    for sym in expr.free_symbols:
+        n = sym.name
+        if n in k.sizes or n in k.smg.inputs:  # an input staged in shared memory is indexed by position too
+            continue
+        if n in states:
+            if not set(k.local_dims(n)) <= set(local):
+                return None
+            continue
+        op = k.smg.producer(n) if n in k.s.plan.streamed else None
+        if op is None or op.reduce or not all(a.plain and a.space in k.smg.inputs for a in op.inputs):
+            return None
+        subs[sym] = body_expr(op)
+    dims = k.smg.space(out).dims
+    return tuple(d for d in dims if d in local), str(expr.xreplace(subs)) if subs else text
 
 
 def _cooperative(k: _Kernel, name: str, emit) -> None:

@@ -13,6 +13,7 @@ name, never by reading the sentence.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 LANES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # threads sharing a tile element's reductions
 VECTORS = (1, 2, 4, 8)  # serial elements per vector access of a lane (CUDA-core kernels)
 SPLITS = (1, 2, 4, 8)
+CLUSTERS = (1, 2, 4, 8)  # blocks of a thread-block cluster (sm_90; 8 is the portable maximum)
 MAX_VECTOR_BYTES = 16  # the widest global load/store of one thread
 MAX_UNROLL = 64  # loop trips unrolled at most (register arrays indexed by constants, code size)
 
@@ -104,6 +106,10 @@ class SimtOptions:
                        valid=f"one of {VECTORS} elements")
     unroll: bool = knob(False, f"unroll each lane's loop over its elements of a step (at most {MAX_UNROLL} trips; "
                                f"vector runs are unrolled already)", "unroll", encode="flag")
+    cluster: int = knob(1, "blocks of a thread-block cluster sharing each row's reductions (sm_90): a block's lanes "
+                           "reduce their part, the blocks' results meet in distributed shared memory",
+                        "log2_num_blocks", choices=CLUSTERS,
+                        valid=f"one of {CLUSTERS} blocks (a portable cluster)")
 
     def check(self, s: Schedule) -> Rejection | None:
         """A vector is a run of consecutive serial elements wholly inside the dim or wholly past its end (one
@@ -128,6 +134,10 @@ class SimtOptions:
                 if space.dims[-1] == s.serial and width > MAX_VECTOR_BYTES:
                     return Rejection("vector.width", "vector", f"vector {self.vector} of {name!r} ({space.dtype}) is "
                                      f"{width} bytes; a thread loads at most {MAX_VECTOR_BYTES} at once")
+        if self.cluster != 1:
+            bad = self._check_cluster(s)
+            if bad is not None:
+                return bad
         if self.unroll:
             trips = -(-s.step // self.lanes)
             if self.vector != 1 or s.tensor_cores:
@@ -137,6 +147,29 @@ class SimtOptions:
             if trips > MAX_UNROLL:
                 return Rejection("unroll.too_long", "unroll", f"unroll: a lane's loop has {trips} trips per step "
                                  f"(step {s.step} / lanes {self.lanes}); at most {MAX_UNROLL} are unrolled")
+        return None
+
+    def _check_cluster(self, s: Schedule) -> Rejection | None:
+        """A cluster spreads one row over its blocks: each block is one lane group of whole warps (a tile of one
+        element), its lanes scalar, its inputs read from global memory (a tile staged in shared memory would be
+        staged by every block of the cluster)."""
+        if s.tensor_cores:
+            return Rejection("cluster.tensor_cores", "cluster", "cluster applies to CUDA-core reductions; warp-tile "
+                             "kernels divide their steps with slices")
+        if s.lanes < 32 or math.prod(t for _, t in s.block) != 1:
+            return Rejection("cluster.lanes", "cluster", f"cluster: each block must be one row's lane group of whole "
+                             f"warps (a block tile of one element, lanes 32+); got tile {dict(s.block)}, lanes "
+                             f"{s.lanes}")
+        if self.vector != 1 or self.unroll:
+            return Rejection("cluster.scalar", "cluster", "cluster: the lanes of a cluster take scalar elements "
+                             "(vector 1, no unroll)")
+        staged = [n for n, lvl in s.memory if lvl == "shared"]
+        if staged:
+            return Rejection("cluster.shared", "cluster", f"cluster: {staged} would be staged in shared memory by "
+                             f"every block of the cluster; keep them in global memory")
+        if not s.plan.states:
+            return Rejection("cluster.no_reduction", "cluster", f"cluster shares a row's reductions; "
+                             f"{s.smg.name!r} has none")
         return None
 
     def check_tensor_cores(self, s: Schedule) -> Rejection | None:

@@ -40,6 +40,8 @@ def shared_bytes(s: Schedule, align: int = 1) -> int:
             total += -(-nbytes // align) * align
     if s.lanes > 32 and s.warp_tile is None:  # the warps' partial results of a cross-warp reduction
         total += -(-(s.threads // 32 * 4) // align) * align
+    if s.cluster > 1 and s.warp_tile is None:  # the block's result that the cluster's other blocks read
+        total += -(-4 // align) * align
     return total
 
 
@@ -48,7 +50,7 @@ def local_floats(s: Schedule) -> int:
     sizes = s.smg.dim_sizes
     cut = set(s.tiles)
 
-    lane_step = -(-s.step // s.lanes)  # a lane keeps only its own serial elements
+    lane_step = -(-s.step // s.row_lanes)  # a lane keeps only its own serial elements (of its cluster's row)
 
     def per_thread(space: str) -> int:
         dims = s.smg.space(space.split("__")[0]).dims

@@ -139,8 +139,14 @@ class Schedule:
 
     @property
     def num_blocks(self) -> int:
-        """Thread blocks launched: one per work tile, or the persistent grid that loops over them."""
-        return self.persistent or self.num_tiles
+        """Thread blocks launched: one per work tile (a cluster of them per tile with ``cluster``), or the
+        persistent grid that loops over them."""
+        return self.persistent or self.num_tiles * self.cluster
+
+    @property
+    def row_lanes(self) -> int:
+        """Threads sharing one tile element's reductions: the lanes of every block of its cluster."""
+        return self.lanes * self.cluster
 
     @property
     def num_steps(self) -> int:

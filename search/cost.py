@@ -167,10 +167,11 @@ def _barriers_per_step(s: Schedule) -> int:
     """Block-wide barriers a CUDA-core step waits at, both passes, as the lowering emits them: around
     the tiles staged or computed in shared memory (the second pass again where it runs more than one
     step), and two per running state where a lane group spans warps (its warps' partial results meet
-    in shared memory; the second pass reduces nothing).  Lane groups within a warp reduce by shuffles
-    alone, so a row per warp with nothing staged has none."""
+    in shared memory; the second pass reduces nothing), two more (cluster barriers) where it spans a
+    cluster's blocks.  Lane groups within a warp reduce by shuffles alone, so a row per warp with nothing
+    staged has none."""
     shared = 2 if any(lvl == "shared" for _, lvl in s.memory) else 0
-    first = shared + (2 * len(s.plan.states) if s.lanes > 32 else 0)
+    first = shared + 2 * len(s.plan.states) * ((s.lanes > 32) + (s.cluster > 1))
     second = shared if s.plan.second_pass and s.num_steps > 1 else 0
     return first + second
 

@@ -188,7 +188,7 @@ def _per_thread_loads(s: Schedule, uncoalesced: frozenset[str]) -> tuple[int, fl
     """Global load instructions one thread issues per step for the inputs that stream from device
     memory, and the device-memory bytes they keep in flight (a whole sector for a load whose neighbours
     are far apart; a view's re-reads scaled by ``view_reuse``)."""
-    lane_step = -(-s.step // s.lanes)
+    lane_step = -(-s.step // s.row_lanes)
     broadcast = set(broadcast_inputs(s))
     loads, nbytes = 0, 0.0
     for n in s.smg.inputs:

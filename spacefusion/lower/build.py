@@ -21,6 +21,7 @@ from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import tma_maps
 from smg.errors import ShapeError, SpaceFusionError
+from spacefusion.lower import cluster
 from spacefusion.lower.fingerprint import code_fingerprint
 from spacefusion.lower.tir import build_primfunc, signature
 
@@ -190,7 +191,8 @@ def nvcc_cubin(src: Path, out: Path, arch: str, extra: tuple[str, ...] = ()) -> 
         raise RuntimeError(f"nvcc failed for {src}:\n{res.stderr[-3000:]}")
 
 
-_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)')
+_SIG = re.compile(r'extern "C" __global__ void (?:__cluster_dims__\([\d, ]+\) )?(?:__launch_bounds__\((\d+)\) )?'
+                  r'(\w+)\(([^)]*)\)')
 
 
 def kernel_symbol(s: Schedule) -> str:
@@ -221,10 +223,11 @@ def _check_params(s: Schedule, sig, order: list[str]) -> dict[str, dict]:
 
 
 def _with_helpers(src: str) -> str:
-    """``src`` with the device functions its kernel calls that TVM does not emit (TMA im2col loads),
-    defined before the kernel."""
+    """``src`` with the device functions its kernel calls that TVM does not emit (TMA im2col loads, a
+    cluster's barrier and distributed shared-memory loads), defined before the kernel."""
     from spacefusion.lower.mma_tma import IM2COL_LOAD, IM2COL_SOURCE
 
+    src = cluster.with_helpers(src)
     if IM2COL_LOAD not in src or f"void {IM2COL_LOAD}(" in src:
         return src
     at = src.index('extern "C" __global__')
@@ -338,6 +341,9 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         )
     if s.threads > hw.max_threads_per_block:
         raise ScheduleError(f"{s.threads} threads per block; {hw.name} allows {hw.max_threads_per_block}")
+    if s.cluster > 1 and int(re.sub(r"\D", "", arch)) < 90:
+        raise ScheduleError(f"cluster {s.cluster}: thread-block clusters exist on sm_90 and later; the target is "
+                            f"{arch}: build with cluster 1 for it")
     tvm = _tvm()
     f = build_primfunc(s, "cuda", dynamic_smem=dynamic)
     with _pass_context(tvm):
@@ -348,7 +354,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         raise RuntimeError("no __global__ kernel found in TVM's CUDA output")
     bounds, kname, plist = m.groups()
     src, kname = _renamed(src, kname, s)
-    src, waits = _wait_for_previous_grid(src, arch)
+    src, waits = _wait_for_previous_grid(cluster.with_cluster(_with_helpers(src), s.cluster), arch)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
     sig = signature(s)
     _check_params(s, sig, order)
@@ -362,6 +368,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         "block": [s.threads, 1, 1],
         "dynamic_smem_bytes": dyn_bytes,
         "static_smem_bytes": 0 if dynamic else smem, "grid_dependency_wait": waits,
+        **({"cluster": [s.cluster, 1, 1]} if s.cluster > 1 else {}),
         "params": [{"name": n, "shape": list(sh), "dtype": dt, "role": r} for n, sh, dt, r in sig.params],
         "param_order": order,
         "schedule_key": s.key,

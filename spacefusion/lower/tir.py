@@ -26,6 +26,7 @@ from schedulers.schedule import Schedule, lane_spread
 from schedulers.temporal import parse
 from smg.expr import body_expr
 from smg.ir import Access, Op
+from spacefusion.lower import cluster
 from spacefusion.lower.exprs import F32, to_tir, to_tir_int
 
 NEG_INF = -3.0e38
@@ -76,8 +77,12 @@ class _Kernel:
         self.origin: dict[str, tirx.PrimExpr] = {}
         self.t0: tirx.PrimExpr | None = None
         self.tid: tirx.PrimExpr | None = None
-        # lanes exist on CUDA only (warp shuffles); on the CPU one thread does a lane group's work
-        self.lanes = s.lanes if target == "cuda" else 1
+        # lanes exist on CUDA only (warp shuffles); on the CPU one thread does a lane group's work.  With a
+        # cluster a row's lanes are those of all its blocks: ``lanes`` counts them, ``block_lanes`` one block's
+        self.cluster = s.cluster if target == "cuda" else 1
+        self.block_lanes = s.lanes if target == "cuda" else 1
+        self.lanes = self.block_lanes * self.cluster
+        self.exchange: tirx.Buffer | None = None  # the block's result the cluster's blocks read (cluster > 1)
         self.lane: tirx.PrimExpr = tirx.const(0, "int32")
         self.vec = s.vector  # a lane's serial elements come in runs of vec consecutive ones
         self.regs: dict[str, tirx.Buffer] = {}  # global inputs copied into registers for the current run
@@ -347,17 +352,18 @@ class _Kernel:
     def allreduce(self, value: tirx.PrimExpr, combiner: str) -> tirx.PrimExpr:
         """Combine ``value`` over the lanes of this thread's group: a butterfly of warp shuffles,
         and for groups wider than a warp the warps' results meet in shared memory (two barriers:
-        every thread of the block reaches each reduction, in the same order)."""
-        width = min(self.lanes, 32)
+        every thread of the block reaches each reduction, in the same order); with a cluster, the blocks'
+        results then meet in distributed shared memory (``_cluster_reduce``)."""
+        width = min(self.block_lanes, 32)
         off = width // 2
         while off >= 1:
             other = T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), value, off, width, 32)
             value = value + other if combiner == "sum" else tirx.max(value, other)
             off //= 2
-        if self.lanes <= 32:
-            return value
-        warps = self.lanes // 32
-        group, wi = self.tid // self.lanes, (self.tid % self.lanes) // 32
+        if self.block_lanes <= 32:
+            return self._cluster_reduce(value, combiner)
+        warps = self.block_lanes // 32
+        group, wi = self.tid // self.block_lanes, (self.tid % self.block_lanes) // 32
         mine = T.alloc_buffer((1,), F32, scope="local")  # shuffled by the whole warp, then one lane stores
         T.buffer_store(mine, value, [0])
         with T.If(self.tid % 32 == 0), T.Then():
@@ -370,6 +376,27 @@ class _Kernel:
             acc = acc + t if combiner == "sum" else tirx.max(acc, t)
         T.buffer_store(total, acc, [0])
         T.evaluate(T.tvm_storage_sync("shared"))  # the scratch is reused by the next reduction
+        return self._cluster_reduce(total[0], combiner)
+
+    def _cluster_reduce(self, value: tirx.PrimExpr, combiner: str) -> tirx.PrimExpr:
+        """``value`` (this block's result, held by every lane) combined over the cluster's blocks: thread 0
+        publishes it, a cluster barrier, every thread reads all blocks' in rank order (the same total in every
+        block), and a second barrier before the next reduction overwrites it (or a block exits)."""
+        if self.cluster == 1:
+            return value
+        mine = T.alloc_buffer((1,), F32, scope="local")
+        T.buffer_store(mine, value, [0])
+        with T.If(self.tid == 0), T.Then():
+            T.buffer_store(self.exchange, mine[0], [0])
+        T.evaluate(tirx.call_extern("void", cluster.SYNC))
+        terms = [tirx.call_extern(F32, cluster.LOAD, tirx.address_of(self.exchange[0]), r)
+                 for r in range(self.cluster)]
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t if combiner == "sum" else tirx.max(acc, t)
+        total = T.alloc_buffer((1,), F32, scope="local")
+        T.buffer_store(total, acc, [0])
+        T.evaluate(tirx.call_extern("void", cluster.SYNC))
         return total[0]
 
 
@@ -379,8 +406,8 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx
     k = _Kernel(s, target)
     k.smem_scope = "shared.dyn" if dynamic_smem else "shared"
     grid = s.grid()
-    nblocks = math.prod(grid.values())
     cuda = target == "cuda"
+    nblocks = math.prod(grid.values()) * k.cluster  # a cluster of consecutive blocks per tile
     sig = signature(s)
     with IB.IRBuilder() as ib:
         with T.prim_func():
@@ -396,7 +423,11 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx
                     bid = top.enter_context(T.parallel(0, nblocks))
                     tid = top.enter_context(T.serial(0, s.threads // s.lanes))
                 k.tid = tid
-                if k.lanes > 1:  # lanes fastest: a lane group is consecutive threads (of one or more warps)
+                rest = bid
+                if k.cluster > 1:  # the row's lanes: block rank r of the cluster has lanes r * block_lanes + ...
+                    rank, rest = bid % k.cluster, bid // k.cluster
+                    k.lane, rest_t = rank * k.block_lanes + tid % k.block_lanes, tid // k.block_lanes
+                elif k.lanes > 1:  # lanes fastest: a lane group is consecutive threads (of one or more warps)
                     k.lane, rest_t = tid % k.lanes, tid // k.lanes
                 else:
                     rest_t = tid
@@ -406,7 +437,6 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx
                 for d in order:
                     within[d] = rest_t % s.tiles[d] if d != order[-1] else rest_t
                     rest_t = rest_t // s.tiles[d]
-                rest = bid
                 for d, _t in reversed(s.block):  # mixed-radix decode of the block id
                     blk = rest % grid[d] if d != s.block[0][0] else rest
                     rest = rest // grid[d]
@@ -456,8 +486,10 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
             env = k.loops(k.local_dims(u.state), st_loops)
             T.buffer_store(k.local[u.state], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
                            k.local_index(u.state, env))
-    if k.lanes > 32:  # one partial result per warp of each lane group
+    if k.block_lanes > 32:  # one partial result per warp of each lane group
         k.scratch = T.alloc_buffer((s.threads // 32,), F32, scope="shared")
+    if k.cluster > 1:
+        k.exchange = T.alloc_buffer((1,), F32, scope="shared")
     shared = {n for n, lvl in s.memory if lvl == "shared"} if cuda else set()
     staged = [n for n in smg.inputs if n in shared]
     for n in shared:

@@ -27,31 +27,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.tuning.unet_groupnorms import BATCH, GROUPS, _label, _smg  # noqa: E402
+from experiments.tuning.unet_groupnorms import GNORMS as UNET_GNORMS  # noqa: E402
+from schedulers.split import ONE_KERNEL_MAX_ROW  # noqa: E402
+
 #: (channels, h = w, SiLU, the time embedding's add, eps, calls per forward): the UNet's GroupNorms whose rows
-#: (h * w * channels / 32) are over 5120 elements (``experiments/tuning/unet_groupnorms.py``'s list)
-GNORMS = [(320, 64, True, True, 1e-5, 5), (320, 64, False, False, 1e-6, 5), (320, 64, True, False, 1e-5, 3),
-          (640, 64, True, False, 1e-5, 2), (960, 64, True, False, 1e-5, 1), (640, 32, False, False, 1e-6, 5),
-          (640, 32, True, True, 1e-5, 5), (640, 32, True, False, 1e-5, 1), (960, 32, True, False, 1e-5, 1),
-          (1280, 32, True, False, 1e-5, 1), (1920, 32, True, False, 1e-5, 1), (320, 32, True, False, 1e-5, 1),
-          (1280, 16, True, True, 1e-5, 5), (1280, 16, False, False, 1e-6, 5), (2560, 16, True, False, 1e-5, 2),
-          (1920, 16, True, False, 1e-5, 1), (1280, 16, True, False, 1e-5, 1)]
-BATCH, GROUPS = 2, 32
+#: (h * w * channels / 32) are longer than the one-kernel rule's
+GNORMS = [g for g in UNET_GNORMS if g[1] * g[1] * g[0] // GROUPS > ONE_KERNEL_MAX_ROW]
 #: (cluster, lanes a block) of the one-kernel variants: 64 rows x cluster blocks
 VARIANTS = [(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024)]
 REPEAT = 20
-
-
-def _label(g: tuple) -> str:
-    c, hw, silu, add, eps, _ = g
-    return f"{'add + ' if add else ''}GN{' + SiLU' if silu else ''} {BATCH}x{c}x{hw}x{hw} eps {eps:g}"
-
-
-def _smg(g: tuple):
-    from smg import patterns
-
-    c, hw, silu, add, eps, _ = g
-    return patterns.group_norm(BATCH, hw * hw, GROUPS, c, "silu" if silu else "none", True, "float16", eps,
-                               shift=add)
 
 
 def variants(g: tuple) -> list[tuple[str, list[Any]]]:

@@ -2,7 +2,7 @@
 """SD 1.5 UNet's long-row GroupNorms as one kernel over a thread-block cluster, against their split and torch.
 
 Usage:
-    python experiments/cluster_groupnorm.py export ART [--only 64]     # here (TVM): every variant's kernels
+    python experiments/cluster_groupnorm.py export ART [--only 64] [--all]   # here (TVM): every variant's kernels
     python3 experiments/cluster_groupnorm.py run ART --out R.json      # on the GPU (torch, cupy; no TVM)
 
 At batch 2 a GroupNorm has 64 rows for 132 SMs.  Rows over ``split.ONE_KERNEL_MAX_ROW`` elements run as three
@@ -34,8 +34,9 @@ from schedulers.split import ONE_KERNEL_MAX_ROW  # noqa: E402
 #: (channels, h = w, SiLU, the time embedding's add, eps, calls per forward): the UNet's GroupNorms whose rows
 #: (h * w * channels / 32) are longer than the one-kernel rule's
 GNORMS = [g for g in UNET_GNORMS if g[1] * g[1] * g[0] // GROUPS > ONE_KERNEL_MAX_ROW]
-#: (cluster, lanes a block) of the one-kernel variants: 64 rows x cluster blocks
-VARIANTS = [(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024)]
+#: (cluster, lanes a block) of the one-kernel variants: 64 rows x cluster blocks (cluster 1: one block a row, the
+#: form ``ONE_KERNEL_MAX_ROW`` keeps for shorter rows)
+VARIANTS = [(1, 1024), (2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024)]
 REPEAT = 20
 
 
@@ -54,16 +55,16 @@ def variants(g: tuple) -> list[tuple[str, list[Any]]]:
     pixels = smg.dim_sizes["s"]
     for cluster, lanes in VARIANTS:
         s = make_schedule(smg, tiles={"n": 1, "g": 1}, serial="s", step=pixels, lanes=lanes, cluster=cluster)
-        out.append((f"cluster {cluster} x {lanes} lanes", [s]))
+        out.append((f"cluster {cluster} x {lanes} lanes" if cluster > 1 else f"one block x {lanes} lanes", [s]))
     return out
 
 
-def export(art: Path, only: int | None) -> None:
+def export(art: Path, only: int | None, every: bool = False) -> None:
     from spacefusion.api import build
 
     art.mkdir(parents=True, exist_ok=True)
     manifest = []
-    for g in GNORMS:
+    for g in UNET_GNORMS if every else GNORMS:
         if only is not None and g[1] != only:
             continue
         entry = {"gn": list(g), "label": _label(g), "variants": []}
@@ -221,13 +222,14 @@ def main() -> None:
     e = sub.add_parser("export")
     e.add_argument("art", type=Path)
     e.add_argument("--only", type=int, default=None, help="only the GroupNorms of images of this side")
+    e.add_argument("--all", action="store_true", help="every GroupNorm of the UNet, the short rows too")
     r = sub.add_parser("run")
     r.add_argument("art", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
     if a.cmd == "export":
-        export(a.art, a.only)
+        export(a.art, a.only, a.all)
     else:
         raise SystemExit(run(a.art, a.out, a.iters))
 

@@ -40,8 +40,8 @@ def shared_bytes(s: Schedule, align: int = 1) -> int:
             total += -(-nbytes // align) * align
     if s.lanes > 32 and s.warp_tile is None:  # the warps' partial results of a cross-warp reduction
         total += -(-(s.threads // 32 * 4) // align) * align
-    if s.cluster > 1 and s.warp_tile is None:  # the block's result that the cluster's other blocks read
-        total += -(-4 // align) * align
+    if s.cluster > 1 and s.warp_tile is None:  # the block's result the cluster's blocks read, and their total
+        total += -(-8 // align) * align
     return total
 
 

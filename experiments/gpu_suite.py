@@ -83,8 +83,8 @@ def summary_line(c: dict[str, Any], device: str, wall_s: float) -> str:
 def pytest_command(junit_xml: Path, workers: int, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "tests", "-m", "cuda", "-p", "no:cacheprovider", "-rfEs",
            "--continue-on-collection-errors", f"--junitxml={junit_xml}"]
-    if workers > 1 and importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", str(workers)]
+    if importlib.util.find_spec("xdist") is not None:  # over the project's addopts (-n auto, a file a worker)
+        cmd += ["-n", str(workers), "--dist", "load"] if workers > 1 else ["-n", "0"]
     return cmd + extra
 
 

@@ -197,6 +197,24 @@ def test_a_saved_split_of_another_rule_is_derived_again(tmp_path) -> None:
     assert again.parts == first.parts and json.loads(path.read_text())["rule"] == saved["rule"]
 
 
+def test_a_missing_kernel_after_another_rules_split_says_so(tmp_path) -> None:
+    """An export whose split.json is another rule's was split where this code keeps one kernel (8x8x1280: rows
+    of 2560 elements, one kernel since rule 4): the load-only machine finds no kernel, and says why."""
+    import json
+
+    from schedulers.split import SPLIT_RULE
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.frontend.errors import FrontendError
+
+    smg = patterns.group_norm(2, 64, 32, 1280, "silu", dtype="float16")
+    old = dict(split_reduction(smg, "s", 8).to_dict(), rule=SPLIT_RULE - 1)
+    (tmp_path / smg.key[:16]).mkdir(parents=True)
+    (tmp_path / smg.key[:16] / "split.json").write_text(json.dumps(old))
+    with pytest.raises(FrontendError, match=f"split.json was not used: a split decided by rule {SPLIT_RULE - 1}.*"
+                                            "export the model again"):
+        CudaBackend(tmp_path).compile(smg)
+
+
 @pytest.mark.parametrize("step", [None, 8])
 def test_a_stats_kernel_in_one_step_or_several_matches(step) -> None:
     """The stats kernel's derived auxiliary accumulators (``N_sqsum__d1``...) feed only carries into later steps:

@@ -143,6 +143,7 @@ class CudaBackend(_Cached):
         self.load = load  # False: export only (where TVM is and no GPU); the kernel refuses to run
         # artefacts named by the schedule too (a tuning database's pick may change; a first pick may not)
         self.by_schedule = by_schedule
+        self.stale_splits: dict[str, str] = {}  # SMG key -> why its exported split.json was not used
 
     def artefact_dir(self, smg: SMG) -> Path:
         if self.by_schedule:
@@ -158,8 +159,8 @@ class CudaBackend(_Cached):
                 got = SplitReduction.from_dict(smg, json.loads(path.read_text()))
                 self.splits[smg.key] = got.reason
                 return got
-            except (ValueError, KeyError):  # another rule's split (or a damaged file): derived again below
-                pass
+            except (ValueError, KeyError) as e:  # another rule's split (or a damaged file): derived again below
+                self.stale_splits[smg.key] = str(e)
         got = super().split_of(smg)
         if got is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +181,11 @@ class CudaBackend(_Cached):
         if self.build_missing and (not (path / "kernel.json").is_file() or _stale(path)):
             self.export(smg)
         if not (path / "kernel.json").is_file():
-            raise FrontendError(f"no CUDA artefact for {smg.name} at {path}: run CudaBackend.export where TVM is")
+            # an export under another split rule has the kernels of its own decision, not of this code's
+            stale = self.stale_splits.get(smg.key)
+            why = (f" (its exported split.json was not used: {stale}; export the model again with this code)"
+                   if stale else "")
+            raise FrontendError(f"no CUDA artefact for {smg.name} at {path}: run CudaBackend.export where TVM is{why}")
         if not self.load:
             def exported(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 raise FrontendError(f"{smg.name}: exported to {path} only (load=False); run it on the GPU")

@@ -224,14 +224,14 @@ def _check_params(s: Schedule, sig, order: list[str]) -> dict[str, dict]:
 
 def _with_helpers(src: str) -> str:
     """``src`` with the device functions its kernel calls that TVM does not emit (TMA im2col loads, a
-    cluster's barrier and distributed shared-memory loads), defined before the kernel."""
+    cluster's barrier and distributed shared-memory loads), each defined once before the kernel."""
     from spacefusion.lower.mma_tma import IM2COL_LOAD, IM2COL_SOURCE
 
-    src = cluster.with_helpers(src)
-    if IM2COL_LOAD not in src or f"void {IM2COL_LOAD}(" in src:
-        return src
-    at = src.index('extern "C" __global__')
-    return src[:at] + IM2COL_SOURCE + src[at:]
+    for name, source in ((IM2COL_LOAD, IM2COL_SOURCE), (cluster.SYNC, cluster.SOURCE)):
+        if name in src and f"void {name}(" not in src:
+            at = src.index('extern "C" __global__')
+            src = src[:at] + source + src[at:]
+    return src
 
 
 #: first in a kernel for sm_90+: wait until the grid before it on the stream has finished and its writes are

@@ -2,11 +2,11 @@
 
 A GroupNorm at batch 2 has 64 rows for 132 SMs.  Split across blocks through a global workspace it takes three
 launches (``schedulers.split``); with ``cluster`` blocks per row, each block reduces its share of the row, the
-blocks' results meet in distributed shared memory (each block reads every block's value, in one order, so all
-hold the same total) and the second pass stores each block's share: one launch, the row read from device
-memory once.  The lowering (``lower.tir``) emits the calls below; ``with_cluster`` gives the kernel its
-compile-time cluster shape, so a plain launch (the runtime's ``cuLaunchKernelEx``, a CUDA graph) runs it as
-clusters.  TVM's codegen has no cluster attribute, and these two helpers are a few lines of PTX.
+blocks' results meet in distributed shared memory (each block's thread 0 reads every block's value, in one
+order, so all hold the same total) and the second pass stores each block's share, in one launch.  The
+lowering (``lower.tir``) emits the calls below (``lower.build`` defines them in the source); ``with_cluster``
+gives the kernel its compile-time cluster shape, so a plain launch (the runtime's ``cuLaunchKernelEx``, a CUDA
+graph) runs it as clusters.  TVM's codegen has no cluster attribute, and these two helpers are a few lines of PTX.
 """
 
 from __future__ import annotations
@@ -34,14 +34,6 @@ __device__ __forceinline__ float {LOAD}(const float* p, int rank) {{
 _KERNEL = re.compile(r'extern "C" __global__ void ')
 
 
-def with_helpers(src: str) -> str:
-    """``src`` with the cluster helpers defined before its kernel, where it calls them and lacks them."""
-    if SYNC not in src or f"void {SYNC}(" in src:
-        return src
-    at = src.index('extern "C" __global__')
-    return src[:at] + SOURCE + src[at:]
-
-
 def with_cluster(src: str, blocks: int) -> str:
     """``src`` with its kernels declared ``__cluster_dims__(blocks, 1, 1)`` (the grid is one-dimensional: a
     cluster is ``blocks`` consecutive block ids)."""
@@ -53,4 +45,4 @@ def with_cluster(src: str, blocks: int) -> str:
     return out
 
 
-__all__ = ["LOAD", "SOURCE", "SYNC", "with_cluster", "with_helpers"]
+__all__ = ["LOAD", "SOURCE", "SYNC", "with_cluster"]

@@ -28,6 +28,7 @@ from smg.expr import body_expr
 from smg.ir import Access, Op
 from spacefusion.lower import cluster
 from spacefusion.lower.exprs import F32, to_tir, to_tir_int
+from spacefusion.lower.mma_state import tree
 
 NEG_INF = -3.0e38
 LANE_IT = "__lane_it"  # env key: a lane's position among its own serial elements
@@ -383,8 +384,9 @@ class _Kernel:
         publishes it, a cluster barrier, thread 0 reads every block's in rank order (the same total in every
         block) and hands the total to its block through shared memory, and a second cluster barrier keeps the
         slots until every block has read them (and the block's threads have read the total).  One thread
-        reads: every thread reading ``cluster`` remote values made 8 x 1024 lanes up to 3.5x slower than
-        2 x 1024 on the same row (``docs/convolutions.md``, 'A row over a thread-block cluster')."""
+        reads, so a block makes ``cluster`` remote loads a reduction, not ``cluster`` a thread (the form the
+        H200 run measured, ``docs/convolutions.md``, 'A row over a thread-block cluster'; this one is not
+        measured yet)."""
         if self.cluster == 1:
             return value
         mine = T.alloc_buffer((1,), F32, scope="local")
@@ -395,10 +397,7 @@ class _Kernel:
         with T.If(self.tid == 0), T.Then():
             terms = [tirx.call_extern(F32, cluster.LOAD, tirx.address_of(self.exchange[0]), r)
                      for r in range(self.cluster)]
-            acc = terms[0]
-            for t in terms[1:]:
-                acc = acc + t if combiner == "sum" else tirx.max(acc, t)
-            T.buffer_store(self.exchange, acc, [1])
+            T.buffer_store(self.exchange, tree(terms, combiner), [1])
         T.evaluate(T.tvm_storage_sync("shared"))
         total = T.alloc_buffer((1,), F32, scope="local")
         T.buffer_store(total, self.exchange[1], [0])

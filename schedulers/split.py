@@ -37,7 +37,7 @@ from smg.subgraph import sub_smg
 
 #: the version of ``decide_split``'s rule and of the graphs it derives: a saved split of another version is
 #: derived again (an export stopped halfway once left splits of an older rule that the next one loaded)
-SPLIT_RULE = 4
+SPLIT_RULE = 5
 #: a chunk of the split dim shorter than this is not worth its partial accumulators' round trip
 MIN_CHUNK = 1024
 #: warps of partial states per SM the parts should at least make (each state a thread, its loads one chain):
@@ -50,6 +50,10 @@ PARTIAL_WARPS_PER_SM = 32
 #: 10240 won plain (4.4 against 7.5) and lost with the time embedding's add (13.2 against 9.6); 20480 lost
 #: (21.4 against 9.9) (docs/convolutions.md, 'Short rows in one kernel, again')
 ONE_KERNEL_MAX_ROW = 5120
+#: rows whose updates stream no element-wise tile (no ``T = X + E``: plain, or with SiLU after) stay one kernel
+#: up to this many times ``ONE_KERNEL_MAX_ROW``: in the run above, 10240 won at every such GroupNorm (16x16x1280
+#: plain 4.4 against 7.5, + SiLU 6.1 against 8.8; 32x32x320 + SiLU 6.7 against 8.0) and lost with the add
+ONE_KERNEL_PLAIN_FACTOR = 2
 #: where no split into enough chunks of MIN_CHUNK exists: still split into chunks of at least this many. Why:
 #: the one-kernel form reads a group's channels as strided rows (51 us a call for a 2x1280x8x8 GroupNorm on
 #: the H100), which the split's folded rows do not
@@ -123,6 +127,7 @@ def split_reduction(smg: SMG, dim: str, parts: int, reason: str = "") -> SplitRe
         raise TemporalSliceError(f"no op of {smg.name!r} reduces over {dim!r}: nothing to split")
     inputs = set(smg.inputs)
     states = {u.state for u in plan.states}
+    streamed_plan = plan  # its bodies still name the streamed element-wise tiles (``T = X + E``)
     plan = _over_inputs(smg, plan, states)
     for u in plan.states:
         for s in parse(u.body).free_symbols:
@@ -136,7 +141,7 @@ def split_reduction(smg: SMG, dim: str, parts: int, reason: str = "") -> SplitRe
                                          "would recompute")
     inner, chunk = f"{dim}2", size // parts
     j = f"{dim}_part"
-    partial = _partial(smg, plan, dim, j, inner, parts, chunk)
+    partial = _partial(smg, streamed_plan, dim, j, inner, parts, chunk)
     combine = _combine(smg, plan, j, parts, partial)
     return SplitReduction(smg, dim, parts, partial, combine, reason)
 
@@ -183,18 +188,34 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
                 out[x] = smg.dim_sizes[x]
         return out
 
+    def handle(name: str) -> Tensor:
+        """An input, or a streamed element-wise tile of inputs (``T = X + E``) computed here once, which
+        every state's body then reads: expanded into each body instead, each re-read ``X`` and ``E``
+        (the partial of SD 1.5's ``X + E`` GroupNorm loaded 6 elements for each it summed)."""
+        if name not in handles:
+            sp_ = smg.space(name)
+            op = smg.producer(name)
+            if op is None:
+                handles[name] = g.input(name, dims_of(sp_.dims), sp_.dtype)
+            else:
+                if op.reduce or not all(a.plain for a in op.inputs):
+                    raise TemporalSliceError(f"{name!r} is not an element-wise tile of inputs: the partial "
+                                             "cannot compute it")
+                reads = sorted((handle(a.space) for a in op.inputs), key=lambda t: -len(t.dims))
+                body = parse(op.body).xreplace({sp.Symbol(a.space, real=True): sp.Symbol(handle(a.space).name,
+                                                                                          real=True)
+                                                for a in op.inputs})
+                handles[name] = g.map(str(body), *reads, name=name)
+        return handles[name]
+
     outs = []
     for u in plan.states:
         red = (inner,)  # the other reduced dims are kept: each (chunk, c) is a chunk of its own
         if _constant(smg, plan, u.state, chunk) is not None:
             continue
         body = parse(u.body)
-        reads = []
-        for s in sorted(body.free_symbols, key=str):
-            if s.name not in handles:
-                sp_ = smg.space(s.name)
-                handles[s.name] = g.input(s.name, dims_of(sp_.dims), sp_.dtype)
-            reads.append(handles[s.name])
+        reads = [handles[s.name] if s.name in handles else handle(s.name)
+                 for s in sorted(body.free_symbols, key=str)]
         body = body.xreplace({s: sp.Symbol(handles[s.name].name, real=True) for s in body.free_symbols})
         name = _space_name(u.state)
         mapped = g.map(str(body), *reads, name=f"{name}_body")
@@ -382,8 +403,9 @@ def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk:
     size = smg.dim_sizes[dim]
     want = math.ceil(4 * hw.num_sms / rows)
     other = max(math.prod(smg.dim_sizes[d] for d in op.reduce if d != dim) for op in smg.ops if dim in op.reduce)
-    if size * other <= one_kernel_max_row:
-        return (f"{rows} reductions of {size * other} elements (at most {one_kernel_max_row}): one kernel, a block "
+    limit = one_kernel_max_row * (1 if plan.streamed else ONE_KERNEL_PLAIN_FACTOR)
+    if size * other <= limit:
+        return (f"{rows} reductions of {size * other} elements (at most {limit}): one kernel, a block "
                 f"a row, whose passes re-read it from L1, costs less in a model's graph than a split's three launches")
     # as many parts as about two waves of blocks: the partial keeps the other reduced dims in its rows (a
     # block reads whole channel rows), so its blocks are the parts, not parts x rows; and at least enough

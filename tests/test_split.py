@@ -97,11 +97,15 @@ def test_the_split_is_chosen_for_idle_sms_and_refused_with_reasons() -> None:
     assert s.cut and "cheap to recompute" in s.reason
     full = decide_split(patterns.group_norm(16, 64 * 64, 32, 512, dtype="float16"), H100)
     assert isinstance(full, str) and "fill" in full
-    short = decide_split(patterns.group_norm(2, 16 * 16, 32, 1280, "silu", dtype="float16"), H100)
+    short = decide_split(patterns.group_norm(2, 16 * 16, 32, 1280, "silu", dtype="float16", shift=True), H100)
     assert not isinstance(short, str) and short.parts == 32, short  # strided group rows: split into short chunks
+    # a row with no streamed element-wise tile (no time embedding's add) stays one kernel up to twice as long
+    plain = decide_split(patterns.group_norm(2, 16 * 16, 32, 1280, "silu", dtype="float16"), H100)
+    assert isinstance(plain, str) and "10240 elements (at most 10240): one kernel" in plain, plain
+    assert not isinstance(decide_split(patterns.group_norm(2, 32 * 32, 32, 640, "silu", dtype="float16"), H100), str)
     # rows of up to ONE_KERNEL_MAX_ROW elements stay one kernel (a block a row), idle SMs or not
     small = decide_split(patterns.group_norm(2, 8 * 8, 32, 1280, "silu", dtype="float16"), H100)
-    assert isinstance(small, str) and "2560 elements (at most 5120): one kernel" in small, small
+    assert isinstance(small, str) and "2560 elements (at most 10240): one kernel" in small, small
     assert not isinstance(decide_split(patterns.group_norm(2, 8 * 8, 32, 1280, "silu", dtype="float16"), H100,
                                        one_kernel_max_row=0), str)
     decode = decide_split(patterns.rmsnorm(1, 4096, "float16"), H100)  # one contiguous row: one kernel
@@ -244,3 +248,16 @@ def test_stats_lanes_spread_over_chunks_and_channels_beyond_a_step() -> None:
                         for s in wide)
     ln = patterns.residual_layernorm(16, 768, "float16")
     assert all(s.lanes <= s.step for s in SearchSpace(ln, H100).candidates() if not s.tensor_cores)
+
+
+def test_the_partial_computes_a_streamed_tile_once() -> None:
+    """``X + E`` (the time embedding's add) is a map of the partial that every state's body reads, not
+    re-expanded into each body: each element is then loaded once, not once per state."""
+    smg = patterns.group_norm(2, 64 * 64, 32, 320, "silu", dtype="float16", shift=True)
+    got = decide_split(smg, H100)
+    assert not isinstance(got, str)
+    partial = got.partial
+    tile = next(op for op in partial.ops if op.out == "T")
+    assert {a.space for a in tile.inputs} == {"X", "E"}
+    readers = [op for op in partial.ops if any(a.space in ("X", "E") for a in op.inputs)]
+    assert readers == [tile], [op.out for op in readers]

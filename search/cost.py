@@ -21,7 +21,9 @@ which schedule wins among those:
 - the machine is only busy if there are enough threads: occupancy from the
   hardware model, waves of blocks, partial last waves;
 - each serial step costs the block-wide barriers the lowering emits in it
-  (staged tiles, lane groups wider than a warp); a row per warp has none.
+  (staged tiles, lane groups wider than a warp); a row per warp has none;
+- a running reduction's step waits for its own loads before the next step's are issued (the steps are
+  a loop carried by the states): each step after the first adds a memory latency (``STEP_LATENCY_S``).
 
 Tensor-core warp-tile programs have their own per-step model (``search.warp_tile_cost``).
 """
@@ -57,6 +59,13 @@ LAUNCH_US = 2.0
 #: 802816 blocks of 8 outputs took 485 us (6082 an SM: 80 ns each), 100352 blocks of 64 took 65 us, 50176 of
 #: 128 took 36 (then the memory binds)
 BLOCK_ISSUE_S = 75e-9
+#: the latency each serial step of a CUDA-core reduction exposes: its loads are issued together, then waited
+#: for before the states' updates and carries, which the next step's loads follow.  Fitted on the H200 rounds
+#: of SD 1.5's ``X + E`` GroupNorm partials (``experiments/tuning/unet_groupnorm_partial_steps_h200.json.xz``,
+#: L2 flushed): 2x320x64x64 at 16, 8, 4, 2 and 1 steps a chunk 13.7, 10.5, 8.3, 8.3, 7.2 us; 2x640x32x32 at
+#: 8, 4, 2, 1 steps 9.0, 7.6, 6.8, 5.9 -- about 0.45 us a step over each shape's one-step time (bandwidth),
+#: where the in-flight model alone tied them all
+STEP_LATENCY_S = 450e-9
 
 
 @lru_cache(maxsize=4096)
@@ -224,7 +233,8 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     # the warp-tile model has each step's barrier in its chain
     sync_s = 0.0 if s.warp_tile is not None else \
         waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz \
-        + l1_sector_seconds(s, k, hw, frozenset(unco))
+        + l1_sector_seconds(s, k, hw, frozenset(unco)) \
+        + (waves * (s.steps_per_block - 1) * STEP_LATENCY_S if s.plan.states else 0.0)
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 

@@ -134,3 +134,21 @@ def test_spread_lanes_load_without_a_branch_per_element() -> None:
     loads = [i for i, ln in enumerate(lines) if re.search(r"N_sum_p_ptr\[", ln)]
     assert loads and "min(" in "".join(lines[i] for i in loads)
     assert not [lines[i] for i in loads if lines[i - 1].startswith("if (")]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_cuda_core_store_in_16_bits_takes_the_fast_exp_and_division(dtype) -> None:
+    """A GroupNorm's SiLU pass (CUDA cores) stored in fp16: ``exp`` as ``exp2f`` (one ex2.approx) and the
+    logistic's division as ``__fdividef``, as the warp-tile kernels' 16-bit values; stored in fp32 it keeps
+    ``expf`` and IEEE division.  Its CPU build is the same either way (the numerics tests run it)."""
+    from schedulers.hardware import H100
+    from schedulers.split import decide_split
+
+    got = decide_split(patterns.group_norm(2, 64 * 64, 32, 320, "silu", dtype=dtype), H100)
+    assert not isinstance(got, str)
+    apply = got.kernels[2]
+    body = build(schedule(apply, tiles={"n": 1, "s": 32}), "cuda:sm_90a").source
+    body = body[body.index("__global__"):]
+    fast = dtype == "float16"
+    assert ("exp2f(" in body) is fast and ("__fdividef(" in body) is fast
+    assert ("expf(" in body) is not fast

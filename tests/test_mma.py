@@ -398,8 +398,8 @@ def test_output_tiles_leave_through_shared_memory_in_16_byte_chunks(name, out, s
 
 
 def test_fast_division_only_for_values_stored_in_half_precision() -> None:
-    """``__fdividef`` (2 ulp, no slow path) where the value is stored as fp16; IEEE division
-    elsewhere: fp32 row statistics, and every CUDA-core or LLVM kernel."""
+    """``__fdividef`` (2 ulp, no slow path) where the value is stored as fp16 on the GPU (warp-tile and
+    CUDA-core kernels alike); IEEE division elsewhere: fp32 row statistics and outputs, and LLVM kernels."""
     import sympy as sp
     from tvm import tirx
 
@@ -412,8 +412,9 @@ def test_fast_division_only_for_values_stored_in_half_precision() -> None:
     assert "__fdividef" not in str(to_tir(a / b, load))
     src = build(_schedule("gemm_sigmoid"), "cuda").source
     assert src.count("__fdividef") == src.count("make_half2") * 2  # one per stored element, pairs
-    assert "__fdividef" not in build(schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32),
-                                     "cuda").source
+    simt = {dt: build(schedule(patterns.attention(1, 2, 64, 64, 64, dtype=dt), tiles={"m": 32}, step=32),
+                      "cuda").source for dt in ("float16", "float32")}
+    assert "__fdividef" in simt["float16"] and "__fdividef" not in simt["float32"]
 
 
 @pytest.mark.parametrize("kwargs, match", [

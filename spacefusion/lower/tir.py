@@ -626,22 +626,31 @@ def _pass_spread(k: _Kernel, out: str, text: str) -> tuple[tuple[str, ...], str]
     if k.lanes <= 1 or k.vec > 1 or k.s.serial not in local or len(local) < 2:
         return None
     states = {u.state for u in k.s.plan.states}
+    if any(sym.name in states and not set(k.local_dims(sym.name)) <= set(local)
+           for sym in parse(text).free_symbols):
+        return None
+    text = _inline_tiles(k, text)
+    if text is None:
+        return None
+    dims = k.smg.space(out).dims
+    return tuple(d for d in dims if d in local), text
+
+
+def _inline_tiles(k: _Kernel, text: str) -> str | None:
+    """``text`` with each streamed element-wise tile of inputs (``T = X + E``) replaced by its body, for lanes
+    that spread over positions other than their own tile's; None where it reads another intermediate."""
+    states = {u.state for u in k.s.plan.states}
     expr = parse(text)
     subs = {}
     for sym in expr.free_symbols:
         n = sym.name
-        if n in k.sizes or n in k.smg.inputs:  # an input staged in shared memory is indexed by position too
-            continue
-        if n in states:
-            if not set(k.local_dims(n)) <= set(local):
-                return None
-            continue
+        if n in k.sizes or n in k.smg.inputs or n.split("__")[0] in states:
+            continue  # an input staged in shared memory is indexed by position too
         op = k.smg.producer(n) if n in k.s.plan.streamed else None
         if op is None or op.reduce or not all(a.plain and a.space in k.smg.inputs for a in op.inputs):
             return None
         subs[sym] = body_expr(op)
-    dims = k.smg.space(out).dims
-    return tuple(d for d in dims if d in local), str(expr.xreplace(subs)) if subs else text
+    return str(expr.xreplace(subs)) if subs else text
 
 
 def _cooperative(k: _Kernel, name: str, emit) -> None:
@@ -733,7 +742,9 @@ def _emit_update(k: _Kernel, u) -> None:
         with ExitStack() as red:
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
-            spread = _spread_dims(k, u, others)
+            body = (_inline_tiles(k, u.body) if k.lanes > 1 else None) or u.body
+            spread = _spread_dims(k, body, others)
+            body = body if spread is not None else u.body
             keep = None  # the spread loop's flattened-tail predicate: past it an element adds the identity
             if spread is not None:
                 got, keep = _spread_loop(k, spread, red)
@@ -741,7 +752,7 @@ def _emit_update(k: _Kernel, u) -> None:
             else:
                 # a run's inputs read as one wide access where the serial dim is the innermost loop (a decode
                 # step's GEMV read its weight rows as 2-byte loads: 1.8 TB/s on the H100)
-                reads = () if others else k.vector_reads(sym.name for sym in parse(u.body).free_symbols)
+                reads = () if others else k.vector_reads(sym.name for sym in parse(body).free_symbols)
                 env2 = {**env, **k.loops((k.s.serial,), red, reads=reads)}
                 # the tail guard reads the serial index alone: tested once, outside the other reduced dims'
                 # loops. Inside them it put every load in a branch of its own, which ptxas does not hoist
@@ -749,7 +760,7 @@ def _emit_update(k: _Kernel, u) -> None:
                 red.enter_context(T.If(k.valid_serial(env2)))
                 red.enter_context(T.Then())
                 env2 |= k.loops(others, red)
-            val = k.expr(u.body, env2)
+            val = k.expr(body, env2)
             if keep is not None:  # loaded unconditionally (the index is clamped), then selected
                 loaded = T.alloc_buffer((1,), F32, scope="local")
                 T.buffer_store(loaded, val, [0])
@@ -763,12 +774,14 @@ def _emit_update(k: _Kernel, u) -> None:
             T.buffer_store(buf, carried + total, idx)
 
 
-def _spread_dims(k: _Kernel, u, others: tuple[str, ...]) -> tuple[str, ...] | None:
-    """``schedule.lane_spread`` for this update, where its body reads only global inputs and states (no
-    per-lane tiles, which are indexed by the lane's own serial positions); the layout is the largest input's."""
+def _spread_dims(k: _Kernel, body: str, others: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``schedule.lane_spread`` for an update of ``body``, where it reads only global inputs and states (no
+    per-lane tiles, which are indexed by the lane's own serial positions: ``_inline_tiles`` recomputes a
+    streamed ``X + E`` from its inputs instead, whose lanes then read along the channels, not 640 bytes apart
+    along the pixels); the layout is the largest input's."""
     if k.lanes <= 1:
         return None
-    names = {sym.name for sym in parse(u.body).free_symbols} - set(k.sizes)
+    names = {sym.name for sym in parse(body).free_symbols} - set(k.sizes)
     states = {v.state for v in k.s.plan.states}
     inputs = [n for n in names if n in k.smg.inputs]
     if not inputs or any(n not in k.smg.inputs and n.split("__")[0] not in states for n in names) \

@@ -29,6 +29,7 @@ import sympy as sp
 from schedulers.errors import TemporalSliceError
 from schedulers.hardware import HardwareModel
 from schedulers.temporal import TemporalPlan, _inline, new, old, parse, plan_temporal
+from smg.expr import body_expr
 from smg.fold import fold_all
 from smg.ir import SMG
 from smg.ops import Builder, Tensor
@@ -201,11 +202,10 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
                 if op.reduce or not all(a.plain for a in op.inputs):
                     raise TemporalSliceError(f"{name!r} is not an element-wise tile of inputs: the partial "
                                              "cannot compute it")
-                reads = sorted((handle(a.space) for a in op.inputs), key=lambda t: -len(t.dims))
-                body = parse(op.body).xreplace({sp.Symbol(a.space, real=True): sp.Symbol(handle(a.space).name,
-                                                                                          real=True)
-                                                for a in op.inputs})
-                handles[name] = g.map(str(body), *reads, name=name)
+                reads = {a.space: handle(a.space) for a in op.inputs}
+                body = body_expr(op).xreplace({sp.Symbol(n, real=True): sp.Symbol(t.name, real=True)
+                                               for n, t in reads.items()})
+                handles[name] = g.map(str(body), *sorted(reads.values(), key=lambda t: -len(t.dims)), name=name)
         return handles[name]
 
     outs = []
@@ -214,8 +214,7 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
         if _constant(smg, plan, u.state, chunk) is not None:
             continue
         body = parse(u.body)
-        reads = [handles[s.name] if s.name in handles else handle(s.name)
-                 for s in sorted(body.free_symbols, key=str)]
+        reads = [handle(s.name) for s in sorted(body.free_symbols, key=str)]
         body = body.xreplace({s: sp.Symbol(handles[s.name].name, real=True) for s in body.free_symbols})
         name = _space_name(u.state)
         mapped = g.map(str(body), *reads, name=f"{name}_body")

@@ -127,10 +127,12 @@ def export(art: Path, top: int, per: int, whole: bool = False, max_hw: int = 64,
     from search.records import MeasureInput
     from spacefusion.runners.offline import export_batch
 
+    if steps and whole:
+        raise SystemExit("--steps measures the split's partial kernels, which --whole leaves out: pass one of them")
     chosen = [g for g in GNORMS if g[1] <= max_hw and (g[3] or not add_only)]
     if not chosen:
-        raise SystemExit(f"--max-hw {max_hw}: no GroupNorm of the UNet has an image side of at most that "
-                         f"(its sides: {sorted({g[1] for g in GNORMS})})")
+        raise SystemExit(f"--max-hw {max_hw}{' --add-only' if add_only else ''}: no GroupNorm of the UNet has an "
+                         f"image side of at most that (its sides: {sorted({g[1] for g in GNORMS})})")
     inputs, labels = [], []
     for g in chosen:
         parts = kernels(g, whole)

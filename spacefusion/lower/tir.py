@@ -742,9 +742,9 @@ def _emit_update(k: _Kernel, u) -> None:
         with ExitStack() as red:
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
-            body = (_inline_tiles(k, u.body) if k.lanes > 1 else None) or u.body
-            spread = _spread_dims(k, body, others)
-            body = body if spread is not None else u.body
+            inlined = _inline_tiles(k, u.body)  # lanes spread over others' positions recompute T = X + E
+            spread = _spread_dims(k, inlined, others) if inlined is not None else None
+            body = inlined if spread is not None else u.body
             keep = None  # the spread loop's flattened-tail predicate: past it an element adds the identity
             if spread is not None:
                 got, keep = _spread_loop(k, spread, red)

@@ -18,6 +18,7 @@ events, L2 flushed by a read, median).  It also measures the host time of one fu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -301,7 +302,8 @@ def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, Any]:
 CATEGORIES = (
     ("spacefusion conv", r"^sf_conv"), ("spacefusion attention", r"^sf_attention"),
     ("spacefusion group_norm", r"^sf_group_norm"), ("spacefusion norm", r"^sf_(residual_)?(layer|rms)norm"),
-    ("spacefusion pool", r"^sf_max_pool"), ("spacefusion gemm", r"^sf_"), ("triton (inductor)", r"^triton_"),
+    ("spacefusion pool", r"^sf_max_pool"), ("spacefusion concat", r"^sf_concat"),
+    ("spacefusion gemm", r"^sf_"), ("triton (inductor)", r"^triton_"),
     ("torch attention", r"flash|fmha|attention|sdpa"), ("torch pool", r"max_pool|avg_pool"),
     ("cuDNN conv", r"fprop|implicit_gemm|conv|nhwc|nchw|cudnn"), ("cuBLAS gemm", r"gemm|cutlass|cublas|xmma|sm90_"),
     ("torch element-wise", r"elementwise|vectorized|reduce_kernel|cat|copy|CatArray"),
@@ -338,7 +340,8 @@ def kernel_profile(fn: Any, x: dict[str, Any], n: int = 200) -> dict[str, Any]:
 def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, repeats: int,
         modes: tuple[str, ...] = ("default", "reduce-overhead"), build_missing: bool = False,
         tune_trials: int = 0, db_path: Path | None = None, workers: int = 8, second_art: Path | None = None,
-        second_name: str = "tuned", pdl_ab: bool = False, map_copy_ab: bool = False) -> int:
+        second_name: str = "tuned", pdl_ab: bool = False, map_copy_ab: bool = False,
+        without: tuple[str, ...] = ()) -> int:
     from gpu_runtime import runtime_module
 
     import spacefusion
@@ -398,6 +401,11 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                     _last_hidden(systems[f"spacefusion+graph {ab_name}"](**x))
                 finally:
                     os.environ.pop(env)
+            for matcher in without:  # the same kernels with one pattern left to torch (its ops run as captured)
+                with _without_matcher(matcher):
+                    systems[f"spacefusion+graph without {matcher}"] = spacefusion.compile(
+                        model, target=CudaBackend(art / "kernels", schedule_for=first_pick))
+                    _last_hidden(systems[f"spacefusion+graph without {matcher}"](**x))
             if second_art is not None:  # another export's artefacts (export --db: the tuned kernels), same code
                 second_be = CudaBackend(second_art / "kernels", schedule_for=first_pick)
                 systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be)
@@ -426,14 +434,15 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             row["host"] = host_cost_us(nog)
             row["kernels"] = {k: kernel_profile(systems[k], x) for k in ("spacefusion", *(
                 f"torch.compile {m}" for m in modes))}
-            if second_art is not None:  # both exports' kernels as their graphs replay them (PDL overlaps included)
-                for k in ("spacefusion+graph", f"spacefusion+graph {second_name}"):
+            if second_art is not None or without:  # both systems' kernels as their graphs replay them
+                for k in ("spacefusion+graph", *(f"spacefusion+graph {n}" for n in (
+                        *((second_name,) if second_art is not None else ()), *(f"without {m}" for m in without)))):
                     row["kernels"][k] = kernel_profile(systems[k], x)
             row["top_kernels"] = row["kernels"]["spacefusion"]["top"][:12]
         best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
                           "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
-        others = {"tuned", second_name, "no PDL", "map copies"}
+        others = {"tuned", second_name, "no PDL", "map copies", *(f"without {m}" for m in without)}
         for other in others & {k.removeprefix("spacefusion+graph ") for k in row["us"]}:
             other_us = row["us"][f"spacefusion+graph {other}"]
             row["speedup"] |= {f"{other}_vs_eager": round(row["us"]["eager"] / other_us, 3),
@@ -445,6 +454,25 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
         del systems, sf, nog, model
         torch.cuda.empty_cache()
     return 0
+
+
+@contextlib.contextmanager
+def _without_matcher(name: str):
+    """The partitioner without the matcher ``name`` (``match_concat``): an in-run A/B of one pattern, whose
+    nodes then run as Dynamo captured them."""
+    import spacefusion.frontend.partition  # noqa: F401 (the module: the package exports a function of its name)
+    from spacefusion.frontend import matchers
+
+    partition = sys.modules["spacefusion.frontend.partition"]
+    known = {m.__name__: m for m in matchers.MATCHERS}
+    if name not in known:
+        raise SystemExit(f"--without {name}: not a matcher; known: {', '.join(known)}")
+    saved = partition.MATCHERS
+    partition.MATCHERS = tuple(m for m in saved if m.__name__ != name)
+    try:
+        yield
+    finally:
+        partition.MATCHERS = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                          "('map copies', SPACEFUSION_DEFER_MAPS=0)")
     ap.add_argument("--second-name", default="tuned",
                     help="run: the second export's system name (default 'tuned'; e.g. 'first picks' or a commit)")
+    ap.add_argument("--without", nargs="*", default=[], metavar="MATCHER",
+                    help="run: also the same kernels with these matchers off ('spacefusion+graph without "
+                         "MATCHER', e.g. match_concat: the pattern's ops as torch runs them), in the same run")
     ap.add_argument("--workers", type=int, default=8, help="parallel TVM builds while tuning")
     ap.add_argument("--max-autotune", action="store_true",
                     help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
@@ -489,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
     return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
                a.tune, a.db, a.workers, a.second_art, a.second_name, a.pdl_ab,
-               a.map_copy_ab)
+               a.map_copy_ab, tuple(a.without))
 
 
 if __name__ == "__main__":

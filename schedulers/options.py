@@ -131,7 +131,8 @@ class SimtOptions:
             for name in (*s.smg.inputs, *s.smg.outputs):
                 space = s.smg.space(name)
                 width = self.vector * np.dtype(space.dtype).itemsize
-                if space.dims[-1] == s.serial and width > MAX_VECTOR_BYTES:
+                # a concatenation's part is walked by the serial dim through its own innermost dim
+                if s.smg.inner_read(name)[0] == s.serial and width > MAX_VECTOR_BYTES:
                     return Rejection("vector.width", "vector", f"vector {self.vector} of {name!r} ({space.dtype}) is "
                                      f"{width} bytes; a thread loads at most {MAX_VECTOR_BYTES} at once")
         if self.cluster != 1:

@@ -142,7 +142,7 @@ def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
             if run < DRAM_RUN_BYTES:
                 extra[name] = nbytes * (DRAM_RUN_BYTES / run - 1)
             continue
-        if s.lanes > 1 and dims[-1] == s.serial:
+        if s.lanes > 1 and smg.inner_read(name)[0] == s.serial:
             continue  # consecutive lanes read consecutive serial elements: coalesced
         spread = input_lane_spread(s, name)
         if spread and spread[-1] == dims[-1]:

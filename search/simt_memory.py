@@ -103,7 +103,7 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
     item = _itemsize(s, name)
     tiles = s.tiles
     order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
-    wide = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
+    wide = s.vector if s.vector > 1 and s.smg.inner_read(name)[0] == s.serial else 1
     spread = input_lane_spread(s, name)
     spans = [s.step if d == s.serial else s.smg.dim_sizes[d] for d in spread or ()]
     sectors: set[int] = set()
@@ -119,9 +119,11 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
                 pos[d], lane = lane % n, lane // n
         else:
             pos[s.serial] = lane * s.vector
+        walk, off = s.smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
         flat = 0
         for d, n in zip(dims, shape):
-            flat = flat * n + min(pos.get(d, 0), n - 1)
+            at = pos.get(walk, 0) + off if d == dims[-1] else pos.get(d, 0)
+            flat = flat * n + max(0, min(at, n - 1))
         first = flat * item
         for b in range(first, first + wide * item):
             nbytes.add(b)
@@ -197,8 +199,8 @@ def _per_thread_loads(s: Schedule, uncoalesced: frozenset[str]) -> tuple[int, fl
         dims = s.smg.space(n).dims
         viewed = view_run_bytes(s, n) is not None
         # a view streams the input along its own dims (a pool's taps): a load per serial element as well
-        per_elem = lane_step if s.serial in dims or viewed else 1
-        width = s.vector if s.vector > 1 and dims[-1] == s.serial else 1
+        per_elem = lane_step if s.serial in dims or viewed or s.smg.inner_read(n)[0] == s.serial else 1
+        width = s.vector if s.vector > 1 and s.smg.inner_read(n)[0] == s.serial else 1
         count = -(-per_elem // width)
         loads += count
         item = width * _itemsize(s, n)

@@ -80,6 +80,10 @@ def check_dtype(dtype: str, where: str = "") -> None:
         raise DTypeError(f"unknown dtype {dtype!r}{at}; known: {', '.join(FLOAT_DTYPES)}")
 
 
+#: an index component ``d``, ``d + k`` or ``d - k`` (``SMG.inner_read``)
+_AT_OFFSET = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:([+-])\s*(\d+))?\s*")
+
+
 @dataclass(frozen=True)
 class Access:
     """One read of ``space`` inside an op.
@@ -258,6 +262,25 @@ class SMG:
 
     def consumers(self, space: str) -> tuple[Op, ...]:
         return tuple(op for op in self.ops if any(a.space == space for a in op.inputs))
+
+    def inner_read(self, space: str) -> tuple[str, int]:
+        """(``d``, ``k``): every op reading ``space`` walks its innermost dim as the iteration dim ``d`` at
+        ``d + k`` (a concatenation's part read at ``c - 640``, RoPE's shift at ``j - 64``), so consecutive
+        ``d`` read consecutive elements; (its innermost dim, 0) otherwise, as plain reads walk it (a window's
+        taps, an upsampling's ``floor(x/2)``).  The lowering's wide loads and the memory model ask this, not
+        whether the innermost dim is named ``d``."""
+        return self._inner_reads.get(space) or (self.space(space).dims[-1] if self.space(space).dims else "", 0)
+
+    @cached_property
+    def _inner_reads(self) -> dict[str, tuple[str, int]]:
+        found: dict[str, set[tuple[str, int] | None]] = {}
+        for op in self.ops:
+            for a in op.inputs:
+                m = _AT_OFFSET.fullmatch(a.index[-1]) if a.index else None
+                ok = m is not None and m.group(1) in op.iter_dims
+                found.setdefault(a.space, set()).add(
+                    (m.group(1), int((m.group(2) or "+") + (m.group(3) or "0"))) if ok else None)
+        return {n: next(iter(r)) for n, r in found.items() if len(r) == 1 and None not in r}
 
     @cached_property
     def inputs(self) -> tuple[str, ...]:

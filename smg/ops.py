@@ -302,6 +302,29 @@ class Builder:
         index = tuple(f"{d} {'+' if off > 0 else '-'} {abs(off)}" if d == dim else d for d in x.dims)
         return self._emit(Op("shift", self._fresh("shift", name), x.dims, (Access(x.name, index),), x.name))
 
+    def concat(self, parts: tuple[Tensor, ...], dim: str, name: str | None = None) -> Tensor:
+        """``torch.cat(parts, dim)``: each part's last dim not shared with the others is its stretch of the new
+        dim ``dim`` (as long as theirs together), read One-to-One at ``dim - offset``.  Under the IR's zero
+        padding a part reads 0 outside its stretch, so the body is the sum of the reads: exact, since every
+        element has one nonzero term.  The first part's read is written ``dim - 0`` (its dim is shorter than
+        ``dim``: not a plain read of its own dims)."""
+        self._own(*parts)
+        if len(parts) < 2:
+            raise ValueError(f"a concatenation along {dim!r} needs two or more parts, got {len(parts)}")
+        own = [[d for d in p.dims if any(d not in q.dims for q in parts if q is not p)] for p in parts]
+        if any(len(o) != 1 for o in own) or len({tuple(d if d not in o else "*" for d in p.dims)
+                                                 for p, o in zip(parts, own)}) != 1:
+            raise ShapeError(f"concatenating {[p.name for p in parts]} {[p.dims for p in parts]} along {dim!r}: "
+                             "the parts must share every dim but one, in one order")
+        self._dim(dim, sum(self.dims[o[0]] for o in own))
+        accs, offset = [], 0
+        for p, (d,) in zip(parts, own):
+            accs.append(Access(p.name, tuple(f"{dim} - {offset}" if e == d else e for e in p.dims)))
+            offset += self.dims[d]
+        out_dims = tuple(dim if d == own[0][0] else d for d in parts[0].dims)
+        body = " + ".join(p.name for p in parts)
+        return self._emit(Op("concat", self._fresh("concat", name), out_dims, tuple(accs), body))
+
     def conv(self, x: Tensor, w: Tensor, window: dict[str, str], channel: str, pad: int = 0,
              name: str | None = None) -> Tensor:
         """Convolution (stride 1): ``out = sum_{channel, window} w * x[.., d + k_d - pad, ..]``.

@@ -284,22 +284,24 @@ class _Kernel:
         if self.vec == 1:
             return ()
         return tuple(sorted(n for n in set(names) if n in self.smg.inputs and n not in self.shared
+                            and self.smg.inner_read(n) == (self.s.serial, 0)
                             and self.smg.space(n).dims[-1] == self.s.serial))
 
     def shift_reads(self, op: Op) -> tuple[tuple[str, int], ...]:
         """Accesses of ``op`` that read a global input ``offset`` elements along the serial dim from the
-        current element and plainly elsewhere (``X[b, s, h, j - 64]``: RoPE's rotate-half), where the
-        serial dim is the input's innermost and the offset a whole number of vectors: a shifted run of
+        current element and plainly elsewhere (``X[b, s, h, j - 64]``: RoPE's rotate-half; a concatenation's
+        part ``X1[n, s, c - 640]``, whose innermost dim is its own), where the serial dim walks the input's
+        innermost and the offset and that dim's length are whole numbers of vectors: a shifted run of
         ``vec`` elements is then one aligned wide load, wholly inside the dim or wholly outside (zeros)."""
         if self.vec == 1:
             return ()
         out = []
         for a in op.inputs:
             space = self.smg.space(a.space)
-            if a.plain or a.space not in self.smg.inputs or a.space in self.shared or space.dims[-1] != self.s.serial:
+            if a.plain or a.space not in self.smg.inputs or a.space in self.shared:
                 continue
             off = _serial_offset(a, space.dims, self.s.serial)
-            if off is not None and off % self.vec == 0:
+            if off is not None and off % self.vec == 0 and self.sizes[space.dims[-1]] % self.vec == 0:
                 out.append((a.space, off))
         return tuple(dict.fromkeys(out))
 
@@ -308,10 +310,12 @@ class _Kernel:
         for name, off in shifts:
             buf = self.glob[name]
             copy = T.alloc_buffer((self.vec,), buf.dtype, scope="local")
+            inner = self.smg.space(name).dims[-1]  # the serial dim, or a concatenation part's own
             start = self.t0 + env[self.s.serial] + off  # the shifted run's first element along the dim
-            with T.If(tirx.all(start >= 0, start < self.sizes[self.s.serial])):
+            with T.If(tirx.all(start >= 0, start < self.sizes[inner])):
                 with T.Then(), T.vectorized(0, self.vec) as j:
-                    pos = {**env, self.s.serial: env[self.s.serial] + off + j}
+                    # ``global_index`` adds the step's start along the serial dim; a part's own dim is absolute
+                    pos = {**env, inner: (env[inner] + off if inner == self.s.serial else start) + j}
                     T.buffer_store(copy, buf[self.global_index(name, pos)], [j])
                 with T.Else(), T.vectorized(0, self.vec) as j:
                     T.buffer_store(copy, tirx.const(0, buf.dtype), [j])
@@ -464,21 +468,21 @@ def _shift_key(space: str, offset: int | None) -> str:
 
 
 def _serial_offset(acc: Access, dims: tuple[str, ...], serial: str) -> int | None:
-    """``c`` where ``acc`` reads its space at ``serial + c`` along ``serial`` and at the iteration's own
-    index along every other dim (c != 0), else None."""
+    """``c`` where ``acc`` reads its space's innermost dim at ``serial + c`` and at the iteration's own
+    index along every other dim, else None: c != 0 along ``serial`` itself (a shift), any c along a dim of
+    the space's own (a concatenation's part, whose first is read at ``serial - 0``)."""
     import sympy as sp
 
-    off = None
-    for comp, d in zip(acc.index, dims):
-        if comp == d:
-            continue
-        if d != serial or off is not None:
-            return None
-        e = sp.sympify(comp, locals={serial: sp.Symbol(serial, integer=True)}) - sp.Symbol(serial, integer=True)
-        if not e.is_Integer or int(e) == 0:
-            return None
-        off = int(e)
-    return off
+    *outer, last = zip(acc.index, dims)
+    if any(comp != d for comp, d in outer):
+        return None
+    comp, d = last
+    if comp == d:
+        return None
+    e = sp.sympify(comp, locals={serial: sp.Symbol(serial, integer=True)}) - sp.Symbol(serial, integer=True)
+    if not e.is_Integer or (int(e) == 0 and d == serial):
+        return None
+    return int(e)
 
 
 def _alloc_local(k: _Kernel, name: str, space: str) -> None:

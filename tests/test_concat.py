@@ -142,3 +142,24 @@ def test_other_concatenations_stay_torchs() -> None:
             torch.testing.assert_close(got, want)
     left = [op for p in compiled.spacefusion.partitions for op in p.left if op.op == "torch.cat"]
     assert len(left) == 2 and all("concatenation/stack" in op.reason for op in left), left
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pixels,chans,rank", [(4096, (640, 320), 0), (64, (1280, 1280), 0), (256, (1280, 640), 1),
+                                               (6, (12, 20), 0)])
+def test_gpu_kernels_copy_every_element_exactly(pixels: int, chans: tuple[int, ...], rank: int, tmp_path) -> None:
+    """The UNet's shapes (first picks and a second candidate) and parts that are not whole vectors, on the
+    GPU: a concatenation is a copy, so the output must equal numpy's bit for bit (infinities included)."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from spacefusion.runtime.gpu import CudaKernel
+
+    g = patterns.concat(2, pixels, chans, "float16")
+    s = ranked(g, H200)[rank]
+    kernel = CudaKernel(build(s, "cuda").save(tmp_path / "k"))
+    xs = random_inputs(g, seed=11)
+    xs["X1"].flat[::97] = np.inf
+    got = kernel.launch({n: torch.from_numpy(v).cuda() for n, v in xs.items()})
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(got["Y"].cpu().numpy(), _want(xs, len(chans)))

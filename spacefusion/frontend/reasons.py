@@ -16,7 +16,8 @@ ROPE_FUNCTIONS = ("rotate_half", "apply_rotary_pos_emb")
 
 LAYOUT = "layout op (view/reshape/permute/index): no compute; kernels bind views of its input"
 SHAPE = "shape/device query: no tensor compute"
-CONCAT = "concatenation/stack: a copy into a new buffer (KV-cache append, CLS token), no index mapping to fuse"
+CONCAT = ("concatenation/stack: a copy into a new buffer (KV-cache append, CLS token), no index mapping to fuse "
+          "(images along the channels are matched: patterns.concat)")
 GATHER = "a data-dependent gather (rows picked by token ids) is not a globally ranged mapping"
 ROPE = ("RoPE not in HF's rotate-half form x * cos.unsqueeze(1) + cat(-x2, x1) * sin.unsqueeze(1), which the rope "
         "pattern fuses: torch runs it")

@@ -18,6 +18,7 @@ many runs, L2 flushed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -38,7 +39,8 @@ EPS = 1e-5
 
 @dataclass(frozen=True)
 class Chain:
-    """``act(BN(conv(up(x))) (+ residual))`` on an NCHW-shaped, channels-last fp16 image."""
+    """``act(BN(conv(up(x))) (+ residual))`` on an NCHW-shaped fp16 image, channels-last in memory, or NCHW
+    (``layout="nchw"``: our kernel reads it where it lies, cuDNN takes it as torch's default format)."""
 
     key: str
     n: int
@@ -53,6 +55,7 @@ class Chain:
     upsample: int = 1
     bn: bool = True
     why: str = ""
+    layout: str = "nhwc"
 
     @property
     def pad(self) -> int:
@@ -80,6 +83,12 @@ CHAINS = (
     Chain("vae_up_conv", 1, 64, 64, 512, 512, 3, act="none", upsample=2, bn=False,
           why="SD 1.5 VAE decoder's first upsampler: Upsample 2x nearest -> Conv 3x3 (+bias), 64 -> 128"),
 )
+#: the same chains with the image in torch's default NCHW memory: the implicit GEMM gathering the im2col tile
+#: element by element (``schedulers.gather_tile``'s scalar form), against cuDNN on NCHW tensors and the
+#: transpose to channels-last that the NHWC kernel would need first (timed as its own row)
+NCHW = tuple(dataclasses.replace(c, key=f"{c.key}_nchw", layout="nchw", why=f"{c.why}; NCHW memory")
+             for c in CHAINS if c.key in ("r50_l1_3x3", "r50_l1_1x1_in", "r50_l2_3x3_s2", "r50_l3_3x3"))
+CHAINS = CHAINS + NCHW
 BY_KEY = {c.key: c for c in CHAINS}
 
 
@@ -98,7 +107,7 @@ def smg_of(c: Chain) -> Any:
         return patterns.upsample_conv2d(c.n, c.h, c.w, c.c, c.co, c.kernel, c.pad, c.act, bias=True,
                                         residual=c.residual, factor=c.upsample, dtype="float16")
     return patterns.conv2d(c.n, c.h, c.w, c.c, c.co, c.kernel, c.stride, c.pad, c.act, bias=True,
-                           residual=c.residual, upsample=c.upsample, dtype="float16")
+                           residual=c.residual, upsample=c.upsample, dtype="float16", layout=c.layout)
 
 
 def build(art: Path, keys: list[str], trials: int, workers: int) -> int:
@@ -125,7 +134,8 @@ def _setup(c: Chain, seed: int) -> dict[str, Any]:
     def rnd(*shape: int, scale: float = 1.0) -> Any:
         return torch.randn(*shape, generator=g, device="cuda") * scale
 
-    x = rnd(c.n, c.c, c.h, c.w).half().to(memory_format=torch.channels_last)
+    x = rnd(c.n, c.c, c.h, c.w).half()
+    x = x if c.layout == "nchw" else x.to(memory_format=torch.channels_last)
     w = (rnd(c.co, c.c, c.kernel, c.kernel) / math.sqrt(c.c * c.kernel ** 2)).half()
     b = rnd(c.co, scale=0.1)
     bn = {"mean": rnd(c.co, scale=0.1), "var": rnd(c.co).abs() + 0.5, "gamma": rnd(c.co, scale=0.2) + 1.0,
@@ -179,7 +189,10 @@ def _torch_fns(c: Chain, t: dict[str, Any]) -> dict[str, Any]:
     def folded() -> Any:
         return _epilogue(c, F.conv2d(up(t["x"]), t["wf"], t["bf"], stride=c.stride, padding=c.pad), t)
 
-    return {"cudnn_separate": separate, "cudnn_folded": folded, "torch_compile": torch.compile(separate)}
+    fns = {"cudnn_separate": separate, "cudnn_folded": folded, "torch_compile": torch.compile(separate)}
+    if c.layout == "nchw":  # what reading it channels-last would cost first: the image transposed
+        fns["transpose_to_nhwc"] = lambda: t["x"].contiguous(memory_format=torch.channels_last)
+    return fns
 
 
 def _kernel_fn(folder: Path, c: Chain, t: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
@@ -200,7 +213,7 @@ def _kernel_fn(folder: Path, c: Chain, t: dict[str, Any]) -> tuple[Any, Any, dic
         fold = torch.tensor(upsample_fold(c.kernel, c.pad, c.upsample), dtype=torch.float32, device="cuda")
         wt = torch.einsum("aty,bux,yxco->abtuco", fold, fold, wt.float()).half()
     wt = wt.reshape(spec.shape).contiguous()
-    ins = {"X": t["x"].permute(0, 2, 3, 1), "Wt": wt, "bias": t["bf"]}
+    ins = {"X": t["x"] if c.layout == "nchw" else t["x"].permute(0, 2, 3, 1), "Wt": wt, "bias": t["bf"]}
     if t["res"] is not None:
         ins["R"] = t["res"].permute(0, 2, 3, 1).reshape(-1, c.co)
     ins = {p.name: ins[p.name].reshape(p.shape) for p in kernel.artefact.inputs}
@@ -257,8 +270,13 @@ def run(art: Path, out_path: Path, keys: list[str], warmup: int, iters: int, rep
                     t0 = time.perf_counter()
                     y = fn()
                     torch.cuda.synchronize()
-                    row.update(first_call_s=round(time.perf_counter() - t0, 2),
-                               max_abs_err=_check(y, ref, c, baseline=True))
+                    if name == "transpose_to_nhwc":  # a copy: the same values, channels-last
+                        if not (torch.equal(y, t["x"]) and y.is_contiguous(memory_format=torch.channels_last)):
+                            raise ValueError("the transposed image differs from the NCHW one")
+                        row.update(first_call_s=round(time.perf_counter() - t0, 2), max_abs_err=0.0)
+                    else:
+                        row.update(first_call_s=round(time.perf_counter() - t0, 2),
+                                   max_abs_err=_check(y, ref, c, baseline=True))
                     row["fn"] = fn
                 except Exception as exc:
                     row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600])

@@ -7,7 +7,12 @@ view's index expressions instead of A's own row-major layout.  That works when a
 columns is 8 consecutive elements of X: the last index component is ``k``'s own (``c(k)``, contiguous and
 8-aligned on 8-aligned columns) and every other component changes only between chunks (it reads the
 column dim through ``floor(k / c)`` with ``c`` a multiple of 8).  A chunk then lies wholly inside X or
-wholly in the zero padding, so it is one cp.async or one zero store.  Analysis only (no TVM).
+wholly in the zero padding, so it is one cp.async or one zero store.
+
+Where it does not (an NCHW image: 8 columns are 8 channels H * W apart), the tile is ``scalar``: each thread
+loads a chunk's 8 elements one by one (each its own bounds check) and stores them as one 16-byte chunk, the
+block's threads walking the rows first, so a warp's load reads 32 neighbouring pixels of one channel (what
+is contiguous in NCHW).  Analysis only (no TVM).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class GatherTile:
     tile: str
     src: str
     index: tuple[str, ...]
+    #: loaded element by element (a chunk of 8 columns is not 8 consecutive elements of ``src``)
+    scalar: bool = False
 
 
 def _symbols(text: str) -> dict[str, sp.Symbol]:
@@ -65,10 +72,19 @@ def _gather_tile(smg, op, row: str, L: str) -> GatherTile:
         raise ScheduleError(f"streamed op {op.out!r} gathers through an index expression but is not a view of one "
                             f"input (its body {op.body!r})")
     acc = op.inputs[0]
-    src = smg.space(acc.space)
-    sizes = smg.dim_sizes
     if op.out_index[-1] != L or row not in op.out_index:
         raise ScheduleError(f"view {op.out!r} {op.out_index} must be on ({row}, {L}) with {L} last")
+    try:
+        return _chunked(smg, op, L)
+    except ScheduleError:
+        return GatherTile(op.out, acc.space, acc.index, scalar=True)
+
+
+def _chunked(smg, op, L: str) -> GatherTile:
+    """The view read in 16-byte chunks, or ScheduleError saying why a chunk is not 8 consecutive elements."""
+    acc = op.inputs[0]
+    src = smg.space(acc.space)
+    sizes = smg.dim_sizes
     if sizes[src.dims[-1]] % CHUNK:
         raise ScheduleError(f"view {op.out!r} reads {acc.space!r} whose last dim {src.dims[-1]!r} = "
                             f"{sizes[src.dims[-1]]} is not a multiple of {CHUNK} (16-byte chunks)")
@@ -163,6 +179,8 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
     op = smg.producer(g.tile)
     src = smg.space(g.src)
     sizes = smg.dim_sizes
+    if g.scalar:
+        return f"{g.tile!r} is gathered element by element (its image is not channels-last: NCHW)"
     if len(src.dims) != 4:
         return f"{g.src!r} is not a 4-d channels-last image"
     if src.dtype not in ("float16", "bfloat16"):

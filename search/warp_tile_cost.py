@@ -222,8 +222,8 @@ FLOOR_DIV_OPS = 3
 def gather_ops(s: Schedule, p: WarpTileProgram) -> float:
     """Integer ops per step of the gathered tiles' addresses (an implicit GEMM's im2col tile): each 16-byte chunk
     evaluates the view's index expressions (a floor division costs FLOOR_DIV_OPS), checks each component
-    against its bounds and combines them into an offset, on the threads that also issue the MMAs.  None by TMA:
-    an im2col load's addresses are the copy engine's."""
+    against its bounds and combines them into an offset, on the threads that also issue the MMAs (a scalar
+    gather's every element does).  None by TMA: an im2col load's addresses are the copy engine's."""
     total = 0.0
     if p.tma:
         return total
@@ -231,7 +231,8 @@ def gather_ops(s: Schedule, p: WarpTileProgram) -> float:
         exprs = [parse(e) for e in g.index]
         per_chunk = sum(int(sp.count_ops(e)) + (FLOOR_DIV_OPS - 1) * len(e.atoms(sp.floor)) for e in exprs)
         per_chunk += 3 * len(exprs) + 2  # two bounds compares and a multiply-add per component; rows, columns
-        total += p.rows * p.step / 8 * per_chunk
+        # a scalar gather (an NCHW image) evaluates them per element and issues 8 loads and selects a chunk
+        total += p.rows * p.step / 8 * (8 * (per_chunk + 2) if g.scalar else per_chunk)
     return total
 
 

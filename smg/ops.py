@@ -83,6 +83,9 @@ def window2d_index(m: str, k: str, c: int, out: tuple[int, int], kernel_w: int, 
     return (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
 
 
+#: the memory orders of an image ``Builder.window2d`` reads: channels-last, or torch's default NCHW
+IMAGE_LAYOUTS = ("nhwc", "nchw")
+
 #: the dims of ``Builder.upsample_window2d``'s view, in order: small-image row (n * h + i), the output's row and
 #: column parities, small-image column, merged tap; analyses that recognise the view name them from here
 UPSAMPLE_VIEW = ("nh", "a", "b", "j", "k")
@@ -350,17 +353,22 @@ class Builder:
         return self._emit(op)
 
     def window2d(self, x: Tensor, kernel: tuple[int, int], stride: int = 1, pad: int = 0, rows: str = "m",
-                 cols: str = "k", upsample: int = 1, name: str | None = None) -> Tensor:
+                 cols: str = "k", upsample: int = 1, name: str | None = None, layout: str = "nhwc") -> Tensor:
         """The im2col view of a channels-last image ``x`` [n, h, w, c]: ``A[rows, cols]`` with rows the output
         pixels (n, p, q) and cols the taps (ky, kx, c), ``A = x[n, s*p + ky - pad, s*q + kx - pad, c]`` (zero
         outside).  ``upsample`` = u reads ``x`` nearest-upsampled u times first (``x[.., floor(y/u), ..]``), so
         an ``Upsample -> Conv`` chain never writes the upsampled image.  A convolution is then ``A @ W^T`` with
         the weight [c_out, kh, kw, c] seen as [c_out, cols]: an implicit GEMM, whose A tile the lowering loads
-        through these index expressions (no im2col in memory)."""
+        through these index expressions (no im2col in memory).  ``layout="nchw"``: ``x`` is [n, c, h, w] (the
+        same view; a run of 8 columns is then 8 channels H * W apart, which the tensor-core kernels gather
+        element by element, ``schedulers.gather_tile``)."""
         self._own(x)
+        if layout not in IMAGE_LAYOUTS:
+            raise ValueError(f"window2d layout {layout!r}: known {IMAGE_LAYOUTS}")
         if len(x.dims) != 4:
-            raise ShapeError(f"window2d takes a channels-last image [n, h, w, c]; {x.name!r} has dims {x.dims}")
-        n, h, w, c = (self.dims[d] for d in x.dims)
+            raise ShapeError(f"window2d takes an image [n, h, w, c] or [n, c, h, w]; {x.name!r} has dims {x.dims}")
+        sizes = [self.dims[d] for d in x.dims]
+        n, h, w, c = sizes if layout == "nhwc" else (sizes[0], sizes[2], sizes[3], sizes[1])
         (r, s), st, u = (int(v) for v in kernel), int(stride), int(upsample)
         if min(r, s, st, u) < 1 or pad < 0:
             raise ShapeError(f"window2d of {x.name!r}: kernel {kernel}, stride {stride}, upsample {upsample} must be "
@@ -372,6 +380,8 @@ class Builder:
         self._dim(rows, n * p * q)
         self._dim(cols, r * s * c)
         index = window2d_index(rows, cols, c, (p, q), s, st, int(pad), u)
+        if layout == "nchw":
+            index = (index[0], index[3], index[1], index[2])
         return self._emit(Op("window", self._fresh("window", name), (rows, cols), (Access(x.name, index),), x.name))
 
     def pool_window2d(self, x: Tensor, kernel: int, stride: int, pad: int, name: str | None = None) -> Tensor:

@@ -328,18 +328,22 @@ def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "
 
 def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int = 3, stride: int = 1,
            pad: int = 1, act: str = "none", bias: bool = True, residual: bool = False, upsample: int = 1,
-           dtype: str = "float32") -> SMG:
+           dtype: str = "float32", layout: str = "nhwc") -> SMG:
     """``Y = act(conv2d(X, W) + bias (+ R))`` as an implicit GEMM: X channels-last [n, h, w, c], its im2col
     view ``A[m, k]`` (``Builder.window2d``: m the output pixels, k the taps (ky, kx, c)), the weight as
     ``Wt[k, co]`` ([kh, kw, c, c_out]: the tensor-core B operand's layout, permuted once), Y [m, co] (the NHWC
     output [n, p, q, c_out]).  An inference BatchNorm is folded into W and the bias before this (the frontend
     does it); ``R`` is a residual [m, co] added before ``act``; ``upsample`` 2 reads X nearest-upsampled (an
-    ``Upsample -> Conv`` chain)."""
+    ``Upsample -> Conv`` chain).  ``layout="nchw"`` reads X as torch's default [n, c, h, w] where it lies (no
+    transposed copy; the output is still [m, co])."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
-    g = Builder(f"conv2d_{kernel}x{kernel}{'_res' if residual else ''}_{act}", dtype)
-    x = g.input("X", {"n": batch, "h": height, "w": width, "c": c_in})
-    a = g.window2d(x, (kernel, kernel), stride, pad, upsample=upsample, name="A")
+    nchw = layout == "nchw"
+    g = Builder(f"conv2d_{kernel}x{kernel}{'_res' if residual else ''}_{act}{'_nchw' if nchw else ''}", dtype)
+    dims = {"n": batch, "c": c_in, "h": height, "w": width} if nchw else {"n": batch, "h": height, "w": width,
+                                                                         "c": c_in}
+    x = g.input("X", dims)
+    a = g.window2d(x, (kernel, kernel), stride, pad, upsample=upsample, name="A", layout=layout)
     w = g.input("Wt", {"k": g.dims["k"], "co": c_out})
     y = g.matmul(a, w, reduce="k", name="Y" if not (bias or residual or act != "none") else "C")
     return _conv_epilogue(g, y, c_out, act, bias, residual, {"m": g.dims["m"], "co": c_out})

@@ -61,6 +61,9 @@ class Ring:
         partial last step adds nothing to the GEMM."""
         st, p = self.st, self.st.p
         g = p.gather(name)
+        if g.scalar:
+            self._gather_scalar(name, slot, t0, pred)
+            return
         src = st.smg.space(g.src)
         rows = st.layout[name][1]
         per_row = st.cols[name] // 8
@@ -70,29 +73,67 @@ class Ring:
             c = it * th + st.gtid
             r, cc = c // per_row, (c % per_row) * 8
             row, col = st.row0 + r, t0 + cc
-            env = {p.row: row, p.serial: col}
-
-            def value(d: str) -> tirx.PrimExpr:
-                return env[d] if d in env else st.coord[d]
-
-            comps = [to_tir_int(text, value) for text in g.index]
-            inside = [row < st.sizes[p.row], col < st.sizes[p.serial]]
-            for e, d in zip(comps, src.dims):
-                inside += [e >= 0, e < st.sizes[d]]
+            comps, ok = self._view_at(g, row, col)
             off = tirx.const(0, I32)
             for e, d in zip(comps, src.dims):
                 off = off * st.sizes[d] + e
             dst = self._in_slot(name, slot, r, cc)
             with ExitStack() as guard:
-                conds = ([c < total] if total % th else []) + ([pred] if pred is not None else [])
-                if conds:
-                    guard.enter_context(T.If(tirx.all(*conds)))
-                    guard.enter_context(T.Then())
-                ok = tirx.all(*inside)  # src-size 0: cp.async writes the 16 bytes as zeros, reading nothing
+                self._only(guard, c, total, th, pred)
+                # ok false: src-size 0, cp.async writes the 16 bytes as zeros, reading nothing
                 T.evaluate(T.ptx.cp.async_.cg.shared.global_(
                     st.smem[name].access_ptr("w", offset=st.sbase[name] + dst),
                     st.glob[g.src].access_ptr("r", offset=tirx.Select(ok, off, 0)), 16,
                     tirx.Select(ok, tirx.const(16, "uint32"), tirx.const(0, "uint32"))))
+
+    def _gather_scalar(self, name: str, slot: tirx.PrimExpr, t0: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
+        """``gather_tile`` for a view whose 8 columns are not 8 neighbours in the image (NCHW): each thread loads
+        its chunk's 8 elements one by one (0 outside the image, past the rows or past the serial dim) and
+        stores them as one 16-byte chunk.  The threads walk the rows first, so a warp's load of one column
+        reads 32 neighbouring output pixels, in NCHW neighbouring input pixels of one channel.  Plain loads,
+        not cp.async: each thread waits for its own before storing, and the slot's barrier publishes them."""
+        st, p = self.st, self.st.p
+        g = p.gather(name)
+        buf = st.glob[g.src]
+        rows = st.layout[name][1]
+        total = rows * (st.cols[name] // 8)
+        th = 32 * p.warps
+        with T.serial(0, -(-total // th)) as it:
+            c = it * th + st.gtid
+            r, cc = c % rows, (c // rows) * 8
+            row = st.row0 + r
+            dst = self._in_slot(name, slot, r, cc)
+            with ExitStack() as guard:
+                self._only(guard, c, total, th, pred)
+                vals = T.alloc_buffer((8,), st.half, scope="local")
+                for e in range(8):
+                    comps, ok = self._view_at(g, row, t0 + cc + e)
+                    at = [tirx.Select(ok, x, 0) for x in comps]
+                    T.buffer_store(vals, tirx.Select(ok, buf[at], tirx.const(0, st.half)), [e])
+                T.buffer_store(st.smem[name], vals[tirx.Ramp(0, 1, 8)],
+                               [tirx.Ramp(st.sbase[name] + dst, 1, 8)])
+
+    def _view_at(self, g, row: tirx.PrimExpr, col: tirx.PrimExpr) -> tuple[list[tirx.PrimExpr], tirx.PrimExpr]:
+        """The gathered view ``g``'s element (row, col) as its source's indices, and whether it lies inside the
+        source, the rows and the serial dim (else it reads as the padding's zero)."""
+        st, p = self.st, self.st.p
+        env = {p.row: row, p.serial: col}
+
+        def value(d: str) -> tirx.PrimExpr:
+            return env[d] if d in env else st.coord[d]
+
+        comps = [to_tir_int(text, value) for text in g.index]
+        inside = [row < st.sizes[p.row], col < st.sizes[p.serial]]
+        inside += [b for e, d in zip(comps, st.smg.space(g.src).dims) for b in (e >= 0, e < st.sizes[d])]
+        return comps, tirx.all(*inside)
+
+    @staticmethod
+    def _only(guard: ExitStack, c: tirx.PrimExpr, total: int, th: int, pred: tirx.PrimExpr | None) -> None:
+        """Enter the guard of a cooperative loop's chunk ``c``: inside the tile, and the step's ``pred``."""
+        conds = ([c < total] if total % th else []) + ([pred] if pred is not None else [])
+        if conds:
+            guard.enter_context(T.If(tirx.all(*conds)))
+            guard.enter_context(T.Then())
 
     def zero_columns(self, name: str, c_from: int, c_to: int, block: bool = True) -> None:
         """Zero columns [c_from, c_to) (whole 16-byte chunks) of every row of every copy of the shared tile

@@ -1,0 +1,93 @@
+"""A convolution reading an NCHW image where it lies (``patterns.conv2d(..., layout="nchw")``): the same im2col
+view over [n, c, h, w], whose im2col tile the tensor-core kernels gather element by element (a run of 8 columns
+is 8 channels apart there: ``schedulers.gather_tile``'s scalar form), never by TMA im2col; checked against
+torch's conv on the CPU (numpy reference, llvm build) and on the GPU (cuda marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schedulers.gather_tile import gather_tile, im2col_of
+from schedulers.hardware import H200
+from search.cost import estimate_us
+from smg import patterns
+from smg.reference import evaluate, random_inputs
+from spacefusion.api import build
+from spacefusion.frontend.schedules import ranked
+
+
+def _torch_conv(ins: dict[str, np.ndarray], k: int, stride: int, pad: int, co: int) -> np.ndarray:
+    """float64 torch conv of the NCHW input with the [kh * kw * c, co] weight, as [m, co] (NHWC rows)."""
+    x = torch.from_numpy(ins["X"].astype(np.float64))
+    c = x.shape[1]
+    w = torch.from_numpy(ins["Wt"].astype(np.float64)).reshape(k, k, c, co).permute(3, 2, 0, 1)
+    y = torch.nn.functional.conv2d(x, w, torch.from_numpy(ins["bias"].astype(np.float64)), stride, pad)
+    return y.permute(0, 2, 3, 1).reshape(-1, co).numpy()
+
+
+@pytest.mark.parametrize("k,stride,pad", [(3, 1, 1), (3, 2, 1), (1, 1, 0), (5, 1, 2)])
+def test_the_nchw_view_is_torchs_conv(k: int, stride: int, pad: int) -> None:
+    g = patterns.conv2d(2, 7, 6, 8, 16, k, stride, pad, dtype="float32", layout="nchw")
+    assert g.space("X").dims == ("n", "c", "h", "w") and g.name.endswith("_nchw")
+    ins = random_inputs(g, seed=k + stride)
+    np.testing.assert_allclose(evaluate(g, ins)["Y"], _torch_conv(ins, k, stride, pad, 16), rtol=1e-10, atol=1e-10)
+
+
+def test_an_unknown_layout_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="layout 'nhcw'"):
+        patterns.conv2d(1, 4, 4, 8, 8, layout="nhcw")
+
+
+def test_the_nchw_tile_is_gathered_element_by_element_never_by_tma() -> None:
+    nchw = patterns.conv2d(2, 16, 16, 64, 64, dtype="float16", layout="nchw")
+    nhwc = patterns.conv2d(2, 16, 16, 64, 64, dtype="float16")
+    g = gather_tile(nchw, nchw.producer("A"), "m", "k")
+    assert g.scalar and "NCHW" in im2col_of(nchw, g)
+    assert not gather_tile(nhwc, nhwc.producer("A"), "m", "k").scalar
+    order = ranked(nchw, H200)
+    tc = [s for s in order if s.warp_tile is not None]
+    assert tc and not any(s.warp_tile.tma for s in tc) and order[0].warp_tile is not None
+    # the per-element addresses cost more than the channels-last kernel's TMA im2col at ResNet's layer1
+    big_nchw = patterns.conv2d(32, 56, 56, 64, 64, dtype="float16", layout="nchw")
+    big_nhwc = patterns.conv2d(32, 56, 56, 64, 64, dtype="float16")
+    assert estimate_us(ranked(big_nchw, H200)[0], H200) > 1.5 * estimate_us(ranked(big_nhwc, H200)[0], H200)
+
+
+def test_the_cuda_kernel_loads_the_image_plainly_and_stores_16_byte_chunks() -> None:
+    g = patterns.conv2d(2, 16, 16, 64, 64, dtype="float16", layout="nchw")
+    src = build(ranked(g, H200)[0], "cuda").source
+    body = src[src.index("__global__ void"):]
+    assert "X_ptr[" in body  # element loads of the image, each behind its bounds check
+    assert "cp_async" in body or "cp.async" in body  # the weight still streams by cp.async
+
+
+def test_llvm_kernel_matches_torch() -> None:
+    g = patterns.conv2d(2, 6, 5, 8, 8, 3, 2, 1, dtype="float32", layout="nchw")
+    ins = random_inputs(g, seed=4)
+    got = build(ranked(g, H200)[0], "llvm")(ins)["Y"]
+    np.testing.assert_allclose(got, _torch_conv(ins, 3, 2, 1, 8), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape,rank", [((2, 16, 16, 64, 64, 3, 1, 1), 0), ((2, 16, 16, 64, 64, 3, 1, 1), 3),
+                                        ((4, 28, 28, 128, 128, 3, 2, 1), 0), ((4, 14, 14, 256, 64, 1, 1, 0), 0),
+                                        ((2, 7, 9, 64, 128, 3, 1, 1), 0)])
+def test_tensor_core_kernels_match_the_reference_on_the_gpu(shape: tuple[int, ...], rank: int, tmp_path) -> None:
+    """fp16 NCHW images (odd sizes, strided, 1x1) on tensor cores against the float64 reference."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from smg.reference import check_numerics
+    from spacefusion.runtime.gpu import CudaKernel
+
+    g = patterns.conv2d(*shape, dtype="float16", layout="nchw")
+    s = [s for s in ranked(g, H200) if s.warp_tile is not None][rank]
+    kernel = CudaKernel(build(s, "cuda").save(tmp_path / "k"))
+    xs = random_inputs(g, seed=5)
+    got = kernel.launch({n: torch.from_numpy(v).cuda() for n, v in xs.items()})
+    torch.cuda.synchronize()
+    ref = evaluate(g, {n: v.astype(np.float64) for n, v in xs.items()})
+    _, why = check_numerics(g, ref, {n: t.float().cpu().numpy() for n, t in got.items()})
+    assert why is None, why

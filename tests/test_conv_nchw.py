@@ -91,3 +91,35 @@ def test_tensor_core_kernels_match_the_reference_on_the_gpu(shape: tuple[int, ..
     ref = evaluate(g, {n: v.astype(np.float64) for n, v in xs.items()})
     _, why = check_numerics(g, ref, {n: t.float().cpu().numpy() for n, t in got.items()})
     assert why is None, why
+
+
+class _Head(torch.nn.Module):
+    """A 1x1 conv + BatchNorm + ReLU on the model's NCHW input, then a 3x3 conv of its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one, self.bn, self.three = torch.nn.Conv2d(16, 8, 1), torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 8, 3,
+                                                                                                           padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.three(torch.relu(self.bn(self.one(x))))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_1x1_conv_reads_an_nchw_graph_input_where_it_lies(channels_last: bool) -> None:
+    """The frontend's layout rule (``matchers.image_layout``): the 1x1 conv of an NCHW input reads it as it lies;
+    the 3x3 after it reads the 1x1's channels-last output; a channels-last input is read channels-last."""
+    import spacefusion
+
+    torch.manual_seed(0)
+    model = _Head().eval()
+    model.bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 16, 6, 6)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        compiled = spacefusion.compile(model, "llvm")
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    labels = sorted(s.label for p in compiled.spacefusion.partitions for s in p.subgraphs)
+    one = "conv + bn + relu 1x1/s1 2x16x6x6 -> 8 float32"
+    assert labels == [one + ("" if channels_last else " (NCHW image)"), "conv 3x3/s1 2x8x6x6 -> 8 float32"], labels

@@ -510,6 +510,29 @@ def upsample_apart(small: tuple[int, ...], cv, factor: int) -> str | None:
             f"cp.async gather lost to the plain conv by TMA im2col")
 
 
+def image_layout(x: fx.Node, cv, factor: int) -> str:
+    """How a conv reads its image: ``nchw`` (where it lies, ``patterns.conv2d(layout="nchw")``) for a 1x1 conv of
+    a graph input packed NCHW, else ``nhwc`` (bound channels-last: an NCHW image is copied by its binding).  A
+    rule, measured, rather than the cost model's estimate: the GPU machine partitions again without the cost
+    model (no islpy there) and must come out the same.  On the H200 (`results/conv_chains_nchw_h200.json`, batch
+    32) the 1x1 256 -> 64 at 56x56 read NCHW took 25.9 us against 151.9 + 20.4 for the transpose and the
+    channels-last kernel, while every 3x3 was faster transposed first (layer1: 113.0 against 34.5 + 23.8).
+    Only graph inputs: the export's meta tensors give a channels-last conv's output NCHW strides, so another
+    value's strides there are not what the GPU sees."""
+    one = cv.kh == 1 and cv.kw == 1 and cv.padding[0] == 0 and factor == 1
+    return "nchw" if one and x.op == "placeholder" and contiguous(x) and not contiguous_nhwc(x) else "nhwc"
+
+
+def contiguous_nhwc(x: fx.Node) -> bool:
+    """Whether ShapeProp saw the image ``x`` packed channels-last (a 1-channel or 1x1 image is both)."""
+    meta = x.meta.get("tensor_meta")
+    if meta is None or len(meta.shape) != 4:
+        return False
+    n, c, h, w = tuple(meta.shape)
+    return all(size == 1 or st == want for size, st, want in zip((n, c, h, w), tuple(meta.stride),
+                                                                   (h * w * c, 1, w * c, c)))
+
+
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``nn.Conv2d`` (any padding and stride, groups 1) -> ``patterns.conv2d``, an implicit GEMM over the
     image seen channels-last, with what follows it fused: an inference BatchNorm (folded into the weight and
@@ -555,8 +578,10 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
     kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
     parity = by_parity(n * h, w, cv.kh, cv.stride[0], pad, factor)
+    layout = image_layout(x, cv, factor)
     smg = _build(ctx, node, lambda: patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw)
-                 if parity else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor, **kw))
+                 if parity else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor,
+                                                layout=layout, **kw))
     if smg is None:
         return None
     _, p, q, co = shape(node)[0], shape(node)[2], shape(node)[3], cv.cout
@@ -566,7 +591,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     wt = (Operand("Wt", "param", cv.weight, (factor, factor, smg.dim_sizes["k"], co), conv=True, fold_bn=fold,
                   fold_upsample=(cv.kh, pad, factor)) if parity
           else Operand("Wt", "param", cv.weight, (k, co), conv=True, fold_bn=fold))
-    ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1)), wt]
+    ops = [_value("X", x, (n, c, h, w)) if layout == "nchw" else _value("X", x, (n, h, w, c), (0, 2, 3, 1)), wt]
     if has_bias:
         ops.append(Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold))
     if res is not None:
@@ -574,7 +599,8 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, p, q, co))
     parts = ["conv"] + ["bn"] * (bn is not None) + ["add"] * (res is not None) + ([act.name] if act else [])
     label = (f"{' + '.join(parts)}{' (upsample x' + str(factor) + ')' if factor > 1 else ''} {cv.kh}x{cv.kw}/s"
-             f"{cv.stride[0]} {n}x{c}x{h * factor}x{w * factor} -> {co} {dt}")
+             f"{cv.stride[0]} {n}x{c}x{h * factor}x{w * factor} -> {co} {dt}"
+             f"{' (NCHW image)' if layout == 'nchw' else ''}")
     return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
 
 

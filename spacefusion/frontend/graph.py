@@ -43,6 +43,16 @@ def contiguous(node: Any) -> bool:
     return all(n == 1 or s == w for n, s, w in zip(tuple(meta.shape)[::-1], tuple(meta.stride)[::-1], want))
 
 
+def contiguous_nhwc(x: Any) -> bool:
+    """Whether ShapeProp saw the image ``x`` packed channels-last (a 1-channel or 1x1 image is both)."""
+    meta = x.meta.get("tensor_meta") if isinstance(x, fx.Node) else None
+    if meta is None or len(meta.shape) != 4:
+        return False
+    n, c, h, w = tuple(meta.shape)
+    return all(size == 1 or st == want for size, st, want in zip((n, c, h, w), tuple(meta.stride),
+                                                                   (h * w * c, 1, w * c, c)))
+
+
 def heads_interleaved(node: Any) -> bool:
     """Whether ShapeProp saw ``node``, a [b, h, s, d] value, lying in memory as a packed [b, s, h, d]
     tensor: HF's split_heads view, and what element-wise ops on it (RoPE) return, since torch gives their

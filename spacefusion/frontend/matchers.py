@@ -31,6 +31,7 @@ from spacefusion.frontend.graph import (
     activation_of,
     batchnorm_of,
     contiguous,
+    contiguous_nhwc,
     conv_of,
     dtype,
     groupnorm_of,
@@ -521,16 +522,6 @@ def image_layout(x: fx.Node, cv, factor: int) -> str:
     value's strides there are not what the GPU sees."""
     one = cv.kh == 1 and cv.kw == 1 and cv.padding[0] == 0 and factor == 1
     return "nchw" if one and x.op == "placeholder" and contiguous(x) and not contiguous_nhwc(x) else "nhwc"
-
-
-def contiguous_nhwc(x: fx.Node) -> bool:
-    """Whether ShapeProp saw the image ``x`` packed channels-last (a 1-channel or 1x1 image is both)."""
-    meta = x.meta.get("tensor_meta")
-    if meta is None or len(meta.shape) != 4:
-        return False
-    n, c, h, w = tuple(meta.shape)
-    return all(size == 1 or st == want for size, st, want in zip((n, c, h, w), tuple(meta.stride),
-                                                                   (h * w * c, 1, w * c, c)))
 
 
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:

@@ -71,6 +71,14 @@ TMA_L2_FACTOR = 1.3
 GATHER_LATENCY_S = 2.0e-6
 #: the latency of a gathered tile loaded by TMA in im2col mode (the copy engine computes the addresses)
 IM2COL_LATENCY_S = 0.5e-6
+#: what each of a thread's chunks of a scalar gather (an NCHW image, ``GatherTile.scalar``) adds to a step: its 8
+#: loads go to registers, not by cp.async, and its store waits for them, so the ring hides none of it.  Fitted
+#: on the H200's 12 measured NCHW tensor-core candidates (``experiments/results/history/conv_chains_nchw_h200_
+#: rule.json``): without it the model's estimates were 0.47x the measured (geometric mean; rms log error 0.91),
+#: with 0.75 us 0.99x (0.44).  On the round it then picked (``results/conv_chains_nchw_h200.json``, partly new
+#: candidates) 1.09x (0.31).  The 1x1's are overestimated (45-47 against 26-28 us): what it is for is the
+#: decision between layouts (``spacefusion.frontend.layouts``), not a fine rank
+SCALAR_GATHER_LATENCY_S = 0.75e-6
 #: FP32 operations of CUDA's tanhf, a software routine (exp-based with a polynomial for small |x|)
 TANHF_OPS = 20
 
@@ -202,6 +210,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
         latency = load
     else:
         latency = max(0.0, load / ahead - (tensor_s + sfu_s + simt_s))
+    latency += scalar_gather_chunks(p) * SCALAR_GATHER_LATENCY_S
     if not p.producer:  # a producer warpgroup's ring hands slots back by mbarriers: no block barrier
         latency += BARRIER_S
 
@@ -217,6 +226,12 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
 
 #: integer ops of one floor division by a constant (a multiply-high, a shift, the correction)
 FLOOR_DIV_OPS = 3
+
+
+def scalar_gather_chunks(p: WarpTileProgram) -> int:
+    """16-byte chunks each MMA thread gathers element by element per step (``lower/mma_ring._gather_scalar``)."""
+    per_tile = -(-p.rows * p.step // 8 // (32 * p.warps))
+    return sum(per_tile for g in p.gathers if g.scalar)
 
 
 def gather_ops(s: Schedule, p: WarpTileProgram) -> float:

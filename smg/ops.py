@@ -305,6 +305,14 @@ class Builder:
         index = tuple(f"{d} {'+' if off > 0 else '-'} {abs(off)}" if d == dim else d for d in x.dims)
         return self._emit(Op("shift", self._fresh("shift", name), x.dims, (Access(x.name, index),), x.name))
 
+    def permute(self, x: Tensor, dims: tuple[str, ...], name: str | None = None) -> Tensor:
+        """``x`` with its dims in the order ``dims`` (a One-to-One copy whose innermost dim is another's:
+        an NCHW image written channels-last)."""
+        self._own(x)
+        if sorted(dims) != sorted(x.dims) or len(set(dims)) != len(dims):
+            raise UnknownAxisError(f"cannot permute {x.name!r} {x.dims} to {dims}: the same dims, each once")
+        return self._emit(Op("permute", self._fresh("permute", name), tuple(dims), (Access(x.name, x.dims),), x.name))
+
     def concat(self, parts: tuple[Tensor, ...], dim: str, name: str | None = None) -> Tensor:
         """``torch.cat(parts, dim)``: each part's last dim not shared with the others is its stretch of the new
         dim ``dim`` (as long as theirs together), read One-to-One at ``dim - offset``.  Under the IR's zero

@@ -305,6 +305,14 @@ def concat(batch: int, pixels: int, channels: tuple[int, ...], dtype: str = "flo
     return g.build(g.concat(xs, "c", name="Y"))
 
 
+def to_channels_last(batch: int, channels: int, pixels: int, dtype: str = "float16") -> SMG:
+    """``Y[n, s, c] = X[n, c, s]``: an NCHW image copied channels-last, as the frontend's binding copies one
+    for a channels-last kernel (torch's ``contiguous(memory_format=channels_last)``).  The layout decision
+    (``spacefusion.frontend.layouts``) prices that copy as this SMG's estimate."""
+    g = Builder("to_channels_last", dtype)
+    return g.build(g.permute(g.input("X", {"n": batch, "c": channels, "s": pixels}), ("n", "s", "c"), name="Y"))
+
+
 def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "none", affine: bool = True,
                dtype: str = "float32", eps: float = 1e-5, shift: bool = False) -> SMG:
     """``Y = act(GroupNorm(X))`` on a channels-last image ``X[n, s, g, c]``: ``s`` the pixels (h * w), the

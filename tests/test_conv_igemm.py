@@ -150,7 +150,8 @@ def test_conv_chains_through_dynamo_match_eager() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     report = compiled.spacefusion
     labels = sorted(s.label for p in report.partitions for s in p.subgraphs)
-    # the first 1x1 reads the NCHW input where it lies (``matchers.image_layout``); the rest read channels-last
+    # the first 1x1 reads the NCHW input where it lies (the cost model's decision, ``frontend.layouts``); the rest
+    # read channels-last
     assert labels == ["conv + bn + add + relu 1x1/s1 2x8x6x5 -> 16 float32",
                       "conv + bn + relu 1x1/s1 2x16x6x5 -> 8 float32 (NCHW image)",
                       "conv + bn + relu 3x3/s1 2x8x6x5 -> 8 float32",
@@ -194,4 +195,5 @@ def test_a_conv_without_bias_or_batchnorm_is_fused_without_a_bias_input() -> Non
         compiled = spacefusion.compile(model, target="llvm")
         torch.testing.assert_close(compiled(x), model(x))
     (sub,) = [s for p in compiled.spacefusion.partitions for s in p.subgraphs]
-    assert sub.label == "conv + relu 3x3/s1 1x8x6x6 -> 8 float32" and "bias" not in sub.smg.inputs
+    # at this size the model reads the NCHW input where it lies (the copy would cost a launch): either layout
+    assert sub.label.startswith("conv + relu 3x3/s1 1x8x6x6 -> 8 float32") and "bias" not in sub.smg.inputs

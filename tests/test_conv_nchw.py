@@ -109,7 +109,7 @@ class _Head(torch.nn.Module):
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_a_1x1_conv_reads_an_nchw_graph_input_where_it_lies(channels_last: bool) -> None:
-    """The frontend's layout rule (``matchers.image_layout``): the 1x1 conv of an NCHW input reads it as it lies;
+    """The search's layout decision (``frontend.layouts``): the 1x1 conv of an NCHW input reads it as it lies;
     the 3x3 after it reads the 1x1's channels-last output; a channels-last input is read channels-last."""
     import spacefusion
 

@@ -512,7 +512,8 @@ def test_each_convolution_left_to_torch_says_what_the_smg_cannot_express() -> No
     assert len(reasons) == 2, reasons
     for want in ("groups 4", "dilation (2, 2)"):
         assert sum(want in r for r in reasons) == 1, (want, reasons)
-    fused = sorted(s.label for p in compiled.spacefusion.partitions for s in p.subgraphs)
+    # the first reads the NCHW input in the layout the cost model picks (test_conv_layouts): either is fused
+    fused = sorted(s.label.removesuffix(" (NCHW image)") for p in compiled.spacefusion.partitions for s in p.subgraphs)
     assert fused == ["conv 3x3/s1 2x8x16x16 -> 8 float32", "conv 3x3/s2 2x8x16x16 -> 16 float32"], fused
 
 

@@ -22,6 +22,7 @@ from schedulers.split import SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
 from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
 from spacefusion.frontend.sequence import barrier_sequence, sequence
 
@@ -40,6 +41,7 @@ class _Cached:
         self.split_hw = split_hw
         self.split_kw: dict[str, int] = {}  # decide_split's keywords (a test's smaller chunks)
         self.splits: dict[str, str] = {}
+        self._layouts: dict[str, LayoutChoice] = {}
 
     @property
     def built(self) -> int:
@@ -72,6 +74,12 @@ class _Cached:
         got = decide_split(smg, self.split_hw, **self.split_kw)
         self.splits[smg.key] = got if isinstance(got, str) else got.reason
         return None if isinstance(got, str) else got
+
+    def layout_of(self, nchw: SMG, nhwc: SMG) -> LayoutChoice:
+        """How a conv reads an NCHW image (``layouts.decide`` on ``split_hw``, the H100 where none), once per conv."""
+        if nchw.key not in self._layouts:
+            self._layouts[nchw.key] = decide(nchw, nhwc, self.split_hw or H100)
+        return self._layouts[nchw.key]
 
     def _compile(self, smg: SMG) -> Kernel:
         raise NotImplementedError
@@ -165,6 +173,32 @@ class CudaBackend(_Cached):
         if got is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(got.to_dict()))
+        return got
+
+    def layout_of(self, nchw: SMG, nhwc: SMG) -> LayoutChoice:
+        """The layout recorded in ``layouts.json`` by the export (the GPU machine has no cost model to decide
+        it), or decided here and recorded there.  A record of another rule is decided again; a file that is
+        not a layouts record raises rather than be overwritten."""
+        path, key = self.folder / "layouts.json", nchw.key[:16]
+        try:
+            records = json.loads(path.read_text()) if path.is_file() else {}
+            if not isinstance(records, dict):
+                raise ValueError(f"a {type(records).__name__}, not an object of records")
+        except ValueError as exc:
+            raise FrontendError(f"{path} is not a layouts record ({exc}); move it away to decide the layouts "
+                                f"again") from exc
+        if key in records:
+            try:
+                return LayoutChoice.from_dict(records[key])
+            except ValueError:
+                pass  # another rule's (or a damaged) record: decided again and replaced
+        got = super().layout_of(nchw, nhwc)
+        if not math.isnan(got.nchw_us):  # a decision made without the cost model is not recorded
+            records[key] = got.to_dict()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(records, indent=1, sort_keys=True))
+            tmp.replace(path)
         return got
 
     def export(self, smg: SMG, cubin: bool = True) -> Path:

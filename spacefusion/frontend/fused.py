@@ -308,8 +308,8 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     whose kernel cannot be built stays with torch, with the reason in the partition.  ``baked_weights``:
     the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too."""
     fold_bn_into_left_convs(cap.module)
-    part = partition(cap.module)
     be = get_backend(backend)
+    part = partition(cap.module, getattr(be, "layout_of", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}
     kernels, kept, left = [], [], list(part.left)
     for sub in part.subgraphs:

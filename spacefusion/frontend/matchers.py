@@ -16,6 +16,7 @@ import sympy as sp
 import torch
 from torch import fx
 
+from schedulers.hardware import H100
 from smg import patterns
 from smg.errors import ShapeError, SpaceFusionError
 from smg.ir import SMG
@@ -51,9 +52,18 @@ from spacefusion.frontend.graph import (
     swapped_dims_1_2,
 )
 from spacefusion.frontend.guard import guard_of, guarded
+from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
 from spacefusion.frontend.rope import rope_of
+
+#: how a partition decides a convolution's image layout (``layouts.decide`` for the H100 where none is given):
+#: the backend's ``layout_of``, which an export records and the GPU machine reads back
+LayoutOf = Callable[[SMG, SMG], LayoutChoice]
+
+
+def default_layout_of(nchw: SMG, nhwc: SMG) -> LayoutChoice:
+    return decide(nchw, nhwc, H100)
 
 
 @dataclass
@@ -61,6 +71,8 @@ class Context:
     gm: fx.GraphModule
     claimed: set[str] = field(default_factory=set)
     refused: dict[str, str] = field(default_factory=dict)
+    layout_of: LayoutOf = default_layout_of
+    layouts: dict[str, str] = field(default_factory=dict)  # chosen conv SMG key -> why that layout
 
     def free(self, *nodes: fx.Node) -> bool:
         return all(n.name not in self.claimed for n in nodes)
@@ -511,17 +523,11 @@ def upsample_apart(small: tuple[int, ...], cv, factor: int) -> str | None:
             f"cp.async gather lost to the plain conv by TMA im2col")
 
 
-def image_layout(x: fx.Node, cv, factor: int) -> str:
-    """How a conv reads its image: ``nchw`` (where it lies, ``patterns.conv2d(layout="nchw")``) for a 1x1 conv of
-    a graph input packed NCHW, else ``nhwc`` (bound channels-last: an NCHW image is copied by its binding).  A
-    rule, measured, rather than the cost model's estimate: the GPU machine partitions again without the cost
-    model (no islpy there) and must come out the same.  On the H200 (`results/conv_chains_nchw_h200.json`, batch
-    32) the 1x1 256 -> 64 at 56x56 read NCHW took 25.9 us against 151.9 + 20.4 for the transpose and the
-    channels-last kernel, while every 3x3 was faster transposed first (layer1: 113.0 against 34.5 + 23.8).
-    Only graph inputs: the export's meta tensors give a channels-last conv's output NCHW strides, so another
-    value's strides there are not what the GPU sees."""
-    one = cv.kh == 1 and cv.kw == 1 and cv.padding[0] == 0 and factor == 1
-    return "nchw" if one and x.op == "placeholder" and contiguous(x) and not contiguous_nhwc(x) else "nhwc"
+def lies_nchw(x: fx.Node) -> bool:
+    """Whether a conv's image ``x`` is known to lie NCHW: a graph input packed so.  Only graph inputs: the
+    export's meta tensors give a channels-last conv's output NCHW strides, so another value's strides there
+    are not what the GPU sees (its layout is decided as channels-last, where every conv kernel writes)."""
+    return x.op == "placeholder" and contiguous(x) and not contiguous_nhwc(x)
 
 
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -569,12 +575,20 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
     kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
     parity = by_parity(n * h, w, cv.kh, cv.stride[0], pad, factor)
-    layout = image_layout(x, cv, factor)
-    smg = _build(ctx, node, lambda: patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw)
-                 if parity else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor,
-                                                layout=layout, **kw))
+
+    def make(layout: str) -> Callable[[], SMG]:
+        return lambda: (patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw) if parity
+                        else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor,
+                                             layout=layout, **kw))
+
+    smg, layout = _build(ctx, node, make("nhwc")), "nhwc"
     if smg is None:
         return None
+    if factor == 1 and lies_nchw(x) and (nchw := _build(ctx, node, make("nchw"))) is not None:
+        choice = ctx.layout_of(nchw, smg)  # the search's decision: read where it lies, or copied first
+        if choice.layout == "nchw":
+            smg, layout = nchw, "nchw"
+        ctx.layouts[smg.key] = choice.reason
     _, p, q, co = shape(node)[0], shape(node)[2], shape(node)[3], cv.cout
     m, k = n * p * q, cv.kh * cv.kw * c
     fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()

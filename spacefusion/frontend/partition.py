@@ -7,16 +7,17 @@ from torch import fx
 from spacefusion.frontend.bn_fold import BN_FOLDED
 from spacefusion.frontend.eager_attention import match_eager_attention
 from spacefusion.frontend.graph import call_name
-from spacefusion.frontend.matchers import MATCHERS, Context
+from spacefusion.frontend.matchers import MATCHERS, Context, LayoutOf, default_layout_of
 from spacefusion.frontend.reasons import reason
 from spacefusion.frontend.records import LeftOp, Partition, Subgraph
 
 
-def partition(gm: fx.GraphModule) -> Partition:
+def partition(gm: fx.GraphModule, layout_of: LayoutOf | None = None) -> Partition:
     """Run the matchers in priority order over the graph (each node joins at most one subgraph); every
     other call node is left to torch, with the reason a matcher refused it or the reason for its kind.
-    A matcher that fails unexpectedly leaves its node to torch with the error: never a crash."""
-    ctx = Context(gm)
+    A matcher that fails unexpectedly leaves its node to torch with the error: never a crash.
+    ``layout_of`` decides a convolution's image layout (a backend's, which an export records)."""
+    ctx = Context(gm, layout_of=layout_of or default_layout_of)
     found: list[Subgraph] = []
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
     for matcher in (match_eager_attention, *MATCHERS):
@@ -35,7 +36,7 @@ def partition(gm: fx.GraphModule) -> Partition:
     found.sort(key=lambda s: max(order[n] for n in s.nodes))
     left = tuple(LeftOp(n.name, call_name(n, gm), (ctx.refused.get(n.name) or _reason(n, gm)) + (
         f" ({n.meta[BN_FOLDED]})" if n.meta.get(BN_FOLDED) else "")) for n in calls if n.name not in ctx.claimed)
-    return Partition(tuple(found), left)
+    return Partition(tuple(found), left, layouts=tuple(ctx.layouts.items()))
 
 
 def _reason(node: fx.Node, gm: fx.GraphModule) -> str:

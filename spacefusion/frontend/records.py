@@ -105,6 +105,8 @@ class Partition:
     #: (SMG key, "as N kernels: why"): a split reduction's or a barrier's kernels, the backend's decision, said
     #: in the summary
     splits: tuple[tuple[str, str], ...] = ()
+    #: (conv SMG key, why it reads its image in that layout): the search's layout decisions (``frontend.layouts``)
+    layouts: tuple[tuple[str, str], ...] = ()
 
     @cached_property
     def distinct(self) -> dict[str, tuple[Subgraph, ...]]:
@@ -123,11 +125,13 @@ class Partition:
     def summary(self) -> str:
         lines = [f"{len(self.subgraphs)} fused subgraphs ({len(self.distinct)} distinct SMGs), "
                  f"{len(self.left)} ops left to torch"]
-        split = dict(self.splits)
+        split, layout = dict(self.splits), dict(self.layouts)
         for key, subs in self.distinct.items():
             lines.append(f"  {len(subs):3d} x {subs[0].label}  [{subs[0].key[:10]}]")
             if key in split:
                 lines.append(f"        {split[key]}")
+            if key in layout:
+                lines.append(f"        image {layout[key]}")
         reasons = self.left_reasons().most_common()
         for title, once in (("left to torch:", False), ("not run per call:", True)):
             rows = [(r, n) for r, n in reasons if (r in (DEAD, FOLDED)) == once]

@@ -63,6 +63,9 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
     # issue 28's CNN: torchvision's ResNet-50 (v1.5), fp16 channels-last (what cuDNN and torch.compile are
     # fastest on), batch 32 of 224x224 images
     "resnet50_32x224": ("torchvision", "resnet50", {}, "image", 32, 224),
+    # the same in torch's default NCHW memory, as a user who never asks for channels-last runs it (every system
+    # gets NCHW weights and images: what each does about the layout is its own)
+    "resnet50_32x224_nchw": ("torchvision", "resnet50", {}, "image_nchw", 32, 224),
     # Stable Diffusion 1.5's VAE decoder (diffusers' Decoder with SD 1.5's AutoencoderKL config) on a 64x64
     # latent: a 512x512 image
     "sd15_vae_decoder_1x64": ("diffusers", "Decoder", {
@@ -100,7 +103,7 @@ def _torchvision():
 def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
     cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
-    if cfg_cls in ("torchvision", "diffusers"):  # CNNs: fp16 channels-last, what cuDNN is fastest on
+    if cfg_cls in ("torchvision", "diffusers"):  # CNNs: fp16 channels-last, what cuDNN is fastest on (or NCHW)
         if cfg_cls == "torchvision":
             torchvision = _torchvision()
 
@@ -113,11 +116,12 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
             from diffusers.models.autoencoders import vae
 
             cls, arg, ch = getattr(vae, model_cls), "sample", kw["in_channels"]
+        fmt = torch.contiguous_format if kind == "image_nchw" else torch.channels_last
         torch.manual_seed(0)
         with torch.device(device):
-            model = cls(**kw).eval().half().to(memory_format=torch.channels_last)
+            model = cls(**kw).eval().half().to(memory_format=fmt)
         gen = torch.Generator().manual_seed(1)
-        img = torch.randn(b, ch, s, s, generator=gen).half().to(memory_format=torch.channels_last)
+        img = torch.randn(b, ch, s, s, generator=gen).half().to(memory_format=fmt)
         x = {arg: img.to(device)}
         if kind == "latent+text":  # a mid-schedule timestep and 77 text-encoder states per image
             x["timestep"] = torch.full((b,), 500, dtype=torch.long).to(device)

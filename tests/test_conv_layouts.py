@@ -142,3 +142,44 @@ def test_an_export_records_the_layouts_and_the_gpu_side_reads_them(tmp_path, mon
     with pytest.raises(FrontendError, match="layouts.json is not a layouts record"):
         CudaBackend(tmp_path, load=False).layout_of(nchw, nhwc)
     assert (tmp_path / "layouts.json").read_text() == "[1, 2]"
+
+
+class _RgbStem(torch.nn.Module):
+    """An RGB stem (left to torch: 3 input channels) read by a fused conv, in torch's default NCHW memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.conv = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(self.stem(x)))
+
+
+def test_a_stem_left_to_torch_runs_channels_last_when_fused_kernels_read_it_so() -> None:
+    """The stem's NCHW image is copied channels-last before it, so torch's conv answers channels-last and the
+    fused conv's binding reads that as it lies; the partition says so, the output still equals eager, and a
+    channels-last model is left as it is."""
+    from spacefusion.frontend.left_convs import CHANNELS_LAST
+
+    torch.manual_seed(0)
+    model, x = _RgbStem().eval(), torch.randn(2, 3, 8, 6)
+    seen: dict[str, bool] = {}
+
+    class Watch(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_module" and isinstance(self.module.get_submodule(n.target), torch.nn.Conv2d):
+                seen[n.name] = out.is_contiguous(memory_format=torch.channels_last)
+            return out
+
+    for channels_last in (False, True):
+        m, xx = (model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)) \
+            if channels_last else (model, x)
+        with torch.no_grad():
+            fused = fuse(m, xx, backend="llvm")
+            torch.testing.assert_close(fused(xx), model(x), rtol=1e-4, atol=1e-4)
+            seen.clear()
+            Watch(fused.graph_module).run(xx)
+        stem = [op for op in fused.partition.left if "3 input channels" in op.reason]
+        assert len(stem) == 1 and (CHANNELS_LAST in stem[0].reason) == (not channels_last), stem
+        assert list(seen.values()) == [True], seen  # torch's stem conv answers channels-last either way

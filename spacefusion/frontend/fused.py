@@ -15,6 +15,7 @@ from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.bn_fold import fold_batchnorm, fold_bn_into_left_convs
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
+from spacefusion.frontend.left_convs import CHANNELS_LAST, channels_last_left_convs
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Subgraph
 from spacefusion.frontend.sequence import launches
@@ -322,6 +323,9 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
             except Exception as exc:  # a schedule or build failure leaves the subgraph to torch, reported
                 why = f"kernel build failed: {type(exc).__name__}: {_short(str(exc))}"
         left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
+    relaid = channels_last_left_convs(cap.module, kept)
+    left = [dataclasses.replace(op, reason=f"{op.reason} ({CHANNELS_LAST})") if op.node in relaid else op
+            for op in left]
     for n in cap.module.graph.nodes:  # the names the report gives, kept through the rewrite's copies
         n.meta[ORIGIN] = n.name
     module = rewrite(cap.module, kernels)

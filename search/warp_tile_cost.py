@@ -26,6 +26,7 @@ except wgmma at 0.36 of the peak); the rankings, not the constants, are the poin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy as sp
 
@@ -157,10 +158,17 @@ def _carries(s: Schedule, p: WarpTileProgram) -> tuple[float, float]:
     for u in p.row_states + tuple(g.update for g in p.gemm_states):
         if not u.carry:
             continue
-        e = parse(u.carry)
-        simt += int(sp.count_ops(e)) * cols.get(u.state, 1)
-        exps |= {a for a in sp.preorder_traversal(e) if isinstance(a, sp.exp)}
+        ops, carry_exps = _carry_terms(u.carry)
+        simt += ops * cols.get(u.state, 1)
+        exps |= carry_exps
     return simt, float(len(exps))
+
+
+@lru_cache(maxsize=4096)
+def _carry_terms(carry: str) -> tuple[int, frozenset]:
+    """(count_ops, the exps in it) of a carry's text, once per text (a ranking asks for every candidate)."""
+    e = parse(carry)
+    return int(sp.count_ops(e)), frozenset(a for a in sp.preorder_traversal(e) if isinstance(a, sp.exp))
 
 
 def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:

@@ -106,6 +106,7 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
     wide = s.vector if s.vector > 1 and s.smg.inner_read(name)[0] == s.serial else 1
     spread = input_lane_spread(s, name)
     spans = [s.step if d == s.serial else s.smg.dim_sizes[d] for d in spread or ()]
+    walk, off = s.smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
     sectors: set[int] = set()
     nbytes: set[int] = set()
     for t in range(min(32, s.threads)):
@@ -119,7 +120,6 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
                 pos[d], lane = lane % n, lane // n
         else:
             pos[s.serial] = lane * s.vector
-        walk, off = s.smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
         flat = 0
         for d, n in zip(dims, shape):
             at = pos.get(walk, 0) + off if d == dims[-1] else pos.get(d, 0)

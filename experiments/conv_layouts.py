@@ -24,17 +24,6 @@ sys.path.insert(0, str(HERE))
 FORMAT = "spacefusion-conv-layouts/1"
 
 
-def _times(entry: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(first pick, best) measured of a chain's spacefusion candidates."""
-    ours = [r for r in entry["rows"] if r["system"] == "spacefusion" and r.get("status") == "ok"]
-    first = next((r["median_us"] for r in ours if r["rank"] == 0), None)
-    return first, min((r["median_us"] for r in ours), default=None)
-
-
-def _row(entry: dict[str, Any], system: str) -> float | None:
-    return next((r["median_us"] for r in entry["rows"] if r["system"] == system and r.get("status") == "ok"), None)
-
-
 def hardware_of(device: str) -> Any:
     from schedulers.hardware import H100, H200
 
@@ -62,7 +51,9 @@ def decide(results: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         nhwc = conv_chains.BY_KEY[twin["chain"]["key"]]
         choice = choose_layout(conv_chains.smg_of(c), conv_chains.smg_of(nhwc), hw)
-        (nf, nb), (cf, cb), copy = _times(entry), _times(twin), _row(entry, "transpose_to_nhwc")
+        ours, other = conv_chains.summarize(entry), conv_chains.summarize(twin)
+        nf, nb, cf, cb = ours["first_us"], ours["best_us"], other["first_us"], other["best_us"]
+        copy = ours.get("transpose_to_nhwc_us")
         row = {"key": key, "choice": choice.to_dict(), "reason": choice.reason,
                "decide_s": round(time.perf_counter() - t0, 1), "nchw_first_us": nf, "nchw_best_us": nb,
                "copy_us": copy, "nhwc_first_us": cf, "nhwc_best_us": cb}

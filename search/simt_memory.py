@@ -103,10 +103,10 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
     item = _itemsize(s, name)
     tiles = s.tiles
     order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
-    wide = s.vector if s.vector > 1 and s.smg.inner_read(name)[0] == s.serial else 1
+    walk, off = s.smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
+    wide = s.vector if s.vector > 1 and walk == s.serial else 1
     spread = input_lane_spread(s, name)
     spans = [s.step if d == s.serial else s.smg.dim_sizes[d] for d in spread or ()]
-    walk, off = s.smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
     sectors: set[int] = set()
     nbytes: set[int] = set()
     for t in range(min(32, s.threads)):

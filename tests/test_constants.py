@@ -140,7 +140,7 @@ class _WeightTable(nn.Module):
 
 def _lifted(model: nn.Module, x: torch.Tensor) -> tuple[fx.GraphModule, list]:
     """Dynamo's graph with the weights as ``get_attr`` nodes, as the backend sees it."""
-    from spacefusion.frontend.dynamo import lift_parameters
+    from spacefusion.frontend.compiled import lift_parameters
 
     got: list = []
 

@@ -269,18 +269,6 @@ def test_graph_break_splits_into_fused_graphs_with_reasons() -> None:
     assert "graph breaks" in str(report)
 
 
-def test_dynamic_shapes_are_left_to_torch_with_the_reason() -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU()).eval()
-    backend = SpaceFusionBackend("reference")
-    compiled = torch.compile(model, backend=backend, dynamic=True)
-    with torch.no_grad():
-        for rows in (8, 12):
-            x = torch.randn(rows, 32)
-            torch.testing.assert_close(compiled(x), model(x))
-    assert any(g.skipped and "dynamic=False" in g.skipped for g in backend.graphs), str(backend)
-
-
 def test_autograd_graphs_are_left_to_torch() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU())
     backend = SpaceFusionBackend("reference")

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from spacefusion.frontend.dynamo import drop_noops, lift_parameters
+from spacefusion.frontend.compiled import lift_parameters
+from spacefusion.frontend.noops import drop_noops
 
 
 class _Scaled(nn.Module):
@@ -80,7 +81,7 @@ def test_a_contiguous_read_by_a_conv_and_something_else_stays() -> None:
 
 def test_repeated_activations_of_one_value_merge() -> None:
     """``silu(t)`` called twice on one value is one node; on another value, or another function, it stays."""
-    from spacefusion.frontend.dynamo import merge_repeated_activations
+    from spacefusion.frontend.noops import merge_repeated_activations
 
     torch._dynamo.reset()
     counts: list[int] = []

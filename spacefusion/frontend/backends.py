@@ -201,6 +201,25 @@ class CudaBackend(_Cached):
             tmp.replace(path)
         return got
 
+    def prefetch(self, smgs: list[SMG]) -> dict[str, str]:
+        """Export, in parallel worker processes (``parallel_build``), the artefacts that ``compile`` would
+        build one by one: those of ``smgs`` it has not compiled, that run as one kernel (no barrier, no
+        split) and that the folder lacks or holds from other code.  {SMG key: error} of the failed ones
+        (their serial build reports it)."""
+        from spacefusion.frontend.parallel_build import export_many
+
+        if not self.build_missing:
+            return {}
+        todo: dict[str, SMG] = {}
+        for smg in smgs:
+            if smg.key in self._kernels or smg.key in todo or isinstance(find_barrier(smg), Barrier):
+                continue
+            if self.split_of(smg) is None:
+                path = self.artefact_dir(smg)
+                if not (path / "kernel.json").is_file() or _stale(path):
+                    todo[smg.key] = smg
+        return export_many(self.folder, self.arch, self.schedule_for, self.by_schedule, list(todo.values()))
+
     def export(self, smg: SMG, cubin: bool = True) -> Path:
         """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``)."""
         from spacefusion.api import build

@@ -12,217 +12,34 @@ module undoes before the usual partition (``frontend.partition``) sees them:
 - no-ops at inference stay in the graph (``F.dropout(..., training=False)``, ``.contiguous()`` of a
   contiguous value); ``drop_noops`` removes them so they do not sit between a producer and its consumer.
 
-Kernels are built for the example shapes (``dynamic=False``): a graph with symbolic sizes is left to
-torch with that reason.  Weights are baked when a graph is compiled; every call checks that the same
-parameter tensors, unmodified (``Tensor._version``), are passed, and recompiles the graph otherwise, so
-an in-place weight update or another model instance never runs on stale weights.
+Kernels are built for concrete sizes.  A graph Dynamo traced with symbolic sizes (``dynamic=True``, or
+torch.compile's default after a second input shape: automatic dynamic shapes) is specialised per set of
+sizes it is called with (``compiled.PerShape``), so every call stays fused and Dynamo keeps one graph.
+Weights are baked when a graph is compiled and guarded on every call (``weights.Stamp``: identity,
+``Tensor._version``, address and writes through ``.data``); a change derives the constants again, so an
+in-place weight update, ``load_state_dict`` or another model instance never runs on stale weights.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import operator
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from spacefusion.frontend.backends import get_backend
-from spacefusion.frontend.capture import Captured
+from spacefusion.frontend.compiled import (
+    CompiledGraph,
+    GraphReport,
+    PerShape,
+    parameter_names,
+)
 from spacefusion.frontend.errors import FrontendError
-from spacefusion.frontend.fused import FusedModel, fuse_captured
-from spacefusion.frontend.graph import activation_of, contiguous, conv_of
-from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
-from spacefusion.frontend.replay import GraphReplay, mutated_inputs
-
-_ATTR = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
-
-
-def _qualified(node: fx.Node) -> str | None:
-    """The module path of a placeholder Dynamo sourced from a module's parameter or buffer, else None."""
-    arg = node.meta.get("grapharg")
-    source = getattr(getattr(arg, "source", None), "name", None)
-    source = source() if callable(source) else source
-    if not isinstance(source, str) or not re.search(r"\._(?:parameters|buffers)\[", source):
-        return None
-    return ".".join(_ATTR.findall(source)) or None
-
-
-def _set_attr(root: nn.Module, qualified: str, value: torch.Tensor) -> None:
-    *path, name = qualified.split(".")
-    mod = root
-    for p in path:
-        if not hasattr(mod, p):
-            mod.add_module(p, nn.Module())
-        mod = getattr(mod, p)
-    if isinstance(value, nn.Parameter):
-        mod.register_parameter(name, value)
-    else:
-        mod.register_buffer(name, value, persistent=False)
-
-
-def lift_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, torch.Tensor]:
-    """Replace the uses of every parameter/buffer placeholder by a ``get_attr`` of that tensor (registered
-    on ``gm`` under its qualified name).  The placeholders stay, unused, so the graph keeps Dynamo's calling
-    convention.  Returns {input position: the tensor baked in}."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    baked: dict[int, torch.Tensor] = {}
-    taken: set[str] = set()
-    anchor = placeholders[-1] if placeholders else None
-    for i, node in enumerate(placeholders):
-        name, value = _qualified(node), example_inputs[i] if i < len(example_inputs) else None
-        if name is None or not isinstance(value, torch.Tensor):
-            continue
-        while name in taken:  # two sources with one path (a module reached twice): keep both
-            name += "_"
-        taken.add(name)
-        _set_attr(gm, name, value)
-        with gm.graph.inserting_after(anchor):
-            attr = gm.graph.get_attr(name)
-        attr.meta = dict(node.meta)
-        node.replace_all_uses_with(attr)
-        anchor = attr
-        baked[i] = value
-    gm.graph.lint()
-    gm.recompile()
-    return baked
-
-
-def _is_inference_dropout(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in (F.dropout, torch.dropout, torch.nn.functional.dropout1d,
-                                                         torch.nn.functional.dropout2d):
-        return False
-    args = dict(zip(("input", "p", "training", "inplace"), node.args)) | dict(node.kwargs)
-    return args.get("training", True) is False or args.get("p", 0.5) == 0.0
-
-
-def _same_view(node: fx.Node) -> bool:
-    """A ``view``/``reshape`` to the shape its input already has (HF's ``reshape(b, -1, s, d)`` of an
-    attention output): the same tensor, strides included."""
-    if node.op != "call_method" or node.target not in ("view", "reshape") or not isinstance(node.args[0], fx.Node):
-        return False
-    src, out = node.args[0].meta.get("tensor_meta"), node.meta.get("tensor_meta")
-    return (src is not None and out is not None and hasattr(src, "shape") and hasattr(out, "shape")
-            and tuple(src.shape) == tuple(out.shape) and tuple(src.stride) == tuple(out.stride))
-
-
-def _lone_operand_of_cat(node: fx.Node) -> fx.Node | None:
-    """The one operand of a ``torch.cat`` whose others ShapeProp saw empty (a KV cache's first append,
-    ``cat([empty, k])``: a copy of ``k`` that an inference graph may read in place), else None."""
-    if node.op != "call_function" or node.target not in (torch.cat, torch.concat):
-        return None
-    parts = node.args[0] if node.args else node.kwargs.get("tensors")
-    out = node.meta.get("tensor_meta")
-    if not isinstance(parts, list | tuple) or not hasattr(out, "shape"):
-        return None
-
-    def empty(x: Any) -> bool:
-        meta = x.meta.get("tensor_meta") if isinstance(x, fx.Node) else None
-        return hasattr(meta, "shape") and math.prod(meta.shape) == 0
-
-    kept = [x for x in parts if not empty(x)]
-    meta = kept[0].meta.get("tensor_meta") if len(kept) == 1 and isinstance(kept[0], fx.Node) else None
-    same = hasattr(meta, "shape") and tuple(meta.shape) == tuple(out.shape) and meta.dtype == out.dtype
-    return kept[0] if same else None
-
-
-def _same_value(src: Any, node: fx.Node) -> bool:
-    """Whether ShapeProp saw ``node``'s value with ``src``'s shape, dtype and strides."""
-    a = src.meta.get("tensor_meta") if isinstance(src, fx.Node) else None
-    b = node.meta.get("tensor_meta")
-    return all(hasattr(m, "shape") for m in (a, b)) and (tuple(a.shape), a.dtype, tuple(a.stride)) == (
-        tuple(b.shape), b.dtype, tuple(b.stride))
-
-
-def _identity_arith(node: fx.Node) -> fx.Node | None:
-    """The tensor of ``x / 1`` or ``x * 1`` (either side) where the result keeps its dtype, else None:
-    diffusers divides every ResNet block's and attention's output by an ``output_scale_factor`` /
-    ``rescale_output_factor`` that is 1.0 in SD 1.5, a full read and write of the feature map each (Dynamo
-    keeps them)."""
-    if node.op != "call_function" or len(node.args) != 2 or node.kwargs:
-        return None
-    x, c = node.args
-    if node.target in (operator.mul, torch.mul) and not isinstance(x, fx.Node):
-        x, c = c, x
-    ok = (node.target in (operator.truediv, torch.div, operator.mul, torch.mul) and isinstance(x, fx.Node)
-          and isinstance(c, int | float) and not isinstance(c, bool) and c == 1 and _same_value(x, node))
-    return x if ok else None
-
-
-def _same_dtype_cast(node: fx.Node) -> bool:
-    """``x.to(dtype)`` / ``x.float()`` / ``x.half()`` to the dtype ``x`` has: torch returns ``x`` itself."""
-    if node.op != "call_method" or not node.args or not _same_value(node.args[0], node):
-        return False
-    if node.target in ("float", "half", "bfloat16"):
-        return len(node.args) == 1 and not node.kwargs
-    return node.target == "to" and len(node.args) + len(node.kwargs) >= 2 and all(
-        isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
-
-
-def _channels_last_for_convs(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """``.contiguous()`` of a channels-last image read only by convolutions (diffusers' Transformer2D
-    ``reshape(b, h, w, c).permute(0, 3, 1, 2).contiguous()`` before its 1x1 ``proj_out``): a copy into NCHW
-    that a conv does not need, since it reads either layout (the fused implicit GEMM binds channels-last)."""
-    if node.op != "call_method" or node.target != "contiguous" or len(node.args) != 1 or node.kwargs:
-        return False
-    meta = node.args[0].meta.get("tensor_meta") if isinstance(node.args[0], fx.Node) else None
-    if not hasattr(meta, "shape") or len(meta.shape) != 4 or not node.users:
-        return False
-    _, c, h, w = meta.shape
-    cl = tuple(s for s, n in zip(meta.stride[1:], (c, h, w)) if n > 1) == tuple(
-        s for s, n in zip((1, w * c, c), (c, h, w)) if n > 1)
-    return cl and all(conv_of(u, gm) is not None and conv_of(u, gm).x is node for u in node.users)
-
-
-def drop_noops(gm: fx.GraphModule) -> int:
-    """Remove inference dropouts, views to the same shape, ``.contiguous()`` of values ShapeProp saw
-    contiguous (or channels-last, read only by convs), casts to the dtype a value has, ``x / 1`` and
-    ``x * 1``, and concatenations with empty tensors (run after shape propagation); returns how many
-    nodes went."""
-    gone = 0
-    for node in list(gm.graph.nodes):
-        noop = _is_inference_dropout(node) or _same_view(node) or (
-            node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1
-            and contiguous(node.args[0])) or _same_dtype_cast(node) or _channels_last_for_convs(node, gm)
-        src = node.args[0] if noop else _identity_arith(node) or _lone_operand_of_cat(node)
-        if isinstance(src, fx.Node):
-            node.replace_all_uses_with(src)
-            gm.graph.erase_node(node)
-            gone += 1
-    gm.recompile()
-    return gone
-
-
-def merge_repeated_activations(gm: fx.GraphModule) -> int:
-    """Let one node stand for every later call of the same activation function on the same value
-    (diffusers' UNet applies ``silu`` to the time embedding in each of its 22 ResNet blocks; Dynamo keeps
-    all 22).  The linears reading that one value then stack into a GEMM per shape (``match_stacked_linears``)
-    instead of 22 launches.  Only pure activations (``graph.activation_of``) merge; returns how many went."""
-    seen: dict[tuple, fx.Node] = {}
-    gone = 0
-    for node in list(gm.graph.nodes):
-        if node.op not in ("call_function", "call_method") or activation_of(node, gm) is None:
-            continue
-        try:
-            key = (node.op, node.target, tuple(node.args), tuple(sorted(node.kwargs.items())))
-            first = seen.setdefault(key, node)
-        except TypeError:  # an unhashable argument: left alone
-            continue
-        if first is not node:
-            node.replace_all_uses_with(first)
-            gm.graph.erase_node(node)
-            gone += 1
-    gm.recompile()
-    return gone
 
 
 def _symbolic(example_inputs: Sequence[Any]) -> bool:
@@ -230,81 +47,13 @@ def _symbolic(example_inputs: Sequence[Any]) -> bool:
                and any(isinstance(s, torch.SymInt) for s in x.shape) for x in example_inputs)
 
 
-@dataclass
-class GraphReport:
-    """One Dynamo graph: what was fused in it and what torch runs (``partition``), or why it was not
-    fused at all (``skipped``)."""
-
-    index: int
-    nodes: int
-    partition: Partition | None = None
-    skipped: str | None = None
-    ended_by: str | None = None  # the graph break that ended this graph (torch runs what follows it)
-    replayed: bool = False  # runs as one CUDA graph (``replay.GraphReplay``)
-    #: why a graph that would be replayed is launched kernel by kernel instead (its capture failed)
-    not_replayed: str | None = None
-
-    def __str__(self) -> str:
-        head = f"graph {self.index} ({self.nodes} nodes)"
-        if self.ended_by:
-            head += f", ended by a graph break: {self.ended_by}"
-        if self.not_replayed:
-            head += f", launched kernel by kernel: {self.not_replayed}"
-        return f"{head}: left to torch: {self.skipped}" if self.skipped else f"{head}: {self.partition}"
-
-
-class _Compiled:
-    """What the backend returns for one graph: the fused graph module, guarded on the baked weights."""
-
-    def __init__(self, owner: SpaceFusionBackend, gm: fx.GraphModule, example_inputs: list[Any],
-                 report: GraphReport) -> None:
-        self.owner, self.gm, self.report = owner, gm, report
-        self._fuse(example_inputs)
-
-    def _fuse(self, example_inputs: list[Any]) -> None:
-        gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
-        baked = lift_parameters(gm, example_inputs)
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
-            if split_projections(gm):  # new nodes: their shapes
-                ShapeProp(gm).propagate(*example_inputs)
-        drop_noops(gm)
-        merge_repeated_activations(gm)
-        fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose,
-                              baked_weights=True)
-        self.report.partition = fused.partition
-        self.fused: FusedModel = fused
-        self.run = fused.graph_module.forward
-        self.baked = tuple((i, t, t._version) for i, t in baked.items())
-        self._capture(example_inputs)
-
-    def _capture(self, example_inputs: list[Any]) -> None:
-        """The CUDA graph replay of ``self.run`` on these inputs, where graphs are replayed on the GPU."""
-        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-        self.replay: GraphReplay | None = None
-        on_gpu = getattr(self.owner.kernels, "name", None) == "cuda" and tensors and all(x.is_cuda for x in tensors)
-        if self.owner.replay_graphs and on_gpu and not self.owner.export_only:
-            try:
-                self.replay = GraphReplay(self.run, example_inputs, [i for i, _, _ in self.baked],
-                                          clone_outputs=self.owner.clone_outputs, mutated=mutated_inputs(self.gm))
-            except Exception as exc:  # e.g. a host tensor copied in (Gemma's embedding scale): not capturable
-                torch.cuda.synchronize()
-                self.report.not_replayed = f"its CUDA graph capture failed: {type(exc).__name__}: " + \
-                    str(exc).splitlines()[0][:300]
-        self.report.replayed = self.replay is not None
-
-    def __call__(self, *args: Any) -> Any:
-        for i, t, version in self.baked:
-            if args[i] is not t or t._version != version:
-                self._fuse(list(args))  # other weights than those baked: rebuild the constants
-                break
-        if self.replay is not None:
-            if not self.replay.captures(args):  # another static-address tensor (a new cache): capture again
-                self._capture(list(args))
-            if self.replay is not None:
-                return self.replay(*args)
-        with torch.no_grad():
-            return self.run(*args)
+def _symbolic_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo traced ``gm`` with symbolic sizes: a SymInt input, or a placeholder whose fake value
+    has a symbolic dim (the example inputs themselves are real tensors of the first call's sizes)."""
+    if _symbolic(example_inputs):
+        return True
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    return _symbolic([f for f in fakes if isinstance(f, torch.Tensor | torch.SymInt)])
 
 
 @dataclass
@@ -335,7 +84,7 @@ class SpaceFusionBackend:
 
     def __post_init__(self) -> None:
         self._set_mode(self.mode)
-        self.compiled: list[_Compiled] = []  # what each fused graph runs (its FusedModel, its replay)
+        self.compiled: list[CompiledGraph] = []  # what each fused graph runs (its FusedModel, its replay)
         if isinstance(self.target, str) and self.target not in TARGETS:
             raise FrontendError(f"unknown spacefusion target {self.target!r}; known: {', '.join(TARGETS)}, "
                                 f"or a kernel backend object")
@@ -369,18 +118,17 @@ class SpaceFusionBackend:
         self.graphs.append(report)
         self._resolve(example_inputs)
         _ = self.kernels  # a target that cannot run here (cuda without a GPU) is an error, not a fallback
-        if _symbolic(example_inputs):
-            report.skipped = ("symbolic sizes (dynamic shapes): SMG kernels are built for concrete shapes; "
-                              "compile with dynamic=False")
-            return gm.forward
         if any(isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() for x in example_inputs) \
                 and not self.export_only:
             report.skipped = "autograd is on for its inputs: the fused kernels are inference-only (use torch.no_grad)"
             return gm.forward
+        names = parameter_names(gm)  # now: Dynamo drops the placeholders' sources once this returns
+        if _symbolic_graph(gm, example_inputs):
+            return PerShape(self, gm, list(example_inputs), report, names)
         try:
-            compiled = _Compiled(self, gm, list(example_inputs), report)
+            compiled = CompiledGraph(self, gm, list(example_inputs), report, names)
             self.compiled.append(compiled)
-            return gm.forward if self.export_only else compiled
+            return gm.forward if self.export_only or compiled.plain else compiled
         except FrontendError as exc:
             report.skipped = str(exc)
         except Exception as exc:  # a graph we could not fuse runs as Dynamo captured it, reported
@@ -389,7 +137,7 @@ class SpaceFusionBackend:
 
     @property
     def partitions(self) -> list[Partition]:
-        return [g.partition for g in self.graphs if g.partition is not None]
+        return [p for g in self.graphs for p in g.partitions()]
 
     def graph_breaks(self) -> list[str]:
         """Dynamo's reasons for the graph breaks that ended this backend's graphs."""
@@ -544,11 +292,12 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | No
 
 def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: str | None = None,  # noqa: A001
             db: str | Path | None = None, **kwargs: Any) -> nn.Module:
-    """``torch.compile(model, backend=SpaceFusionBackend(target, mode=mode, db=db), dynamic=False)``: returns
-    the compiled module, with the backend (its per-graph reports) as ``.spacefusion``.  ``db``: a tuning
-    database (``frontend.tune.tune_model``) whose best schedules the kernels are built from."""
+    """``torch.compile(model, backend=SpaceFusionBackend(target, mode=mode, db=db), **kwargs)``: returns the
+    compiled module, with the backend (its per-graph reports) as ``.spacefusion``.  ``db``: a tuning
+    database (``frontend.tune.tune_model``) whose best schedules the kernels are built from.  Dynamo's own
+    defaults hold (``dynamic`` unset: a second input shape recompiles with symbolic sizes, which the backend
+    specialises per shape), so a loop over shapes never reaches Dynamo's recompile limit."""
     backend = SpaceFusionBackend(target, verbose, mode, db=db)
-    kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=backend, **kwargs)
     # on the wrapper itself: OptimizedModule's setattr would put it on ``model``, shared by every compile
     object.__setattr__(compiled, "spacefusion", backend)

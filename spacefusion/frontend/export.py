@@ -134,7 +134,7 @@ def fuse_exported(ep: torch.export.ExportedProgram, *args: Any, backend: Any = "
             ShapeProp(gm).propagate(*flat)
     except Exception as exc:  # the inputs do not fit the program: say so in our terms
         raise FrontendError(f"running the exported program on the example inputs failed: {exc}") from exc
-    from spacefusion.frontend.dynamo import drop_noops
+    from spacefusion.frontend.noops import drop_noops
 
     drop_noops(gm)
     fused = fuse_captured(Captured(gm, tuple(flat)), backend, verbose)

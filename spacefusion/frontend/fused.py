@@ -312,6 +312,8 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     be = get_backend(backend)
     part = partition(cap.module, getattr(be, "layout_of", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}
+    if hasattr(be, "prefetch"):  # the distinct SMGs' artefacts exported side by side (``parallel_build``)
+        be.prefetch([sub.smg for sub in part.subgraphs if _closed(sub, by_name)])
     kernels, kept, left = [], [], list(part.left)
     for sub in part.subgraphs:
         why = None if _closed(sub, by_name) else "its internal values are read outside it"

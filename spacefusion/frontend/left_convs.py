@@ -26,11 +26,16 @@ CHANNELS_LAST = "run channels-last: the fused kernels read its output so"
 def channels_last_left_convs(gm: fx.GraphModule, fused: Iterable[Subgraph]) -> set[str]:
     """Copy the NCHW image of each convolution left to torch whose output a fused kernel binds channels-last
     into channels-last memory before it (one copy of the conv's input instead of two of its output); the
-    names of the convolutions changed.  Values are unchanged: only their memory order."""
+    names of the convolutions changed.  Values are unchanged: only their memory order.  A convolution that
+    is itself part of a fused subgraph (after the nearest upsampling it reads through: ``fold_upsample``) is
+    not left to torch and is not touched: a copy before it would sit inside that subgraph and close a cycle
+    through its kernel."""
+    fused = list(fused)
     read_nhwc = {op.ref for s in fused for op in s.operands if op.source == "value" and op.permute == NHWC}
+    inside = {name for s in fused for name in s.nodes}
     done: set[str] = set()
     for node in list(gm.graph.nodes):
-        cv = conv_of(node, gm) if node.name in read_nhwc else None
+        cv = conv_of(node, gm) if node.name in read_nhwc and node.name not in inside else None
         if cv is None or not contiguous(cv.x) or contiguous_nhwc(cv.x):
             continue
         with gm.graph.inserting_before(node):

@@ -7,6 +7,7 @@ pattern but cannot be fused (an attention mask, an unsupported dtype) is recorde
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -209,7 +210,12 @@ def _kept_bias(ctx: Context, mask: object, want: tuple[int, int, int, int], kv_h
                ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | None:
     """HF's ``create_position_bias_mask`` (T5): ``where(keep, bias, finfo.min)``, a float bias where an index
     mask keeps the scores: the mask's mods, then the bias added as an input (its broadcast dims dropped), so
-    the [b, h, m, l] sum is never written.  None where ``mask`` is not that."""
+    the [b, h, m, l] sum is never written.  None where ``mask`` is not that.
+
+    A query row whose every key is masked gets the mean of V, as in eager T5: there the scores are all
+    ``finfo.min`` (the bias vanishes in its rounding) and the softmax is uniform.  So the padding mod keeps
+    no ``zero_v`` here (that rule, 0 for such a row, is SDPA's for boolean masks): its finite fill
+    (``MASKED``) gives the online softmax the same uniform row."""
     if not is_function(mask, (torch.where,)) or len(mask.args) != 3 or mask.kwargs or len(mask.users) != 1 \
             or not ctx.free(mask):
         return None
@@ -223,7 +229,8 @@ def _kept_bias(ctx: Context, mask: object, want: tuple[int, int, int, int], kv_h
     added = _mask_mod(bias, want, kv_heads, dt)
     if masked is None or isinstance(added, str) or added[1][0].body != "{s} + Mask":
         return None
-    return masked[0], (*added[1], *masked[1]), [*added[2], *masked[2]]
+    uniform = tuple(dataclasses.replace(mod, zero_v=None) for mod in masked[1])
+    return masked[0], (*added[1], *uniform), [*added[2], *masked[2]]
 
 
 def attention_subgraph(ctx: Context, node: fx.Node, nodes: tuple[fx.Node, ...], q: fx.Node, k: fx.Node,

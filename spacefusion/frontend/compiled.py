@@ -1,0 +1,268 @@
+"""What the Dynamo backend returns for one graph: its fused form, guarded on the weights it baked, and, for
+a graph with symbolic sizes, one fused form per distinct set of sizes it is called with.
+
+A Dynamo graph's parameters are inputs (modules are inlined).  ``lift_parameters`` turns every placeholder
+that Dynamo sourced from a module's ``_parameters`` or ``_buffers`` into a ``get_attr`` of that tensor under
+its qualified name (``encoder.layer.0.attention.self.query.weight``), which the matchers bind as constant
+operands (weights transposed or stacked once, at build time).  Dynamo drops the placeholders' sources
+(``grapharg``) once the backend returns, so the names are read then and kept (``parameter_names``): a
+rebuild after a weight change, or a new size, bakes the same weights as the first build.  A buffer the graph
+writes (a step counter, train-mode BatchNorm's running stats) is state, not a constant: it stays an input.
+
+``CompiledGraph`` rebuilds its constants when a baked weight changed in any way (``weights.Stamp``).
+``PerShape`` serves a graph with symbolic sizes (torch.compile's automatic dynamic shapes after a
+recompile): each call's sizes pick a ``CompiledGraph`` of the graph specialised to them
+(``specialize.concrete``), built on the first call with those sizes; kernels of SMGs already built (the
+same layer at another batch, a shape seen before) come from the kernel cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from spacefusion.frontend.capture import Captured
+from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.fused import FusedModel, fuse_captured
+from spacefusion.frontend.noops import drop_noops, merge_repeated_activations
+from spacefusion.frontend.projections import split_projections
+from spacefusion.frontend.records import Partition
+from spacefusion.frontend.replay import GraphReplay, mutated_inputs
+from spacefusion.frontend.specialize import SizeKey, concrete
+from spacefusion.frontend.weights import Stamp
+
+_ATTR = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def _qualified(node: fx.Node) -> str | None:
+    """The module path of a placeholder Dynamo sourced from a module's parameter or buffer, else None."""
+    arg = node.meta.get("grapharg")
+    source = getattr(getattr(arg, "source", None), "name", None)
+    source = source() if callable(source) else source
+    if not isinstance(source, str) or not re.search(r"\._(?:parameters|buffers)\[", source):
+        return None
+    return ".".join(_ATTR.findall(source)) or None
+
+
+
+def parameter_names(gm: fx.GraphModule) -> dict[int, str]:
+    """{placeholder position: qualified name} of the placeholders Dynamo sourced from module parameters
+    and buffers (read while the backend is called: Dynamo drops the sources after it returns)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {i: name for i, n in enumerate(placeholders) if (name := _qualified(n)) is not None}
+
+
+def _set_attr(root: nn.Module, qualified: str, value: torch.Tensor) -> None:
+    *path, name = qualified.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(name, value)
+    else:
+        mod.register_buffer(name, value, persistent=False)
+
+
+
+def lift_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any], names: dict[int, str] | None = None,
+                    keep: set[int] = frozenset()) -> dict[int, torch.Tensor]:
+    """Replace the uses of every parameter/buffer placeholder (``names``, else the placeholders' Dynamo
+    sources) but those at ``keep`` by a ``get_attr`` of that tensor (registered on ``gm`` under its qualified
+    name).  The placeholders stay, unused, so the graph keeps Dynamo's calling convention.  Returns {input
+    position: the tensor baked in}."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = parameter_names(gm) if names is None else names
+    baked: dict[int, torch.Tensor] = {}
+    taken: set[str] = set()
+    anchor = placeholders[-1] if placeholders else None
+    for i, node in enumerate(placeholders):
+        name, value = names.get(i), example_inputs[i] if i < len(example_inputs) else None
+        if name is None or i in keep or not isinstance(value, torch.Tensor):
+            continue
+        while name in taken:  # two sources with one path (a module reached twice): keep both
+            name += "_"
+        taken.add(name)
+        _set_attr(gm, name, value)
+        with gm.graph.inserting_after(anchor):
+            attr = gm.graph.get_attr(name)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        anchor = attr
+        baked[i] = value
+    gm.graph.lint()
+    gm.recompile()
+    return baked
+
+
+def propagate_shapes(gm: fx.GraphModule, args: Sequence[Any]) -> None:
+    """``ShapeProp`` on fake tensors of a static fake mode of our own.  Why not ShapeProp's default: inside
+    Dynamo's call it finds Dynamo's fake mode and fakes the inputs there, and under automatic dynamic shapes
+    that mode gives each new fake's sizes symbols with no source, which fail Dynamo's guards after the
+    backend returns ("sources must not be empty for symbol s15")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
+
+
+def shape_inputs(args: Sequence[Any], written: set[int]) -> list[Any]:
+    """The arguments a shape pass runs the graph on: copies of those it writes in place (a buffer updated in
+    ``forward`` is updated by the call, not also by the compile)."""
+    return [a.clone() if i in written and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+
+
+@dataclass
+class GraphReport:
+    """One Dynamo graph: what was fused in it and what torch runs (``partition``), or why it was not
+    fused at all (``skipped``).  A graph with symbolic sizes has one report per set of sizes it was
+    specialised to (``shapes``, by its sizes); its ``partition`` is the latest of them."""
+
+    index: int
+    nodes: int
+    partition: Partition | None = None
+    skipped: str | None = None
+    ended_by: str | None = None  # the graph break that ended this graph (torch runs what follows it)
+    replayed: bool = False  # runs as one CUDA graph (``replay.GraphReplay``)
+    #: why a graph that would be replayed is launched kernel by kernel instead (its capture failed)
+    not_replayed: str | None = None
+    shapes: dict[str, GraphReport] = field(default_factory=dict)
+    #: why its constants were last derived again (a weight changed: ``weights.Stamp.changed``)
+    rebuilt: str | None = None
+    rebuilds: int = 0
+
+    def __str__(self) -> str:
+        head = f"graph {self.index} ({self.nodes} nodes)"
+        if self.ended_by:
+            head += f", ended by a graph break: {self.ended_by}"
+        if self.not_replayed:
+            head += f", launched kernel by kernel: {self.not_replayed}"
+        if self.rebuilds:
+            head += f", constants derived again {self.rebuilds}x (last: {self.rebuilt})"
+        if self.shapes:
+            lines = [f"{head}: symbolic sizes, specialised to {len(self.shapes)} set(s) of sizes"]
+            for sizes, r in self.shapes.items():
+                body = str(r).split(": ", 1)[1] if ": " in str(r) else str(r)
+                lines.append(f"  [{sizes}]: " + body.replace("\n", "\n  "))
+            return "\n".join(lines)
+        return f"{head}: left to torch: {self.skipped}" if self.skipped else f"{head}: {self.partition}"
+
+    def partitions(self) -> list[Partition]:
+        """This graph's partitions: its own, or one per specialisation."""
+        if self.shapes:
+            return [r.partition for r in self.shapes.values() if r.partition is not None]
+        return [self.partition] if self.partition is not None else []
+
+
+class CompiledGraph:
+    """One graph of concrete sizes, fused: its weights baked, rebuilt when one changes."""
+
+    def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
+                 names: dict[int, str]) -> None:
+        self.owner, self.gm, self.report, self.names = owner, gm, report, names
+        self.written = mutated_inputs(gm)
+        self._fuse(example_inputs)
+
+    def _fuse(self, example_inputs: list[Any]) -> None:
+        gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
+        baked = lift_parameters(gm, example_inputs, self.names, keep=self.written)
+        shaped = shape_inputs(example_inputs, self.written)
+        with torch.no_grad():
+            propagate_shapes(gm, shaped)
+            if split_projections(gm):  # new nodes: their shapes
+                propagate_shapes(gm, shape_inputs(example_inputs, self.written))
+        drop_noops(gm)
+        merge_repeated_activations(gm)
+        fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose,
+                              baked_weights=True)
+        self.report.partition = fused.partition
+        self.fused: FusedModel = fused
+        self.run = fused.graph_module.forward
+        self.stamp = Stamp.take(baked)
+        self._capture(example_inputs)
+
+    def _capture(self, example_inputs: list[Any]) -> None:
+        """The CUDA graph replay of ``self.run`` on these inputs, where graphs are replayed on the GPU."""
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        self.replay: GraphReplay | None = None
+        on_gpu = getattr(self.owner.kernels, "name", None) == "cuda" and tensors and all(x.is_cuda for x in tensors)
+        if self.owner.replay_graphs and on_gpu and not self.owner.export_only:
+            try:
+                self.replay = GraphReplay(self.run, example_inputs, self.stamp.positions,
+                                          clone_outputs=self.owner.clone_outputs, mutated=self.written)
+            except Exception as exc:  # e.g. a host tensor copied in (Gemma's embedding scale): not capturable
+                torch.cuda.synchronize()
+                self.report.not_replayed = f"its CUDA graph capture failed: {type(exc).__name__}: " + \
+                    str(exc).splitlines()[0][:300]
+        self.report.replayed = self.replay is not None
+
+    @property
+    def plain(self) -> bool:
+        """Nothing fused and no CUDA graph: torch's own graph does the same, without the guard's cost."""
+        return not self.fused.partition.subgraphs and self.replay is None
+
+    def __call__(self, *args: Any) -> Any:
+        why = self.stamp.changed(args)
+        if why is not None:  # other weights than those baked, or changed: derive the constants again
+            self.report.rebuilt, self.report.rebuilds = why, self.report.rebuilds + 1
+            self._fuse(list(args))
+        if self.replay is not None:
+            if not self.replay.captures(args):  # another static-address tensor (a new cache): capture again
+                self._capture(list(args))
+            if self.replay is not None:
+                return self.replay(*args)
+        with torch.no_grad():
+            return self.run(*args)
+
+
+#: the most sets of sizes one symbolic graph is specialised to; calls with further sizes run the graph in
+#: torch (said in the report), so a loop over thousands of lengths does not build thousands of graphs
+MAX_SHAPES = 64
+
+
+class PerShape:
+    """A graph with symbolic sizes: each call runs the ``CompiledGraph`` of its sizes (built on the first
+    call with them).  A set of sizes whose build fails runs the symbolic graph in torch, its reason kept
+    in that size's report."""
+
+    def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
+                 names: dict[int, str]) -> None:
+        self.owner, self.gm, self.report, self.names = owner, gm, report, names
+        self.key = SizeKey.of_graph(gm, example_inputs)
+        self.arg_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.compiled: dict[tuple, Any] = {}
+
+    def _build(self, args: list[Any]) -> Any:
+        sizes = self.key.describe(args, self.arg_names)
+        report = GraphReport(self.report.index, self.report.nodes)
+        self.report.shapes[sizes] = report
+        if len(self.compiled) >= MAX_SHAPES:
+            report.skipped = f"more than {MAX_SHAPES} sets of sizes: torch runs the further ones (MAX_SHAPES)"
+            return self.gm.forward
+        try:
+            compiled = CompiledGraph(self.owner, concrete(self.gm, args), args, report, self.names)
+        except FrontendError as exc:
+            report.skipped = str(exc)
+            return self.gm.forward
+        except Exception as exc:  # a specialisation we could not fuse runs as Dynamo captured it, reported
+            report.skipped = f"{type(exc).__name__}: {exc}"
+            return self.gm.forward
+        self.report.partition, self.report.replayed = report.partition, report.replayed
+        self.owner.compiled.append(compiled)
+        return self.gm.forward if compiled.plain else compiled
+
+    def __call__(self, *args: Any) -> Any:
+        key = self.key.of(args)
+        run = self.compiled.get(key)
+        if run is None:
+            run = self.compiled[key] = self._build(list(args))
+        if self.owner.export_only:  # the kernels of these sizes are written; torch runs the call
+            return self.gm.forward(*args)
+        return run(*args)

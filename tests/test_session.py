@@ -1,0 +1,305 @@
+"""A user's session through the Dynamo backend (issue 55): torch.compile's defaults across input shapes,
+weights written every way torch allows, buffers written in ``forward``, several models in one process, and
+graphs where nothing fuses.  Each checked against eager on the CPU targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spacefusion
+from spacefusion.frontend.dynamo import SpaceFusionBackend
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _bert(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
+    torch.manual_seed(1)
+    cfg = transformers.BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                                  intermediate_size=2 * hidden, vocab_size=100)
+    return transformers.BertModel(cfg).eval()
+
+
+def _ids(b: int, s: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, 100, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _check(model: torch.nn.Module, compiled, **kw) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**kw).last_hidden_state, model(**kw).last_hidden_state,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def _gemms(partition) -> int:
+    return sum(n for kind, n in partition.counts().items() if "gemm" in kind)
+
+
+def test_every_length_stays_fused_under_torch_defaults() -> None:
+    """The issue's loop in small: the second length makes Dynamo recompile with symbolic sizes; every call,
+    the first length's again included, runs fused kernels of its own sizes."""
+    model = _bert()
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend)  # torch's defaults: automatic dynamic shapes
+    for s in (16, 24, 16, 32, 24):
+        _check(model, compiled, input_ids=_ids(2, s))
+    dynamic = [g for g in backend.graphs if g.shapes]
+    assert len(dynamic) == 1, str(backend)
+    sizes = dynamic[0].shapes
+    assert len(sizes) == 3 and all("s" in k for k in sizes), str(backend)  # 24, 16, 32: each once
+    for report in sizes.values():
+        counts = report.partition.counts()
+        assert counts["attention"] == 2 and _gemms(report.partition) >= 9 and not report.skipped, str(report)
+    # the kernels are those of each call's sizes: the attention of 32 tokens has its own SMG
+    labels = [s.label for r in sizes.values() for s in r.partition.subgraphs if s.kind == "attention"]
+    assert any("32x32" in label for label in labels) and any("24x24" in label for label in labels), labels
+
+
+def test_dynamic_true_is_fused_per_shape() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU()).eval()
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for rows in (8, 12, 8):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(compiled(x), model(x))
+    (graph,) = backend.graphs
+    assert len(graph.shapes) == 2 and all(r.partition.counts()["gemm"] == 1 for r in graph.shapes.values()), \
+        str(backend)
+    assert "symbolic sizes, specialised to 2" in str(backend)
+
+
+class _Scaled(torch.nn.Module):
+    """Sizes used as values: ``x.view(b, s, h, -1)`` and a scale from ``x.size(-1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = torch.relu(self.lin(x)).view(b, s, 4, -1)
+        return y * (1.0 / y.size(-1)) + s
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 9)), min_size=2, max_size=4))
+def test_symbolic_sizes_used_as_values_are_specialised(shapes: list[tuple[int, int]]) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Scaled().eval()
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for b, s in shapes:
+            x = torch.randn(b, s, 16, generator=torch.Generator().manual_seed(b * 10 + s))
+            torch.testing.assert_close(compiled(x), model(x))
+    # Dynamo specialises sizes 0 and 1 even with dynamic=True (a graph of their own): across the graphs,
+    # each distinct shape was built once, and every build fused the linear
+    built = [r for g in backend.graphs for r in (g.shapes.values() if g.shapes else [g])]
+    assert len(built) == len(set(shapes)), str(backend)
+    assert all(r.partition.counts().get("gemm", 0) == 1 for r in built), str(backend)
+
+
+def test_several_models_in_one_process_are_all_fused() -> None:
+    """``transformers`` sends every model's forward through one wrapper: the second and third model make
+    Dynamo recompile it with dynamic sizes; each stays fused."""
+    backends = []
+    for hidden, seq in ((64, 16), (32, 12), (64, 20)):
+        model = _bert(layers=1, hidden=hidden)
+        backend = SpaceFusionBackend("reference")
+        backends.append(backend)
+        _check(model, torch.compile(model, backend=backend), input_ids=_ids(2, seq))
+    for backend in backends:
+        assert backend.partitions and all(p.counts()["attention"] == 1 for p in backend.partitions), str(backend)
+
+
+def _fused_gemms(compiled) -> int:
+    return _gemms(compiled.spacefusion.partitions[-1])
+
+
+@pytest.mark.parametrize("write", [".data.mul_", ".data.copy_", ".data =", "load_state_dict", "new Parameter",
+                                   "no_grad mul_"])
+def test_no_weight_write_leaves_a_stale_result(write: str) -> None:
+    """Every way of writing a weight is seen on the next call, and the rebuild bakes as much as the first
+    build (the placeholders' sources are kept from the first compile)."""
+    model = _bert()
+    compiled = spacefusion.compile(model, target="reference")
+    kw = {"input_ids": _ids(2, 16)}
+    _check(model, compiled, **kw)
+    first = _fused_gemms(compiled)
+    w = model.encoder.layer[0].intermediate.dense.weight
+    if write == ".data.mul_":
+        w.data.mul_(-2.0)
+    elif write == ".data.copy_":
+        w.data.copy_(torch.randn(w.shape))
+    elif write == ".data =":
+        w.data = torch.randn(w.shape)
+    elif write == "load_state_dict":
+        model.load_state_dict({k: v + 0.05 for k, v in model.state_dict().items()})
+    elif write == "new Parameter":
+        model.encoder.layer[0].intermediate.dense.weight = torch.nn.Parameter(torch.randn(w.shape))
+    else:
+        with torch.no_grad():
+            w.mul_(3.0)
+    _check(model, compiled, **kw)
+    assert _fused_gemms(compiled) == first
+    (graph,) = compiled.spacefusion.graphs
+    assert graph.rebuilds == 1, str(graph)
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return torch.relu(self.lin(x)) + self.steps
+
+
+def test_a_buffer_written_in_forward_is_written_as_eager_writes_it() -> None:
+    model, twin = _Counter().eval(), _Counter().eval()
+    twin.load_state_dict(model.state_dict())
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(compiled(x), twin(x))
+    assert model.steps.item() == twin.steps.item() == 3
+    assert compiled.spacefusion.partitions[0].counts()["gemm"] == 1
+
+
+def test_train_mode_batchnorm_counts_each_call_once() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).train()
+    twin = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).train()
+    twin.load_state_dict(model.state_dict())
+    compiled = spacefusion.compile(model, target="reference")
+    with torch.no_grad():
+        for i in range(2):
+            x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(compiled(x), twin(x))
+    assert model[1].num_batches_tracked.item() == twin[1].num_batches_tracked.item() == 2
+    torch.testing.assert_close(model[1].running_mean, twin[1].running_mean)
+
+
+def test_a_graph_with_nothing_fused_is_torchs_own() -> None:
+    """Nothing fusable (depthwise convs): the backend returns Dynamo's graph itself, so it costs what torch
+    costs; the report says why each op was left."""
+    model = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 3, padding=1, groups=8) for _ in range(3)]).eval()
+    backend = SpaceFusionBackend("llvm")
+    returned = []
+
+    def spy(gm, example_inputs):
+        fn = backend(gm, example_inputs)
+        returned.append((fn, gm))
+        return fn
+
+    compiled = torch.compile(model, backend=spy, dynamic=False)
+    x = torch.randn(1, 8, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    ((fn, gm),) = returned
+    assert getattr(fn, "__self__", None) is gm and backend.compiled[0].plain
+    assert "depthwise" in str(backend)
+
+
+def test_t5_with_an_all_padding_row_gives_eagers_mean_of_v() -> None:
+    """T5's mask is a float bias: a row of all padding gets a uniform softmax in eager (the mean of V), not
+    SDPA's boolean rule (0)."""
+    torch.manual_seed(1)
+    cfg = transformers.T5Config(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, vocab_size=100)
+    model = transformers.T5EncoderModel(cfg).eval()
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1] = 0
+    compiled = spacefusion.compile(model, target="reference")
+    _check(model, compiled, input_ids=_ids(2, 16), attention_mask=mask)
+    assert compiled.spacefusion.partitions[0].counts()["attention"] == 2, str(compiled.spacefusion)
+
+
+class _UpChain(torch.nn.Module):
+    """The source documents' neural renderer block: nearest upsample, 3x3 conv, GroupNorm, SiLU."""
+
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.up = torch.nn.Upsample(scale_factor=2, mode="nearest")
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(8, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.norm(self.conv(self.up(x))))
+
+
+@pytest.mark.parametrize("target", ["reference", "llvm"])
+def test_upsample_conv_groupnorm_chain_compiles_and_matches(target: str) -> None:
+    """The conv fused with its upsampling, read channels-last by the GroupNorm: no copy put inside it."""
+    from spacefusion.frontend.fused import fuse
+
+    torch.manual_seed(0)
+    model = _UpChain().eval()
+    x = torch.randn(2, 32, 12, 12)
+    with torch.no_grad():
+        compiled = spacefusion.compile(model, target=target)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fuse(model, x, backend=target)(x), model(x), rtol=1e-4, atol=1e-4)
+    labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert any("upsample x2" in label for label in labels) and any("group_norm" in label for label in labels), labels
+
+
+@pytest.mark.parametrize("batch,h,w", [(1, 24, 24), (2, 16, 24)])
+def test_unet_at_latents_whose_upsampling_is_fused(batch: int, h: int, w: int) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=8, out_channels=8, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
+    x, t, text = torch.randn(batch, 8, h, w), torch.tensor([10] * batch), torch.randn(batch, 7, 32)
+    with torch.no_grad():
+        ref = unet(x, t, encoder_hidden_states=text).sample
+        compiled = spacefusion.compile(unet, target="reference")
+        got = compiled(x, t, encoder_hidden_states=text).sample
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert any("upsample x2" in label for label in labels), labels
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_lengths_on_gpu_kernels_are_fused_and_replayed(mode: str | None, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 on the GPU, torch's defaults: each length's specialisation is built, fused and replayed as one CUDA
+    graph; the outputs are eager fp16's within what eager itself is off from float32 (a few times that)."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path))
+    model = _bert().cuda()
+    lengths = (16, 24, 16, 40)
+    inputs = [_ids(2, s).cuda() for s in lengths]
+    with torch.no_grad():
+        exact = [model(input_ids=x).last_hidden_state for x in inputs]
+        model.half()
+        eager = [model(input_ids=x).last_hidden_state for x in inputs]
+        compiled = spacefusion.compile(model, mode=mode)
+        got = [compiled(input_ids=x).last_hidden_state.clone() for x in inputs]
+    report = compiled.spacefusion
+    (dynamic,) = [g for g in report.graphs if g.shapes]
+    assert len(dynamic.shapes) == 3, str(report)  # 24, 16 (Dynamo tries the newest graph first), 40
+    built = [r for g in report.graphs for r in (g.shapes.values() if g.shapes else [g])]
+    assert all(r.replayed and not r.skipped for r in built), str(report)
+    assert all(r.partition.counts()["attention"] == 2 for r in built), str(report)
+    for e, g, x in zip(eager, got, exact):
+        err, base = (g.float() - x).abs().max().item(), (e.float() - x).abs().max().item()
+        assert err <= 4 * base + 1e-3, (err, base)

@@ -240,6 +240,12 @@ class SMG:
     def key(self) -> str:
         return text_key(self.canonical_text)
 
+    def __hash__(self) -> int:
+        """From the content key (computed once per graph): the dataclass's own hash walked every space, op
+        and mapping on each call, and the slicers' caches (``plan_temporal``, the footprints) hash the graph
+        on every lookup (a quarter of ranking an attention's search space).  Equal graphs have equal keys."""
+        return int(self.key[:16], 16)
+
     @cached_property
     def dim_sizes(self) -> dict[str, int]:
         return {d.name: d.size for d in self.dims}

@@ -303,3 +303,54 @@ def test_lengths_on_gpu_kernels_are_fused_and_replayed(mode: str | None, tmp_pat
     for e, g, x in zip(eager, got, exact):
         err, base = (g.float() - x).abs().max().item(), (e.float() - x).abs().max().item()
         assert err <= 4 * base + 1e-3, (err, base)
+
+
+class _BrokenLayer(torch.nn.Module):
+    """A graph break inside the layer: Dynamo compiles each half once and calls it with every layer's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return torch.relu(self.b(y)) + x
+
+
+def test_one_graph_serving_every_layers_weights_keeps_a_build_per_layer() -> None:
+    torch.manual_seed(0)
+    layers = 4
+    model = torch.nn.Sequential(*[_BrokenLayer() for _ in range(layers)]).eval()
+    compiled = spacefusion.compile(model, target="reference")
+    x = torch.randn(8, 32)
+    rebuilds = []
+    with torch.no_grad():
+        for _ in range(5):
+            torch.testing.assert_close(compiled(x), model(x))
+            rebuilds.append(sum(g.rebuilds for g in compiled.spacefusion.graphs))
+    # each half: the other layers built on the first call, every layer once more on the second (its weights
+    # came back), then found: no rebuild from the third call on
+    halves = [g for g in compiled.spacefusion.graphs if g.partition and g.partition.counts().get("gemm")]
+    assert len(halves) == 2, str(compiled.spacefusion)
+    assert rebuilds[2:] == [rebuilds[1]] * 3 and rebuilds[1] == len(halves) * (2 * layers - 1), rebuilds
+
+
+def test_weights_replaced_for_good_are_not_kept_alive() -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+    compiled = spacefusion.compile(model, target="reference")
+    x = torch.randn(4, 16)
+    old = []
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x), model(x))
+            old.append(weakref.ref(model[0].weight))
+            model[0].weight = torch.nn.Parameter(torch.randn(16, 16))
+        torch.testing.assert_close(compiled(x), model(x))
+    gc.collect()
+    assert all(r() is None for r in old[:-1]), "a replaced weight is still held"
+    assert not compiled.spacefusion.compiled[0].builds

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import re
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,14 +163,68 @@ class GraphReport:
         return [self.partition] if self.partition is not None else []
 
 
+#: the most sets of weights one graph keeps a build for (a layer's code after a graph break serves every layer)
+MAX_WEIGHT_SETS = 64
+
+
 class CompiledGraph:
-    """One graph of concrete sizes, fused: its weights baked, rebuilt when one changes."""
+    """One graph of concrete sizes, fused: its weights baked, rebuilt when one changes.
+
+    One graph may serve several sets of weights: where a graph break falls inside a layer, Dynamo compiles
+    that layer's code once and calls it with each layer's parameters.  A build is kept per set of weight
+    tensors (by identity, at most ``MAX_WEIGHT_SETS``), but only for sets that come back: a set seen before
+    (held weakly, so a replaced weight is never kept alive) is built and kept on its second visit, and found
+    on every visit after.  Weights replaced for good (a new Parameter each step) are never kept, so their old
+    builds' constants are freed.
+
+    Slots, not a ``__dict__``: Dynamo wraps the callable a backend returns with ``functools.wraps``, which
+    copies the instance's ``__dict__`` into the wrapper, and that copy would hold the first build (its
+    baked tensors and derived constants) for as long as Dynamo keeps the graph."""
+
+    __slots__ = ("owner", "gm", "report", "names", "written", "builds", "seen", "fused", "run", "stamp", "replay",
+                 "__weakref__")
 
     def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
                  names: dict[int, str]) -> None:
         self.owner, self.gm, self.report, self.names = owner, gm, report, names
         self.written = mutated_inputs(gm)
+        self.builds: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.seen: OrderedDict[tuple[int, ...], tuple[weakref.ref, ...]] = OrderedDict()
         self._fuse(example_inputs)
+        self._remember(example_inputs)
+
+    def _weights_key(self, args: Sequence[Any]) -> tuple[int, ...]:
+        return tuple(id(args[i]) for i in self.stamp.positions)
+
+    def _remember(self, args: Sequence[Any]) -> None:
+        key = self._weights_key(args)
+        self.seen[key] = tuple(weakref.ref(args[i]) for i in self.stamp.positions)
+        self.seen.move_to_end(key)
+        while len(self.seen) > 4 * MAX_WEIGHT_SETS:
+            self.seen.popitem(last=False)
+
+    def _revisit(self, args: Sequence[Any]) -> bool:
+        refs = self.seen.get(self._weights_key(args))
+        return refs is not None and all(r() is args[i] for r, i in zip(refs, self.stamp.positions))
+
+    def _switch(self, args: Sequence[Any], why: str) -> None:
+        """Serve weights other than the current build's: a kept build of these tensors, unchanged, or a new
+        build (kept where this set came back)."""
+        key = self._weights_key(args)
+        kept = self.builds.get(key)
+        if kept is not None and kept[2].changed(args) is None:
+            self.builds.move_to_end(key)
+            self.fused, self.run, self.stamp, self.replay = kept
+            return
+        keep = kept is not None or self._revisit(args)
+        self.report.rebuilt, self.report.rebuilds = why, self.report.rebuilds + 1
+        self._fuse(list(args))
+        if keep:
+            self.builds[key] = (self.fused, self.run, self.stamp, self.replay)
+            self.builds.move_to_end(key)
+            while len(self.builds) > MAX_WEIGHT_SETS:
+                self.builds.popitem(last=False)
+        self._remember(args)
 
     def _fuse(self, example_inputs: list[Any]) -> None:
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
@@ -210,9 +266,8 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         why = self.stamp.changed(args)
-        if why is not None:  # other weights than those baked, or changed: derive the constants again
-            self.report.rebuilt, self.report.rebuilds = why, self.report.rebuilds + 1
-            self._fuse(list(args))
+        if why is not None:  # other weights than those baked, or changed: another build, or a new one
+            self._switch(args, why)
         if self.replay is not None:
             if not self.replay.captures(args):  # another static-address tensor (a new cache): capture again
                 self._capture(list(args))

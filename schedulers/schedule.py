@@ -118,7 +118,8 @@ class Schedule:
 
         try:
             return warp_tile_program(self)
-        except ScheduleError:
+        except ScheduleError as e:  # kept for ``warp_tile_reason``: the search's refusals quote it
+            self.__dict__["_warp_tile_error"] = str(e)
             return None
 
     @property

@@ -476,6 +476,11 @@ def _factor_of(body: str, x: str) -> tuple[str, frozenset[str]]:
 
 
 def warp_tile_reason(s) -> str | None:
+    """Why ``s`` has no warp-tile program (None: it has one).  A tensor-core schedule whose program was
+    already asked for answers from what that attempt raised: the search's refusals quote this sentence for
+    every knob set they reject (a tenth of ranking a GEMM's space went to deriving it again)."""
+    if getattr(s, "tensor_cores", False) and "warp_tile" in getattr(s, "__dict__", {}):
+        return None if s.warp_tile is not None else s.__dict__.get("_warp_tile_error")
     try:
         warp_tile_program(s)
     except ScheduleError as e:

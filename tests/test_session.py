@@ -354,3 +354,27 @@ def test_weights_replaced_for_good_are_not_kept_alive() -> None:
     gc.collect()
     assert all(r() is None for r in old[:-1]), "a replaced weight is still held"
     assert not compiled.spacefusion.compiled[0].builds
+
+
+def test_a_rebuild_that_fails_leaves_the_graph_to_torch_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight change whose rebuild cannot be fused (a failure injected into the partition) runs Dynamo's
+    graph from then on: the output is eager's and the report says why, no exception reaches the caller."""
+    import spacefusion.frontend.compiled as compiled_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+    compiled = spacefusion.compile(model, target="reference")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+        def broken(*_a, **_k):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(compiled_module, "fuse_captured", broken)
+        model[0].weight.mul_(-1.0)
+        torch.testing.assert_close(compiled(x), model(x))
+        model[0].weight.mul_(3.0)  # read as an input by torch's graph: never stale
+        torch.testing.assert_close(compiled(x), model(x))
+    (graph,) = compiled.spacefusion.graphs
+    assert "rebuild after a weight change failed" in graph.skipped and "injected" in graph.skipped, str(graph)

@@ -218,7 +218,13 @@ class CompiledGraph:
             return
         keep = kept is not None or self._revisit(args)
         self.report.rebuilt, self.report.rebuilds = why, self.report.rebuilds + 1
-        self._fuse(list(args))
+        try:
+            self._fuse(list(args))
+        except Exception as exc:  # from now on torch runs Dynamo's graph, which reads every weight as it is
+            self.report.skipped = f"the rebuild after a weight change failed ({why}): {type(exc).__name__}: {exc}"
+            self.run, self.replay, self.stamp = self.gm.forward, None, Stamp.take({})
+            self.builds.clear()
+            return
         if keep:
             self.builds[key] = (self.fused, self.run, self.stamp, self.replay)
             self.builds.move_to_end(key)

@@ -36,7 +36,7 @@ from spacefusion.frontend.fused import FusedModel, fuse_captured
 from spacefusion.frontend.noops import drop_noops, merge_repeated_activations
 from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
-from spacefusion.frontend.replay import GraphReplay, mutated_inputs
+from spacefusion.frontend.replay import GraphReplay, mutated_inputs, unwritten_copies
 from spacefusion.frontend.specialize import SizeKey, concrete
 from spacefusion.frontend.weights import Stamp
 
@@ -51,7 +51,6 @@ def _qualified(node: fx.Node) -> str | None:
     if not isinstance(source, str) or not re.search(r"\._(?:parameters|buffers)\[", source):
         return None
     return ".".join(_ATTR.findall(source)) or None
-
 
 
 def parameter_names(gm: fx.GraphModule) -> dict[int, str]:
@@ -72,7 +71,6 @@ def _set_attr(root: nn.Module, qualified: str, value: torch.Tensor) -> None:
         mod.register_parameter(name, value)
     else:
         mod.register_buffer(name, value, persistent=False)
-
 
 
 def lift_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any], names: dict[int, str] | None = None,
@@ -113,12 +111,6 @@ def propagate_shapes(gm: fx.GraphModule, args: Sequence[Any]) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
-
-
-def shape_inputs(args: Sequence[Any], written: set[int]) -> list[Any]:
-    """The arguments a shape pass runs the graph on: copies of those it writes in place (a buffer updated in
-    ``forward`` is updated by the call, not also by the compile)."""
-    return [a.clone() if i in written and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
 
 
 @dataclass
@@ -235,11 +227,11 @@ class CompiledGraph:
     def _fuse(self, example_inputs: list[Any]) -> None:
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
         baked = lift_parameters(gm, example_inputs, self.names, keep=self.written)
-        shaped = shape_inputs(example_inputs, self.written)
+        shaped = unwritten_copies(example_inputs, self.written)
         with torch.no_grad():
             propagate_shapes(gm, shaped)
             if split_projections(gm):  # new nodes: their shapes
-                propagate_shapes(gm, shape_inputs(example_inputs, self.written))
+                propagate_shapes(gm, unwritten_copies(example_inputs, self.written))
         drop_noops(gm)
         merge_repeated_activations(gm)
         fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose,

@@ -40,20 +40,7 @@ from spacefusion.frontend.compiled import (
 )
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.records import Partition
-
-
-def _symbolic(example_inputs: Sequence[Any]) -> bool:
-    return any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor)
-               and any(isinstance(s, torch.SymInt) for s in x.shape) for x in example_inputs)
-
-
-def _symbolic_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-    """Whether Dynamo traced ``gm`` with symbolic sizes: a SymInt input, or a placeholder whose fake value
-    has a symbolic dim (the example inputs themselves are real tensors of the first call's sizes)."""
-    if _symbolic(example_inputs):
-        return True
-    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    return _symbolic([f for f in fakes if isinstance(f, torch.Tensor | torch.SymInt)])
+from spacefusion.frontend.specialize import symbolic_graph
 
 
 @dataclass
@@ -123,7 +110,7 @@ class SpaceFusionBackend:
             report.skipped = "autograd is on for its inputs: the fused kernels are inference-only (use torch.no_grad)"
             return gm.forward
         names = parameter_names(gm)  # now: Dynamo drops the placeholders' sources once this returns
-        if _symbolic_graph(gm, example_inputs):
+        if symbolic_graph(gm, example_inputs):
             return PerShape(self, gm, list(example_inputs), report, names)
         try:
             compiled = CompiledGraph(self, gm, list(example_inputs), report, names)

@@ -75,6 +75,14 @@ def mutated_inputs(gm: fx.GraphModule) -> set[int]:
     return out
 
 
+def unwritten_copies(args: Sequence[Any], written: Iterable[int]) -> list[Any]:
+    """``args`` with copies at the positions a graph writes in place (``mutated_inputs``): what a pass that
+    runs the graph at compile time (shapes, specialisation) runs it on, so the caller's state (a buffer
+    updated in ``forward``) is written by its calls alone."""
+    written = set(written)
+    return [a.clone() if i in written and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+
+
 class GraphReplay:
     """``fn(*args)`` captured as one CUDA graph; ``static`` are the positions of ``args`` whose tensors
     stay the same objects on every call (baked parameters). Of ``mutated`` (written in place by ``fn``),

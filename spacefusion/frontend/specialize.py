@@ -3,7 +3,7 @@
 After a recompile with automatic dynamic shapes (torch.compile's default), Dynamo hands the backend one
 graph whose sizes are symbols: its SymInt inputs (``s27``) and the tensors whose dims vary.  The SMG kernels
 are built for concrete sizes, so the backend keeps that one graph and specialises it per distinct set of
-sizes it is called with (``dynamo._PerShape``); Dynamo's own guards and recompiles stay as they are (one
+sizes it is called with (``compiled.PerShape``); Dynamo's own guards and recompiles stay as they are (one
 symbolic graph serves every length, so Dynamo never reaches its recompile limit).
 
 ``concrete`` runs the graph once on the call's arguments and replaces every node whose value is a plain
@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from spacefusion.frontend.replay import mutated_inputs
-
-_SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+from spacefusion.frontend.replay import mutated_inputs, unwritten_copies
 
 
-def _symbolic_value(value: Any) -> bool:
+def symbolic(value: Any) -> bool:
+    """Whether ``value`` is a symbolic scalar or a tensor with a symbolic dim or stride."""
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         return True
     if isinstance(value, torch.Tensor):
@@ -57,21 +56,28 @@ class SizeKey:
             fake = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
             value = fake if fake is not None else x
             if isinstance(x, torch.Tensor):
-                if fake is None or _symbolic_value(value):
+                if fake is None or symbolic(value):
                     tensors.append(i)
-            elif _symbolic_value(value):
+            elif symbolic(value):
                 scalars.append(i)
         return SizeKey(tuple(scalars), tuple(tensors))
 
     def of(self, args: Sequence[Any]) -> tuple:
-        return (tuple(int(args[i]) for i in self.scalars),
+        return (tuple(args[i] for i in self.scalars),  # a float too (an unspecialised scale): not int()
                 tuple((tuple(args[i].shape), args[i].stride()) for i in self.tensors))
 
     def describe(self, args: Sequence[Any], names: Sequence[str]) -> str:
         """The sizes of one call, named: ``s27=24, l_kwargs_input_ids_=2x24``."""
-        parts = [f"{names[i]}={int(args[i])}" for i in self.scalars]
+        parts = [f"{names[i]}={args[i]}" for i in self.scalars]
         parts += [f"{names[i]}={'x'.join(map(str, args[i].shape))}" for i in self.tensors if i not in self.scalars]
         return ", ".join(parts) or "no symbolic sizes"
+
+
+def symbolic_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo traced ``gm`` with symbolic sizes: a symbolic example input, or a placeholder whose
+    fake value is symbolic (the example tensors themselves are real, of the first call's sizes)."""
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(symbolic(x) for x in (*example_inputs, *fakes))
 
 
 def _plain(value: Any) -> Any:
@@ -103,8 +109,7 @@ def concrete(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     The placeholders stay (Dynamo's calling convention); a SymInt input is then read by nothing.  The graph
     runs once on ``args``, with copies of the tensors it writes in place, so the caller's state is not
     written by the specialisation."""
-    written = mutated_inputs(gm)
-    inputs = [a.clone() if i in written and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    inputs = unwritten_copies(args, mutated_inputs(gm))
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     run = _Scalars(out)
     with torch.no_grad():
@@ -125,4 +130,4 @@ def concrete(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     return out
 
 
-__all__ = ["SizeKey", "concrete"]
+__all__ = ["SizeKey", "concrete", "symbolic", "symbolic_graph"]

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="bert_base_8x128")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--serial", action="store_true", help="also a cold spacefusion compile with one worker")
+    ap.add_argument("--warm-repeats", type=int, default=1,
+                    help="warm runs of each system (and of spacefusion without export workers: no pool started)")
     ap.add_argument("--out", type=Path, default=Path("compile_time.json"))
     ap.add_argument("--one", choices=("spacefusion", "torch.compile"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -91,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
                 ("spacefusion warm", "spacefusion", {"SPACEFUSION_CACHE": f"{tmp}/sf"}),
                 ("torch.compile cold", "torch.compile", {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"}),
                 ("torch.compile warm", "torch.compile", {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"})]
+        for i in range(1, args.warm_repeats):
+            runs += [(f"spacefusion warm {i + 1}", "spacefusion", {"SPACEFUSION_CACHE": f"{tmp}/sf"}),
+                     (f"torch.compile warm {i + 1}", "torch.compile", {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"})]
+        if args.warm_repeats > 1:
+            runs += [(f"spacefusion warm, no workers {i + 1}", "spacefusion",
+                      {"SPACEFUSION_CACHE": f"{tmp}/sf", "SPACEFUSION_BUILD_WORKERS": "1"})
+                     for i in range(args.warm_repeats)]
         if args.serial:
             runs.insert(1, ("spacefusion cold, serial", "spacefusion", {"SPACEFUSION_CACHE": f"{tmp}/sf1",
                                                                          "SPACEFUSION_BUILD_WORKERS": "1"}))

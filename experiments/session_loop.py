@@ -4,6 +4,11 @@ defaults (issue 55), against eager, torch.compile (default: dynamic after its re
 
     python experiments/session_loop.py export art/session          # where TVM is (meta tensors, no GPU)
     python experiments/session_loop.py run art/session --out r.json  # on the GPU (torch + cupy, no TVM)
+    python experiments/session_loop.py inplace --out r.json          # on the GPU with TVM there, as a user runs
+
+``inplace`` compiles on the GPU machine itself from an empty kernel cache (``SPACEFUSION_CACHE`` in a new
+folder): the pass that compiles then pays each new length's specialisation (first picks, builds) as a user's
+session does, and each call's wall time in it is kept (``first_calls_s``) beside torch.compile's recompiles.
 
 ``export`` calls the model on the meta device at every length of every loop through
 ``torch.compile(model, backend=SpaceFusionBackend(..., export_only=True))`` with torch's defaults, so the
@@ -96,7 +101,8 @@ def _fused_calls(backend: Any) -> dict[str, Any]:
     return out
 
 
-def run(art: Path, out_path: Path, passes: int) -> int:
+def run(art: Path | None, out_path: Path, passes: int) -> int:
+    """Every system over every loop; ``art`` None: spacefusion builds its kernels here (TVM on this machine)."""
     from spacefusion.frontend.backends import CudaBackend
     from spacefusion.frontend.dynamo import SpaceFusionBackend
 
@@ -121,21 +127,23 @@ def run(art: Path, out_path: Path, passes: int) -> int:
             elif system == "reduce-overhead":
                 fn = torch.compile(model, mode="reduce-overhead")
             else:
-                backend = SpaceFusionBackend(CudaBackend(art / "kernels"))
+                backend = SpaceFusionBackend("cuda" if art is None else CudaBackend(art / "kernels"))
                 fn = torch.compile(model, backend=backend)
-            errors = []
+            errors, calls = [], []
             with torch.no_grad():
                 t = time.perf_counter()
-                for n in loop:  # the pass that compiles, each output checked
+                for n in loop:  # the pass that compiles, each output checked, each call's wall time kept
+                    c = time.perf_counter()
                     err = (fn(input_ids=inputs[n]).last_hidden_state.float() - refs[n]).abs().max().item()
+                    calls.append({"length": n, "s": time.perf_counter() - c})
                     errors.append({"length": n, "ok": err <= 2 * eager_err[n], "max_abs_err": err,
                                    "vs_eager_fp16": err / eager_err[n]})
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t
                 _pass(fn, loop, inputs)  # warm
                 times = [_pass(fn, loop, inputs) for _ in range(passes)]
-            row = {"first_pass_s": first, "pass_ms": statistics.median(times), "passes_ms": times,
-                   "checks": errors}
+            row = {"first_pass_s": first, "first_calls_s": calls, "pass_ms": statistics.median(times),
+                   "passes_ms": times, "checks": errors}
             if backend is not None:
                 row["fusion"] = _fused_calls(backend)
                 row["report"] = str(backend)
@@ -148,11 +156,20 @@ def run(art: Path, out_path: Path, passes: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=("export", "run"))
-    ap.add_argument("art", type=Path)
+    ap.add_argument("phase", choices=("export", "run", "inplace"))
+    ap.add_argument("art", type=Path, nargs="?", help="the artefacts' folder (export, run)")
     ap.add_argument("--out", type=Path, default=Path("session_loop.json"))
     ap.add_argument("--passes", type=int, default=5, help="timed passes per system and loop (median)")
     args = ap.parse_args(argv)
+    if args.phase == "inplace":
+        import os
+        import tempfile
+
+        os.environ["SPACEFUSION_CACHE"] = tempfile.mkdtemp(prefix="sf-session-")  # cold kernel caches, ours
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-session-")  # and Inductor's
+        return run(None, args.out, args.passes)
+    if args.art is None:
+        ap.error(f"{args.phase} needs the artefacts' folder")
     return export(args.art) if args.phase == "export" else run(args.art, args.out, args.passes)
 
 

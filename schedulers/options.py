@@ -13,6 +13,7 @@ name, never by reading the sentence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,9 +64,50 @@ def is_int_knob(f: dataclasses.Field) -> bool:
     return f.type in ("int", int)
 
 
+def _typed(group: Any) -> tuple | None:
+    """``group``'s class and its values each with its type (``True`` is not ``1`` here): the key of the
+    caches below, which the search's tens of thousands of candidates hit with a few dozen groups.  None
+    where a value cannot be a key (a list given by hand): that group is checked uncached."""
+    key = (type(group), tuple((type(v), v) for v in (getattr(group, f.name) for f in _fields(type(group)))))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(cls)
+
+
 def check_values(group: Any) -> Rejection | None:
-    """The value checks every knob declares (type, choices, bounds), in field order."""
-    for f in dataclasses.fields(group):
+    """The value checks every knob declares (type, choices, bounds), in field order.  Cached per group
+    instance (``split_knobs`` hands the search's schedules shared ones), then per ``_typed`` key."""
+    seen = _BY_ID.get(id(group))
+    if seen is not None and seen[0] is group:
+        return seen[1]
+    key = _typed(group)
+    if key is None:
+        return _check_values(group)
+    got = _CHECKED.get(key, _MISSING)
+    if got is _MISSING:
+        got = _CHECKED[key] = _check_values(group)
+    if len(_BY_ID) < _BY_ID_MAX:  # the instance is held, so its id names no other object meanwhile
+        _BY_ID[id(group)] = (group, got)
+    return got
+
+
+_MISSING = object()
+#: check_values by ``_typed`` key (a bounded set: the groups the search and the users make)
+_CHECKED: dict[tuple, Rejection | None] = {}
+#: and by instance, for the instances ``split_knobs`` shares (at most this many held)
+_BY_ID: dict[int, tuple[Any, Rejection | None]] = {}
+_BY_ID_MAX = 4096
+
+
+def _check_values(group: Any) -> Rejection | None:
+    for f in _fields(type(group)):
         v, m = getattr(group, f.name), f.metadata
         ok_type = (isinstance(v, int) and not isinstance(v, bool)) if is_int_knob(f) else isinstance(v, bool)
         if not ok_type:
@@ -90,7 +132,7 @@ def _coerce(f: dataclasses.Field, v: Any) -> Any:
 
 
 def _changed(group: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(group) if getattr(group, f.name) != f.default]
+    return [f.name for f in _fields(type(group)) if getattr(group, f.name) != f.default]
 
 
 @dataclass(frozen=True)
@@ -329,7 +371,24 @@ TENSOR_CORE_GROUPS = ("warp", "hopper")
 
 def split_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     """Flat knob keywords -> one instance per group (defaults for the rest); an unknown name is an error
-    that lists the known ones."""
+    that lists the known ones.  The groups are immutable, so the same keywords give the same instances
+    (cached by each value with its type: the search makes tens of thousands of schedules of a few dozen)."""
+    try:
+        key = tuple((k, type(v), v) for k, v in knobs.items())
+        hash(key)
+    except TypeError:
+        return _split_knobs(knobs)
+    got = _SPLIT.get(key)
+    if got is None:
+        got = _SPLIT[key] = _split_knobs(knobs)
+    return dict(got)
+
+
+#: split_knobs by its keywords (each with its type)
+_SPLIT: dict[tuple, dict[str, Any]] = {}
+
+
+def _split_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     from schedulers.errors import ScheduleError
 
     unknown = sorted(set(knobs) - set(KNOB_GROUP))
@@ -343,7 +402,17 @@ def split_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
 
 def non_defaults(group: Any) -> dict[str, Any]:
     """The knobs of ``group`` that differ from their defaults (what the schedule JSON records)."""
-    return {n: getattr(group, n) for n in _changed(group)}
+    key = _typed(group)
+    if key is None:
+        return {n: getattr(group, n) for n in _changed(group)}
+    got = _NON_DEFAULTS.get(key)
+    if got is None:
+        got = _NON_DEFAULTS[key] = {n: getattr(group, n) for n in _changed(group)}
+    return dict(got)
+
+
+#: non_defaults by ``_typed`` key
+_NON_DEFAULTS: dict[tuple, dict[str, Any]] = {}
 
 
 def needs_tensor_cores(s: Schedule) -> Rejection | None:

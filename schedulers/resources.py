@@ -8,6 +8,7 @@ buffers (accumulators, streamed tiles, snapshots of running states).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from schedulers.hardware import HardwareModel, ResourceError
 from schedulers.schedule import Schedule
-from schedulers.temporal import parse
+from schedulers.temporal import TemporalPlan, parse
 
 #: registers a thread needs besides its local buffers (indices, pointers, temporaries)
 BASE_REGISTERS = 32
@@ -58,9 +59,16 @@ def local_floats(s: Schedule) -> int:
 
     names = [u.state for u in s.plan.states]
     names += [n for n in s.plan.streamed if s.level(n) != "shared"]
-    names += sorted({x.name for u in s.plan.states for x in parse(u.carry or "0").free_symbols
-                     if x.name.endswith("__old")})
+    names += _snapshots(s.plan)
     return sum(per_thread(n) for n in names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _snapshots(plan: TemporalPlan) -> tuple[str, ...]:
+    """The running states a plan's carries read as they were before the step (``x__old``): each a local
+    buffer.  Cached per plan (a search's candidates share a few), since parsing the carries is sympy's."""
+    return tuple(sorted({x.name for u in plan.states for x in parse(u.carry or "0").free_symbols
+                         if x.name.endswith("__old")}))
 
 
 @dataclass(frozen=True)

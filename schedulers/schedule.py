@@ -60,6 +60,11 @@ def _spatial_text(decisions: tuple[DimDecision, ...]) -> str:
     return canonical_text([vars(d) for d in decisions])
 
 
+@lru_cache(maxsize=4096)
+def _memory_text(memory: tuple[tuple[str, str], ...]) -> str:
+    return canonical_text([list(m) for m in memory])
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Block dims and sizes, serial dim and step, update functions, memory levels.
@@ -95,11 +100,12 @@ class Schedule:
     @cached_property
     def key(self) -> str:
         """``content_key(self.to_dict())``, with the canonical texts of the SMG (built once per graph), the
-        temporal plan and the spatial decisions (once per plan and per decision tuple, which a search's
-        candidates share) spliced in rather than re-serialised for every candidate: the same digest."""
+        temporal plan, the spatial decisions and the memory levels (once per plan, decision tuple and level
+        tuple, which a search's candidates share) spliced in rather than re-serialised for every candidate:
+        the same digest."""
         body = self._fields()
         texts = {"smg": self.smg.canonical_text, "plan": _plan_text(self.plan),
-                 "spatial": _spatial_text(self.spatial)}
+                 "spatial": _spatial_text(self.spatial), "memory": _memory_text(self.memory)}
         text = canonical_text(body | {k: f"{_SMG_SLOT}{k}" for k in texts})
         for k, t in texts.items():
             text = text.replace(f'"{k}":"{_SMG_SLOT}{k}"', f'"{k}":' + t, 1)
@@ -326,6 +332,30 @@ def _pads_rows(tile: int, size: int) -> bool:
     return tile % 16 == 0 and tile <= max(64, -(-size // 16) * 16)
 
 
+@lru_cache(maxsize=4096)
+def _levels(smg: SMG, plan: TemporalPlan, wide: frozenset[str]) -> list[tuple[str, str]]:
+    """Each space's memory level before a user's overrides, given the cut dims whose tile is > 1 (``wide``):
+    what the schedule's slicing implies (cached: a search's candidates share a few of these)."""
+    memory = []
+    states = {u.state for u in plan.states}
+    serial = plan.serial
+    for s in smg.spaces:
+        # shared by several threads of the block (it lacks a cut dim whose tile is > 1)
+        shared_by_threads = any(d not in s.dims for d in wide)
+        if s.name in smg.inputs:
+            lvl = "shared" if serial in s.dims and shared_by_threads else "global"
+        elif s.name in plan.streamed and serial in s.dims and shared_by_threads:
+            lvl = "shared"  # computed once per block and step, cooperatively
+        elif s.name in states or s.name in plan.streamed:
+            lvl = "register"
+        elif s.name in smg.outputs:
+            lvl = "global"
+        else:
+            lvl = "inlined"
+        memory.append((s.name, lvl))
+    return memory
+
+
 #: the serial step when none is given (capped at the serial dim's size)
 DEFAULT_STEP = 32
 
@@ -410,22 +440,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         raise ScheduleError(f"step {step} for serial dim {serial!r} is larger than the dim ({sizes[serial]})",
                             code="step.range")
     plan = plan_temporal(smg, serial)
-    memory = []
-    states = {u.state for u in plan.states}
-    for s in smg.spaces:
-        # shared by several threads of the block (it lacks a cut dim whose tile is > 1)
-        shared_by_threads = any(t > 1 and d not in s.dims for d, t in block)
-        if s.name in smg.inputs:
-            lvl = "shared" if serial in s.dims and shared_by_threads else "global"
-        elif s.name in plan.streamed and serial in s.dims and shared_by_threads:
-            lvl = "shared"  # computed once per block and step, cooperatively
-        elif s.name in states or s.name in plan.streamed:
-            lvl = "register"
-        elif s.name in smg.outputs:
-            lvl = "global"
-        else:
-            lvl = "inlined"
-        memory.append((s.name, lvl))
+    memory = _levels(smg, plan, frozenset(d for d, t in block if t > 1))
     memory = _override_levels(memory, levels or {}, smg.inputs)
     out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial,
                    bool(tensor_cores), **groups)

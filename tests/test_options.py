@@ -152,3 +152,36 @@ def test_unroll_the_knob_added_through_its_group_only() -> None:
         make_schedule(g, step=32, vector=4, unroll=True)
     assert info.value.code == "unroll.not_simt_scalar"
 
+
+
+@pytest.mark.parametrize("bad,code", [({"lanes": True}, "lanes.type"), ({"stages": np.int64(2)}, None),
+                                      ({"reload_a": 1}, None), ({"reload_a": 2}, "reload_a.type"),
+                                      ({"wgmma": 1.0}, "wgmma.type")])
+def test_the_checks_cache_tells_true_from_one(bad, code) -> None:
+    """``split_knobs`` and ``check_values`` are cached by each value with its type, so a value equal to an
+    accepted one but of another type (``True`` for lanes 1, ``1.0`` for a flag) is still refused, in either
+    order, and numpy integers and 0/1 flags are still coerced as before."""
+    from schedulers.options import check_values
+
+    name, value = next(iter(bad.items()))
+    good = {name: 1 if KNOB_GROUP[name] == "simt" or name == "stages" else True}
+    for order in ((good, bad), (bad, good)):
+        for knobs in order:
+            groups = split_knobs(knobs)
+            got = check_values(groups[KNOB_GROUP[name]])
+            want = code if knobs is bad else None
+            assert (got.code if got else None) == want, (knobs, got)
+
+
+def test_a_search_ranks_the_same_schedules_whatever_was_cached_before() -> None:
+    """The caches of the options and memory levels are pure: a space enumerated twice, and after another
+    graph's, gives the same schedules with the same keys, each equal to the digest of its own JSON."""
+    from smg.hashing import content_key
+
+    g = P.attention(1, 2, 64, 64, 32, dtype="float16")
+    first = [s.key for s in SearchSpace(g, H100).candidates()]
+    SearchSpace(gemm(128, 64, 64, dtype="float16"), H100).candidates()
+    again = SearchSpace(g, H100).candidates()
+    assert [s.key for s in again] == first and len(first) > 100
+    for s in again[::37]:
+        assert s.key == content_key(s.to_dict())

@@ -34,11 +34,15 @@ def test_parallel_export_writes_what_the_serial_export_writes(tmp_path) -> None:
 
 
 def test_a_backend_prefetches_only_what_it_lacks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing to do for SMGs already exported; a schedule function that cannot reach a worker (a closure)
-    leaves the export to the serial path."""
+    """Nothing to do for SMGs already exported (their split decided and recorded, their kernels built); a
+    schedule function that cannot reach a worker (a closure) leaves the export to the serial path."""
+    from spacefusion.frontend import parallel_build
+
+    parallel_build.close_pool()
     smg = patterns.layernorm(64, 256, dtype="float16")
     be = CudaBackend(tmp_path, schedule_for=default_schedule, build_missing=True, load=False)
-    be.export(smg, cubin=False)
+    be.export_all(smg)
+    assert (tmp_path / smg.key[:16] / "split.json").is_file() and be._missing(smg) == []
     calls = []
     monkeypatch.setattr("spacefusion.frontend.parallel_build.subprocess.Popen",
                         lambda *a, **k: calls.append(a) or pytest.fail("no worker for exported SMGs"))
@@ -53,3 +57,44 @@ def test_a_worker_count_that_is_not_one_is_named(value: str, monkeypatch: pytest
     monkeypatch.setenv(WORKERS_ENV, value)
     with pytest.raises(FrontendError, match=WORKERS_ENV):
         build_workers()
+
+
+def test_the_workers_stay_warm_between_exports_and_end_with_the_pool(tmp_path) -> None:
+    """A second export (a new set of sizes, another model) reaches the same worker processes, which imported
+    TVM and torch for the first; a worker that died in between is replaced; closing the pool ends them all."""
+    from spacefusion.frontend import parallel_build
+
+    parallel_build.close_pool()
+    first = [patterns.layernorm(32, 256, dtype="float16"), patterns.layernorm(32, 512, dtype="float16")]
+    assert export_many(tmp_path, "sm_90a", default_schedule, False, first, workers=2) == {}
+    procs = list(parallel_build._pool().procs)
+    assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    second = [patterns.layernorm(48, 256, dtype="float16"), patterns.layernorm(48, 512, dtype="float16")]
+    assert export_many(tmp_path, "sm_90a", default_schedule, False, second, workers=2) == {}
+    assert parallel_build._pool().procs == procs  # the same processes, still alive
+    procs[0].kill()
+    procs[0].wait()
+    third = [patterns.layernorm(64, 128, dtype="float16"), patterns.layernorm(16, 128, dtype="float16")]
+    assert export_many(tmp_path, "sm_90a", default_schedule, False, third, workers=2) == {}
+    assert all((tmp_path / s.key[:16] / "kernel.json").is_file() for s in first + second + third)
+    live = parallel_build._pool().procs
+    assert procs[0] not in live and procs[1] in live
+    parallel_build.close_pool()
+    assert all(p.poll() is not None for p in live) and parallel_build._pool().procs == []
+
+
+def test_a_worker_decides_the_split_and_exports_its_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm whose rows leave the SMs idle is split: the decision (its update functions derived by sympy) is
+    the worker's, recorded in ``split.json``, and so are its kernels; the caller then reads the record and
+    derives nothing."""
+    smg = patterns.group_norm(1, 512 * 512, 32, 128, "silu", dtype="float16")
+    other = patterns.layernorm(64, 256, dtype="float16")
+    be = CudaBackend(tmp_path, schedule_for=default_schedule, build_missing=True, load=False)
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    assert be.prefetch([smg, other]) == {}
+    monkeypatch.setattr("spacefusion.frontend.backends.decide_split",
+                        lambda *a, **k: pytest.fail("the split was decided again"))
+    again = CudaBackend(tmp_path, schedule_for=default_schedule, build_missing=True, load=False)
+    split = again.split_of(smg)
+    assert split is not None and len(split.kernels) >= 2 and again.split_of(other) is None
+    assert again._missing(smg) == [] and again._missing(other) == []

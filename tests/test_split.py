@@ -261,3 +261,32 @@ def test_the_partial_computes_a_streamed_tile_once() -> None:
     assert {a.space for a in tile.inputs} == {"X", "E"}
     readers = [op for op in partial.ops if any(a.space in ("X", "E") for a in op.inputs)]
     assert readers == [tile], [op.out for op in readers]
+
+
+def test_a_decision_to_keep_one_kernel_is_recorded_and_read_back(tmp_path, monkeypatch) -> None:
+    """A warm compile reads the recorded decision instead of deriving the norm's update functions again; a
+    record made for another machine, rule or chunk setting is decided again."""
+    import json
+
+    from schedulers.hardware import H100, get_hardware
+    from spacefusion.frontend.backends import CudaBackend
+
+    smg = patterns.layernorm(1024, 768, dtype="float16")
+    first = CudaBackend(tmp_path, load=False)
+    assert first.split_of(smg) is None
+    path = tmp_path / smg.key[:16] / "split.json"
+    record = json.loads(path.read_text())
+    assert record["hw"] == H100.name and record["one kernel"] == first.splits[smg.key]
+
+    def refuse(*_a, **_k):
+        raise AssertionError("decided again")
+
+    monkeypatch.setattr("spacefusion.frontend.backends.decide_split", refuse)
+    warm = CudaBackend(tmp_path, load=False)
+    assert warm.split_of(smg) is None and warm.splits[smg.key] == first.splits[smg.key]
+    other = CudaBackend(tmp_path, load=False, split_hw=get_hardware("H200"))
+    with pytest.raises(AssertionError, match="decided again"):
+        other.split_of(smg)
+    path.write_text(json.dumps(dict(record, rule=record["rule"] - 1)))
+    with pytest.raises(AssertionError, match="decided again"):
+        CudaBackend(tmp_path, load=False).split_of(smg)

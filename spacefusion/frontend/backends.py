@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from schedulers.barrier import Barrier, find_barrier, stages
 from schedulers.hardware import H100, HardwareModel
-from schedulers.split import SplitReduction, decide_split
+from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
 from spacefusion.frontend.errors import FrontendError
@@ -160,20 +161,42 @@ class CudaBackend(_Cached):
 
     def split_of(self, smg: SMG) -> SplitReduction | None:
         """The split exported with ``smg``'s artefacts (``split.json``: derived once, where they were built),
-        or derived here and written there."""
+        or derived here and written there.  A decision to keep one kernel is recorded too (``one kernel``,
+        with the rule and the machine it was decided for), so a warm compile does not derive a norm's
+        update functions again (sympy: about a second for BERT's two LayerNorms) only to decide the same."""
+        if self.split_hw is None:
+            return None
         path = self.folder / smg.key[:16] / "split.json"
         if path.is_file():
             try:
-                got = SplitReduction.from_dict(smg, json.loads(path.read_text()))
-                self.splits[smg.key] = got.reason
-                return got
-            except (ValueError, KeyError) as e:  # another rule's split (or a damaged file): derived again below
-                self.stale_splits[smg.key] = str(e)
+                record = json.loads(path.read_text())
+                if "one kernel" not in record:
+                    got = SplitReduction.from_dict(smg, record)
+                    self.splits[smg.key] = got.reason
+                    return got
+                if record == self._one_kernel(smg, record["one kernel"]):
+                    self.splits[smg.key] = str(record["one kernel"])
+                    return None
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # another rule's split (or a damaged
+                self.stale_splits[smg.key] = str(e)                          # file): derived again below
         got = super().split_of(smg)
-        if got is not None:
+        if got is None and path.exists():  # another rule's split stays, for the error that names it
+            return None
+        record = got.to_dict() if got is not None else self._one_kernel(smg, self.splits.get(smg.key, ""))
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(got.to_dict()))
+            tmp = path.with_suffix(f".json.{os.getpid()}.tmp")  # whole or not at all: workers share the folder
+            tmp.write_text(json.dumps(record))
+            tmp.replace(path)
+        except OSError:
+            if got is not None:  # a split must reach the GPU machine; a decision to keep one kernel need not
+                raise
         return got
+
+    def _one_kernel(self, smg: SMG, reason: str) -> dict[str, object]:
+        """The record of a decision to keep ``smg`` one kernel: what it was decided for, and why."""
+        return {"smg": smg.key, "rule": SPLIT_RULE, "hw": self.split_hw.name, "kw": dict(sorted(self.split_kw.items())),
+                "one kernel": reason}
 
     def layout_of(self, nchw: SMG, nhwc: SMG) -> LayoutChoice:
         """The layout recorded in ``layouts.json`` by the export (the GPU machine has no cost model to decide
@@ -201,11 +224,20 @@ class CudaBackend(_Cached):
             tmp.replace(path)
         return got
 
+    def warm_up(self) -> None:
+        """Start the export workers (``parallel_build.start_pool``) where this backend builds what it lacks, so
+        that their imports overlap the partition that comes before the first ``prefetch``."""
+        if self.build_missing:
+            from spacefusion.frontend.parallel_build import start_pool
+
+            start_pool()
+
     def prefetch(self, smgs: list[SMG]) -> dict[str, str]:
         """Export, in parallel worker processes (``parallel_build``), the artefacts that ``compile`` would
-        build one by one: those of ``smgs`` it has not compiled, that run as one kernel (no barrier, no
-        split) and that the folder lacks or holds from other code.  {SMG key: error} of the failed ones
-        (their serial build reports it)."""
+        build one by one: those of ``smgs`` it has not compiled and that are not a barrier's, whose split is
+        not decided yet (the worker decides it: a norm's update functions are derived there, not here) or
+        whose kernels (the SMG's, or its split's) the folder lacks or holds from other code.  {SMG key:
+        error} of the failed ones (their serial build reports it)."""
         from spacefusion.frontend.parallel_build import export_many
 
         if not self.build_missing:
@@ -214,11 +246,25 @@ class CudaBackend(_Cached):
         for smg in smgs:
             if smg.key in self._kernels or smg.key in todo or isinstance(find_barrier(smg), Barrier):
                 continue
-            if self.split_of(smg) is None:
-                path = self.artefact_dir(smg)
-                if not (path / "kernel.json").is_file() or _stale(path):
-                    todo[smg.key] = smg
-        return export_many(self.folder, self.arch, self.schedule_for, self.by_schedule, list(todo.values()))
+            if self.split_hw is not None and not (self.folder / smg.key[:16] / "split.json").is_file():
+                todo[smg.key] = smg
+            elif self._missing(smg):
+                todo[smg.key] = smg
+        return export_many(self.folder, self.arch, self.schedule_for, self.by_schedule, list(todo.values()),
+                           split=(self.split_hw, self.split_kw))
+
+    def _missing(self, smg: SMG) -> list[SMG]:
+        """The kernels ``compile`` would build for ``smg`` (its split's, or its own) that the folder lacks or
+        holds from other code."""
+        split = self.split_of(smg)
+        return [k for k in (split.kernels if split is not None else [smg])
+                if not (self.artefact_dir(k) / "kernel.json").is_file() or _stale(self.artefact_dir(k))]
+
+    def export_all(self, smg: SMG) -> None:
+        """What a worker does with one SMG of ``prefetch``: decide its split (recorded in ``split.json``) and
+        export every kernel of it that is missing."""
+        for k in self._missing(smg):
+            self.export(k)
 
     def export(self, smg: SMG, cubin: bool = True) -> Path:
         """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``)."""

@@ -22,6 +22,7 @@ in-place weight update, ``load_state_dict`` or another model instance never runs
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -104,11 +105,13 @@ class SpaceFusionBackend:
             report.ended_by = _describe(new[-1])
         self.graphs.append(report)
         self._resolve(example_inputs)
-        _ = self.kernels  # a target that cannot run here (cuda without a GPU) is an error, not a fallback
+        kernels = self.kernels  # a target that cannot run here (cuda without a GPU) is an error, not a fallback
         if any(isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() for x in example_inputs) \
                 and not self.export_only:
             report.skipped = "autograd is on for its inputs: the fused kernels are inference-only (use torch.no_grad)"
             return gm.forward
+        if hasattr(kernels, "warm_up"):  # export workers importing while this graph is partitioned
+            kernels.warm_up()
         names = parameter_names(gm)  # now: Dynamo drops the placeholders' sources once this returns
         if symbolic_graph(gm, example_inputs):
             return PerShape(self, gm, list(example_inputs), report, names)
@@ -285,6 +288,10 @@ def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: s
     defaults hold (``dynamic`` unset: a second input shape recompiles with symbolic sizes, which the backend
     specialises per shape), so a loop over shapes never reaches Dynamo's recompile limit."""
     backend = SpaceFusionBackend(target, verbose, mode, db=db)
+    if target in (None, "cuda") and torch.cuda.is_available() and importlib.util.find_spec("tvm") is not None:
+        from spacefusion.frontend.parallel_build import start_pool
+
+        start_pool()  # the export workers import TVM while Dynamo traces the first call (as Inductor's do)
     compiled = torch.compile(model, backend=backend, **kwargs)
     # on the wrapper itself: OptimizedModule's setattr would put it on ``model``, shared by every compile
     object.__setattr__(compiled, "spacefusion", backend)

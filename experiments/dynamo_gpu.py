@@ -60,6 +60,14 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
     # Gemma-2-2B's config (soft-capped attention logits, sliding window, GQA, head dim 256), 4 of its layers
     "gemma2_2b_4layers_1x2048": ("Gemma2Config", "Gemma2Model", {"num_hidden_layers": 4, "vocab_size": 32000},
                                  "ids", 1, 2048),
+    # issue 55's table of a user's first session: DistilBERT, CLIP's text encoder (ViT-B/32's), Whisper-base's
+    # encoder on 30 s of audio (3000 mel frames), ConvNeXt-T
+    "distilbert_8x128": ("DistilBertConfig", "DistilBertModel", {}, "ids", 8, 128),
+    "clip_text_8x77": ("CLIPTextConfig", "CLIPTextModel", {}, "ids", 8, 77),
+    "whisper_base_encoder_4x3000": ("WhisperConfig", "models.whisper.modeling_whisper.WhisperEncoder", {
+        "d_model": 512, "encoder_layers": 6, "encoder_attention_heads": 8, "encoder_ffn_dim": 2048,
+        "decoder_layers": 6, "decoder_attention_heads": 8, "decoder_ffn_dim": 2048}, "features", 4, 3000),
+    "convnext_t_32x224": ("torchvision", "convnext_tiny", {}, "image", 32, 224),
     # issue 28's CNN: torchvision's ResNet-50 (v1.5), fp16 channels-last (what cuDNN and torch.compile are
     # fastest on), batch 32 of 224x224 images
     "resnet50_32x224": ("torchvision", "resnet50", {}, "image", 32, 224),
@@ -100,6 +108,19 @@ def _torchvision():
         import torchvision
     return torchvision
 
+def _transformers_class(name: str) -> Any:
+    """A model class of ``transformers`` by its top-level name, or by its module path below the package where
+    it is not exported there (``models.whisper.modeling_whisper.WhisperEncoder``)."""
+    import importlib
+
+    import transformers
+
+    if "." not in name:
+        return getattr(transformers, name)
+    module, _, cls = name.rpartition(".")
+    return getattr(importlib.import_module(f"transformers.{module}"), cls)
+
+
 def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
     cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
@@ -132,13 +153,15 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(0)
     with torch.device(device):
-        model = getattr(transformers, model_cls)(cfg).eval().half()
+        model = _transformers_class(model_cls)(cfg).eval().half()
     gen = torch.Generator().manual_seed(1)
     if kind == "decode":
         model.register_forward_pre_hook(_rewind, with_kwargs=True)
         return model, decode_inputs(model, s, device)
     if kind == "pixels":
         x = {"pixel_values": torch.randn(b, 3, s, s, generator=gen).half()}
+    elif kind == "features":  # log-mel frames: (batch, mel bins, frames)
+        x = {"input_features": torch.randn(b, cfg.num_mel_bins, s, generator=gen).half()}
     else:
         x = {"input_ids": torch.randint(0, cfg.vocab_size, (b, s), generator=gen)}
         if kind == "ids+mask":  # padding: lengths from s/4 to s

@@ -45,6 +45,7 @@ import numpy as np
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import KernelTraffic
+from smg.ir import SMG
 
 #: DRAM round-trip latency under load (H100 HBM3: ~500 ns idle, more when the memory system is busy)
 DRAM_LATENCY_S = 700e-9
@@ -97,20 +98,27 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
     """Sectors and distinct bytes of one warp-wide load of global input ``name`` (the first one: every
     loop at 0), from the lowering's thread order: lanes fastest, then the thread dim, then the other
     block dims (``lower.tir``); a lane's serial element is ``lane * vector``, read ``vector`` wide where
-    the serial dim is the input's innermost, or its place in the spread of ``schedule.input_lane_spread``."""
-    dims = s.smg.space(name).dims
-    shape = s.smg.shape(name)
-    item = _itemsize(s, name)
-    tiles = s.tiles
-    order = [s.thread_dim] + [d for d, _ in reversed(s.block) if d != s.thread_dim]
-    walk, off = s.smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
-    wide = s.vector if s.vector > 1 and walk == s.serial else 1
-    spread = input_lane_spread(s, name)
-    spans = [s.step if d == s.serial else s.smg.dim_sizes[d] for d in spread or ()]
+    the serial dim is the input's innermost, or its place in the spread of ``schedule.input_lane_spread``.
+    Cached by exactly what it reads (a search's candidates differ mostly in what it does not)."""
+    return _warp_sectors(s.smg, name, s.thread_dim, s.block, s.lanes, s.vector, s.serial, s.step, s.threads,
+                         input_lane_spread(s, name))
+
+
+@lru_cache(maxsize=16384)
+def _warp_sectors(smg: SMG, name: str, thread_dim: str, block: tuple[tuple[str, int], ...], lanes: int, vector: int,
+                  serial: str, step: int, threads: int, spread: tuple[str, ...] | None) -> tuple[int, int]:
+    dims = smg.space(name).dims
+    shape = smg.shape(name)
+    item = np.dtype(smg.space(name).dtype).itemsize
+    tiles = dict(block)
+    order = [thread_dim] + [d for d, _ in reversed(block) if d != thread_dim]
+    walk, off = smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another
+    wide = vector if vector > 1 and walk == serial else 1
+    spans = [step if d == serial else smg.dim_sizes[d] for d in spread or ()]
     sectors: set[int] = set()
     nbytes: set[int] = set()
-    for t in range(min(32, s.threads)):
-        lane, rest = (t % s.lanes, t // s.lanes) if s.lanes > 1 else (0, t)
+    for t in range(min(32, threads)):
+        lane, rest = (t % lanes, t // lanes) if lanes > 1 else (0, t)
         pos: dict[str, int] = {}
         for d in order:
             pos[d] = rest % tiles[d] if d != order[-1] else rest
@@ -119,7 +127,7 @@ def warp_sectors(s: Schedule, name: str) -> tuple[int, int]:
             for d, n in zip(reversed(spread), reversed(spans)):
                 pos[d], lane = lane % n, lane // n
         else:
-            pos[s.serial] = lane * s.vector
+            pos[serial] = lane * vector
         flat = 0
         for d, n in zip(dims, shape):
             at = pos.get(walk, 0) + off if d == dims[-1] else pos.get(d, 0)

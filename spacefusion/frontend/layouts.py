@@ -81,10 +81,10 @@ def choose_layout(nchw: SMG, nhwc: SMG, hw: HardwareModel) -> LayoutChoice:
     channels-last) on ``hw``: each as its first pick's estimate (``schedules.ranked``: the schedule the export
     then builds).  Needs the cost model (islpy)."""
     from search.cost import estimate_us
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.frontend.schedules import ATTEMPTS, ranked
 
     def best(smg: SMG) -> float:
-        order = ranked(smg, hw)
+        order = ranked(smg, hw, head=ATTEMPTS)  # the head the export's first pick ranks (cached for it)
         return estimate_us(order[0], hw) if order else float("inf")
 
     a, b, copy = best(nchw), best(nhwc), best(copy_of(nchw))

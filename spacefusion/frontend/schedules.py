@@ -106,8 +106,12 @@ def head_veto(hw: HardwareModel, head: int) -> SimtVeto:
     return veto
 
 
+#: how many of the best candidates a first pick tries to build (the head ``ranked`` computes for it)
+ATTEMPTS = 5
+
+
 def model_pick(smg: SMG, hw: HardwareModel = H100, build: Callable[[Schedule], object] | None = None,
-               attempts: int = 5) -> tuple[Schedule, int]:
+               attempts: int = ATTEMPTS) -> tuple[Schedule, int]:
     """The tuner's first pick for ``smg`` with nothing measured, and how many candidates were tried:
     with ``build``, the first of the best ``attempts`` that ``build`` accepts (a lowering that refuses a
     schedule moves on to the next, the error of the last is raised if none builds)."""

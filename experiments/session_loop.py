@@ -101,7 +101,11 @@ def _fused_calls(backend: Any) -> dict[str, Any]:
     return out
 
 
-def run(art: Path | None, out_path: Path, passes: int) -> int:
+SYSTEMS = ("eager", "torch.compile", "reduce-overhead", "spacefusion")
+
+
+def run(art: Path | None, out_path: Path, passes: int, loops: list[str] | None = None,
+        systems: list[str] | None = None) -> int:
     """Every system over every loop; ``art`` None: spacefusion builds its kernels here (TVM on this machine)."""
     from spacefusion.frontend.backends import CudaBackend
     from spacefusion.frontend.dynamo import SpaceFusionBackend
@@ -111,13 +115,15 @@ def run(art: Path | None, out_path: Path, passes: int) -> int:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "batch": BATCH, "loops": LOOPS, "passes": passes, "systems": {}}
     for loop_name, loop in LOOPS.items():
+        if loops and loop_name not in loops:
+            continue
         inputs = {n: ids(n, "cuda") for n in loop}
         with torch.no_grad():
             refs = {n: ref_model(input_ids=inputs[n]).last_hidden_state for n in loop}
             # the whole-model rule of dynamo_gpu.py: within twice eager fp16's own error against float32
             eager_err = {n: (model(input_ids=inputs[n]).last_hidden_state.float() - refs[n]).abs().max().item()
                          for n in loop}
-        for system in ("eager", "torch.compile", "reduce-overhead", "spacefusion"):
+        for system in (x for x in SYSTEMS if not systems or x in systems):
             torch._dynamo.reset()
             backend = None
             if system == "eager":
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("art", type=Path, nargs="?", help="the artefacts' folder (export, run)")
     ap.add_argument("--out", type=Path, default=Path("session_loop.json"))
     ap.add_argument("--passes", type=int, default=5, help="timed passes per system and loop (median)")
+    ap.add_argument("--loops", nargs="+", choices=tuple(LOOPS), help="only these loops (default: all)")
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, help="only these systems (default: all)")
     args = ap.parse_args(argv)
     if args.phase == "inplace":
         import os
@@ -167,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ["SPACEFUSION_CACHE"] = tempfile.mkdtemp(prefix="sf-session-")  # cold kernel caches, ours
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-session-")  # and Inductor's
-        return run(None, args.out, args.passes)
+        return run(None, args.out, args.passes, args.loops, args.systems)
     if args.art is None:
         ap.error(f"{args.phase} needs the artefacts' folder")
-    return export(args.art) if args.phase == "export" else run(args.art, args.out, args.passes)
+    if args.phase == "export":
+        return export(args.art)
+    return run(args.art, args.out, args.passes, args.loops, args.systems)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
+import sympy as sp
+
 from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.hardware import H100, HardwareModel
 from schedulers.options import (
@@ -279,6 +281,70 @@ def _check_loaded(s: Schedule) -> None:
         bad = check_values(getattr(s, g))
         if bad is not None:
             raise ScheduleError(f"schedule JSON: {bad.sentence}", code=bad.code, knob=bad.knob)
+    _check_against_graph(s)
+
+
+def _check_against_graph(s: Schedule) -> None:
+    """A schedule read from JSON must be one the slicers make of its graph: the same decisions given to
+    ``make_schedule`` (block tiles, serial dim and step, thread dim, knobs) give the same spatial decisions
+    and temporal plan (update functions, finalize), and its memory levels differ from theirs only where the
+    lowering has a choice.  Why: the lowering trusts all of it; a tile on a reduced dim, another serial dim
+    or an edited finalize built kernels that were wrong (every output, or differently on each call)."""
+    knobs = {k: v for g in GROUPS for k, v in non_defaults(getattr(s, g)).items()}
+    name = s.smg.name
+    try:
+        made = make_schedule(s.smg, dict(s.block), serial=s.serial, step=s.step, thread_dim=s.thread_dim,
+                             tensor_cores=s.tensor_cores, **knobs)
+    except ScheduleError as e:
+        raise ScheduleError(f"schedule JSON does not fit its graph {name!r}: {e}", code=e.code, knob=e.knob) from None
+    if [n for n, _ in s.memory] != [n for n, _ in made.memory]:
+        raise ScheduleError(f"schedule JSON: its memory levels name {[n for n, _ in s.memory]}, the spaces of "
+                            f"{name!r} are {[n for n, _ in made.memory]}", code="schedule.graph")
+    moved = {n: lvl for (n, lvl), (_, was) in zip(s.memory, made.memory) if lvl != was}
+    try:
+        _override_levels(list(made.memory), moved, s.smg.inputs)
+    except ScheduleError as e:
+        raise ScheduleError(f"schedule JSON: {e}", code="schedule.graph") from None
+    for what, differs in (("spatial decisions", None if s.spatial == made.spatial else "their cuts"),
+                          ("temporal plan", _plan_differs(s.plan, made.plan))):
+        if differs is not None:
+            raise ScheduleError(f"schedule JSON: the slicers derive other {what} for {name!r} with serial dim "
+                                f"{s.serial!r} than the file holds (in {differs})", code="schedule.graph")
+
+
+def _plan_differs(got: TemporalPlan, want: TemporalPlan) -> str | None:
+    """Where a plan read from a file differs from the one derived (None: nowhere).  Expressions are compared
+    by meaning where their texts differ: another sympy may print a derived carry otherwise, and a plan
+    recorded so still replays the kernel it was measured as."""
+    if got == want:
+        return None
+    for f in ("serial", "streamed", "inlined", "second_pass"):
+        if getattr(got, f) != getattr(want, f):
+            return f
+    if len(got.states) != len(want.states) or [o for o, _ in got.finalize] != [o for o, _ in want.finalize]:
+        return "states" if len(got.states) != len(want.states) else "finalize"
+    for a, b in zip(got.states, want.states):
+        if (a.state, a.combiner, a.space) != (b.state, b.combiner, b.space):
+            return "states"
+        if any(not _same_expr(getattr(a, f), getattr(b, f)) for f in ("body", "carry", "value", "postponed")):
+            return "states"
+    if any(not _same_expr(a, b) for (_, a), (_, b) in zip(got.finalize, want.finalize)):
+        return "finalize"
+    return None
+
+
+def _same_expr(a: str, b: str) -> bool:
+    """Whether two expression texts of a plan mean the same (an empty text means none: only equal to one)."""
+    if a == b:
+        return True
+    if not a or not b:
+        return False
+    from schedulers.temporal import parse
+
+    try:
+        return bool(sp.simplify(parse(a) - parse(b)) == 0)
+    except (sp.SympifyError, TypeError, SyntaxError):
+        return False
 
 
 def _override_levels(memory: list[tuple[str, str]], levels: dict[str, str], inputs: tuple[str, ...]

@@ -12,10 +12,10 @@ def __getattr__(name: str):
         from spacefusion import api
 
         return getattr(api, name)
-    if name == "compile":  # torch.compile with the spacefusion backend (frontend.dynamo)
-        from spacefusion.frontend.dynamo import compile
+    if name in ("compile", "report"):  # torch.compile with the spacefusion backend (frontend.dynamo); its reports
+        from spacefusion.frontend import dynamo
 
-        return compile
+        return getattr(dynamo, name)
     if name == "workloads":
         import smg.workloads
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ def demo(args: argparse.Namespace) -> int:
     from spacefusion.api import build, schedule, traffic
 
     b, h, sq, skv, d = args.shape
+    writable_folder(args.out)
     g = _workload("mha", [b, h, sq, skv, d], args.dtype)
     print(g, end="\n\n")
     s = schedule(g, tiles={"m": min(64, sq)}, step=args.step)
@@ -90,6 +92,7 @@ def build_cmd(args: argparse.Namespace) -> int:
         print(f"llvm kernel built and run against the numpy reference: {_verdict(err, problem)} "
               f"(nothing written: --out is for CUDA artefacts)")
         return 0 if problem is None else 1
+    writable_folder(args.out)  # before the compile, not after it
     art = build(s, args.target)
     path = art.save(args.out)
     print(s)
@@ -111,6 +114,8 @@ def tune_cmd(args: argparse.Namespace) -> int:
 
     if args.target not in TARGETS:
         raise SpaceFusionError(f"unknown target {args.target!r}; known: {sorted(TARGETS)}")
+    if args.json:
+        writable_file(args.json, "--json")
     hw_name, target = TARGETS[args.target]
     g = _workload(args.workload, args.shape, args.dtype)
     if args.runner == "llvm" or target == "llvm":
@@ -139,7 +144,11 @@ def tune_cmd(args: argparse.Namespace) -> int:
                    fast_math=args.fast_math)
     print(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary_dict(summary), indent=1, default=str))
+        try:
+            Path(args.json).write_text(json.dumps(summary_dict(summary), indent=1, default=str))
+        except OSError as e:  # checked before the tune; gone since (the measurements are in the database)
+            raise SpaceFusionError(f"--json {args.json}: cannot be written ({e.strerror}); the results are in "
+                                   f"{args.db}") from None
     return 0
 
 
@@ -156,6 +165,36 @@ def _whole(least: int):
 
     parse.__name__ = f"whole number >= {least}"
     return parse
+
+
+def writable_folder(path: str, flag: str = "--out") -> Path:
+    """``path`` as a folder that exists (made if need be) and can be written, checked before any work: a file
+    there, or a folder that cannot be made or written, is an error that names it (not a traceback after the
+    compile)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise SpaceFusionError(f"{flag} {out}: a file is there, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpaceFusionError(f"{flag} {out}: cannot make the folder ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SpaceFusionError(f"{flag} {out}: the folder cannot be written")
+    return out
+
+
+def writable_file(path: str, flag: str) -> Path:
+    """``path`` as a file that can be written (its folder exists and is writable; not a folder itself),
+    checked before any work."""
+    out = Path(path)
+    if out.is_dir():
+        raise SpaceFusionError(f"{flag} {out}: a folder is there, not a file")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise SpaceFusionError(f"{flag} {out}: no folder {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise SpaceFusionError(f"{flag} {out}: cannot be written")
+    return out
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -204,7 +243,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=_whole(1), default=16)
     t.add_argument("--workers", type=_whole(1), default=2)
     t.add_argument("--iters", type=_whole(1), default=None, help="timed runs per candidate (default: the runner's)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_whole(0), default=0, help="the random inputs' seed (default 0)")
     t.add_argument("--json", default=None, help="write the summary as JSON here")
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--fast-math", action="store_true",

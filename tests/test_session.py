@@ -378,3 +378,27 @@ def test_a_rebuild_that_fails_leaves_the_graph_to_torch_with_the_reason(monkeypa
         torch.testing.assert_close(compiled(x), model(x))
     (graph,) = compiled.spacefusion.graphs
     assert "rebuild after a weight change failed" in graph.skipped and "injected" in graph.skipped, str(graph)
+
+
+def test_the_string_backend_reports_through_spacefusion_report_and_logging(caplog: pytest.LogCaptureFixture) -> None:
+    """``torch.compile(model, backend="spacefusion")`` gives no handle on its backend: ``spacefusion.report()``
+    prints what every backend of the process fused (each set of sizes too), and each graph's report goes to
+    the ``spacefusion`` logger as it is compiled."""
+    import logging
+
+    model = _bert(layers=1)
+    compiled = torch.compile(model, backend="spacefusion", options={"target": "reference"})
+    with caplog.at_level(logging.INFO, logger="spacefusion"):
+        for s in (16, 24):
+            _check(model, compiled, input_ids=_ids(2, s))
+    text = spacefusion.report()
+    assert "attention b2 h2/2 16x16" in text and "attention b2 h2/2 24x24" in text, text
+    assert "symbolic sizes, specialised to 1 set(s) of sizes" in text
+    logged = [r.getMessage() for r in caplog.records if r.name == "spacefusion"]
+    assert len(logged) == 2 and "16x16" in logged[0] and "sizes [" in logged[1] and "24x24" in logged[1], logged
+    del compiled
+    torch._dynamo.reset()
+    import gc
+
+    gc.collect()  # the backends are held weakly: with their compiled graphs gone, nothing is reported
+    assert "attention b2 h2/2 16x16" not in spacefusion.report()

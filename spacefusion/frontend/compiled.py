@@ -19,6 +19,7 @@ same layer at another batch, a shape seen before) come from the kernel cache.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 import weakref
 from collections import OrderedDict
@@ -316,6 +317,8 @@ class PerShape:
         run = self.compiled.get(key)
         if run is None:
             run = self.compiled[key] = self._build(list(args))
+            sizes, report = next(reversed(self.report.shapes.items()))
+            logging.getLogger("spacefusion").info("graph %d, sizes [%s]: %s", self.report.index, sizes, report)
         if self.owner.export_only:  # the kernels of these sizes are written; torch runs the call
             return self.gm.forward(*args)
         return run(*args)

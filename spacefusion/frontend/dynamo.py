@@ -23,7 +23,9 @@ in-place weight update, ``load_state_dict`` or another model instance never runs
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +97,15 @@ class SpaceFusionBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  **_: Any) -> Callable[..., Any]:
+        if not any(r() is self for r in _BACKENDS):
+            _BACKENDS.append(weakref.ref(self))
+        try:
+            return self._compile_graph(gm, example_inputs, mode)
+        finally:  # a symbolic graph is reported per set of sizes, as each is built (``PerShape``)
+            if self.graphs and (self.graphs[-1].partition is not None or self.graphs[-1].skipped):
+                log.info("%s", self.graphs[-1])
+
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: list[Any], mode: str | None) -> Callable[..., Any]:
         if mode is not None and mode != self.mode:  # torch.compile(..., mode=) passes it to the backend
             self._set_mode(mode)
         report = GraphReport(len(self.graphs), sum(1 for n in gm.graph.nodes if n.op.startswith("call_")))
@@ -140,6 +151,26 @@ class SpaceFusionBackend:
         lines = [head + (f", {breaks} graph breaks (torch runs the code at each)" if breaks else "")]
         lines += [str(g) for g in self.graphs]
         return "\n".join(lines)
+
+
+#: each graph's report as it is compiled (and each new set of sizes of a symbolic graph): ``logging`` at INFO
+log = logging.getLogger("spacefusion")
+#: the backends that compiled a graph in this process, held weakly (each lives as long as its compiled graphs):
+#: ``torch.compile(model, backend="spacefusion")`` keeps no handle on the backend it makes
+_BACKENDS: list[weakref.ref] = []
+
+
+def report() -> str:
+    """What every spacefusion backend of this process fused, per Dynamo graph (and per set of sizes), what
+    torch runs and why, and the graph breaks: ``print(spacefusion.report())`` after calling a model compiled
+    with ``torch.compile(model, backend="spacefusion")``, which gives no handle on its backend
+    (``spacefusion.compile`` keeps it as ``.spacefusion``).  The same reports go to the ``spacefusion``
+    logger at INFO as each graph is compiled."""
+    live = [b for b in (r() for r in _BACKENDS) if b is not None and b.graphs]
+    _BACKENDS[:] = [weakref.ref(b) for b in (r() for r in _BACKENDS) if b is not None]
+    if not live:
+        return "spacefusion: no graph compiled in this process yet"
+    return "\n\n".join(str(b) for b in live)
 
 
 #: the targets named by a string

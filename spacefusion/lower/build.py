@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -329,8 +330,28 @@ def hardware_for(arch: str) -> HardwareModel:
     return H100
 
 
+#: the most elements a tensor of a CUDA kernel may have: the kernels index with 32-bit integers
+MAX_INDEX = 2**31 - 1
+#: the most blocks of a grid's x dimension (CUDA's limit), where every kernel puts its blocks
+MAX_GRID_X = 2**31 - 1
+
+
+def check_index_range(s: Schedule) -> None:
+    """Refuse, naming the tensor or the grid, what 32-bit indices or CUDA's grid cannot address (TVM raised
+    an int32 literal error from inside its passes; a grid of 2^34 blocks was written and never launched)."""
+    for space in s.smg.spaces:
+        n = math.prod(s.smg.shape(space.name))
+        if n > MAX_INDEX:
+            raise ShapeError(f"{s.smg.name}: space {space.name!r} {s.smg.shape(space.name)} has {n} elements; the CUDA "
+                             f"kernels index with 32-bit integers (at most {MAX_INDEX} elements a tensor): split it")
+    if s.num_blocks > MAX_GRID_X:
+        raise ScheduleError(f"{s.smg.name}: {s.num_blocks} blocks; a CUDA grid has at most {MAX_GRID_X}: use larger "
+                            f"tiles or split the work")
+
+
 def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
+    check_index_range(s)
     if s.tensor_cores:
         return _build_tensorcore(s, arch)
     smem = shared_bytes(s)

@@ -13,6 +13,7 @@ from schedulers.hardware import H100, HardwareModel
 from schedulers.schedule import Schedule
 from search.database import TuningDatabase, key_parts, tuning_key
 from search.records import RECORD_FORMAT, Builder, MeasureInput, MeasureResult
+from smg.errors import SpaceFusionError
 from smg.serialize import smg_to_dict
 from spacefusion.runners.builder import TVMBuilder
 from spacefusion.runners.common import fail
@@ -27,6 +28,11 @@ from spacefusion.runtime.batch import (
 )
 
 import_batch = read_results  # what the GPU command wrote, as records
+
+
+class BatchError(SpaceFusionError, ValueError):
+    """An offline batch folder that cannot be imported (a damaged manifest or results file, results of
+    another batch); nothing of it was stored."""
 
 
 def export_batch(inputs: Sequence[MeasureInput], folder: str | Path, seed: int = 0, cubin: bool = True,
@@ -137,23 +143,26 @@ def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: Hard
     records go under the tuning key the tuner would use (the builder's flags, and fast_math's).
     """
     folder = Path(folder)
-    manifest = load_manifest(folder)
-    by_key = {c["schedule_key"]: c for c in manifest["candidates"]}
+    try:  # every result read and matched to the manifest before any is stored: all of a batch or none
+        manifest = load_manifest(folder)
+        by_key = {c["schedule_key"]: c for c in manifest["candidates"]}
+        results = read_results(folder / RESULTS_FILE)
+    except (ValueError, KeyError, TypeError) as e:
+        raise BatchError(f"{folder}: not an offline batch this code can import: {e}") from None
+    missing = [r.schedule_key[:12] for r in results if r.schedule_key not in by_key]
+    if missing:
+        raise BatchError(f"{folder}: results for {', '.join(missing)} have no manifest entry (another batch's "
+                         f"results.json?); nothing imported")
+    scheds = [Schedule.from_json(json.dumps(by_key[r.schedule_key]["schedule"])) for r in results]
     fast = any(c.get("schedule", {}).get("fast_math") for c in manifest["candidates"])
     flags = (*(builder if builder is not None else TVMBuilder()).flags, *(("fast_math",) if fast else ()))
     own = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db) if own else db
     try:
-        n = 0
-        for res in read_results(folder / RESULTS_FILE):
-            entry = by_key.get(res.schedule_key)
-            if entry is None:
-                raise ValueError(f"{folder}: result for {res.schedule_key[:12]} has no manifest entry")
-            sched = Schedule.from_json(json.dumps(entry["schedule"]))
+        for sched, res in zip(scheds, results):
             key = tuning_key(sched.smg, hw, res.target, flags)
             database.add(key, sched, res, key_parts(sched.smg, hw, res.target, flags))
-            n += 1
-        return n
+        return len(results)
     finally:
         if own:
             database.close()

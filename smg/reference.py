@@ -191,20 +191,45 @@ def reduction_length(smg: SMG) -> int:
     return max((math.prod(sizes[d] for d in op.reduce) for op in smg.ops if op.reduce), default=1)
 
 
-def check_numerics(smg: SMG, ref: Mapping[str, np.ndarray],
-                   got: Mapping[str, Any]) -> tuple[float | None, str | None]:
+def float32_error_scales(smg: SMG, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``smg.error_model.error_scales`` of the float32 outputs (none where there is none).  Why float32 only:
+    the error model is for an evaluation in float32; a 16-bit output's kernels round intermediates to 16 bits
+    too (a softmax's probabilities before P @ V), which the fixed rule's units of its own roundoff were
+    validated on, kernel by kernel on the GPU."""
+    if not any(smg.space(o).dtype == "float32" for o in smg.outputs):
+        return {}
+    from smg.error_model import error_scales
+
+    return {o: e for o, e in error_scales(smg, inputs).items() if smg.space(o).dtype == "float32"}
+
+
+def check_numerics(smg: SMG, ref: Mapping[str, np.ndarray], got: Mapping[str, Any],
+                   inputs: Mapping[str, np.ndarray] | None = None,
+                   scales: Mapping[str, np.ndarray] | None = None) -> tuple[float | None, str | None]:
     """Compare every output with the float64 reference under ``smg.tolerance``'s rule:
     ``(max_abs_err, error)``, error None when all pass.
+
+    ``inputs`` (those ``ref`` was computed from) give the rule's error-model form: the bound of each output
+    element follows the error a correct float32 evaluation of this graph leaves there (``E``: the sizes of
+    the terms each sum adds, the condition of each op on its inputs' errors, each op's own roundings;
+    ``smg.tolerance``'s docstring), which this function derives op by op beside a float64 evaluation (the
+    work of a few evaluations).  Without them only the outputs are known, and the fixed rule (the output's RMS
+    times ``sqrt(K)``) rejects correct float32 results where an activation squeezes a large pre-activation
+    (tanh) or a softmax amplifies its scores' errors: callers that hold the inputs should pass them.  The
+    model applies to float32 outputs (``float32_error_scales``); ``scales``, those already derived for these
+    inputs, saves a caller that checks many kernels of one graph deriving them again.
 
     Non-finite values where the reference is finite (an element never written, an overflow) give
     ``max_abs_err=None`` and an error saying so, rather than a NaN/inf that strict JSON cannot hold.
     """
+    if scales is None:
+        scales = float32_error_scales(smg, inputs) if inputs is not None else {}
     worst = 0.0
     k = reduction_length(smg)
     for name, r in ref.items():
         if name not in got:
             return None, f"numerics: kernel returned no output {name!r} (got {sorted(got)})"
-        c = compare(got[name], r, smg.space(name).dtype, k, name=f"output {name!r}")
+        c = compare(got[name], r, smg.space(name).dtype, k, name=f"output {name!r}", error_scale=scales.get(name))
         if c.max_abs_err is None:
             return None, f"numerics: {c.problem}"
         worst = max(worst, c.max_abs_err)

@@ -31,7 +31,7 @@ def verify_llvm(s, seed: int = 0) -> tuple[float | None, str | None]:
     from spacefusion.api import build, check_numerics, evaluate, random_inputs
 
     x = random_inputs(s.smg, seed)
-    return check_numerics(s.smg, evaluate(s.smg, x), build(s, "llvm")(x))
+    return check_numerics(s.smg, evaluate(s.smg, x), build(s, "llvm")(x), inputs=x)
 
 
 def _verdict(err: float | None, problem: str | None) -> str:

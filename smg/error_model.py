@@ -25,6 +25,11 @@ from smg.reference import _aligned, _gather, _lambdify, evaluate
 from smg.tolerance import FUNCTION_UNITS, op_error_scale, sole_maximum, sum_error_scale
 
 
+def _power_of_two(c: float) -> bool:
+    """Whether multiplying by ``c`` is exact (a power of two: only the exponent moves)."""
+    return c > 0 and float(c).hex().startswith("0x1.0000000000000p")
+
+
 def _roundings(expr: sp.Expr, data: set[sp.Basic]) -> sp.Expr:
     """``R`` of a body: ``sum_n |df/dn| err(n)`` over its operations ``n``, ``err(n)`` the most one
     rounds, in ``u``: ``|n|`` for ``+ - * /`` and sqrt (an n-ary add rounds its partial sums too, each at
@@ -44,7 +49,7 @@ def _roundings(expr: sp.Expr, data: set[sp.Basic]) -> sp.Expr:
             err = sp.Abs(e) + (len(e.args) - 2) * sum(sp.Abs(a) for a in e.args)
         elif isinstance(e, sp.Mul):
             coeff = abs(float(sp.Mul(*[a for a in e.args if a.is_number])))
-            err = (len([a for a in e.args if not a.is_number]) - 1 + (math.frexp(coeff)[0] != 0.5)) * sp.Abs(e)
+            err = (len([a for a in e.args if not a.is_number]) - 1 + (not _power_of_two(coeff))) * sp.Abs(e)
         elif isinstance(e, sp.Pow):  # x^n: |n| - 1 products, and a division for n < 0 unless a product's
             ex, div = e.exp, 0 if in_mul else 1
             if ex.is_Integer:
@@ -84,7 +89,7 @@ def error_scales(smg: SMG, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
             spec += "->" + "".join(letters[d] for d in op.out_index)
             c2 = float(coeff) ** 2
             terms_sq = c2 * np.einsum(spec, ins[0] ** 2, ins[1] ** 2, optimize=True)
-            own = 1 + (math.frexp(abs(float(coeff)))[0] != 0.5)  # the product, and the scale unless 2^k
+            own = 1 + (not _power_of_two(abs(float(coeff))))  # the product, and the scale unless 2^k
             err_sq = own * own * terms_sq
             for j in (0, 1):
                 if in_errs[j] is not None:

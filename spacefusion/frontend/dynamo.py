@@ -146,7 +146,8 @@ class SpaceFusionBackend:
 
     def __str__(self) -> str:
         breaks = len(self.graph_breaks())
-        name = getattr(self.kernels, "name", self.target) if self.graphs else "no graph yet"
+        # the kernels as made (a report never makes them: a "cuda" target without a GPU would raise here)
+        name = getattr(self._kernels, "name", self.target) if self.graphs else "no graph yet"
         head = f"spacefusion ({name}): {len(self.graphs)} Dynamo graphs"
         lines = [head + (f", {breaks} graph breaks (torch runs the code at each)" if breaks else "")]
         lines += [str(g) for g in self.graphs]

@@ -3,22 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from smg.errors import SpaceFusionError
 
 DTYPES = ("float16", "float32")  # the dtypes the commands take (the check's tolerance is smg/tolerance.py's)
 
 
-def _workload(name: str, shape: list[int], dtype: str):
+def _known() -> dict[str, Any]:
     from smg import patterns, workloads
 
-    known = {**patterns.PATTERNS, **workloads.WORKLOADS}
+    return {**patterns.PATTERNS, **workloads.WORKLOADS}
+
+
+def size_params(fn: Any) -> list[inspect.Parameter]:
+    """The parameters of a workload that ``--shape`` fills, in order: its leading whole-number ones (a later
+    flag or name, such as attention's ``causal``, is not a size: a seventh number used to set it silently)."""
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.name == "dtype" or str(p.annotation) not in ("int", "int | None"):
+            break
+        out.append(p)
+    return out
+
+
+def shapes_epilog() -> str:
+    """The workloads and the sizes ``--shape`` gives each, in order ([optional])."""
+    lines = ["workloads and their --shape (sizes in this order; [optional]):"]
+    for name, fn in sorted(_known().items()):
+        sizes = " ".join(p.name if p.default is inspect.Parameter.empty else f"[{p.name}]" for p in size_params(fn))
+        lines.append(f"  {name:18s} {sizes}")
+    return "\n".join(lines)
+
+
+def _workload(name: str, shape: list[int], dtype: str):
+    known = _known()
     if name not in known:
         raise SpaceFusionError(f"unknown workload {name!r}; known: {sorted(known)}")
+    sizes = size_params(known[name])
+    if len(shape) > len(sizes):
+        raise SpaceFusionError(f"workload {name!r} takes at most {len(sizes)} sizes "
+                               f"({' '.join(p.name for p in sizes)}); got {len(shape)}: {shape}")
     try:
         return known[name](*shape, dtype=dtype)
     except TypeError as e:
@@ -197,6 +227,10 @@ def writable_file(path: str, flag: str) -> Path:
     return out
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, and the workloads' list kept as written."""
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The command line's parser, apart from running it, so the docs' command lines can be checked against it."""
     p = argparse.ArgumentParser(prog="spacefusion", description=__doc__)
@@ -209,11 +243,12 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="spacefusion_out")
     from schedulers.options import KNOB_FIELDS, KNOB_GROUP, is_int_knob
 
-    b = sub.add_parser("build", help="build one workload for a target")
-    b.add_argument("workload", nargs="?", help="a pattern or workload name (not with --schedule)")
-    b.add_argument("--shape", type=int, nargs="+", default=None)
+    b = sub.add_parser("build", help="build one workload for a target", epilog=shapes_epilog(), formatter_class=_Help)
+    b.add_argument("workload", nargs="?", help="a workload named below (not with --schedule)")
+    b.add_argument("--shape", type=int, nargs="+", default=None, help="the workload's sizes, in the order below")
     b.add_argument("--dtype", default="float16", choices=DTYPES)
-    b.add_argument("--target", default="cuda:sm_90a")
+    b.add_argument("--target", default="cuda:sm_90a", help="cuda:sm_XX (an artefact in --out) or llvm (built, run "
+                   "and checked on this CPU, nothing written)")
     b.add_argument("--tile-m", type=_whole(1), default=None, help="rows per block (default: derived)")
     b.add_argument("--tile-n", type=_whole(1), default=None, help="a GEMM's output columns per block")
     b.add_argument("--serial", default=None, help="the dim sliced into serial steps (default: derived)")
@@ -227,25 +262,28 @@ def make_parser() -> argparse.ArgumentParser:
         else:
             b.add_argument(flag, action="store_true", help=f"{f.metadata['help']}{tc}")
     b.add_argument("--schedule", default=None, help="a Schedule JSON file instead of the shape and knobs")
-    b.add_argument("--verify", action="store_true")
-    b.add_argument("--out", required=True)
-    t = sub.add_parser("tune", help="search schedules of a workload, measure them, remember the best")
-    t.add_argument("workload")
-    t.add_argument("--shape", type=int, nargs="+", required=True)
+    b.add_argument("--verify", action="store_true", help="check the schedule's llvm kernel against the numpy "
+                   "reference before building")
+    b.add_argument("--out", required=True, help="the folder the CUDA artefact (kernel.cu, kernel.json, cubin) goes to")
+    t = sub.add_parser("tune", help="search schedules of a workload, measure them, remember the best",
+                       epilog=shapes_epilog(), formatter_class=_Help)
+    t.add_argument("workload", help="a workload named below")
+    t.add_argument("--shape", type=int, nargs="+", required=True, help="the workload's sizes, in the order below")
     t.add_argument("--dtype", default="float16", choices=DTYPES)
     t.add_argument("--target", default="h100", help=f"one of {sorted(TARGETS)}")
-    t.add_argument("--runner", default="gpu", choices=["gpu", "llvm", "offline", "ray"])
+    t.add_argument("--runner", default="gpu", choices=["gpu", "llvm", "offline", "ray"],
+                   help="where candidates are measured: this GPU, this CPU (llvm), exported for a GPU machine, Ray")
     t.add_argument("--batch-dir", default=None, help="offline runner: where candidates are exported")
-    t.add_argument("--ray-address", default=None)
+    t.add_argument("--ray-address", default=None, help="a Ray cluster to measure on (--runner ray)")
     t.add_argument("--import-results", default=None, help="first add an offline batch's results (its folder)")
-    t.add_argument("--db", default="spacefusion_tuning.db")
-    t.add_argument("--trials", type=_whole(1), default=64)
-    t.add_argument("--batch", type=_whole(1), default=16)
-    t.add_argument("--workers", type=_whole(1), default=2)
+    t.add_argument("--db", default="spacefusion_tuning.db", help="the tuning database (SQLite), kept between tunes")
+    t.add_argument("--trials", type=_whole(1), default=64, help="candidates measured at most")
+    t.add_argument("--batch", type=_whole(1), default=16, help="candidates per round (ranked, built, measured)")
+    t.add_argument("--workers", type=_whole(1), default=2, help="processes building candidates")
     t.add_argument("--iters", type=_whole(1), default=None, help="timed runs per candidate (default: the runner's)")
     t.add_argument("--seed", type=_whole(0), default=0, help="the random inputs' seed (default 0)")
     t.add_argument("--json", default=None, help="write the summary as JSON here")
-    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--fast-math", action="store_true",
                    help="let tensor-core candidates compute tanh and sigmoid on tanh.approx (a separate database key)")
     return p

@@ -262,3 +262,19 @@ def test_a_tensor_beyond_32_bit_indices_is_refused_before_tvm(tmp_path, capsys) 
                  str(tmp_path / "o")]) == 2
     assert "has 70368744177664 elements" in capsys.readouterr().err
     assert not (tmp_path / "o" / "kernel.json").exists()
+
+
+def test_the_help_lists_each_workloads_sizes_and_a_size_too_many_is_refused(capsys) -> None:
+    """``--shape`` said nothing of its order, and ``attention --shape 1 2 64 64 64 2 1`` set ``causal`` from its
+    seventh number without a word."""
+    from spacefusion.cli import shapes_epilog
+
+    text = shapes_epilog()
+    assert "attention          batch heads seq_q seq_kv head_dim [kv_heads]" in text
+    assert "gemm               m n k" in text
+    assert main(["build", "attention", "--shape", "1", "2", "64", "64", "64", "2", "1", "--out", "x"]) == 2
+    assert "takes at most 6 sizes (batch heads seq_q seq_kv head_dim kv_heads); got 7" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 64)" in out and "softmax_gemm       m l n" in out

@@ -277,3 +277,39 @@ def simt_veto(hw: HardwareModel, estimate_of: Callable[[Schedule], float] | None
                f"{best:.1f} us"
 
     return veto
+
+
+def either(*vetoes: Callable[[list[Schedule]], str | None]) -> Callable[[list[Schedule]], str | None]:
+    """A veto that refuses where any of ``vetoes`` does (the first reason)."""
+    def veto(tc: list[Schedule]) -> str | None:
+        return next((why for v in vetoes if (why := v(tc)) is not None), None)
+
+    return veto
+
+
+def head_veto(hw: HardwareModel, head: int, estimate_of: Callable[[Schedule], float] | None = None
+              ) -> Callable[[list[Schedule]], str | None]:
+    """Skip the CUDA-core candidates where none can be among the first ``head`` of the first round's order
+    (``frontend.schedules.ranked``); ``estimate_of`` shares the caller's estimates (each candidate estimated once).
+
+    Why that is exact: the order sorts by tie group (``search.prior.tie_groups``: estimates within ``1 + TIE``
+    of a group's first), then by the prior's score within a group.  The first ``head`` lie in the groups up to
+    that of the ``head``-th smallest estimate, e5, and those groups end at most at e5 * (1 + TIE).  Given only
+    some candidates (the tensor-core ones of one graph of the space), their ``head``-th smallest estimate is at
+    least the whole space's e5.  A CUDA-core schedule's estimate is at least ``simt_floor_us``; above
+    e5 * (1 + TIE), each would sort after every member of those groups, and removing candidates from after
+    them changes neither the groups before nor the prior's per-candidate scores."""
+    from search.prior import TIE
+
+    est = estimate_of or (lambda s: estimate_us(s, hw))
+
+    def veto(tc: list[Schedule]) -> str | None:
+        if len(tc) < head:
+            return None
+        bound = sorted(est(s) for s in tc)[head - 1] * (1 + TIE)
+        floor = simt_floor_us(tc[0].smg, hw)
+        if floor <= bound:
+            return None
+        return f"their compute floor {floor:.1f} us is above {bound:.1f} us, beyond the first {head} candidates"
+
+    return veto

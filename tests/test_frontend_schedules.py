@@ -56,3 +56,8 @@ def test_a_first_picks_head_is_the_whole_orders_head(graph, monkeypatch: pytest.
     if g.name == "attention":  # the veto fired: only the tensor-core candidates were enumerated
         assert len(head) < len(whole) and all(s.tensor_cores for s in head)
     assert ranked(g, H100, head=5) == whole  # the whole order, now cached, serves the head
+
+
+def test_a_head_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="head 0 must be 1 or more"):
+        ranked(patterns.layernorm(64, 512, dtype="float16"), H100, head=0)

@@ -246,9 +246,8 @@ class CudaBackend(_Cached):
         for smg in smgs:
             if smg.key in self._kernels or smg.key in todo or isinstance(find_barrier(smg), Barrier):
                 continue
-            if self.split_hw is not None and not (self.folder / smg.key[:16] / "split.json").is_file():
-                todo[smg.key] = smg
-            elif self._missing(smg):
+            undecided = self.split_hw is not None and not (self.folder / smg.key[:16] / "split.json").is_file()
+            if undecided or self._missing(smg):  # the worker decides the split, then exports what is missing
                 todo[smg.key] = smg
         return export_many(self.folder, self.arch, self.schedule_for, self.by_schedule, list(todo.values()),
                            split=(self.split_hw, self.split_kw))

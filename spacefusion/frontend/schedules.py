@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from schedulers.hardware import H100, HardwareModel
 from schedulers.schedule import Schedule, make_schedule, pick_serial
 from schedulers.spatial import analyse_spatial
 from smg.ir import SMG
-
-if TYPE_CHECKING:
-    from search.space import SimtVeto
 
 ScheduleFor = Callable[[SMG], Schedule]
 
@@ -52,58 +48,34 @@ def ranked(smg: SMG, hw: HardwareModel = H100, head: int | None = None) -> list[
     With ``head``, only the first ``head`` of that order are sure to be there and in place (what a first
     pick needs): the CUDA-core candidates are not enumerated where their floor is above every estimate that
     can reach the head (``head_veto``), which leaves those ``head`` exactly as the whole order has them."""
-    from search.cost import estimate_us, simt_veto
+    from search.cost import either, estimate_us, head_veto, simt_veto
     from search.prior import first_round_order, load_prior
     from search.space import SearchSpace
 
+    if head is not None and head < 1:
+        raise ValueError(f"ranked: head {head} must be 1 or more (the candidates a first pick needs)")
     key = (smg.key, hw, head)
     for k in (key, (smg.key, hw, None)):  # a whole order serves any head
         if k in _RANKED:
             _RANKED.move_to_end(k)
             return list(_RANKED[k])
-    veto = simt_veto(hw)
+    est: dict[str, float] = {}  # each candidate estimated once: by the vetoes, then for the order
+
+    def estimate(s: Schedule) -> float:
+        if s.key not in est:
+            est[s.key] = estimate_us(s, hw)
+        return est[s.key]
+
+    veto = simt_veto(hw, estimate)
     if head is not None:
-        veto = either(veto, head_veto(hw, head))
+        veto = either(veto, head_veto(hw, head, estimate))
     cands = {s.key: s for s in SearchSpace(smg, hw).candidates(skip_simt=veto)}
-    est = {k: estimate_us(s, hw) for k, s in cands.items()}
+    est = {k: estimate(s) for k, s in cands.items()}
     order = tuple(cands[k] for k in first_round_order(cands, est, load_prior(hw)))
     _RANKED[key] = order
     while len(_RANKED) > RANKED_CACHE:
         _RANKED.popitem(last=False)
     return list(order)
-
-
-def either(*vetoes: SimtVeto) -> SimtVeto:
-    """A veto that refuses where any of ``vetoes`` does (the first reason)."""
-    def veto(tc: list[Schedule]) -> str | None:
-        return next((why for v in vetoes if (why := v(tc)) is not None), None)
-
-    return veto
-
-
-def head_veto(hw: HardwareModel, head: int) -> SimtVeto:
-    """Skip the CUDA-core candidates where none can be among the first ``head`` of ``ranked``'s order.
-
-    Why that is exact: the order sorts by tie group (``search.prior.tie_groups``: estimates within ``1 + TIE``
-    of a group's first), then by the prior's score within a group.  The first ``head`` lie in the groups up to
-    that of the ``head``-th smallest estimate, e5, and those groups end at most at e5 * (1 + TIE).  Given only
-    some candidates (the tensor-core ones of one graph of the space), their ``head``-th smallest estimate is at
-    least the whole space's e5.  A CUDA-core schedule's estimate is at least ``simt_floor_us``; above
-    e5 * (1 + TIE), each would sort after every member of those groups, and removing candidates from after
-    them changes neither the groups before nor the prior's per-candidate scores."""
-    from search.cost import estimate_us, simt_floor_us
-    from search.prior import TIE
-
-    def veto(tc: list[Schedule]) -> str | None:
-        if len(tc) < head:
-            return None
-        bound = sorted(estimate_us(s, hw) for s in tc)[head - 1] * (1 + TIE)
-        floor = simt_floor_us(tc[0].smg, hw)
-        if floor <= bound:
-            return None
-        return f"their compute floor {floor:.1f} us is above {bound:.1f} us, beyond the first {head} candidates"
-
-    return veto
 
 
 #: how many of the best candidates a first pick tries to build (the head ``ranked`` computes for it)

@@ -89,7 +89,8 @@ def _pass(fn: Any, loop: list[int], inputs: dict[int, torch.Tensor]) -> float:
 
 
 def _fused_calls(backend: Any) -> dict[str, Any]:
-    """Per Dynamo graph and set of sizes: fused subgraphs, ops left to torch, replayed or not."""
+    """Per Dynamo graph and set of sizes: fused subgraphs, ops left to torch, replayed or not, and how often
+    its constants were derived again (a weight seen as changed: each costs about a compile)."""
     out = {}
     for g in backend.graphs:
         shapes = g.shapes or {"static": g}
@@ -97,7 +98,8 @@ def _fused_calls(backend: Any) -> dict[str, Any]:
             p = r.partition
             out[f"graph {g.index} [{sizes}]"] = {
                 "fused": len(p.subgraphs) if p else 0, "left": len(p.left) if p else None,
-                "skipped": r.skipped, "replayed": r.replayed}
+                "skipped": r.skipped, "replayed": r.replayed,
+                "rebuilds": r.rebuilds, "rebuilt": r.rebuilt}
     return out
 
 

@@ -39,7 +39,7 @@ from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
 from spacefusion.frontend.replay import GraphReplay, mutated_inputs, unwritten_copies
 from spacefusion.frontend.specialize import SizeKey, concrete
-from spacefusion.frontend.weights import Stamp
+from spacefusion.frontend.weights import Stamp, own_reads
 
 _ATTR = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 
@@ -226,6 +226,10 @@ class CompiledGraph:
         self._remember(args)
 
     def _fuse(self, example_inputs: list[Any]) -> None:
+        with own_reads():  # deriving constants reads weights (ShapeProp's fake copy): no change to them
+            self._derive(example_inputs)
+
+    def _derive(self, example_inputs: list[Any]) -> None:
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
         baked = lift_parameters(gm, example_inputs, self.names, keep=self.written)
         shaped = unwritten_copies(example_inputs, self.written)

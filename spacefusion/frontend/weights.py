@@ -15,12 +15,18 @@ Inductor's freezing assumes none of these happen.  Here the last is seen by watc
 ``watch`` puts a property on ``torch.Tensor`` that counts each get or set of ``.data`` on a watched tensor
 (any other tensor pays one weak-dictionary lookup), and ``Stamp`` compares identities, versions, addresses
 and those counts.  A read of ``.data`` that writes nothing also counts: the constants are derived again,
-which costs time, never a wrong answer.
+which costs time, never a wrong answer.  The backend's own reads are not counted (``own_reads``): deriving
+one graph's constants (fx's ``ShapeProp`` deep-copies the module to fake tensors, reading each Parameter's
+``.data``) must not mark every other graph over the same weights as changed, or graphs sharing weights (a
+symbolic graph's specialisations, a static graph beside its dynamic recompile) rebuild each other on every
+call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +37,12 @@ _TOUCHES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: bumped on every touch of any watched tensor, so an unchanged model costs one int compare a call
 _EPOCH = [0]
 _DATA = torch._C.TensorBase.__dict__["data"]
+#: set in a thread while the backend itself reads weights (``own_reads``)
+_OWN = threading.local()
 
 
 def _get_data(self: torch.Tensor) -> torch.Tensor:
-    if self in _TOUCHES:
+    if self in _TOUCHES and not getattr(_OWN, "on", False):
         _TOUCHES[self] += 1
         _EPOCH[0] += 1
     return _DATA.__get__(self)
@@ -58,6 +66,18 @@ def watch(tensors: Iterable[torch.Tensor]) -> None:
     for t in tensors:
         if t not in _TOUCHES:
             _TOUCHES[t] = 0
+
+
+@contextmanager
+def own_reads() -> Iterator[None]:
+    """Within this block (in this thread) reads of ``.data`` are the backend's own and are not counted; a
+    set is still counted, as is anything another thread does."""
+    was = getattr(_OWN, "on", False)
+    _OWN.on = True
+    try:
+        yield
+    finally:
+        _OWN.on = was
 
 
 def epoch() -> int:
@@ -97,4 +117,4 @@ class Stamp:
         return None
 
 
-__all__ = ["Stamp", "epoch", "watch"]
+__all__ = ["Stamp", "epoch", "own_reads", "watch"]

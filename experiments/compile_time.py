@@ -54,11 +54,32 @@ def one(model_name: str, system: str) -> dict[str, Any]:
     err, base = (got.float() - exact).abs().max().item(), (eager.float() - exact).abs().max().item()
     row: dict[str, Any] = {"compile_and_first_call_s": took, "max_abs_err": err, "eager_fp16_err": base,
                            "ok": err <= 2 * base}
+    row["dynamo_times_s"] = _dynamo_times()
     if system == "spacefusion":
         parts = compiled.spacefusion.partitions
         row["fused_subgraphs"] = sum(len(p.subgraphs) for p in parts)
         row["distinct_smgs"] = len({s.key for p in parts for s in p.subgraphs})
+        row["exports"] = _exports(t)
     return row
+
+
+def _dynamo_times() -> dict[str, float]:
+    """Dynamo's own phase times in this process (tracing, the backend's call, guards), in seconds."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {n: round(float(v), 3) for n, v in zip(names, values)}
+
+
+def _exports(since: float) -> list[dict[str, Any]]:
+    """The kernels this process's compile exported (their ``timing.json``, newest run only), slowest first:
+    what a cold compile's critical path is made of."""
+    from spacefusion.frontend.dynamo import kernel_cache
+
+    start = time.time() - (time.perf_counter() - since)
+    rows = [json.loads(f.read_text()) | {"key": f.parent.name} for f in kernel_cache().glob("*/timing.json")
+            if f.stat().st_mtime >= start]
+    return sorted(rows, key=lambda r: -(r["schedule_s"] + r["lower_s"] + r["save_s"]))
 
 
 def _spawn(model_name: str, system: str, env: dict[str, str]) -> dict[str, Any]:

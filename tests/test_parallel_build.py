@@ -31,6 +31,10 @@ def test_parallel_export_writes_what_the_serial_export_writes(tmp_path) -> None:
         # same source but for TVM's temporaries, which a process numbers by what it built before (``_ptr_8``)
         assert json.loads((par / "kernel.json").read_text()) == json.loads((ser / "kernel.json").read_text())
         assert _renumbered((par / "kernel.cu").read_text()) == _renumbered((ser / "kernel.cu").read_text())
+        # what each export's time was made of, for compile-time studies
+        for folder in (par, ser):
+            timing = json.loads((folder / "timing.json").read_text())
+            assert timing["name"] == smg.name and all(timing[k] >= 0 for k in ("schedule_s", "lower_s", "save_s"))
 
 
 def test_a_backend_prefetches_only_what_it_lacks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from smg.reference import evaluate
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
+from spacefusion.frontend.seen import mark, seen
 from spacefusion.frontend.sequence import barrier_sequence, sequence
 
 Kernel = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -224,13 +226,20 @@ class CudaBackend(_Cached):
             tmp.replace(path)
         return got
 
-    def warm_up(self) -> None:
+    def warm_up(self, signature: str | None = None) -> None:
         """Start the export workers (``parallel_build.start_pool``) where this backend builds what it lacks, so
-        that their imports overlap the partition that comes before the first ``prefetch``."""
-        if self.build_missing:
+        that their imports overlap the partition that comes before the first ``prefetch``; not where this
+        folder compiled a graph of ``signature`` before (``seen``): that compile is warm, and the workers'
+        imports would only compete with it."""
+        if self.build_missing and not (signature and seen(self.folder, signature)):
             from spacefusion.frontend.parallel_build import start_pool
 
             start_pool()
+
+    def mark_seen(self, signatures: Sequence[str]) -> None:
+        """Record in this folder that graphs of ``signatures`` compiled (``seen.mark``)."""
+        if self.build_missing:
+            mark(self.folder, signatures)
 
     def prefetch(self, smgs: list[SMG]) -> dict[str, str]:
         """Export, in parallel worker processes (``parallel_build``), the artefacts that ``compile`` would
@@ -266,11 +275,21 @@ class CudaBackend(_Cached):
             self.export(k)
 
     def export(self, smg: SMG, cubin: bool = True) -> Path:
-        """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``)."""
+        """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``), and
+        ``timing.json``: the seconds its schedule (the first pick's search), TVM's lowering and the save
+        (nvcc) took, what a cold compile's time is made of (``experiments/compile_time.py`` reads them)."""
         from spacefusion.api import build
 
-        art = build(self.schedule_for(smg), f"cuda:{self.arch}")
-        return art.save(self.artefact_dir(smg), compile_cubin=cubin)
+        t0 = time.perf_counter()
+        schedule = self.schedule_for(smg)
+        t1 = time.perf_counter()
+        art = build(schedule, f"cuda:{self.arch}")
+        t2 = time.perf_counter()
+        path = art.save(self.artefact_dir(smg), compile_cubin=cubin)
+        t3 = time.perf_counter()
+        (path / "timing.json").write_text(json.dumps({"name": smg.name, "schedule_s": round(t1 - t0, 3),
+                                                      "lower_s": round(t2 - t1, 3), "save_s": round(t3 - t2, 3)}))
+        return path
 
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.runtime.gpu import load_kernel, torch_dtype

@@ -291,8 +291,9 @@ class PerShape:
     in that size's report."""
 
     def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
-                 names: dict[int, str]) -> None:
+                 names: dict[int, str], signatures: Sequence[str] = ()) -> None:
         self.owner, self.gm, self.report, self.names = owner, gm, report, names
+        self.signatures = tuple(signatures)  # marked in the kernel cache once a set of sizes compiled
         self.key = SizeKey.of_graph(gm, example_inputs)
         self.arg_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self.compiled: dict[tuple, Any] = {}
@@ -313,6 +314,7 @@ class PerShape:
             report.skipped = f"{type(exc).__name__}: {exc}"
             return self.gm.forward
         self.report.partition, self.report.replayed = report.partition, report.replayed
+        self.owner.built(self.signatures)
         self.owner.compiled.append(compiled)
         return self.gm.forward if compiled.plain else compiled
 

@@ -43,6 +43,7 @@ from spacefusion.frontend.compiled import (
 )
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.records import Partition
+from spacefusion.frontend.seen import graph_signature, model_signature, seen
 from spacefusion.frontend.specialize import symbolic_graph
 
 
@@ -80,8 +81,16 @@ class SpaceFusionBackend:
                                 f"or a kernel backend object")
         self._kernels: Any = None
         self._seen = len(_break_reasons())
+        #: the model's ``seen.model_signature`` where ``spacefusion.compile`` knows the model: marked with
+        #: each graph compiled, so the next compile of it does not start the export workers early
+        self.model_signature: str | None = None
         if self.db is not None:  # a database that cannot serve is an error now, not inside Dynamo's call
             check_database(self.db, self.target)
+
+    def built(self, signatures: Sequence[str]) -> None:
+        """A graph of ``signatures`` compiled: the kernel cache records it (``seen.mark``)."""
+        if signatures and hasattr(self._kernels, "mark_seen"):
+            self._kernels.mark_seen(signatures)
 
     @property
     def kernels(self) -> Any:
@@ -121,13 +130,16 @@ class SpaceFusionBackend:
                 and not self.export_only:
             report.skipped = "autograd is on for its inputs: the fused kernels are inference-only (use torch.no_grad)"
             return gm.forward
+        signatures: list[str] = []
         if hasattr(kernels, "warm_up"):  # export workers importing while this graph is partitioned
-            kernels.warm_up()
+            signatures = [graph_signature(gm, example_inputs)] + [s for s in (self.model_signature,) if s]
+            kernels.warm_up(signatures[0])
         names = parameter_names(gm)  # now: Dynamo drops the placeholders' sources once this returns
         if symbolic_graph(gm, example_inputs):
-            return PerShape(self, gm, list(example_inputs), report, names)
+            return PerShape(self, gm, list(example_inputs), report, names, signatures)
         try:
             compiled = CompiledGraph(self, gm, list(example_inputs), report, names)
+            self.built(signatures)
             self.compiled.append(compiled)
             return gm.forward if self.export_only or compiled.plain else compiled
         except FrontendError as exc:
@@ -323,7 +335,9 @@ def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: s
     if target in (None, "cuda") and torch.cuda.is_available() and importlib.util.find_spec("tvm") is not None:
         from spacefusion.frontend.parallel_build import start_pool
 
-        start_pool()  # the export workers import TVM while Dynamo traces the first call (as Inductor's do)
+        backend.model_signature = model_signature(model)
+        if db is not None or not seen(kernel_cache(), backend.model_signature):
+            start_pool()  # the export workers import TVM while Dynamo traces the first call (as Inductor's do)
     compiled = torch.compile(model, backend=backend, **kwargs)
     # on the wrapper itself: OptimizedModule's setattr would put it on ``model``, shared by every compile
     object.__setattr__(compiled, "spacefusion", backend)

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serial", action="store_true", help="also a cold spacefusion compile with one worker")
     ap.add_argument("--warm-repeats", type=int, default=1,
                     help="warm runs of each system (and of spacefusion without export workers: no pool started)")
+    ap.add_argument("--systems", nargs="+", choices=("spacefusion", "torch.compile"),
+                    default=["spacefusion", "torch.compile"], help="which systems to time")
     ap.add_argument("--out", type=Path, default=Path("compile_time.json"))
     ap.add_argument("--one", choices=("spacefusion", "torch.compile"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.insert(1, ("spacefusion cold, serial", "spacefusion", {"SPACEFUSION_CACHE": f"{tmp}/sf1",
                                                                          "SPACEFUSION_BUILD_WORKERS": "1"}))
         for label, system, env in runs:
+            if system not in args.systems:
+                continue
             rows[label] = _spawn(args.model, system, env)
             print(label, json.dumps(rows[label])[:400], flush=True)
     args.out.write_text(json.dumps(rows, indent=1))

@@ -426,6 +426,42 @@ def _levels(smg: SMG, plan: TemporalPlan, wide: frozenset[str]) -> list[tuple[st
 DEFAULT_STEP = 32
 
 
+def blocking(smg: SMG, tiles: dict[str, int] | None, thread_dim: str | None, recompute: bool,
+             tensor_cores: bool) -> tuple[tuple[DimDecision, ...], str, tuple[tuple[str, int], ...]]:
+    """The spatial slicer's decisions, the thread dim and the block (each cut dim with its tile) of a request,
+    as ``make_schedule`` records them; ScheduleError where the tiles do not fit the cut."""
+    spatial = analyse_spatial(smg)
+    if recompute:
+        spatial = tuple(
+            DimDecision(d.dim, True, f"cut on request, recomputing {', '.join(d.recomputes)} per block",
+                        d.recomputes) if d.recomputes and d.dim in (tiles or {}) else d
+            for d in spatial)
+    cut = [d.dim for d in spatial if d.cut]
+    sizes = smg.dim_sizes
+    tiles = dict(tiles or {})
+    for d in tiles:
+        if d not in sizes:
+            raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}", code="tile.unknown_dim")
+        if d not in cut:
+            dec = next(x for x in spatial if x.dim == d)
+            hint = " (recompute=True cuts it anyway)" if dec.recomputes else ""
+            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {dec.reason}{hint}", code="tile.not_cut")
+    if not cut:
+        raise ScheduleError(f"no dim of {smg.name!r} can be cut spatially", code="spatial.none")
+    out_dims = smg.space(smg.outputs[0]).dims
+    thread_dim = thread_dim or [d for d in out_dims if d in cut][-1]
+    if thread_dim not in cut:
+        raise ScheduleError(f"thread dim {thread_dim!r} is not a spatially cut dim {cut}", code="thread_dim.not_cut")
+    block = []
+    for d in cut:
+        t = int(tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1))
+        if t <= 0 or (t > sizes[d] and not (tensor_cores and _pads_rows(t, sizes[d]))):
+            raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive",
+                                code="tile.range")
+        block.append((d, t))
+    return spatial, thread_dim, tuple(block)
+
+
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int | None = None, thread_dim: str | None = None, recompute: bool = False,
                   hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
@@ -462,35 +498,8 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     block two MMA warpgroups taking turns on alternate tiles.  ``fast_math`` computes tanh and logistics
     on ``tanh.approx.f32`` where their values are stored in 16 bits.
     """
-    spatial = analyse_spatial(smg)
-    if recompute:
-        spatial = tuple(
-            DimDecision(d.dim, True, f"cut on request, recomputing {', '.join(d.recomputes)} per block",
-                        d.recomputes) if d.recomputes and d.dim in (tiles or {}) else d
-            for d in spatial)
-    cut = [d.dim for d in spatial if d.cut]
+    spatial, thread_dim, block = blocking(smg, tiles, thread_dim, recompute, tensor_cores)
     sizes = smg.dim_sizes
-    tiles = dict(tiles or {})
-    for d in tiles:
-        if d not in sizes:
-            raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}", code="tile.unknown_dim")
-        if d not in cut:
-            dec = next(x for x in spatial if x.dim == d)
-            hint = " (recompute=True cuts it anyway)" if dec.recomputes else ""
-            raise ScheduleError(f"dim {d!r} cannot be cut spatially: {dec.reason}{hint}", code="tile.not_cut")
-    if not cut:
-        raise ScheduleError(f"no dim of {smg.name!r} can be cut spatially", code="spatial.none")
-    out_dims = smg.space(smg.outputs[0]).dims
-    thread_dim = thread_dim or [d for d in out_dims if d in cut][-1]
-    if thread_dim not in cut:
-        raise ScheduleError(f"thread dim {thread_dim!r} is not a spatially cut dim {cut}", code="thread_dim.not_cut")
-    block = []
-    for d in cut:
-        t = int(tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1))
-        if t <= 0 or (t > sizes[d] and not (tensor_cores and _pads_rows(t, sizes[d]))):
-            raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive",
-                                code="tile.range")
-        block.append((d, t))
     limit = (hw or H100).max_threads_per_block
     groups = split_knobs(knobs)
     serial = serial or pick_serial(smg, spatial)
@@ -508,7 +517,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     plan = plan_temporal(smg, serial)
     memory = _levels(smg, plan, frozenset(d for d, t in block if t > 1))
     memory = _override_levels(memory, levels or {}, smg.inputs)
-    out = Schedule(smg, tuple(block), thread_dim, serial, int(step), plan, tuple(memory), spatial,
+    out = Schedule(smg, block, thread_dim, serial, int(step), plan, tuple(memory), spatial,
                    bool(tensor_cores), **groups)
     for g in GROUPS:  # the values each knob declares, before anything reads them
         bad = check_values(getattr(out, g))

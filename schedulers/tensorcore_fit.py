@@ -17,20 +17,26 @@ if TYPE_CHECKING:
 
 
 def tensorcore_reason(s: Schedule) -> str | None:
-    """Why ``s`` cannot use the tensor-core path (None when it can)."""
-    smg, plan = s.smg, s.plan
+    """Why ``s`` cannot use the tensor-core path (None when it can).  The graph, the plan and the serial dim
+    decide it, no knob: one answer serves a search's every candidate of a plan (``plan_reason``)."""
+    return plan_reason(s.smg, s.plan, s.serial)
+
+
+@lru_cache(maxsize=1024)
+def plan_reason(smg, plan, serial: str) -> str | None:
+    """``tensorcore_reason`` of any schedule of ``smg`` with this plan and serial dim."""
     if len(plan.states) != 1:
         return f"the plan has {len(plan.states)} running states; the tensor-core path takes one GEMM"
     op = smg.producer(plan.states[0].state)
-    if op.reduce != (s.serial,) or op.combiner != "sum" or len(op.inputs) != 2:
-        return f"state {op.out!r} is not a two-operand sum over the serial dim {s.serial!r}"
+    if op.reduce != (serial,) or op.combiner != "sum" or len(op.inputs) != 2:
+        return f"state {op.out!r} is not a two-operand sum over the serial dim {serial!r}"
     if not _is_product(op):
         return f"state {op.out!r} has body {op.body!r}, not a product of its operands"
     for a in op.inputs:
         if smg.space(a.space).dtype != "float16" or a.space not in smg.inputs:
             return f"GEMM operand {a.space!r} must be a float16 input"
     for other in smg.ops:
-        if other is not op and (other.reduce or s.serial in other.iter_dims):
+        if other is not op and (other.reduce or serial in other.iter_dims):
             return f"op {other.out!r} is not an element-wise epilogue"
         if any(not a.plain for a in other.inputs):
             return f"op {other.out!r} gathers through an index expression"

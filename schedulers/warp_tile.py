@@ -138,30 +138,58 @@ def _dims_ok(dims: tuple[str, ...], allowed: set[str], last: str) -> bool:
     return set(dims) <= allowed and bool(dims) and dims[-1] == last
 
 
-def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
-    """The warp-tile reading of ``s``; ScheduleError says why there is none."""
-    smg, plan = s.smg, s.plan
-    sizes = smg.dim_sizes
-    L = s.serial
-    if plan.second_pass:
-        raise ScheduleError("outputs keep the serial dim (a second pass); the warp-tile path needs none")
-    # the row dim: tiled, and not the last (column) dim of a state; a second tiled dim may be
-    # the column dim of a GEMM state (a GEMM's output columns)
+@dataclass(frozen=True)
+class _Reading:
+    """The part of a warp-tile reading fixed by the graph, its plan, serial dim and block (no knob): shared by
+    every knob set the search tries on one tiling, so it is derived once per tiling (``_reading``)."""
+
+    row: str
+    rows: int
+    col_cut: dict[str, int]
+    batch: tuple[str, ...]
+    gemm: ScoreGemm | None
+    score_ops: tuple[str, ...]
+    tiles_in: tuple[str, ...]
+    row_states: tuple[UpdateFunction, ...]
+    gemm_states: tuple[GemmState, ...]
+    outs: tuple[tuple[str, str], ...]
+    gathers: tuple[GatherTile, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_of(smg, plan, block: tuple[tuple[str, int], ...]) -> tuple[str, int, tuple[tuple[str, int], ...]] | str:
+    """(row dim, its tile, the other tiled dims) of a block, or why the block is not a warp-tile block."""
     state_dims = [smg.space(u.space or u.state).dims for u in plan.states]
-    big = [(d, t) for d, t in s.block if t > 1]
+    big = [(d, t) for d, t in block if t > 1]
     rowish = [(d, t) for d, t in big if all(d in dims for dims in state_dims)]
     if len(rowish) > 1:  # a GEMM's one state has both: the row is not its last (column) dim
         rowish = [(d, t) for d, t in rowish if all(d != dims[-1] for dims in state_dims)]
     if len(rowish) != 1 or len(big) > 2:
-        raise ScheduleError(f"the warp-tile path tiles one row dim (and optionally a GEMM's column dim); "
-                            f"block tiles are {dict(s.block)}")
+        return (f"the warp-tile path tiles one row dim (and optionally a GEMM's column dim); "
+                f"block tiles are {dict(block)}")
     row, rows = rowish[0]
-    col_cut = {d: t for d, t in big if d != row}
     if rows % 16:
-        raise ScheduleError(f"row tile {rows} along {row!r} must be a multiple of 16 (16-row mma tiles)")
-    if s.step % 16:
-        raise ScheduleError(f"step {s.step} along {L!r} must be a multiple of 16 (the mma k extent)")
-    batch = tuple(d for d, t in s.block if t == 1 and d not in col_cut)
+        return f"row tile {rows} along {row!r} must be a multiple of 16 (16-row mma tiles)"
+    return row, rows, tuple((d, t) for d, t in big if d != row)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reading(smg, plan, serial: str, block: tuple[tuple[str, int], ...]) -> _Reading | str:
+    """The knob-free part of the warp-tile reading (after ``_row_of`` and the step's check), or why there is
+    none: the graph, plan, serial dim and block decide it alone, so one derivation serves a tiling's every
+    knob set (before, it was derived again for each: a third of enumerating a GEMM's space).  A reason is
+    returned, not raised: a cached exception would gather every raise's traceback."""
+    try:
+        return _read(smg, plan, serial, block)
+    except ScheduleError as e:
+        return str(e)
+
+
+def _read(smg, plan, L: str, block: tuple[tuple[str, int], ...]) -> _Reading:
+    sizes = smg.dim_sizes
+    row, rows, cut = _row_of(smg, plan, block)
+    col_cut = dict(cut)
+    batch = tuple(d for d, t in block if t == 1 and d not in col_cut)
     plane = set(batch) | {row, L}
     for n in smg.inputs:
         if smg.space(n).dtype not in MMA_DTYPES:
@@ -178,12 +206,11 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
             continue
         if not set(op.out_index) <= plane or row not in op.out_index or L not in op.out_index:
             raise ScheduleError(f"streamed space {name!r} {op.out_index} is not on the ({row}, {L}) plane "
-                                f"(block tiles {dict(s.block)}: its other dims need tile 1)")
+                                f"(block tiles {dict(block)}: its other dims need tile 1)")
         if op.reduce:
-            gemm = _score_gemm(s, op, i, row, L, plane)
+            gemm = _score_gemm(smg, op, i, row, L, plane)
         else:
             score_ops.append(name)
-
     used = set()
     for u in plan.states:
         used |= {x.name for x in parse(u.body).free_symbols}
@@ -204,7 +231,7 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
         if set(dims) <= set(batch) | {row} and row in dims:
             row_states.append(u)
         else:
-            gemm_states.append(_gemm_state(s, u, dims, row, L, batch, col_cut))
+            gemm_states.append(_gemm_state(smg, u, dims, row, L, batch, col_cut))
     if not gemm_states:
         raise ScheduleError("no state is a GEMM over the serial dim: nothing for tensor cores")
     if set(col_cut) - {g.n for g in gemm_states}:
@@ -217,25 +244,52 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
         if row not in dims or len(extra) > 1 or (extra and not extra <= ns):
             raise ScheduleError(f"output {out!r} {dims} is not on the rows (and a GEMM state's column dim)")
         outs.append((out, text))
-    warps = s.warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
+    return _Reading(row, rows, col_cut, batch, gemm, tuple(score_ops), tiles_in, tuple(row_states),
+                    tuple(gemm_states), tuple(outs), tuple(gathers))
+
+
+def program_checks(smg, plan, L: str, block: tuple[tuple[str, int], ...], step: int, warps: int, split: int,
+                   slices: int, wgmma: bool, early_scores: bool) -> tuple[_Reading, int]:
+    """The checks of a warp-tile reading on what they read (the graph, plan, serial dim, block, step and five
+    knobs): the reading and the warps it runs with, or ScheduleError saying why there is none.  The search
+    asks it before building a knob set's Schedule (``SearchSpace``), ``warp_tile_program`` before building
+    the program: one set of rules for both."""
+    if plan.second_pass:
+        raise ScheduleError("outputs keep the serial dim (a second pass); the warp-tile path needs none")
+    head = _row_of(smg, plan, block)
+    if isinstance(head, str):
+        raise ScheduleError(head)
+    if step % 16:
+        raise ScheduleError(f"step {step} along {L!r} must be a multiple of 16 (the mma k extent)")
+    r = _reading(smg, plan, L, block)
+    if isinstance(r, str):
+        raise ScheduleError(r)
+    rows = r.rows
+    warps = warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
     if warps not in (1, 2, 4, 8) or rows % (16 * warps):
         raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
-    split, slices = s.split, s.slices
     if split > 1 or slices > 1:
         what = " and ".join(f"{k} {v}" for k, v in (("split", split), ("slices", slices)) if v > 1)
-        for g in gemm_states:  # the merge rescales each part's accumulator by its row factor
+        for g in r.gemm_states:  # the merge rescales each part's accumulator by its row factor
             if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:
                 raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not "
                                     f"its old value times a per-row factor, so partial results cannot merge")
-    if s.wgmma:
-        _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows, warps, L)
-    return WarpTileProgram(row, rows, batch, L, s.step, s.stages, gemm, tuple(score_ops), tiles_in,
-                           tuple(row_states), tuple(gemm_states), tuple(outs), warps, split, slices,
-                           s.reload_a and gemm is not None, s.early_scores,
-                           tuple(lazy_references(plan).items()) if s.lazy_rescale else (),
-                           tuple(mma_row_sums(row_states, gemm_states).items()) if s.mma_row_sums else (),
-                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, tuple(gathers),
-                           *_im2cols(smg, gathers, row))
+    if wgmma:
+        _check_wgmma(smg, step, split, early_scores, r, warps, L)
+    return r, warps
+
+
+def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
+    """The warp-tile reading of ``s``; ScheduleError says why there is none (``program_checks``)."""
+    r, warps = program_checks(s.smg, s.plan, s.serial, s.block, s.step, s.warps, s.split, s.slices, s.wgmma,
+                              s.early_scores)
+    return WarpTileProgram(r.row, r.rows, r.batch, s.serial, s.step, s.stages, r.gemm, r.score_ops, r.tiles_in,
+                           r.row_states, r.gemm_states, r.outs, warps, s.split, s.slices,
+                           s.reload_a and r.gemm is not None, s.early_scores,
+                           tuple(lazy_references(s.plan).items()) if s.lazy_rescale else (),
+                           tuple(mma_row_sums(r.row_states, r.gemm_states).items()) if s.mma_row_sums else (),
+                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, r.gathers,
+                           *_im2cols(s.smg, list(r.gathers), r.row))
 
 
 def _im2cols(smg, gathers: list[GatherTile], row: str) -> tuple[tuple[Im2col, ...], str]:
@@ -260,7 +314,7 @@ SWIZZLE_ATOM = 512
 WGMMA_STATE_REGS = 8
 
 
-def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: int, warps: int, L: str) -> None:
+def _check_wgmma(smg, step: int, split: int, early_scores: bool, r: _Reading, warps: int, L: str) -> None:
     """Refuse ``wgmma`` unless its GEMMs fit warpgroup MMA.  A plain GEMM (+ epilogue) takes A (a
     staged input) and B straight from shared memory, as do several GEMM states over the same A tile
     (a gated GEMM's G and U: one ring slot holds A's band and each state's B, and the epilogue reads
@@ -271,7 +325,8 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps")
-    if s.split != 1 or s.early_scores:
+    gemm, score_ops, tiles_in, row_states, gemm_states = r.gemm, r.score_ops, r.tiles_in, r.row_states, r.gemm_states
+    if split != 1 or early_scores:
         raise ScheduleError("wgmma: no split or early_scores")
     plain = gemm is None and not score_ops and not row_states
     for g in gemm_states:  # attention's V may end in a partial band (padded_band); a plain GEMM's B may not
@@ -286,15 +341,15 @@ def _check_wgmma(s, gemm, score_ops, tiles_in, row_states, gemm_states, rows: in
         shapes = {(g.n, g.n_tile) for g in gemm_states}
         if len(shapes) != 1:  # the epilogue reads every accumulator at the same element index
             raise ScheduleError(f"wgmma: GEMM states sharing the A tile must have one column dim and tile; "
-                                f"{s.smg.name!r} has {sorted(shapes)}")
-        if s.step != WGMMA_STEP or s.smg.dim_sizes[L] % s.step:
-            raise ScheduleError(f"wgmma: the step {s.step} must be {WGMMA_STEP} (an A row is one 128 B swizzle "
-                                f"atom) and divide {L!r} = {s.smg.dim_sizes[L]} (no tail to mask in shared memory)")
+                                f"{smg.name!r} has {sorted(shapes)}")
+        if step != WGMMA_STEP or smg.dim_sizes[L] % step:
+            raise ScheduleError(f"wgmma: the step {step} must be {WGMMA_STEP} (an A row is one 128 B swizzle "
+                                f"atom) and divide {L!r} = {smg.dim_sizes[L]} (no tail to mask in shared memory)")
     elif not gemm_states or any(g.factor in tiles_in for g in gemm_states):
         raise ScheduleError("wgmma takes a plain GEMM (+ epilogue), or GEMM states whose factor tile is computed "
                             "in registers (attention's P @ V)")
     if gemm is not None:  # the score GEMM too: its B (K) read K-major from 64-wide bands of swizzle atoms,
-        if gemm.b_trans or s.step % 8 or s.step > WGMMA_MAX_N:  # the last one partial (padded_band): only
+        if gemm.b_trans or step % 8 or step > WGMMA_MAX_N:  # the last one partial (padded_band): only
             raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous and a step "
                                 f"(its N) a multiple of 8 up to {WGMMA_MAX_N}")  # its k16 slices that exist
 
@@ -404,8 +459,7 @@ def carry_factor(carry: str, state: str) -> sp.Expr | None:
     return c
 
 
-def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
-    smg = s.smg
+def _score_gemm(smg, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
     if i != 0 or len(op.reduce) != 1 or op.combiner != "sum" or len(op.inputs) != 2:
         raise ScheduleError(f"streamed op {op.out!r} reduces but is not the first, a two-operand sum over one dim")
     k = op.reduce[0]
@@ -436,9 +490,8 @@ def _score_gemm(s, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
     return ScoreGemm(op.out, a.space, b.space, k, b_trans, kd, kp)
 
 
-def _gemm_state(s, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...],
+def _gemm_state(smg, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...],
                 col_cut: dict[str, int]) -> GemmState:
-    smg = s.smg
     if u.combiner != "sum" or u.state != (u.space or u.state):
         raise ScheduleError(f"state {u.state!r} over {dims} is not a sum accumulator of its space")
     extra = [d for d in dims if d not in batch and d != row]

@@ -32,9 +32,11 @@ from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
 from schedulers.options import KNOB_FIELDS, MAX_VECTOR_BYTES
 from schedulers.resources import check_resources
-from schedulers.schedule import Schedule, make_schedule
+from schedulers.schedule import Schedule, blocking, make_schedule
 from schedulers.spatial import analyse_spatial, elementwise_serial
 from schedulers.temporal import plan_temporal
+from schedulers.tensorcore_fit import plan_reason as tensorcore_plan_reason
+from schedulers.warp_tile import program_checks
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 
@@ -443,11 +445,41 @@ class SearchSpace:
         rep.fits = len(out)
         return list(out.values())
 
+    #: refuse a tensor-core knob set without building its Schedule where it has no warp-tile program
+    #: (``_no_program``); off only to check that the search is the same with it (tests/test_space_prefilter.py)
+    prefilter: bool = True
+
+    def _no_program(self, k: Knobs) -> str | None:
+        """The code ``make_schedule`` refuses ``k`` with, where that is certain before building it: a
+        tensor-core knob set that asks for a warp-tile program (stages, warps, split or slices) whose program
+        ``warp_tile.program_checks`` refuses.  ``make_schedule`` then refuses it whatever else it holds (by
+        ``tile.padded``, ``tensor_cores.no_form`` or ``warp.no_program``: none of them drops a knob and
+        tries again), so the candidates are those the search built before; it cost a third of a GEMM's
+        first pick to build 18,000 such schedules and refuse each.  None: build it and see."""
+        if not (self.prefilter and k.tensor_cores and (k.stages != 1 or k.warps or k.split != 1 or k.slices != 1)):
+            return None
+        try:
+            _, _, block = blocking(self.smg, dict(k.tiles), k.thread_dim, k.recompute, True)
+            plan = plan_temporal(self.smg, k.serial)
+            program_checks(self.smg, plan, k.serial, block, k.step, k.warps, k.split, k.slices, k.wgmma,
+                           k.early_scores)
+            return None
+        except ScheduleError:
+            pass
+        sizes = self.smg.dim_sizes
+        if any(t > sizes[d] for d, t in block):
+            return "tile.padded"
+        return "tensor_cores.no_form" if tensorcore_plan_reason(self.smg, plan, k.serial) else "warp.no_program"
+
     def _add(self, knobs: Iterator[Knobs], out: dict[str, Schedule]) -> None:
         """Build each knob's schedule into ``out`` (by key) if it is valid and fits; count the rest."""
         rep = self.report
         for k in knobs:
             rep.total += 1
+            code = self._no_program(k)
+            if code is not None:
+                rep.pruned[code] = rep.pruned.get(code, 0) + 1
+                continue
             try:
                 s = self._schedule(k)
             except ScheduleError as e:

@@ -4,13 +4,17 @@ A record is (tuning key, schedule, measurement).  The tuning key (``tuning_key``
 over the workload (ops, shapes, dtypes -- not its display name), the hardware fingerprint, the
 spacefusion and TVM versions, the target and compile flags: a measurement is reused only where
 all of these match.  Failed candidates are stored too (``median_us`` NULL) so they are not
-measured again.
+measured again -- except where they failed because of the machine, not the kernel (no GPU there,
+``MeasureResult.environmental``): those are not counted as measured, so a rerun measures them.
 
 Storage is one SQLite file (stdlib ``sqlite3``, no pickle: schedules and results are JSON).
 Each ``add`` is its own committed transaction, so a tune that is killed keeps what it measured.
 An existing file is verified before use -- SQLite header, ``quick_check``, the ``meta`` format
 tag and schema version -- and any problem raises ``DatabaseError`` without writing to the file:
-a database is never overwritten, truncated, migrated or deleted.
+a database is never overwritten, truncated, migrated or deleted.  A file another process holds locked
+(a tune committing, a program inside a transaction) raises ``DatabaseLockedError`` -- a lock, named as one
+with the process that holds it where the OS says, never reported as corruption -- after waiting
+``LOCK_WAIT_S`` seconds for it to go.
 
 Environment: ``SPACEFUSION_NO_CACHE=1`` (or ``true`` / ``yes`` / ``on``) makes ``cache_enabled()``
 return False, so the tuner measures again instead of reusing a cached best; records are still
@@ -50,7 +54,9 @@ __all__ = [
     "FORMAT_TAG",
     "KEY_FORMAT",
     "SCHEMA_VERSION",
+    "LOCK_WAIT_S",
     "DatabaseError",
+    "DatabaseLockedError",
     "RecordError",
     "TuningDatabase",
     "cache_enabled",
@@ -78,10 +84,48 @@ _SCHEMA = (
     "CREATE INDEX records_by_latency ON records (tuning_key, median_us)",
 )
 _TABLES = ("meta", "workloads", "records")
+#: Seconds a read or write waits for another process's lock on the file before ``DatabaseLockedError``.
+LOCK_WAIT_S = 30.0
+#: SQLite's primary result codes for "another connection holds a lock" (SQLITE_BUSY, SQLITE_LOCKED).
+_LOCK_CODES = frozenset({5, 6})
 
 
 class DatabaseError(SpaceFusionError):
     """A tuning-database file is missing, foreign, corrupt, too new, read-only or locked; the message names it."""
+
+
+class DatabaseLockedError(DatabaseError):
+    """The file is sound but another process holds it locked (SQLite busy/locked) longer than we waited.
+    Separate from corruption because the remedy differs: wait and run again, nothing is wrong with the file."""
+
+
+def _is_lock(e: sqlite3.Error) -> bool:
+    """Whether SQLite refused because another connection holds a lock (not because the file is damaged)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in _LOCK_CODES
+    return "locked" in str(e) or "busy" in str(e)
+
+
+def _lock_holders(path: Path) -> list[str]:
+    """The processes holding a POSIX lock on ``path`` as ``pid N (command)``, from Linux's /proc/locks (what
+    SQLite's locks are); empty where the OS does not say (another OS, a network file system, no permission)."""
+    try:
+        st = path.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = sorted({int(f[4]) for f in (line.split() for line in table.splitlines())
+                   if len(f) > 5 and f[5] == dev and f[4].isdigit() and int(f[4]) != os.getpid()})
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = ""
+        out.append(f"pid {pid}" + (f" ({cmd[:120]})" if cmd else ""))
+    return out
 
 
 class RecordError(SpaceFusionError, ValueError):
@@ -172,9 +216,11 @@ class TuningDatabase:
     linked into place, so no half-initialised database is ever visible.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False,
+                 lock_wait_s: float | None = None) -> None:
         self.path = Path(path).expanduser().absolute()
         self.readonly = readonly
+        self.lock_wait_s = LOCK_WAIT_S if lock_wait_s is None else float(lock_wait_s)
         self._conn: sqlite3.Connection | None = None
         if not self.path.exists():
             if readonly:
@@ -185,6 +231,21 @@ class TuningDatabase:
     # -- opening -------------------------------------------------------------------------
     def _err(self, problem: str) -> DatabaseError:
         return DatabaseError(f"{self.path}: {problem}")
+
+    def _fail(self, doing: str, e: sqlite3.Error) -> DatabaseError:
+        """The error for SQLite's ``e`` while ``doing``: a lock as a lock (who holds it, what to do), anything
+        else as ``doing`` failed."""
+        if not _is_lock(e):
+            return self._err(f"{doing}: {e}")
+        holders = _lock_holders(self.path)
+        who = (f"held by {', '.join(holders)}" if holders
+               else "held by another process (another tune, or a program with the database open in a transaction)")
+        journal = [p.name for p in (self.path.with_name(self.path.name + s) for s in ("-journal", "-wal"))
+                   if p.exists()]
+        return DatabaseLockedError(
+            f"{self.path}: is locked, not damaged ({doing}: SQLite says {e!s} after waiting {self.lock_wait_s:g} s); "
+            f"the lock is {who}{'; its journal: ' + ', '.join(journal) if journal else ''}. Nothing was changed: "
+            f"wait for that process to finish (or stop it) and run again")
 
     def _create(self) -> None:
         """Build the database next to ``path`` and link it in; if another process won the race, use theirs."""
@@ -245,7 +306,7 @@ class TuningDatabase:
         self._check_header()
         try:
             conn = sqlite3.connect(_uri(self.path, "ro" if self.readonly else "rw"), uri=True,
-                                   isolation_level=None, timeout=30.0)
+                                   isolation_level=None, timeout=self.lock_wait_s)
         except sqlite3.Error as e:
             raise self._err(f"cannot be opened: {e}") from None
         try:
@@ -260,6 +321,8 @@ class TuningDatabase:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             check = [r[0] for r in conn.execute("PRAGMA quick_check")]
         except sqlite3.DatabaseError as e:
+            if _is_lock(e):  # another writer holds the file: a lock, not corruption
+                raise self._fail("opening it", e) from None
             if "not a database" in str(e):
                 raise self._err(f"is not a spacefusion tuning database (not SQLite: {e})") from None
             raise self._err(f"is corrupt: {e}") from None
@@ -271,6 +334,8 @@ class TuningDatabase:
         try:
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.Error as e:
+            if _is_lock(e):
+                raise self._fail("opening it", e) from None
             raise self._err(f"is not a spacefusion tuning database (foreign: unreadable meta table: {e})") from None
         if meta.get("format") != FORMAT_TAG:
             raise self._err(f"is not a spacefusion tuning database (foreign: format tag {meta.get('format')!r}, "
@@ -317,7 +382,7 @@ class TuningDatabase:
         try:
             return self.conn.execute(sql, args).fetchall()
         except sqlite3.Error as e:
-            raise self._err(f"read failed: {e}") from None
+            raise self._fail("read failed", e) from None
 
     def _writable(self) -> sqlite3.Connection:
         if self.readonly:
@@ -372,7 +437,7 @@ class TuningDatabase:
                 conn.execute("ROLLBACK")
                 raise
         except sqlite3.Error as e:
-            raise self._err(f"write failed: {e}") from None
+            raise self._fail("write failed", e) from None
 
     def add(self, key: str, schedule: Schedule, result: MeasureResult, parts: dict[str, Any] | None = None) -> None:
         """Insert (or replace) one record and commit it at once, so an interrupted tune keeps it.
@@ -415,7 +480,8 @@ class TuningDatabase:
                                             (key,)):
                 if who != owner and now - at < ttl_s and _alive(who, host):
                     held[sk] = who
-            done = {r[0] for r in conn.execute("SELECT schedule_key FROM records WHERE tuning_key = ?", (key,))}
+            done = _measured(conn.execute("SELECT schedule_key, median_us, result_json FROM records "
+                                          "WHERE tuning_key = ?", (key,)).fetchall())
             for sk in wanted:
                 if sk not in held and sk not in done:
                     conn.execute("INSERT INTO claims (tuning_key, schedule_key, owner, at) VALUES (?, ?, ?, ?) "
@@ -462,8 +528,12 @@ class TuningDatabase:
         return self._parse(rows[0]) if rows else None
 
     def measured_keys(self, key: str) -> set[str]:
-        """Schedule keys already measured under ``key`` (failures too): the tuner skips these."""
-        return {r[0] for r in self._query("SELECT schedule_key FROM records WHERE tuning_key = ?", (key,))}
+        """Schedule keys measured under ``key``, kernel failures too: the tuner skips these and counts them against
+        its trials.  A record that failed because of the environment (``MeasureResult.environmental``: no GPU
+        where it ran) is kept but not counted, so a rerun where the runner works measures that candidate (its
+        new record then replaces the old one)."""
+        return _measured(self._query("SELECT schedule_key, median_us, result_json FROM records WHERE tuning_key = ?",
+                                     (key,)))
 
     def count(self, key: str) -> int:
         return int(self._query("SELECT COUNT(*) FROM records WHERE tuning_key = ?", (key,))[0][0])
@@ -481,6 +551,22 @@ class TuningDatabase:
             return json.loads(rows[0][0])
         except ValueError as e:
             raise self._err(f"workload {key[:12]}: stored parts are not JSON ({e})") from None
+
+
+def _measured(rows: Iterable[tuple[Any, ...]]) -> set[str]:
+    """The schedule keys of ``(schedule_key, median_us, result_json)`` rows that count as measured: every success,
+    and every failure but an environmental one (see ``measured_keys``); a failure's result that cannot be read
+    counts (it is not known to be environmental, and ``records`` names it)."""
+    out = set()
+    for sk, median, result_json in rows:
+        if median is None:
+            try:
+                if MeasureResult.from_dict(json.loads(result_json)).environmental:
+                    continue
+            except (ValueError, TypeError, KeyError):
+                pass
+        out.add(sk)
+    return out
 
 
 def claim_owner() -> str:

@@ -20,6 +20,12 @@ if TYPE_CHECKING:  # only a type here: the GPU runtime reads records without imp
     from smg.ir import SMG
 
 RECORD_FORMAT = "spacefusion-record/1"
+#: ``meta`` key a runner sets (True) on a result that failed because of where it ran, not what it ran: no GPU
+#: visible, the runtime missing.  Such a result says nothing about the candidate, so the tuner neither stores
+#: it nor counts it against the trials, and the database does not count one stored by older code as measured.
+ENVIRONMENT = "environment"
+#: How ``LocalGPURunner`` began that error before the flag existed (records in databases written then).
+_LEGACY_ENVIRONMENT_ERRORS = ("no GPU: ",)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,14 @@ class MeasureResult:
     @property
     def ok(self) -> bool:
         return self.error is None and len(self.latencies_us) > 0
+
+    @property
+    def environmental(self) -> bool:
+        """Failed because of the machine it was measured on (``meta["environment"]``, or an older record's
+        "no GPU: ..." error), so the same candidate may well succeed elsewhere: not a verdict on the kernel."""
+        if self.ok:
+            return False
+        return bool(dict(self.meta).get(ENVIRONMENT)) or (self.error or "").startswith(_LEGACY_ENVIRONMENT_ERRORS)
 
     @property
     def median_us(self) -> float:

@@ -10,7 +10,11 @@ tune that holds ``trials`` of them reuses its best at once, and one cut short
 (killed between batches) measures only the rest when run again; with
 ``SPACEFUSION_NO_CACHE`` set, ``trials`` new candidates are measured.  Before each measured batch the learned
 model's predictions are recorded, so its ranking quality is always reported
-on records it was not trained on.
+on records it was not trained on.  A result that failed because of the machine,
+not the kernel (``MeasureResult.environmental``: no GPU visible), is neither
+stored nor counted as a trial; a batch of nothing else ends the tune with the
+reason in ``TuneSummary.unmeasured``, so a rerun on a working runner measures
+those candidates.
 
 The tuner lowers and measures only through the ``Builder`` and ``Runner``
 interfaces of ``search.records``; the implementations (TVM, the GPU runtime)
@@ -53,6 +57,8 @@ class TuneSummary:
     best_result: MeasureResult | None
     from_cache: bool = False
     pending: str | None = None
+    #: why candidates could not be measured on this runner at all (the environment, not the kernels)
+    unmeasured: str | None = None
     space: SpaceReport | None = None
     built: int = 0
     measured: int = 0
@@ -77,6 +83,8 @@ class TuneSummary:
                      f"wall {self.wall_s:.1f} s, best found after {self.time_to_best_s:.1f} s")
         if self.pending:
             lines.append(f"  pending: {self.pending}")
+        if self.unmeasured:
+            lines.append(f"  not measured (nothing recorded for them): {self.unmeasured}")
         if self.best is not None and self.best_result is not None:
             lines.append(f"  best: {self.best_us:.1f} us  tiles {self.best.tiles} thread dim {self.best.thread_dim} "
                          f"serial {self.best.serial} step {self.best.step}")
@@ -163,7 +171,7 @@ def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target:
     parts = key_parts(smg, hw, target, flags)
     summary = TuneSummary(smg.name, key, None, None)
     if cache_enabled():
-        cached, have = db.best(key), db.count(key)
+        cached, have = db.best(key), len(db.measured_keys(key))  # an environmental failure is no trial
         if cached is not None and have >= trials:
             summary.best, summary.best_result = cached
             summary.from_cache = True
@@ -218,6 +226,20 @@ def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target:
         if pending:
             summary.pending = pending[0].error
             break
+        unusable = [r for r in results if r.environmental]  # the machine failed, not the kernel: not recorded
+        if unusable:
+            summary.unmeasured = unusable[0].error
+            if not db.readonly:
+                db.release(key, owner)  # their claims go too: another tune (or a rerun) may measure them
+            if len(unusable) == len(results):
+                break  # the next batch would meet the same machine
+            for r in unusable:  # not again in this tune; a rerun tries them
+                remaining.pop(r.schedule_key, None)
+            keep = [not r.environmental for r in results]
+            inputs = [i for i, k in zip(inputs, keep) if k]
+            results = [r for r, k in zip(results, keep) if k]
+            if pred_learned is not None:
+                pred_learned = [p for p, k in zip(pred_learned, keep) if k]
         for inp, res in zip(inputs, results):
             db.add(key, inp.schedule, res, parts)
             remaining.pop(inp.key, None)
@@ -243,7 +265,8 @@ def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target:
     best = db.best(key)
     if best is not None:
         summary.best, summary.best_result = best
-        summary.predicted_us = estimate_us(best[0], hw)
+        if not target.startswith("llvm"):  # the analytical model is a GPU's: it predicts nothing about a CPU
+            summary.predicted_us = estimate_us(best[0], hw)
     summary.analytical = _quality(*held["analytical"])
     summary.learned = _quality(*held["learned"])
     summary.wall_s = time.perf_counter() - t_start
@@ -254,6 +277,7 @@ def summary_dict(s: TuneSummary) -> dict[str, Any]:
     """Plain data for result files."""
     return {
         "workload": s.workload, "key": s.key, "from_cache": s.from_cache, "pending": s.pending,
+        "unmeasured": s.unmeasured,
         "space": None if s.space is None else vars(s.space), "built": s.built, "measured": s.measured,
         "failed": s.failed, "wall_s": s.wall_s, "time_to_best_s": s.time_to_best_s, "best_us": s.best_us,
         "best_schedule": None if s.best is None else s.best.to_dict(), "predicted_us": s.predicted_us,

@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from smg.errors import SpaceFusionError
+from smg.serialize import smg_to_dict
 
-DTYPES = ("float16", "float32")  # the dtypes the commands take (the check's tolerance is smg/tolerance.py's)
+#: the dtypes the commands take (the check's tolerance is smg/tolerance.py's); bfloat16 builds for CUDA, and runs
+#: on llvm only where ml_dtypes gives numpy a bfloat16 (``llvm_dtypes_ok``)
+DTYPES = ("float16", "bfloat16", "float32")
 
 
 def _known() -> dict[str, Any]:
@@ -55,11 +58,26 @@ def _workload(name: str, shape: list[int], dtype: str):
         raise SpaceFusionError(f"workload {name!r} does not take shape {shape}: {e}") from None
 
 
+def llvm_dtypes_ok(smg: Any) -> None:
+    """Raise naming the dtype if ``smg`` cannot run on llvm here.  The llvm kernel is checked on numpy arrays,
+    and numpy has no bfloat16 of its own: ``ml_dtypes`` (installed with TVM) registers one, and importing it
+    is what lets numpy name the dtype; without it the check would fail with numpy's "data type not understood"."""
+    if not any(sp.dtype == "bfloat16" for sp in smg.spaces):
+        return
+    try:
+        import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16')
+    except ImportError:
+        raise SpaceFusionError(f"{smg.name}: bfloat16 cannot run on llvm here: numpy has no bfloat16 and ml_dtypes, "
+                               f"which gives it one, is not installed (pip install ml-dtypes); use --dtype float16 "
+                               f"or float32 on llvm, or a cuda target") from None
+
+
 def verify_llvm(s, seed: int = 0) -> tuple[float | None, str | None]:
     """Run the TVM llvm kernel against the numpy reference: ``(max abs error, None or why it is not close
     enough)`` under smg/tolerance.py's rule, as the runners check."""
     from spacefusion.api import build, check_numerics, evaluate, random_inputs
 
+    llvm_dtypes_ok(s.smg)
     x = random_inputs(s.smg, seed)
     return check_numerics(s.smg, evaluate(s.smg, x), build(s, "llvm")(x), inputs=x)
 
@@ -75,8 +93,12 @@ def demo(args: argparse.Namespace) -> int:
     b, h, sq, skv, d = args.shape
     writable_folder(args.out)
     g = _workload("mha", [b, h, sq, skv, d], args.dtype)
+    llvm_dtypes_ok(g)  # before the printing: the demo checks its kernel on llvm
+    if args.step is not None and args.step > skv:  # before the work, in the demo's own terms
+        raise SpaceFusionError(f"--step {args.step} is longer than SKV ({skv}), the dim the demo steps through; "
+                               f"give --step 1..{skv}, or leave it out (32, or SKV if shorter)")
     print(g, end="\n\n")
-    s = schedule(g, tiles={"m": min(64, sq)}, step=args.step)
+    s = schedule(g, tiles={"m": min(64, sq)}, step=args.step)  # step None: 32, or SKV if shorter (any shape)
     print(s, end="\n\n")
     t0 = time.perf_counter()
     err, problem = verify_llvm(s)
@@ -94,6 +116,33 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def describe_smg(smg: Any) -> str:
+    """``name (input[shape] dtype, ...)``: enough to tell two workloads apart in a message."""
+    ins = ", ".join(f"{n}[{'x'.join(str(x) for x in smg.shape(n))}] {smg.space(n).dtype}" for n in smg.inputs)
+    return f"{smg.name} ({ins})"
+
+
+def schedule_for(s: Any, args: argparse.Namespace, path: Path) -> None:
+    """Refuse a ``--schedule`` file saved for another workload than the one named beside it: the schedule
+    carries its own SMG and was built as it says, so a gemm's schedule given with ``mha`` built the gemm.  The
+    graphs are compared by content (ops, dims, sizes, dtypes; not the display name); without ``--dtype`` the
+    schedule's dtype is taken, so only the workload and shape need to match."""
+    if not args.workload:
+        return
+    if not args.shape:
+        raise SpaceFusionError(f"build {args.workload} --schedule {path}: give the workload's --shape too, so the "
+                               f"schedule can be checked to be for it (or leave out the workload)")
+    dtype = args.dtype or s.smg.space(s.smg.inputs[0]).dtype
+    g = _workload(args.workload, args.shape, dtype)
+    mine, theirs = smg_to_dict(g), smg_to_dict(s.smg)
+    mine.pop("name", None)
+    theirs.pop("name", None)
+    if mine != theirs:
+        raise SpaceFusionError(f"--schedule {path} is a schedule of {describe_smg(s.smg)}, not of the workload "
+                               f"asked for, {args.workload} --shape {' '.join(map(str, args.shape))}: "
+                               f"{describe_smg(g)}; build it without the workload, or schedule {args.workload}")
+
+
 def build_cmd(args: argparse.Namespace) -> int:
     from schedulers.options import KNOB_FIELDS
     from schedulers.schedule import Schedule
@@ -104,10 +153,11 @@ def build_cmd(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise SpaceFusionError(f"--schedule {path}: no such file")
         s = Schedule.from_json(path.read_text())
+        schedule_for(s, args, path)
     else:
         if not args.workload or not args.shape:
             raise SpaceFusionError("build needs a workload and --shape, or --schedule FILE")
-        g = _workload(args.workload, args.shape, args.dtype)
+        g = _workload(args.workload, args.shape, args.dtype or "float16")
         tiles = {d: t for d, t in (("m", args.tile_m), ("n", args.tile_n)) if t is not None} or None
         opts = {f.name: getattr(args, f.name) for f in KNOB_FIELDS if getattr(args, f.name) != f.default}
         s = schedule(g, tiles=tiles, serial=args.serial, step=args.step, tensor_cores=args.tensor_cores, **opts)
@@ -134,31 +184,77 @@ TARGETS = {"h100": ("H100", "cuda:sm_90a"), "h200": ("H200", "cuda:sm_90a"), "a1
            "llvm": ("H100", "llvm")}
 
 
+#: what to use instead of a runner that cannot measure here
+ELSEWHERE = ("tune for this CPU with --runner llvm --target llvm, export the candidates for a GPU machine with "
+             "--runner offline --batch-dir DIR, or measure on a Ray cluster with GPUs with --runner ray "
+             "--ray-address HOST:PORT")
+
+
+def tune_runner(args: argparse.Namespace, target: str) -> Any:
+    """The runner ``--runner`` names, for ``target`` (``llvm`` or ``cuda:...``), checked able to measure before
+    any candidate is built: a runner that cannot measure that target, or cannot run here at all, is refused with
+    the reason and what to use instead (a GPU runner without a GPU recorded every candidate as failed, and a
+    --target llvm tune quietly measured on llvm whatever --runner said)."""
+    import functools
+
+    from spacefusion import runners
+    from spacefusion.runners.common import RunnerUnavailable
+
+    cpu = target == "llvm"
+    if args.runner == "llvm":
+        if not cpu:
+            raise SpaceFusionError(f"--runner llvm measures on this CPU, so it tunes --target llvm, not "
+                                   f"--target {args.target}; for {args.target} use --runner gpu, offline or ray")
+        return runners.LLVMRunner(repeats=args.iters or 5)
+    if args.runner == "ray":
+        try:
+            runners.RayRunner.available()
+        except ImportError as e:
+            raise SpaceFusionError(f"--runner ray: {e}") from None
+        if cpu:  # the cluster's CPUs, each actor an llvm runner
+            runner = runners.RayRunner(address=args.ray_address, connect_timeout_s=args.ray_timeout,
+                                       inner=functools.partial(runners.LLVMRunner, repeats=args.iters or 5))
+        else:  # one GPU per actor, so timings never share a device
+            runner = runners.RayRunner(address=args.ray_address, connect_timeout_s=args.ray_timeout, num_gpus=1,
+                                       inner=functools.partial(runners.LocalGPURunner, iters=args.iters or 100))
+        runner.connect()
+        return runner
+    if cpu:  # gpu and offline measure CUDA kernels
+        what = "this machine's GPU" if args.runner == "gpu" else "a GPU machine (an offline batch of CUDA artefacts)"
+        raise SpaceFusionError(f"--runner {args.runner} measures CUDA kernels on {what}, and --target llvm builds "
+                               f"for this CPU: use --runner llvm (or --runner ray) with --target llvm, or a GPU "
+                               f"--target ({', '.join(k for k in sorted(TARGETS) if k != 'llvm')})")
+    if args.runner == "gpu":
+        runner = runners.LocalGPURunner(iters=args.iters or 100)
+        try:
+            runner.check()
+        except RunnerUnavailable as e:
+            raise RunnerUnavailable(f"--runner gpu (the default) cannot measure on this machine: {e}. Instead, "
+                                    f"{ELSEWHERE}") from None
+        return runner
+    if not args.batch_dir:
+        raise SpaceFusionError("--runner offline needs --batch-dir (where candidates are exported)")
+    return runners.OfflineBatchRunner(args.batch_dir)
+
+
 def tune_cmd(args: argparse.Namespace) -> int:
     """Tune one workload; the runner decides where candidates are measured."""
     import json
 
     from schedulers.hardware import get_hardware
     from search.tuner import summary_dict, tune
-    from spacefusion import runners
 
+    if args.target is None:  # --runner llvm tunes for this CPU; every other runner for the H100 unless told
+        args.target = "llvm" if args.runner == "llvm" else "h100"
     if args.target not in TARGETS:
         raise SpaceFusionError(f"unknown target {args.target!r}; known: {sorted(TARGETS)}")
     if args.json:
         writable_file(args.json, "--json")
     hw_name, target = TARGETS[args.target]
     g = _workload(args.workload, args.shape, args.dtype)
-    if args.runner == "llvm" or target == "llvm":
-        runner = runners.LLVMRunner(repeats=args.iters or 5)
-        target = "llvm"
-    elif args.runner == "gpu":
-        runner = runners.LocalGPURunner(iters=args.iters or 100)
-    elif args.runner == "offline":
-        if not args.batch_dir:
-            raise SpaceFusionError("--runner offline needs --batch-dir (where candidates are exported)")
-        runner = runners.OfflineBatchRunner(args.batch_dir)
-    else:
-        runner = runners.RayRunner(address=args.ray_address)
+    if target == "llvm":
+        llvm_dtypes_ok(g)
+    runner = tune_runner(args, target)
     if args.import_results:
         from spacefusion.runners import MANIFEST_FILE, import_offline
 
@@ -179,6 +275,10 @@ def tune_cmd(args: argparse.Namespace) -> int:
         except OSError as e:  # checked before the tune; gone since (the measurements are in the database)
             raise SpaceFusionError(f"--json {args.json}: cannot be written ({e.strerror}); the results are in "
                                    f"{args.db}") from None
+    if summary.unmeasured:  # the runner stopped working mid-tune: not a success, though nothing is lost
+        print(f"spacefusion: error: {args.runner} runner could not measure candidates here: {summary.unmeasured} "
+              f"(nothing recorded for them: a rerun where it works measures them)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -195,6 +295,17 @@ def _whole(least: int):
 
     parse.__name__ = f"whole number >= {least}"
     return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0, else a usage error that names the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} seconds: give a positive finite number")
+    return value
 
 
 def writable_folder(path: str, flag: str = "--out") -> Path:
@@ -239,14 +350,16 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--shape", type=int, nargs=5, default=[1, 2, 197, 197, 64],
                    metavar=("B", "H", "SQ", "SKV", "D"))
     d.add_argument("--dtype", default="float16", choices=DTYPES)
-    d.add_argument("--step", type=_whole(1), default=32)
+    d.add_argument("--step", type=_whole(1), default=None, help="serial step over SKV (default: 32, or SKV if "
+                   "shorter)")
     d.add_argument("--out", default="spacefusion_out")
     from schedulers.options import KNOB_FIELDS, KNOB_GROUP, is_int_knob
 
     b = sub.add_parser("build", help="build one workload for a target", epilog=shapes_epilog(), formatter_class=_Help)
     b.add_argument("workload", nargs="?", help="a workload named below (not with --schedule)")
     b.add_argument("--shape", type=int, nargs="+", default=None, help="the workload's sizes, in the order below")
-    b.add_argument("--dtype", default="float16", choices=DTYPES)
+    b.add_argument("--dtype", default=None, choices=DTYPES, help="the workload's dtype (default: float16; with "
+                   "--schedule, the schedule's)")
     b.add_argument("--target", default="cuda:sm_90a", help="cuda:sm_XX (an artefact in --out) or llvm (built, run "
                    "and checked on this CPU, nothing written)")
     b.add_argument("--tile-m", type=_whole(1), default=None, help="rows per block (default: derived)")
@@ -270,11 +383,14 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("workload", help="a workload named below")
     t.add_argument("--shape", type=int, nargs="+", required=True, help="the workload's sizes, in the order below")
     t.add_argument("--dtype", default="float16", choices=DTYPES)
-    t.add_argument("--target", default="h100", help=f"one of {sorted(TARGETS)}")
+    t.add_argument("--target", default=None, help=f"one of {sorted(TARGETS)} (default: llvm with --runner llvm, "
+                   f"else h100)")
     t.add_argument("--runner", default="gpu", choices=["gpu", "llvm", "offline", "ray"],
                    help="where candidates are measured: this GPU, this CPU (llvm), exported for a GPU machine, Ray")
     t.add_argument("--batch-dir", default=None, help="offline runner: where candidates are exported")
-    t.add_argument("--ray-address", default=None, help="a Ray cluster to measure on (--runner ray)")
+    t.add_argument("--ray-address", default=None, help="a Ray cluster to measure on (--runner ray; default: start "
+                   "a local one); its actors run the llvm runner for --target llvm, else one GPU each")
+    t.add_argument("--ray-timeout", type=_seconds, default=5.0, help="seconds to wait for --ray-address to answer")
     t.add_argument("--import-results", default=None, help="first add an offline batch's results (its folder)")
     t.add_argument("--db", default="spacefusion_tuning.db", help="the tuning database (SQLite), kept between tunes")
     t.add_argument("--trials", type=_whole(1), default=64, help="candidates measured at most")

@@ -160,8 +160,8 @@ def test_failed_candidates_are_recorded_not_fatal(tmp_path, monkeypatch) -> None
 def test_cli_tune_on_llvm(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("SPACEFUSION_NO_CACHE", "1")
     out = tmp_path / "summary.json"
-    rc = main(["tune", "softmax_gemm", "--shape", "32", "64", "8", "--target", "llvm", "--db", str(tmp_path / "t.db"),
-               "--trials", "6", "--batch", "3", "--quiet", "--json", str(out)])
+    rc = main(["tune", "softmax_gemm", "--shape", "32", "64", "8", "--target", "llvm", "--runner", "llvm",
+               "--db", str(tmp_path / "t.db"), "--trials", "6", "--batch", "3", "--quiet", "--json", str(out)])
     assert rc == 0 and out.exists()
     text = capsys.readouterr().out
     assert "measured 6" in text and "best:" in text

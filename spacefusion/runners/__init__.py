@@ -16,6 +16,7 @@ TVM, torch, cupy and ray are imported lazily, so this package imports on any mac
 """
 
 from spacefusion.runners.builder import TVMBuilder
+from spacefusion.runners.common import RunnerUnavailable
 from spacefusion.runners.llvm import LLVMRunner
 from spacefusion.runners.local_gpu import LocalGPURunner, gpu_unavailable_reason
 from spacefusion.runners.offline import OfflineBatchRunner, export_batch, import_batch, import_offline
@@ -24,6 +25,6 @@ from spacefusion.runtime.batch import MANIFEST_FILE, MANIFEST_FORMAT, RESULTS_FI
 
 __all__ = [
     "MANIFEST_FILE", "MANIFEST_FORMAT", "RESULTS_FILE", "RESULTS_FORMAT",
-    "LLVMRunner", "LocalGPURunner", "OfflineBatchRunner", "RayRunner", "TVMBuilder",
+    "LLVMRunner", "LocalGPURunner", "OfflineBatchRunner", "RayRunner", "RunnerUnavailable", "TVMBuilder",
     "export_batch", "gpu_unavailable_reason", "import_batch", "import_offline",
 ]

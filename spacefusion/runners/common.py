@@ -5,14 +5,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from search.records import Builder, MeasureInput, MeasureResult
+from search.records import ENVIRONMENT, Builder, MeasureInput, MeasureResult
+from smg.errors import SpaceFusionError
 from spacefusion.runtime.batch import References, describe
+
+
+class RunnerUnavailable(SpaceFusionError):
+    """A runner cannot measure anything where it was asked to (no GPU visible, no Ray cluster at the address):
+    raised before tuning starts, so no candidate is spent on a machine that could not run it."""
 
 
 def fail(inp: MeasureInput, error: str, meta: Mapping[str, Any] | None = None,
          max_abs_err: float | None = None) -> MeasureResult:
     """A failed result: no latencies, ``error`` says why."""
     return MeasureResult(inp.key, inp.target, (), max_abs_err, error, tuple(sorted((meta or {}).items())))
+
+
+def unavailable(inp: MeasureInput, error: str, meta: Mapping[str, Any] | None = None) -> MeasureResult:
+    """A result that failed because of the machine, not the kernel (``MeasureResult.environmental``): the tuner
+    does not record it, so the candidate is measured again where the runner works."""
+    return fail(inp, error, {**(meta or {}), ENVIRONMENT: True})
 
 
 def ok(inp: MeasureInput, latencies_us: Sequence[float], max_abs_err: float | None,

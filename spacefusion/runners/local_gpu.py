@@ -9,7 +9,7 @@ from typing import Any
 
 from search.records import Builder, MeasureInput, MeasureResult
 from spacefusion.runners.builder import TVMBuilder
-from spacefusion.runners.common import fail, ok, prepare
+from spacefusion.runners.common import RunnerUnavailable, fail, ok, prepare, unavailable
 from spacefusion.runtime.batch import References, describe, measure_artefact
 
 
@@ -46,12 +46,20 @@ class LocalGPURunner:
         self.builder: Builder = builder if builder is not None else TVMBuilder()
         self._refs = References()
 
-    def measure(self, inputs: list[MeasureInput]) -> list[MeasureResult]:
+    def check(self) -> None:
+        """Raise ``RunnerUnavailable`` naming what is missing when this process cannot run CUDA kernels: call it
+        before a tune, which would otherwise build every candidate only to learn that none can run."""
         reason = gpu_unavailable_reason()
         if reason is not None:
+            raise RunnerUnavailable(f"no GPU: {reason}; the {self.name} runner needs torch and cupy with a visible "
+                                    "CUDA device")
+
+    def measure(self, inputs: list[MeasureInput]) -> list[MeasureResult]:
+        reason = gpu_unavailable_reason()
+        if reason is not None:  # the machine's failure, not the kernels': marked so the tuner does not record it
             msg = (f"no GPU: {reason}; {self.name} runner needs torch + cupy with a CUDA device "
                    "(use OfflineBatchRunner for a remote GPU)")
-            return [fail(inp, msg, {"runner": self.name}) for inp in inputs]
+            return [unavailable(inp, msg, {"runner": self.name}) for inp in inputs]
         with tempfile.TemporaryDirectory(prefix="sf-measure-") as tmp:
             root = self.workdir or Path(tmp)
             return [self._one(inp, root) for inp in inputs]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
+import socket
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -10,7 +13,7 @@ from typing import Any, cast
 from schedulers.schedule import Schedule
 from search.records import Builder, MeasureInput, MeasureResult
 from spacefusion.runners.builder import TVMBuilder
-from spacefusion.runners.common import fail
+from spacefusion.runners.common import RunnerUnavailable, fail
 from spacefusion.runners.llvm import LLVMRunner
 from spacefusion.runtime.batch import describe
 
@@ -21,6 +24,40 @@ def _import_ray() -> Any:
     except ImportError as exc:
         raise ImportError("RayRunner needs Ray, an optional extra: pip install spacefusion[ray]") from exc
     return ray
+
+
+#: seconds ``RayRunner`` waits for a cluster's address to answer before giving up (``ray.init`` itself retries
+#: for minutes against an address where nothing listens)
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a Ray address given as ``host:port`` or ``ray://host:port``; None for the forms that
+    name no socket (``auto``, ``local``: Ray finds the cluster itself and fails at once if there is none)."""
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def probe(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ``RunnerUnavailable`` naming ``address`` if nothing accepts a TCP connection there within
+    ``timeout_s`` seconds.  Why: ``ray.init`` against an address where nothing listens retries for minutes
+    (the CLI still waited after 300 s); a socket answers or fails in bounded time."""
+    hp = _host_port(address)
+    if hp is None:
+        if address in ("auto", "local"):
+            return
+        raise RunnerUnavailable(f"Ray address {address!r} is not HOST:PORT, ray://HOST:PORT, 'auto' or 'local'")
+    try:
+        with socket.create_connection(hp, timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise RunnerUnavailable(f"no Ray cluster at {address}: connecting to {hp[0]}:{hp[1]} failed within "
+                                f"{timeout_s:g} s ({why}); start one there (ray start --head --port {hp[1]}), or "
+                                f"check the address") from None
 
 
 class _RayWorker:
@@ -69,10 +106,11 @@ class RayRunner:
 
     def __init__(self, address: str | None = None, num_workers: int | None = None,
                  inner: Callable[[], Any] | None = None, num_gpus: float = 0, num_cpus: float = 1,
-                 init_kwargs: Mapping[str, Any] | None = None, builder: Builder | None = None) -> None:
-        if importlib.util.find_spec("ray") is None:  # fail at construction, not mid-tuning
-            raise ImportError("RayRunner needs Ray, an optional extra: pip install spacefusion[ray]")
+                 init_kwargs: Mapping[str, Any] | None = None, builder: Builder | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.available()  # fail at construction, not mid-tuning
         self.address, self.num_workers = address, num_workers
+        self.connect_timeout_s = connect_timeout_s
         self.inner = inner or LLVMRunner
         self.num_gpus, self.num_cpus = num_gpus, num_cpus
         self.init_kwargs = dict(init_kwargs or {})
@@ -82,10 +120,52 @@ class RayRunner:
         #: the tuner's builder here (its flags key the database; it prebuilds); each actor builds with its own
         self.builder: Builder = builder if builder is not None else TVMBuilder()
 
+    @staticmethod
+    def available() -> None:
+        """Raise ImportError saying how to install Ray where it is not installed."""
+        if importlib.util.find_spec("ray") is None:
+            raise ImportError("RayRunner needs Ray, an optional extra: pip install spacefusion[ray]")
+
+    def connect(self) -> None:
+        """Join the cluster (or start a local one, ``address=None``) and check it can run the actors, raising
+        ``RunnerUnavailable`` that names the address otherwise: nothing answering there within
+        ``connect_timeout_s`` (checked before ``ray.init``, which would retry for minutes), or GPU actors asked
+        of a cluster without GPUs (they would wait for one forever).  ``measure`` connects on first use; call
+        this first to fail before a tune instead of in it."""
+        ray = _import_ray()
+        if not ray.is_initialized():
+            if self.address is not None:
+                probe(self.address, self.connect_timeout_s)
+            self._init(ray)
+        if self.num_gpus:
+            gpus = ray.cluster_resources().get("GPU", 0)
+            if gpus < self.num_gpus:
+                where = self.address or "the local Ray instance"
+                raise RunnerUnavailable(f"the Ray cluster at {where} has {gpus:g} GPUs; {self.name} actors need "
+                                        f"{self.num_gpus:g} each (measure on its CPUs with --target llvm)")
+
+    def _init(self, ray: Any) -> None:
+        """``ray.init``, bounded and with its failure named: something that accepts connections at the address
+        but is no Ray cluster made Ray retry for about 20 s and raise a ConnectionError traceback.  Ray's own
+        budget for reaching the cluster (``RAY_gcs_server_port_wait_time_s``, in seconds) is set to
+        ``connect_timeout_s`` for this call unless the environment sets it."""
+        var = "RAY_gcs_server_port_wait_time_s"
+        mine = var not in os.environ
+        if mine:
+            os.environ[var] = str(max(1, math.ceil(self.connect_timeout_s)))
+        try:
+            ray.init(address=self.address, **self.init_kwargs)
+        except Exception as exc:
+            where = f"at {self.address}" if self.address is not None else "(a local instance)"
+            raise RunnerUnavailable(f"no Ray cluster {where}: ray.init failed: {describe(exc)}") from None
+        finally:
+            if mine:
+                os.environ.pop(var, None)
+
     def _start(self) -> list[Any]:
         ray = _import_ray()
         if not ray.is_initialized():
-            ray.init(address=self.address, **self.init_kwargs)
+            self.connect()
         if not self._actors:
             n = self.num_workers
             if n is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -170,6 +171,13 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     return model, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` in recent ``transformers``, whose
+    ``past_key_values`` is a deprecated alias (a FutureWarning on every call), else ``past_key_values``
+    (older releases, which a GPU machine may still have)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def decode_inputs(model: torch.nn.Module, past: int, device: str) -> dict[str, Any]:
     """One decode step's inputs: a token at position ``past`` and a StaticCache (room for 64 more) holding an
     eager prefill of ``past`` random tokens in the model's dtype (on "meta", for export, an empty one)."""
@@ -186,10 +194,10 @@ def decode_inputs(model: torch.nn.Module, past: int, device: str) -> dict[str, A
     if device != "meta":
         prompt = torch.randint(0, cfg.vocab_size, (1, past), generator=gen).to(device)
         with torch.no_grad():
-            model(input_ids=prompt, past_key_values=cache, use_cache=True,
+            model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True,
                   cache_position=torch.arange(past, device=device))
     token = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen).to(device)
-    return {"input_ids": token, "past_key_values": cache, "use_cache": True,
+    return {"input_ids": token, cache_kwarg(model): cache, "use_cache": True,
             "cache_position": torch.tensor([past], device=device)}
 
 
@@ -198,7 +206,8 @@ def _rewind(_: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     its own running length, which each call advances: timed hundreds of times, one step would walk off the
     cache's end (an out-of-bounds ``index_copy_`` on the H100 after 64 calls).  Every system runs this, as
     a few in-place copies (in its graph where the hook is traced)."""
-    cache, pos = kwargs.get("past_key_values"), kwargs.get("cache_position")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    pos = kwargs.get("cache_position")
     if cache is not None and pos is not None:
         for layer in cache.layers:
             if torch.is_tensor(getattr(layer, "cumulative_length", None)):

@@ -1,7 +1,7 @@
 """The GPU scripts' access to spacefusion's TVM-free runtime, imported as the package.
 
 The GPU machine has torch and cupy but no TVM: ``spacefusion.runtime`` (and ``smg``, numpy + sympy)
-import there without the compiler, from an install (``pip install --no-build-isolation -e ".[gpu]"``)
+import there without the compiler, from an install (``pip install -e ".[gpu]"``; offline: docs/architecture.md)
 or from this checkout, which is put on ``sys.path`` when the package is not installed.
 """
 

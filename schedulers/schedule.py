@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import sympy as sp
 
 from schedulers.errors import ScheduleError, TemporalSliceError
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import H100, PRESETS, HardwareError, HardwareModel, get_hardware
 from schedulers.options import (
     GROUPS,
     KNOB_FIELDS,
@@ -426,10 +428,44 @@ def _levels(smg: SMG, plan: TemporalPlan, wide: frozenset[str]) -> list[tuple[st
 DEFAULT_STEP = 32
 
 
+def _checked_tiles(tiles: Mapping[str, int] | None) -> dict[str, int]:
+    """``tiles`` as a dict of positive ints; ScheduleError (code ``tile.type``/``tile.range``) naming the dim
+    and value otherwise.  Why: ``int()`` truncated a tile of 2.5 to 2 and read True as 1 without a word, so
+    the schedule built was not the one asked for.  numpy integers count as ints."""
+    if tiles is None:
+        return {}
+    if not isinstance(tiles, Mapping):
+        raise ScheduleError(f"tiles must map dim names to sizes, e.g. {{'m': 64}}; got {tiles!r}", code="tile.type")
+    out: dict[str, int] = {}
+    for d, t in tiles.items():
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ScheduleError(f"tile {t!r} for dim {d!r} must be a whole number (an int), not "
+                                f"{type(t).__name__}", code="tile.type")
+        if t <= 0:
+            raise ScheduleError(f"tile {t} for dim {d!r} is not positive: a tile is a block size of at least 1",
+                                code="tile.range")
+        out[d] = int(t)
+    return out
+
+
+def _hardware(hw: HardwareModel | str | None) -> HardwareModel | None:
+    """``hw`` as a HardwareModel: a model passes, a preset name (``"h100"``, ``"H200"``, an alias such as
+    ``"H100-SXM"``; case-insensitive) is looked up, None stays None (H100).  Raises HardwareError listing the
+    known names for an unknown one, and for anything else, at once rather than as an AttributeError deep
+    in the slicers."""
+    if hw is None or isinstance(hw, HardwareModel):
+        return hw
+    if not isinstance(hw, str):
+        raise HardwareError(f"hw must be a HardwareModel or a preset name ({', '.join(PRESETS)}); got "
+                            f"{type(hw).__name__} {hw!r}", code="hardware.type")
+    return get_hardware(hw)
+
+
 def blocking(smg: SMG, tiles: dict[str, int] | None, thread_dim: str | None, recompute: bool,
              tensor_cores: bool) -> tuple[tuple[DimDecision, ...], str, tuple[tuple[str, int], ...]]:
     """The spatial slicer's decisions, the thread dim and the block (each cut dim with its tile) of a request,
     as ``make_schedule`` records them; ScheduleError where the tiles do not fit the cut."""
+    tiles = _checked_tiles(tiles)
     spatial = analyse_spatial(smg)
     if recompute:
         spatial = tuple(
@@ -438,7 +474,6 @@ def blocking(smg: SMG, tiles: dict[str, int] | None, thread_dim: str | None, rec
             for d in spatial)
     cut = [d.dim for d in spatial if d.cut]
     sizes = smg.dim_sizes
-    tiles = dict(tiles or {})
     for d in tiles:
         if d not in sizes:
             raise ScheduleError(f"tile given for unknown dim {d!r}; dims are {list(sizes)}", code="tile.unknown_dim")
@@ -454,7 +489,7 @@ def blocking(smg: SMG, tiles: dict[str, int] | None, thread_dim: str | None, rec
         raise ScheduleError(f"thread dim {thread_dim!r} is not a spatially cut dim {cut}", code="thread_dim.not_cut")
     block = []
     for d in cut:
-        t = int(tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1))
+        t = tiles.get(d, min(64, sizes[d]) if d == thread_dim else 1)
         if t <= 0 or (t > sizes[d] and not (tensor_cores and _pads_rows(t, sizes[d]))):
             raise ScheduleError(f"tile {t} for dim {d!r} is larger than the dim ({sizes[d]}) or not positive",
                                 code="tile.range")
@@ -464,7 +499,7 @@ def blocking(smg: SMG, tiles: dict[str, int] | None, thread_dim: str | None, rec
 
 def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None = None,
                   step: int | None = None, thread_dim: str | None = None, recompute: bool = False,
-                  hw: HardwareModel | None = None, levels: dict[str, str] | None = None,
+                  hw: HardwareModel | str | None = None, levels: dict[str, str] | None = None,
                   tensor_cores: bool = False, **knobs: Any) -> Schedule:
     """Run the spatial then the temporal slicer and record every decision.
 
@@ -472,9 +507,10 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     innermost cut output dim, which is spread over threads).  With
     ``recompute`` a tile may also cut a dim whose only obstacle is that each
     block recomputes an intermediate (e.g. the MLP's hidden tile per output
-    column block): a trade of FLOPs for on-chip memory.  ``hw`` (default H100)
-    bounds the threads per block.  ``levels`` overrides memory levels where
-    the lowering has a choice: a staged input may be read from ``global``
+    column block): a trade of FLOPs for on-chip memory.  Each tile is a positive int (else
+    ScheduleError naming the dim and value).  ``hw`` (default H100; a HardwareModel or a preset
+    name of ``schedulers.hardware.PRESETS``, case-insensitive) bounds the threads per block.
+    ``levels`` overrides memory levels where the lowering has a choice: a staged input may be read from ``global``
     instead, a block-shared streamed tile may be computed per thread
     (``register``).  ``vector`` > 1 gives each lane runs of that many consecutive serial
     elements, loaded and stored as one vector (CUDA-core kernels).  ``split`` > 1 divides a
@@ -498,6 +534,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     block two MMA warpgroups taking turns on alternate tiles.  ``fast_math`` computes tanh and logistics
     on ``tanh.approx.f32`` where their values are stored in 16 bits.
     """
+    hw = _hardware(hw)
     spatial, thread_dim, block = blocking(smg, tiles, thread_dim, recompute, tensor_cores)
     sizes = smg.dim_sizes
     limit = (hw or H100).max_threads_per_block

@@ -25,3 +25,14 @@ class UnknownAxisError(SpaceFusionError, KeyError):
 
 class DTypeError(SpaceFusionError, ValueError):
     """A dtype the SMG ops cannot compute in (unknown, or an integer type)."""
+
+
+class ExpressionError(SpaceFusionError, ValueError):
+    """An op body is not an expression the SMG can evaluate: a syntax error, a name that is none of the op's
+    inputs or index dims, or a function no evaluator knows.  Raised when the op is built, naming the body."""
+
+
+class BadNameError(SpaceFusionError, ValueError):
+    """A space or dim name the SMG cannot use: not an ASCII identifier, reserved, or already taken.  Space
+    and dim names become CUDA parameter and variable names and artefact param names, so they are ASCII;
+    a graph's own name may be any text (its kernel symbol is made ASCII, ``spacefusion.lower.build``)."""

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from smg.errors import DTypeError, ShapeError, UnknownAxisError
+from smg.errors import BadNameError, DTypeError, ShapeError, UnknownAxisError
 from smg.hashing import canonical_text, text_key
 
 COMBINERS = ("none", "sum", "max")
@@ -43,8 +43,8 @@ class Dim:
     size: int
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise ValueError(f"dimension name {self.name!r} is not an identifier")
+        if not self.name.isidentifier() or not self.name.isascii():  # it names CUDA loop variables
+            raise BadNameError(f"dimension name {self.name!r} is not an identifier of ASCII letters, digits and '_'")
         if isinstance(self.size, bool) or not isinstance(self.size, numbers.Real) or int(self.size) != self.size:
             raise ShapeError(f"dimension {self.name!r} has size {self.size!r}: sizes are whole numbers")
         if int(self.size) <= 0:

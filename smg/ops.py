@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from smg.errors import ShapeError, UnknownAxisError, UnknownOperatorError
+from smg.errors import BadNameError, ExpressionError, ShapeError, UnknownAxisError, UnknownOperatorError
+from smg.expr import check_body
 from smg.ir import SMG, Access, DataSpace, Dim, Op, check_dtype, join_smgs
 
 #: Element-wise unary functions: sympy body templates over ``{x}``.
@@ -163,18 +164,20 @@ class Builder:
             while name in self.spaces:
                 n += 1
                 name = f"{base}{n}"
-        if not name.isidentifier() or keyword.iskeyword(name) or "__" in name or name in RESERVED:
-            raise ValueError(f"space name {name!r} must be an identifier without '__' and not one of "
-                             f"the function names {sorted(RESERVED)}")
+        if (not name.isidentifier() or not name.isascii() or keyword.iskeyword(name) or "__" in name
+                or name in RESERVED):
+            raise BadNameError(f"space name {name!r} of graph {self.name!r} must be an ASCII identifier without "
+                               f"'__' and not one of the function names {sorted(RESERVED)} (it names "
+                               f"a CUDA kernel parameter)")
         if name in self.spaces:
-            raise ValueError(f"space name {name!r} is already used in graph {self.name!r}")
+            raise BadNameError(f"space name {name!r} is already used in graph {self.name!r}")
         if name in self.dims:
-            raise ValueError(f"space name {name!r} is already a dimension of graph {self.name!r}")
+            raise BadNameError(f"space name {name!r} is already a dimension of graph {self.name!r}")
         return name
 
     def _dim(self, name: str, size: int) -> None:
         if name in self.spaces:
-            raise ValueError(f"dimension name {name!r} is already a space of graph {self.name!r}")
+            raise BadNameError(f"dimension name {name!r} is already a space of graph {self.name!r}")
         if name in self.dims and self.dims[name] != size:
             raise ShapeError(
                 f"dimension {name!r} has size {self.dims[name]} elsewhere in graph "
@@ -240,15 +243,27 @@ class Builder:
         """A user-written element-wise expression over ``xs`` (broadcasting).
 
         The body may also read the index along an output dim by its name
-        (e.g. ``l <= m`` for a causal mask).
+        (e.g. ``l <= m`` for a causal mask).  It is parsed here, so a malformed body, a name that is
+        none of ``xs`` and their dims, or an unknown function raises ExpressionError now, naming the
+        body, rather than later inside the lowering (``smg.expr.check_body``).
         """
         self._own(*xs)
         out_dims: tuple[str, ...] = ()
         for x in xs:
             out_dims += tuple(d for d in x.dims if d not in out_dims)
         for d in self.dims:
-            if d not in out_dims and _mentions(body, d):
+            if d not in out_dims and isinstance(body, str) and _mentions(body, d):
                 raise UnknownAxisError(f"body {body!r} reads index {d!r}, which is not a dim of its inputs {out_dims}")
+        inputs = tuple(dict.fromkeys(x.name for x in xs))
+        where = f"{kind} {name or '(unnamed)'} of graph {self.name!r} over inputs {list(inputs)}"
+        try:
+            check_body(body, inputs + out_dims, where)
+        except ExpressionError as exc:
+            passed = [n for n in self.spaces if n not in inputs and _mentions(str(body), n)]
+            if passed:  # the likeliest slip: a space of the graph read but not passed
+                raise ExpressionError(f"{exc}; {passed} are spaces of graph {self.name!r}: pass them to map "
+                                      f"as inputs") from None
+            raise
         accs = tuple(Access(x.name, x.dims) for x in dict.fromkeys(xs))
         return self._emit(Op(kind, self._fresh(kind, name), out_dims, accs, body))
 

@@ -23,7 +23,9 @@ def schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None =
              step: int | None = None, **options) -> Schedule:
     """Slice ``smg`` spatially then temporally (``step``: default 32, or the serial dim if shorter);
     ``options`` (``thread_dim``, ``recompute``, ``hw``, ``lanes``, ``tensor_cores``, ``stages``, ``warps``)
-    as in ``schedulers.schedule.make_schedule``."""
+    as in ``schedulers.schedule.make_schedule``.  ``tiles`` are positive ints (a float, bool, zero or
+    negative tile is a ScheduleError naming the dim); ``hw`` is a HardwareModel or a preset name such as
+    ``"h100"`` or ``"H200"`` (case-insensitive; an unknown one is a HardwareError listing the known)."""
     return make_schedule(smg, tiles=tiles, serial=serial, step=step, **options)
 
 

@@ -123,9 +123,9 @@ def test_a_kv_caches_first_append_copies_nothing(name: str) -> None:
         want, got = model(**kw), compiled(**kw)
     report = str(compiled.spacefusion)
     assert "concatenation/stack" not in report, report  # (LLaMA's RoPE tables keep a cat of their own)
-    assert want.past_key_values is not None
+    assert _cache(want) is not None
     for layer in range(len(model.layers if hasattr(model, "layers") else model.h)):
-        for w, g in zip(_cache_layer(want.past_key_values, layer), _cache_layer(got.past_key_values, layer)):
+        for w, g in zip(_cache_layer(_cache(want), layer), _cache_layer(_cache(got), layer)):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
@@ -138,6 +138,12 @@ def test_one_projection_split_into_q_k_v_becomes_a_stacked_gemm() -> None:
     assert sum("3 stacked gemms + bias" in lab for lab in labels) == 2, labels
     assert all(lab.endswith("bshd") for lab in labels if lab.startswith("attention")), labels
     assert "split" not in str(compiled.spacefusion)
+
+
+def _cache(out: object) -> object:
+    """A model output's KV cache: its ``cache`` field in recent ``transformers`` (reading the deprecated
+    ``past_key_values`` alias logs a deprecation), else ``past_key_values``."""
+    return out["cache"] if "cache" in getattr(out, "__dataclass_fields__", {}) else out.past_key_values
 
 
 def _cache_layer(cache: object, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,8 @@ def test_a_decode_step_repeats_past_the_caches_spare_room(tiny: str) -> None:
     model, x = dynamo_gpu.build(tiny, "cpu")
     model.float()  # the CPU's matmuls: float32 throughout (a fresh cache takes the model's dtype)
     x = dynamo_gpu.float_inputs(tiny, model, x)
-    cache = x["past_key_values"]
+    cache = x[dynamo_gpu.cache_kwarg(model)]
+    assert "past_key_values" not in x or dynamo_gpu.cache_kwarg(model) == "past_key_values"  # the modern name
     assert cache.layers[0].keys.dtype == torch.float32 and cache.layers[0].keys.shape[2] == PAST + 64
     assert int(cache.layers[0].cumulative_length) == PAST  # the prefill
     compiled = spacefusion.compile(model, target="reference")
@@ -48,6 +49,6 @@ def test_a_decode_step_repeats_past_the_caches_spare_room(tiny: str) -> None:
 def test_export_builds_the_decode_step_on_meta(tiny: str) -> None:
     model, x = dynamo_gpu.build(tiny, "meta")
     assert x["cache_position"].shape == (1,) and x["input_ids"].shape == (1, 1)
-    keys = x["past_key_values"].layers[0].keys  # allocated as a prefill would have, without one
+    keys = x[dynamo_gpu.cache_kwarg(model)].layers[0].keys  # allocated as a prefill would have, without one
     assert keys.device.type == "meta" and keys.shape[2] == PAST + 64 and keys.dtype == torch.float16
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from spacefusion.runtime.artefact import FORMAT_TAG, ArtefactError, KernelArtefact
+from spacefusion.runtime.artefact import EM_CUDA, FORMAT_TAG, ArtefactError, KernelArtefact, check_cubin
 from spacefusion.runtime.timing import percentile, summarize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +56,13 @@ def _write(folder: Path, meta: Any, source: str = SOURCE) -> Path:
     return folder
 
 
+def _elf(machine: int = EM_CUDA, elf_class: int = 2, shnum: int = 0, size: int = 64) -> bytes:
+    """A bare ELF64 header (section headers at byte 64, ``shnum`` of 64 bytes each), padded to ``size``."""
+    head = b"\x7fELF" + bytes([elf_class, 1, 1]) + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 2, machine, 1, 0, 0, 64,
+                                                                        0, 64, 0, 0, 64, shnum, 0)
+    return head.ljust(size, b"\0")
+
+
 def _param(name: str, **override: Any) -> list[dict[str, Any]]:
     params = _meta()["params"]
     return [{**p, **override} if p["name"] == name else p for p in params]
@@ -72,7 +84,7 @@ def test_load_valid_artefact(tmp_path: Path) -> None:
 def test_save_round_trips_and_fills_format_tag(tmp_path: Path) -> None:
     meta = _meta()
     del meta["format"]
-    art = KernelArtefact.save(tmp_path / "b", SOURCE, meta, cubin=b"\x7fELF fake")
+    art = KernelArtefact.save(tmp_path / "b", SOURCE, meta, cubin=_elf())
     assert art.cubin == "kernel.cubin" and art.cubin_path == tmp_path / "b" / "kernel.cubin"
     assert json.loads((tmp_path / "b" / "kernel.json").read_text())["format"] == FORMAT_TAG
     assert KernelArtefact.load(tmp_path / "b") == art
@@ -599,3 +611,78 @@ def test_a_deferred_capture_hands_out_slab_slots_in_order_and_falls_back_past_th
     for dev, host in state.pending:  # what the block's end does
         dev.copy_(host)
     assert slab.view(2, -1)[:, 0].tolist() == [1, 2]
+
+
+# ---- cubins: refused by their path when they are not one, before any CUDA call ----------------------------
+
+
+def _with_cubin(folder: Path, data: bytes | None) -> Path:
+    _write(folder, _meta(cubin="kernel.cubin"))
+    if data is not None:
+        (folder / "kernel.cubin").write_bytes(data)
+    return folder
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cupy (and so any CUDA call) unimportable: what is checked must be checked without the GPU."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+@pytest.mark.parametrize("data,problem", [
+    (b"this is not a cubin", "not a cubin (no ELF header"),
+    (b"", "not a cubin (no ELF header"),
+    (b"\x7fELF\x02\x01", "not a complete 64-bit little-endian ELF header"),
+    (_elf(elf_class=1), "not a complete 64-bit little-endian ELF header"),
+    (_elf(machine=62), "ELF for machine 62, a cubin is EM_CUDA = 190"),
+    (_elf(shnum=3), "truncated cubin (its section headers end at byte 256, the file has 64)"),
+])
+def test_garbage_cubin_is_refused_naming_the_file(tmp_path: Path, no_cuda: None, data: bytes, problem: str) -> None:
+    from spacefusion.runtime.gpu import load_kernel
+
+    folder = _with_cubin(tmp_path / "a", data)
+    with pytest.raises(ArtefactError) as info:
+        load_kernel(folder)
+    assert str(info.value).startswith(f"{folder / 'kernel.cubin'}: ") and problem in str(info.value)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=200).filter(lambda b: not b.startswith(b"\x7fELF")))
+def test_any_non_elf_bytes_are_refused(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    path = tmp_path_factory.mktemp("c") / "kernel.cubin"
+    path.write_bytes(data)
+    with pytest.raises(ArtefactError, match=f"{path}: not a cubin"):
+        check_cubin(path)
+
+
+def test_a_well_formed_cubin_header_loads(tmp_path: Path, no_cuda: None) -> None:
+    from spacefusion.runtime.gpu import load_kernel
+
+    k = load_kernel(_with_cubin(tmp_path / "a", _elf(shnum=2, size=64 + 128)))
+    assert k.artefact.cubin_path == tmp_path / "a" / "kernel.cubin" and k.backend is None
+
+
+def test_missing_cubin_warns_and_falls_back_to_the_source(tmp_path: Path, no_cuda: None) -> None:
+    """The documented fallback (CudaKernel: nvcc, then NVRTC from kernel.cu), no longer silent."""
+    from spacefusion.runtime.gpu import load_kernel
+
+    folder = _with_cubin(tmp_path / "a", None)
+    with pytest.warns(RuntimeWarning, match=r"kernel.cubin: the cubin kernel.json names is missing; the runtime "
+                                            r"will compile kernel.cu instead"):
+        k = load_kernel(folder)
+    assert k.artefact.cubin == "kernel.cubin" and k.artefact.cubin_path is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KernelArtefact.load(_write(tmp_path / "b", _meta()))  # no cubin named: nothing to warn about
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compile only, no GPU)")
+def test_a_damaged_cached_cubin_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spacefusion.runtime.gpu import compile_cubin
+
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path))
+    path = compile_cubin(SOURCE, "sm_90a")
+    check_cubin(path)
+    path.write_bytes(b"garbage")
+    assert compile_cubin(SOURCE, "sm_90a") == path
+    check_cubin(path)

@@ -8,8 +8,11 @@ import re
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schedulers.errors import ScheduleError, TemporalSliceError
+from schedulers.hardware import PRESETS, HardwareError, get_hardware
 from schedulers.schedule import FORMAT, LEVELS, Schedule, make_schedule
 from smg.workloads import gemm, mha, softmax_gemm
 
@@ -302,3 +305,53 @@ def test_ring_depth_up_to_eight_and_a_clear_error_past_it() -> None:
     assert s.stages == 8 and s.producer
     with pytest.raises(ScheduleError, match="stages 9 must be 1..8"):
         make_schedule(g, {"m": 128, "n": 64}, serial="k", step=64, tensor_cores=True, stages=9, wgmma=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.floats(allow_nan=True), st.booleans(), st.text(max_size=3), st.none(),
+                 st.fractions(), st.decimals(allow_nan=False)))
+def test_a_tile_that_is_not_an_int_is_refused_naming_dim_and_value(tile: object) -> None:
+    """``int()`` used to truncate ``{'m': 2.5}`` to 2 (and read True as 1): the schedule built was not the
+    one asked for.  Any non-int tile is now a ScheduleError with the dim and the value."""
+    with pytest.raises(ScheduleError, match=r"tile .* for dim 'm' must be a whole number") as info:
+        make_schedule(gemm(8, 8, 8), tiles={"m": tile}, step=2)
+    assert info.value.code == "tile.type" and repr(tile) in str(info.value)
+
+
+def test_reported_tile_cases_through_the_api() -> None:
+    import numpy as np
+
+    from spacefusion.api import schedule
+
+    g = mha(1, 2, 32, 32, 16)
+    with pytest.raises(ScheduleError, match=r"^tile 2.5 for dim 'm' must be a whole number \(an int\), not float$"):
+        schedule(g, tiles={"m": 2.5})
+    with pytest.raises(ScheduleError, match=r"^tile True for dim 'm' must be a whole number \(an int\), not bool$"):
+        schedule(g, tiles={"m": True})
+    assert dict(schedule(g, tiles={"m": np.int64(16)}).block)["m"] == 16  # numpy ints are ints
+
+
+GPUS = [n for n, m in PRESETS.items() if m.kind == "gpu"]
+
+
+@pytest.mark.parametrize("name", [*GPUS, *(n.upper() for n in GPUS), "H100-SXM", " nvidia h200 "])
+def test_hw_may_be_a_preset_name(name: str) -> None:
+    from spacefusion.api import schedule
+
+    g = gemm(8, 8, 8)
+    assert schedule(g, step=2, hw=name) == schedule(g, step=2, hw=get_hardware(name))
+
+
+def test_the_named_preset_is_the_one_used() -> None:
+    """The NPU preset allows one thread per block (a placeholder): named by string, its limit applies."""
+    with pytest.raises(ScheduleError, match="at most 1 on NPU"):
+        make_schedule(gemm(8, 8, 8), step=2, hw="NPU")
+
+
+def test_unknown_hw_name_lists_the_known_ones() -> None:
+    from spacefusion.api import schedule
+
+    with pytest.raises(HardwareError, match=r"unknown hardware 'b200'; known: v100, a100, h100, h200, npu"):
+        schedule(gemm(8, 8, 8), step=2, hw="b200")
+    with pytest.raises(HardwareError, match=r"hw must be a HardwareModel or a preset name .*; got int 100"):
+        schedule(gemm(8, 8, 8), step=2, hw=100)

@@ -3,6 +3,7 @@ eager step after step, and a CUDA graph replay leaves its writes in the caller's
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 import pytest
@@ -24,18 +25,23 @@ def _llama() -> torch.nn.Module:
     return transformers.LlamaModel(cfg).eval()
 
 
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """``cache`` where ``transformers`` takes it (its ``past_key_values`` alias warns on every call)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _decode(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], transformers.StaticCache]:
     """A prefill of ``ids`` then STEPS one-token steps, each step's input the previous step's last token."""
     cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
     outs = []
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+        out = model(input_ids=ids, **{_cache_kwarg(model): cache}, use_cache=True,
                     cache_position=torch.arange(PROMPT, device=ids.device))
         outs.append(out.last_hidden_state.clone())
         tok = ids[:, -1:]
         for i in range(STEPS):
             pos = torch.tensor([PROMPT + i], device=ids.device)
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+            out = model(input_ids=tok, **{_cache_kwarg(model): cache}, use_cache=True, cache_position=pos)
             outs.append(out.last_hidden_state.clone())
             tok = (tok * 7 + 3) % model.config.vocab_size
     return outs, cache

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,11 +197,31 @@ _SIG = re.compile(r'extern "C" __global__ void (?:__cluster_dims__\([\d, ]+\) )?
                   r'(\w+)\(([^)]*)\)')
 
 
+def c_identifier(name: str, limit: int = 40) -> str:
+    """``name`` as an ASCII C identifier fragment (deterministic, at most ``limit`` characters): ASCII
+    letters, digits and ``_`` kept, other ASCII characters ``_`` (as before, so existing symbols and cached
+    cubins are unchanged), an accented letter its base letter (NFKD: ö is o) and any other character
+    ``u<hex code point>`` (ß is udf, 注 u6ce8).  Why: nvcc refuses a universal character in a device
+    entity's name (a graph named "größe" or "注意"), and Python's ``\\w`` matches those letters.  Two names
+    that map alike still get distinct kernels: ``kernel_symbol`` appends the schedule key, which covers
+    the SMG's own name."""
+    out = []
+    for ch in name:
+        if ch.isascii():
+            out.append(ch if ch.isalnum() or ch == "_" else "_")
+            continue
+        base = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii")
+        out.append(base if base.isalnum() else f"u{ord(ch):x}")
+    return "".join(out)[:limit]
+
+
 def kernel_symbol(s: Schedule) -> str:
     """The kernel's name in the source, ``sf_<smg name>_<schedule key>``: TVM calls every kernel
     ``main_kernel``, so profiles of a fused model (``nsys``, ``ncu``, ``torch.profiler``) could not tell
-    its kernels apart; this name says which SMG and which schedule each launch is."""
-    return "sf_" + re.sub(r"\W", "_", s.smg.name)[:40] + "_" + s.key[:10]
+    its kernels apart; this name says which SMG and which schedule each launch is.  The SMG's name is
+    made an ASCII C identifier (``c_identifier``); the user's own name stays in the artefact's
+    ``workload.name`` for display."""
+    return "sf_" + c_identifier(s.smg.name) + "_" + s.key[:10]
 
 
 def _renamed(src: str, old: str, s: Schedule) -> tuple[str, str]:

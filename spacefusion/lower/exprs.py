@@ -111,13 +111,16 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
                 raise NotImplementedError(f"Piecewise without a default branch: {e}")
             return out
         rel = {sp.LessThan: lambda a, b: a <= b, sp.StrictLessThan: lambda a, b: a < b,
-               sp.GreaterThan: lambda a, b: a >= b, sp.StrictGreaterThan: lambda a, b: a > b}
+               sp.GreaterThan: lambda a, b: a >= b, sp.StrictGreaterThan: lambda a, b: a > b,
+               sp.Equality: tirx.EQ, sp.Unequality: tirx.NE}
         for f, g in rel.items():
             if isinstance(e, f):
                 return g(go(e.lhs), go(e.rhs))
         if isinstance(e, (sp.And, sp.Or)):
             fn = tirx.all if isinstance(e, sp.And) else tirx.any
             return fn(*[go(a) for a in e.args])
+        if isinstance(e, sp.Not):
+            return tirx.Not(go(e.args[0]))
         raise NotImplementedError(f"cannot lower expression {e} ({type(e).__name__}) to TIR")
 
     return go(expr)

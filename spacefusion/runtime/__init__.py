@@ -1,7 +1,8 @@
 """GPU-side runtime for spacefusion kernel artefacts.
 
 Import-light on purpose: it runs on the GPU machine, where TVM, islpy and xgboost are absent
-(``pip install --no-build-isolation -e ".[gpu]"`` there), and imports nothing of spacefusion's compiler.
+(``pip install -e ".[gpu]"`` there; offline: docs/architecture.md, "Installing on the GPU machine"), and
+imports nothing of spacefusion's compiler.
 Importing it needs numpy only; ``batch`` (the measuring command) reads workloads with ``smg`` (sympy)
 when it runs.  torch/cupy-backed names are resolved lazily on first attribute access.
 """

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,37 @@ _REQUIRED_KEYS = ("kernel_name", "arch", "grid", "block", "params", "param_order
 
 class ArtefactError(ValueError):
     """A kernel artefact is missing or malformed; the message names the folder and the field."""
+
+
+#: an ELF file's first bytes, and the e_machine of NVIDIA's CUDA cubins (EM_CUDA)
+ELF_MAGIC = b"\x7fELF"
+EM_CUDA = 190
+_ELF64_HEADER_BYTES = 64
+
+
+def check_cubin(path: Path) -> None:
+    """Raise ArtefactError naming ``path`` unless it looks like a cubin: a 64-bit little-endian ELF file
+    for EM_CUDA whose section header table lies inside the file (not truncated).
+
+    Why here and not at the module load: this is pure stdlib and reads bytes only, so a garbage or
+    truncated cubin is refused on any machine before a CUDA call (cuModuleLoad would fail on the GPU
+    with an opaque driver error, and a loader that falls back to compiling the source would hide that
+    the shipped binary is broken).  It checks the header, not the code: a valid cubin for another
+    architecture passes here and fails at the module load."""
+    data = path.read_bytes()[:_ELF64_HEADER_BYTES]
+    size = path.stat().st_size
+    if not data.startswith(ELF_MAGIC):
+        raise ArtefactError(f"{path}: not a cubin (no ELF header: starts with {data[:8]!r}, {size} bytes)")
+    if len(data) < _ELF64_HEADER_BYTES or data[4] != 2 or data[5] != 1:
+        raise ArtefactError(f"{path}: not a cubin (not a complete 64-bit little-endian ELF header, {size} bytes)")
+    machine = struct.unpack_from("<H", data, 18)[0]
+    if machine != EM_CUDA:
+        raise ArtefactError(f"{path}: not a cubin (ELF for machine {machine}, a cubin is EM_CUDA = {EM_CUDA})")
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    if shoff + shentsize * shnum > size:
+        raise ArtefactError(f"{path}: truncated cubin (its section headers end at byte {shoff + shentsize * shnum}, "
+                            f"the file has {size})")
 
 
 @dataclass(frozen=True)
@@ -105,7 +138,11 @@ class KernelArtefact:
 
     @classmethod
     def load(cls, folder: str | Path) -> KernelArtefact:
-        """Read and validate ``folder/kernel.json``; raise ArtefactError naming the first problem."""
+        """Read and validate ``folder/kernel.json``; raise ArtefactError naming the first problem.
+
+        A cubin that kernel.json names is checked to be one (``check_cubin``: ELF, EM_CUDA, not truncated)
+        and refused by its path otherwise; a named cubin that is missing gives a RuntimeWarning and the
+        runtime's documented fallback, compiling kernel.cu (``CudaKernel``: nvcc, then NVRTC)."""
         folder = Path(folder)
         if not folder.is_dir():
             raise ArtefactError(f"artefact folder {folder} does not exist or is not a directory")
@@ -121,6 +158,13 @@ class KernelArtefact:
         art = cls.from_meta(meta, folder)
         if not re.search(rf"\b{re.escape(art.kernel_name)}\s*\(", art.source):
             raise ArtefactError(f"{folder}: kernel_name {art.kernel_name!r} is not defined in {SOURCE_FILE}")
+        if art.cubin is not None:
+            cubin = folder / art.cubin
+            if cubin.is_file():
+                check_cubin(cubin)  # a garbage cubin is refused here, before any CUDA call
+            else:  # the documented fallback: the runtime compiles kernel.cu (nvcc, else NVRTC); say so
+                warnings.warn(f"{cubin}: the cubin {META_FILE} names is missing; the runtime will compile "
+                              f"{SOURCE_FILE} instead (nvcc, else NVRTC)", RuntimeWarning, stacklevel=2)
         return art
 
     @classmethod

@@ -5,7 +5,8 @@ Runs where torch and cupy are, with no TVM, islpy or xgboost: it imports only th
 ``spacefusion.runners`` exports a batch where TVM runs and reads the results back; the local GPU
 runner calls ``measure_artefact`` in-process, so both time a candidate the same way.
 
-On the GPU machine (``pip install --no-build-isolation -e ".[gpu]"`` in a checkout, no TVM needed)::
+On the GPU machine (``pip install -e ".[gpu]"`` in a checkout, no TVM needed; offline: docs/architecture.md,
+"Installing on the GPU machine")::
 
     spacefusion-measure BATCH_DIR --out BATCH_DIR/results.json
 

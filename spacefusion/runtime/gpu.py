@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .artefact import KernelArtefact, ParamSpec
+from .artefact import ArtefactError, KernelArtefact, ParamSpec, check_cubin
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +83,11 @@ def compile_cubin(source: str, arch: str, options: Sequence[str] = DEFAULT_NVCC_
     cache = cubin_cache_dir()
     out = cache / f"{key}.cubin"
     if out.is_file():
-        return out
+        try:
+            check_cubin(out)
+            return out
+        except ArtefactError:  # a damaged cache entry (a full disk, a stray write): build it again
+            out.unlink(missing_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.cu"
@@ -138,7 +142,9 @@ class CudaKernel:
     """A launchable artefact kernel: validates torch tensors against the params, then launches.
 
     The kernel is built lazily on first launch (or by ``compile()``), trying in order: the artefact's
-    prebuilt cubin, nvcc, then NVRTC. ``backend`` records which one worked.
+    prebuilt cubin, nvcc, then NVRTC. ``backend`` records which one worked, ``compile_errors`` why the
+    ones before it did not (a named but missing cubin included).  A cubin that is not one was already
+    refused by ``KernelArtefact.load``, so a broken binary is never silently replaced by a rebuild.
     """
 
     def __init__(
@@ -193,6 +199,8 @@ class CudaKernel:
 
         art = self.artefact
         errors: dict[str, str] = {}
+        if art.cubin is not None and art.cubin_path is None:  # KernelArtefact.load warned; the record says so
+            errors["cubin"] = f"{art.folder / art.cubin} is missing; built from {art.source_path.name} instead"
         with cupy.cuda.Device(device):
             for backend, make_module in self._strategies():
                 try:

@@ -169,3 +169,19 @@ def test_a_one_kernel_group_norm_after_an_add_spreads_its_lanes_over_the_channel
     along = len(re.findall(r"E_ptr\[[^\]]*% 40\)+\]", src))  # reads of E at a lane's channel
     stores = len(re.findall(r"Y_ptr\[", src))  # the second pass's, which read E along the channels already
     assert along > 2 * stores, f"{along} reads of E along the channels: the updates read the per-lane tile"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_a_cubin_cache_that_cannot_be_written_leaves_a_whole_artefact(tmp_path) -> None:
+    """A read-only cache (HOME not writable) only costs the cache: the artefact is written whole, with a
+    warning naming the folder and the variable that moves it."""
+    import os
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")  # mkdir fails under any user, root included
+    art = build(schedule(patterns.layernorm(32, 64), tiles={"m": 8}), "cuda:sm_90a")
+    with pytest.warns(RuntimeWarning, match="cannot be written.*SPACEFUSION_CUBIN_CACHE"):
+        folder = art.save(tmp_path / "art", cache=blocked / "cubins")
+    meta = json.loads((folder / "kernel.json").read_text())
+    assert meta["cubin"] == "kernel.cubin" and (folder / "kernel.cubin").stat().st_size > 0
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]

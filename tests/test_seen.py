@@ -74,3 +74,16 @@ def test_a_warm_compile_starts_no_export_workers(tmp_path, monkeypatch: pytest.M
     assert starts == [1]
     compile_once(32)
     assert starts == [1, 1] and len(list((tmp_path / SEEN_DIR).iterdir())) == 2
+
+
+def test_an_unwritable_kernel_cache_is_named_before_any_work(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spacefusion.frontend.dynamo import writable_kernel_cache
+    from spacefusion.frontend.errors import FrontendError
+
+    blocked = tmp_path / "home"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(blocked / "sf"))
+    with pytest.raises(FrontendError, match="cannot be written.*SPACEFUSION_CACHE"):
+        writable_kernel_cache()
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path / "sf"))
+    assert writable_kernel_cache() == tmp_path / "sf" / "kernels" and not list((tmp_path / "sf" / "kernels").iterdir())

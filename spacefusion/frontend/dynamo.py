@@ -198,6 +198,22 @@ def kernel_cache() -> Path:
     return Path(os.environ.get("SPACEFUSION_CACHE", Path.home() / ".cache" / "spacefusion")) / "kernels"
 
 
+def writable_kernel_cache() -> Path:
+    """``kernel_cache()``, made and checked writable now: FrontendError naming the folder and
+    ``SPACEFUSION_CACHE`` otherwise (a read-only HOME), before anything is traced or built rather than as a
+    PermissionError inside the first export."""
+    folder = kernel_cache()
+    probe = folder / f".write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise FrontendError(f"the kernel cache {folder} cannot be written ({exc.strerror or exc}): the 'cuda' target "
+                            f"builds its kernels there; set SPACEFUSION_CACHE to a writable folder") from None
+    return folder
+
+
 def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
     """The kernel backend of a target: "reference", "llvm", "cuda" (TVM builds each SMG's first pick, the
     analytical model's best schedule for an H100, into ``kernel_cache()`` and the GPU runtime launches it:
@@ -216,9 +232,9 @@ def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
     from spacefusion.frontend.backends import CudaBackend
 
     if db is None:
-        return CudaBackend(kernel_cache(), schedule_for=first_pick, build_missing=True)
+        return CudaBackend(writable_kernel_cache(), schedule_for=first_pick, build_missing=True)
     machines = tuple(dict.fromkeys((device_hardware().name, "H100")))
-    return CudaBackend(kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick, machines),
+    return CudaBackend(writable_kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick, machines),
                        build_missing=True, by_schedule=True)
 
 
@@ -336,7 +352,7 @@ def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: s
         from spacefusion.frontend.parallel_build import start_pool
 
         backend.model_signature = model_signature(model)
-        if db is not None or not seen(kernel_cache(), backend.model_signature):
+        if db is not None or not seen(writable_kernel_cache(), backend.model_signature):
             start_pool()  # the export workers import TVM while Dynamo traces the first call (as Inductor's do)
     compiled = torch.compile(model, backend=backend, **kwargs)
     # on the wrapper itself: OptimizedModule's setattr would put it on ``model``, shared by every compile

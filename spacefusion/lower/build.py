@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import unicodedata
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,10 +158,7 @@ class CudaArtefact:
             else:
                 nvcc_cubin(folder / "kernel.cu", out, meta["arch"], extra)
                 if cached is not None:
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-                    shutil.copyfile(out, tmp)
-                    os.replace(tmp, cached)  # atomic: parallel builders never see half a cubin
+                    _keep_cubin(out, cached)
             meta["cubin"] = "kernel.cubin"
         (folder / "kernel.json").write_text(json.dumps(meta, indent=1))
         return folder
@@ -183,6 +181,24 @@ def _cubin_cache(cache: str | Path | None, source: str, arch: str, extra: tuple[
                 ) if cache == "default" else Path(cache)
     digest = hashlib.sha256("\0".join([source, arch, *NVCC_FLAGS, *extra]).encode()).hexdigest()
     return root / f"{digest}.cubin"
+
+
+def _keep_cubin(out: Path, cached: Path) -> None:
+    """Copy a built cubin into the cubin cache, atomically (parallel builders never see half a cubin).  The
+    cache only saves time: where it cannot be written (a read-only HOME, a full disk) the build goes on
+    without it, and a warning names the folder and ``SPACEFUSION_CUBIN_CACHE``; the artefact is complete
+    either way (before, the error left kernel.cu and kernel.cubin without their kernel.json)."""
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, tmp)
+        os.replace(tmp, cached)
+    except OSError as exc:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        warnings.warn(f"the cubin cache {cached.parent} cannot be written ({exc.strerror or exc}); built without "
+                      f"caching it: set SPACEFUSION_CUBIN_CACHE to a writable folder to keep cubins between builds",
+                      RuntimeWarning, stacklevel=3)
 
 
 def nvcc_cubin(src: Path, out: Path, arch: str, extra: tuple[str, ...] = ()) -> None:

@@ -3,8 +3,10 @@
 
 CI has no GPU, so the ``cuda`` tests are skipped on every commit: run this before resolving an issue that
 touches kernels, lowering or the runtime, and put its final line in the closing note.  On the GPU machine,
-after TVM is put there (``../shared/tools/device-tvm``, whose third call ends with this)::
+after TVM is put there by the offline bundle (``tools/offline_bundle.py``; docs/architecture.md,
+"Installing on the GPU machine")::
 
+    python3 tools/offline_bundle.py install bundle/parts --target /root/sfdeps
     export PYTHONPATH=/root/sfdeps:$PWD && python3 experiments/gpu_suite.py --out $OUT
 
 It prints the device, runs ``pytest tests -m cuda`` (over ``--workers`` processes with pytest-xdist where

@@ -74,4 +74,4 @@ def test_help_describes_the_device_call() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "experiments" / "gpu_suite.py"), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert "device-tvm" in proc.stdout and "--workers" in proc.stdout and "--out" in proc.stdout
+    assert "offline_bundle.py" in proc.stdout and "--workers" in proc.stdout and "--out" in proc.stdout

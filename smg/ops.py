@@ -407,11 +407,14 @@ class Builder:
             index = (index[0], index[3], index[1], index[2])
         return self._emit(Op("window", self._fresh("window", name), (rows, cols), (Access(x.name, index),), x.name))
 
-    def pool_window2d(self, x: Tensor, kernel: int, stride: int, pad: int, name: str | None = None) -> Tensor:
+    def pool_window2d(self, x: Tensor, kernel: int, stride: int, pad: int, name: str | None = None,
+                      zero_padded: bool = False) -> Tensor:
         """The pooling view of a channels-last image ``x`` [n, h, w, c]: ``A[n, p, q, ky, kx, c] = x[n, s*p + ky -
         pad, s*q + kx - pad, c]`` (output pixel (p, q), tap (ky, kx)), with the taps outside the image masked to
         -1e30 (torch's -inf padding; the view alone would read zero there).  The conditions are linear in the
-        view's own dims, so the mask needs no division.  A max pool is its max over (ky, kx), per channel."""
+        view's own dims, so the mask needs no division.  A max pool is its max over (ky, kx), per channel.
+        ``zero_padded``: no mask, the taps outside read zero (a convolution's zero padding: a depthwise
+        convolution is this view times a per-channel filter, summed over the taps)."""
         self._own(x)
         if len(x.dims) != 4:
             raise ShapeError(f"pool_window2d takes a channels-last image [n, h, w, c]; {x.name!r} has dims {x.dims}")
@@ -426,9 +429,9 @@ class Builder:
         for d, size in (("p", (h + 2 * pd - k) // st + 1), ("q", (w + 2 * pd - k) // st + 1), ("ky", k), ("kx", k)):
             self._dim(d, size)
         index = (n, f"{st}*p + ky - {pd}", f"{st}*q + kx - {pd}", c)
-        view = self._emit(Op("window", self._fresh("window", None if pd else name), (n, "p", "q", "ky", "kx", c),
-                             (Access(x.name, index),), x.name))
-        if not pd:
+        view = self._emit(Op("window", self._fresh("window", None if pd and not zero_padded else name),
+                             (n, "p", "q", "ky", "kx", c), (Access(x.name, index),), x.name))
+        if not pd or zero_padded:
             return view
         keep = (f"({st}*p + ky >= {pd}) & ({st}*p + ky <= {h - 1 + pd}) & ({st}*q + kx >= {pd}) & "
                 f"({st}*q + kx <= {w - 1 + pd})")

@@ -293,6 +293,34 @@ def max_pool2d(batch: int, height: int, width: int, channels: int, kernel: int =
     return g.build(y if act == "none" else g.unary(act, y, name="Y"))
 
 
+def depthwise_conv2d(batch: int, height: int, width: int, channels: int, kernel: int = 3, stride: int = 1,
+                     pad: int = 1, act: str = "none", bias: bool = True, residual: bool = False,
+                     dtype: str = "float32") -> SMG:
+    """``Y = act(depthwise_conv2d(X, Wt) + bias (+ R))`` on a channels-last image ``X[n, h, w, c]``: each channel
+    convolved with its own ``kernel`` x ``kernel`` filter (``groups`` = channels: MobileNet's and EfficientNet's
+    3x3 and 5x5, ConvNeXt's 7x7).  The pooling view ``A[n, p, q, ky, kx, c]`` with the taps outside the image
+    reading zero (torch's zero padding), times ``Wt[ky, kx, c]`` (One-to-All over the pixels), summed over the
+    taps: a windowed reduction whose channel dim is One-to-One, so no GEMM (one multiply-add per tap and
+    channel, on CUDA cores) and its epilogue (bias, a residual ``R[n, p, q, c]``, an activation) in the same
+    kernel.  ``Y[n, p, q, c]`` is NHWC."""
+    if act != "none" and act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
+    g = Builder(f"dwconv2d_{kernel}x{kernel}_s{stride}{'_bias' if bias else ''}{'_res' if residual else ''}"
+                f"{'_' + act if act != 'none' else ''}", dtype)
+    x = g.input("X", {"n": batch, "h": height, "w": width, "c": channels})
+    a = g.pool_window2d(x, kernel, stride, pad, name="A", zero_padded=True)
+    taps = g.binary("mul", a, g.input("Wt", {"ky": kernel, "kx": kernel, "c": channels}), name="T")
+    last = not (bias or residual) and act == "none"
+    y = g.reduce(taps, ("ky", "kx"), "sum", name="Y" if last else "S")
+    if bias:
+        last = not residual and act == "none"
+        y = g.binary("add", y, g.input("bias", {"c": channels}), name="Y" if last else "Sb")
+    if residual:
+        r = g.input("R", {"n": batch, "p": g.dims["p"], "q": g.dims["q"], "c": channels})
+        y = g.binary("add", y, r, name="Y" if act == "none" else "Sr")
+    return g.build(y if act == "none" else g.unary(act, y, name="Y"))
+
+
 def concat(batch: int, pixels: int, channels: tuple[int, ...], dtype: str = "float16") -> SMG:
     """``Y = torch.cat(parts, dim=1)`` of channels-last images ``X<i>[n, s, c<i>]`` into ``Y[n, s, c]``: a
     diffusion UNet's skip connections (each up block's ResNet reads the previous output and a down block's

@@ -18,7 +18,9 @@ DOC = ROOT / "docs" / "architecture.md"
 
 
 def _documented_block() -> str:
+    # the section's own text, before its subsections (the TVM bundle's install has a block of its own)
     section = DOC.read_text().split("## Installing on the GPU machine", 1)[1].split("\n## ", 1)[0]
+    section = section.split("\n### ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     assert len(blocks) == 1, "the offline install is one bash block"
     return blocks[0]

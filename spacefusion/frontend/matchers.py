@@ -549,6 +549,8 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     if patch_conv_of(node, ctx.gm) is not None and not _fused_after(node, ctx):
         return None  # a lone patch embedding (ViT's): match_patch_conv's GEMM of the patches
     x, dt = cv.x, dtype(node)
+    if cv.groups > 1 and cv.groups == cv.c == cv.cout:
+        return _depthwise(node, cv, ctx)
     why = conv_refusal(cv, shape(x), dt)
     if why is not None:
         ctx.refuse(node, why)
@@ -613,6 +615,63 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     label = (f"{' + '.join(parts)}{' (upsample x' + str(factor) + ')' if factor > 1 else ''} {cv.kh}x{cv.kw}/s"
              f"{cv.stride[0]} {n}x{c}x{h * factor}x{w * factor} -> {co} {dt}"
              f"{' (NCHW image)' if layout == 'nchw' else ''}")
+    return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
+def depthwise_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | None:
+    """Why ``patterns.depthwise_conv2d`` cannot take the depthwise convolution ``cv`` (None: it can)."""
+    if cv.dilation != (1, 1) or cv.padding_mode != "zeros":
+        return (f"a depthwise convolution with dilation {cv.dilation} and padding mode {cv.padding_mode!r}: the "
+                f"window is s*y + ky over a zero-padded image")
+    if cv.kh != cv.kw or cv.stride[0] != cv.stride[1] or not isinstance(cv.padding, tuple) \
+            or cv.padding[0] != cv.padding[1] or 2 * cv.padding[0] > cv.kh:
+        return (f"a depthwise {cv.kh}x{cv.kw} kernel, stride {cv.stride}, padding {cv.padding}: the window takes "
+                f"square kernels with one stride and a padding of at most half the kernel")
+    if x_shape is None or len(x_shape) != 4 or dt not in ("float16", "bfloat16", "float32"):
+        return f"a depthwise convolution of a non-float or non-image input (shape {x_shape}, dtype {dt})"
+    return None
+
+
+def _depthwise(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
+    """A depthwise ``nn.Conv2d`` (groups = in = out channels) -> ``patterns.depthwise_conv2d``: the window read
+    channels-last and a per-channel filter summed over the taps, on CUDA cores, with what follows it as in
+    ``match_conv`` (an inference BatchNorm folded into the filter and bias, a residual add, an activation)."""
+    x, dt = cv.x, dtype(node)
+    why = depthwise_refusal(cv, shape(x), dt)
+    if why is not None:
+        ctx.refuse(node, why)
+        return None
+    n, c, h, w = shape(x)
+    y, bn, res, act = node, None, None, None
+    taken = [node]
+    if (u := single_user(y)) is not None and (b := batchnorm_of(u, ctx.gm)) is not None and b.x is y \
+            and ctx.free(u):
+        y, bn = u, b
+        taken.append(u)
+    if (added := _add_after(y, ctx)) is not None:
+        y, res = added
+        taken.append(y)
+    got = _activation_after(y, ctx)
+    if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
+        act, y = got, got.out
+        taken.extend(got.nodes)
+    k, stride, pad = cv.kh, cv.stride[0], cv.padding[0]
+    has_bias = cv.bias is not None or bn is not None
+    smg = _build(ctx, node, lambda: patterns.depthwise_conv2d(n, h, w, c, k, stride, pad, act.name if act else "none",
+                                                              has_bias, res is not None, dt))
+    if smg is None:
+        return None
+    p, q = smg.dim_sizes["p"], smg.dim_sizes["q"]
+    fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
+    ops = [_value("X", x, (n, h, w, c), (0, 2, 3, 1)),
+           Operand("Wt", "param", cv.weight, (k, k, c), conv=True, fold_bn=fold)]  # [c, 1, k, k] -> [k, k, c]
+    if has_bias:
+        ops.append(Operand("bias", "param", cv.bias or "", (c,), fold_bn=fold))
+    if res is not None:
+        ops.append(_value("R", res, (n, p, q, c), (0, 2, 3, 1)))
+    out = Result("Y", y.name, shape(y), permute=(0, 3, 1, 2), split=(n, p, q, c))
+    parts = ["dwconv"] + ["bn"] * (bn is not None) + ["add"] * (res is not None) + ([act.name] if act else [])
+    label = f"{' + '.join(parts)} {k}x{k}/s{stride} {n}x{c}x{h}x{w} {dt}"
     return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
 
 

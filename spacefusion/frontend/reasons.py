@@ -42,8 +42,9 @@ def conv_reason(stride: object, padding: object, dilation: object, groups: objec
     it can, that its weight is not a parameter the kernel can bind (prepared once at build time)."""
     why = []
     if not _all_one(groups):
-        why.append(f"groups {groups}: grouped and depthwise convolutions are a block-diagonal GEMM the SMG "
-                   f"convolution does not take")
+        why.append(f"groups {groups}: a grouped convolution (groups neither 1 nor every channel, or a channel "
+                   f"multiplier) is a block-diagonal GEMM the SMG convolution does not take; depthwise ones "
+                   f"(groups = in = out channels) are fused")
     if not _all_one(dilation):
         why.append(f"dilation {dilation}: the SMG window is s*y + ky, not s*y + d*ky")
     if why:

@@ -12,6 +12,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import sympy as sp
 import torch
@@ -537,6 +538,26 @@ def lies_nchw(x: fx.Node) -> bool:
     return x.op == "placeholder" and contiguous(x) and not contiguous_nhwc(x)
 
 
+def _conv_epilogue(node: fx.Node, ctx: Context) -> tuple[fx.Node, Any, Any, Any, list[fx.Node]]:
+    """What a convolution's kernel takes after it: an inference BatchNorm (folded), then a residual add, then
+    an activation of ``CONV_ACTIVATIONS``.  (the last node taken, the BatchNorm, the residual, the activation,
+    the nodes taken with the conv's own first)."""
+    y, bn, res, act = node, None, None, None
+    taken = [node]
+    if (u := single_user(y)) is not None and (b := batchnorm_of(u, ctx.gm)) is not None and b.x is y \
+            and ctx.free(u):
+        y, bn = u, b
+        taken.append(u)
+    if (added := _add_after(y, ctx)) is not None:
+        y, res = added
+        taken.append(y)
+    got = _activation_after(y, ctx)
+    if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
+        act, y = got, got.out
+        taken.extend(got.nodes)
+    return y, bn, res, act, taken
+
+
 def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``nn.Conv2d`` (any padding and stride, groups 1) -> ``patterns.conv2d``, an implicit GEMM over the
     image seen channels-last, with what follows it fused: an inference BatchNorm (folded into the weight and
@@ -567,19 +588,8 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     else:
         factor = 1
     n, c, h, w = shape(x)
-    y, bn, res, act = node, None, None, None
-    taken.append(node)
-    if (u := single_user(y)) is not None and (b := batchnorm_of(u, ctx.gm)) is not None and b.x is y \
-            and ctx.free(u):
-        y, bn = u, b
-        taken.append(u)
-    if (added := _add_after(y, ctx)) is not None:
-        y, res = added
-        taken.append(y)
-    got = _activation_after(y, ctx)
-    if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
-        act, y = got, got.out
-        taken.extend(got.nodes)
+    y, bn, res, act, after = _conv_epilogue(node, ctx)
+    taken += after
     pad = cv.padding[0]
     has_bias = cv.bias is not None or bn is not None  # a BatchNorm folds into a bias even where the conv has none
     kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
@@ -642,19 +652,7 @@ def _depthwise(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
         ctx.refuse(node, why)
         return None
     n, c, h, w = shape(x)
-    y, bn, res, act = node, None, None, None
-    taken = [node]
-    if (u := single_user(y)) is not None and (b := batchnorm_of(u, ctx.gm)) is not None and b.x is y \
-            and ctx.free(u):
-        y, bn = u, b
-        taken.append(u)
-    if (added := _add_after(y, ctx)) is not None:
-        y, res = added
-        taken.append(y)
-    got = _activation_after(y, ctx)
-    if got is not None and got.name in CONV_ACTIVATIONS and len(got.nodes) == 1:
-        act, y = got, got.out
-        taken.extend(got.nodes)
+    y, bn, res, act, taken = _conv_epilogue(node, ctx)
     k, stride, pad = cv.kh, cv.stride[0], cv.padding[0]
     has_bias = cv.bias is not None or bn is not None
     smg = _build(ctx, node, lambda: patterns.depthwise_conv2d(n, h, w, c, k, stride, pad, act.name if act else "none",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Lower the warp-tile test cases of ``tests/test_mma.py`` (``CASES``) to CUDA artefacts (needs TVM).
+"""Lower the warp-tile test cases (``CASES`` of ``experiments/mma_cases.py``) to CUDA artefacts (needs TVM).
 
 Usage:  python experiments/make_case_artefacts.py OUT_DIR [NAME ...]      (all cases when no NAME)
 
@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
+    from experiments.mma_cases import CASES, _schedule
     from smg.reference_torch import save_smg
     from spacefusion.api import build
-    from tests.test_mma import CASES, _schedule
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)

@@ -1,5 +1,8 @@
 """Exact element footprints with islpy (Presburger sets, symbolic in dim sizes).
 
+islpy is imported inside the functions that use it: ``smg`` installs with numpy and sympy only (islpy comes
+with the compiler extra), so importing this module must not need it.
+
 ``dependency_footprint`` answers the paper's question "which elements of which
 tensors does one output element depend on" exactly, as polynomials in the
 dimension sizes, by pulling the output element back through every mapping.
@@ -9,11 +12,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import islpy as isl
 import sympy as sp
 
 from smg.ir import SMG, Op
+
+if TYPE_CHECKING:
+    import islpy as isl
 
 
 def _param(dim: str) -> str:
@@ -33,6 +39,8 @@ def _space_tuple(name: str, dims: tuple[str, ...]) -> str:
 
 
 def _access_map(smg: SMG, op: Op, space: str, index: tuple[str, ...]) -> isl.Map:
+    import islpy as isl
+
     it = _space_tuple("IT_" + op.out, op.iter_dims)
     return isl.Map(f"[{_params(smg)}] -> {{ {it} -> {_space_tuple(space, index)} : {_bounds(op.iter_dims)} }}")
 
@@ -72,6 +80,8 @@ class Footprint:
 
 def _footprint_sets(smg: SMG, output: str, sizes: dict[str, int]) -> dict[str, isl.Set]:
     """Pull one element of ``output`` back through every mapping (concrete sizes)."""
+    import islpy as isl
+
     fix = " and ".join(f"{_param(d)} = {v}" for d, v in sizes.items())
     out_dims = smg.space(output).dims
     origin = " and ".join(f"{d} = 0" for d in out_dims) or "true"

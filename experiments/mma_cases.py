@@ -308,8 +308,6 @@ CASES = {
     "upconv_parity_rows_nh": (lambda: patterns.upsample_conv2d(2, 9, 3, 64, 32, 3, 1, "none", dtype="float16"),
                               {"nh": 16, "a": 1, "b": 1, "j": 1, "co": 32}, 32, 2),
 }
-#: the gated GEMM's cases (two GEMM states sharing A on wgmma), for the GPU runner
-GATED_CASES = tuple(n for n in CASES if n.startswith("gemm_gated"))
 
 
 def _schedule(name: str) -> Schedule:

@@ -69,6 +69,9 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
         "d_model": 512, "encoder_layers": 6, "encoder_attention_heads": 8, "encoder_ffn_dim": 2048,
         "decoder_layers": 6, "decoder_attention_heads": 8, "decoder_ffn_dim": 2048}, "features", 4, 3000),
     "convnext_t_32x224": ("torchvision", "convnext_tiny", {}, "image", 32, 224),
+    # depthwise-separable CNNs (issue 56): 3x3 / 5x5 depthwise convs with BatchNorm and ReLU6 / SiLU
+    "mobilenet_v2_32x224": ("torchvision", "mobilenet_v2", {}, "image", 32, 224),
+    "efficientnet_b0_32x224": ("torchvision", "efficientnet_b0", {}, "image", 32, 224),
     # issue 28's CNN: torchvision's ResNet-50 (v1.5), fp16 channels-last (what cuDNN and torch.compile are
     # fastest on), batch 32 of 224x224 images
     "resnet50_32x224": ("torchvision", "resnet50", {}, "image", 32, 224),

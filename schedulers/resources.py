@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedulers.halo import halo_elements, window_box
 from schedulers.hardware import HardwareModel, ResourceError
 from schedulers.schedule import Schedule
 from schedulers.temporal import TemporalPlan, parse
@@ -35,8 +36,11 @@ def shared_bytes(s: Schedule, align: int = 1) -> int:
     sizes = s.smg.dim_sizes
     for name, lvl in s.memory:
         if lvl == "shared":
-            n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
-                          for d in s.smg.space(name).dims)
+            if window_box(s.smg, name) is not None:  # a window's input: its halo box
+                n = halo_elements(s.smg, name, s.tiles, s.serial, s.step)
+            else:
+                n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
+                              for d in s.smg.space(name).dims)
             nbytes = n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
             total += -(-nbytes // align) * align
     if s.lanes > 32 and s.warp_tile is None:  # the warps' partial results of a cross-warp reduction

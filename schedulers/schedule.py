@@ -17,6 +17,7 @@ from typing import Any
 import sympy as sp
 
 from schedulers.errors import ScheduleError, TemporalSliceError
+from schedulers.halo import window_box
 from schedulers.hardware import H100, PRESETS, HardwareError, HardwareModel, get_hardware
 from schedulers.options import (
     GROUPS,
@@ -411,7 +412,10 @@ def _levels(smg: SMG, plan: TemporalPlan, wide: frozenset[str]) -> list[tuple[st
         # shared by several threads of the block (it lacks a cut dim whose tile is > 1)
         shared_by_threads = any(d not in s.dims for d in wide)
         if s.name in smg.inputs:
-            lvl = "shared" if serial in s.dims and shared_by_threads else "global"
+            # an input read through a window is staged as its halo box (``schedulers.halo``): a block's taps
+            # read it many times, and its rows are copied once, coalesced
+            halo = bool(wide) and window_box(smg, s.name) is not None
+            lvl = "shared" if (serial in s.dims and shared_by_threads) or halo else "global"
         elif s.name in plan.streamed and serial in s.dims and shared_by_threads:
             lvl = "shared"  # computed once per block and step, cooperatively
         elif s.name in states or s.name in plan.streamed:

@@ -167,6 +167,17 @@ def _plain_only(op, role: str) -> None:
                                      f"an op that gathers or windows must be streamed (materialised per step)")
 
 
+def _windowed_state(smg: SMG, op) -> bool:
+    """Whether ``op`` may be a running state though it reads through a window (a depthwise convolution's
+    ``sum_{ky, kx} W * X[.., p + ky - pad, ..]``): every space it reads is a graph input that no other op
+    reads, so its update's body names only its own accesses, and the lowering evaluates the update with the
+    op's index expressions (``lower.tir``'s ``_emit_update``)."""
+    if not op.reduce or any(a.space not in smg.inputs for a in op.inputs):
+        return False
+    windowed = {a.space for a in op.inputs if not a.plain}
+    return all(a.space not in windowed for o in smg.ops if o is not op for a in o.inputs)
+
+
 def _free_of(expr: sp.Expr, allowed: set[sp.Symbol]) -> bool:
     return expr.free_symbols <= allowed
 
@@ -327,7 +338,8 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
     states: list[UpdateFunction] = []
     postponed: dict[str, sp.Expr] = {}
     for op in state_ops:
-        _plain_only(op, "a running state")
+        if not _windowed_state(smg, op):
+            _plain_only(op, "a running state")
         body = _inline(smg, body_expr(op), cls)
         for s in body.free_symbols & state_syms:
             if s.name in postponed and postponed[s.name] != 1:

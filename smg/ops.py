@@ -33,6 +33,8 @@ UNARY: dict[str, str] = {
     "gelu": "({x})*(1 + erf(({x})/sqrt(2)))/2",
     # GELU's tanh approximation (HF's gelu_new / gelu_pytorch_tanh, F.gelu(approximate="tanh")): sqrt(2/pi)
     "gelu_tanh": "({x})*(1 + tanh(0.7978845608028654*(({x}) + 0.044715*({x})**3)))/2",
+    # MobileNet's ReLU6 (nn.ReLU6, F.hardtanh(x, 0, 6))
+    "relu6": "Min(Max({x}, 0), 6)",
 }
 
 #: Element-wise binary functions (with broadcast) over ``{a}`` and ``{b}``.
@@ -416,19 +418,10 @@ class Builder:
         ``zero_padded``: no mask, the taps outside read zero (a convolution's zero padding: a depthwise
         convolution is this view times a per-channel filter, summed over the taps)."""
         self._own(x)
-        if len(x.dims) != 4:
-            raise ShapeError(f"pool_window2d takes a channels-last image [n, h, w, c]; {x.name!r} has dims {x.dims}")
-        n, y, xx, c = x.dims
-        h, w = self.dims[y], self.dims[xx]
-        k, st, pd = int(kernel), int(stride), int(pad)
-        if min(k, st) < 1 or pd < 0 or 2 * pd > k:
-            raise ShapeError(f"pool_window2d of {x.name!r}: kernel {kernel} and stride {stride} must be positive and "
-                             f"pad {pad} between 0 and half the kernel")
-        if h + 2 * pd < k or w + 2 * pd < k:
-            raise ShapeError(f"pool_window2d of {x.name!r}: a {k}x{k} window does not fit the padded {h}x{w} image")
-        for d, size in (("p", (h + 2 * pd - k) // st + 1), ("q", (w + 2 * pd - k) // st + 1), ("ky", k), ("kx", k)):
-            self._dim(d, size)
-        index = (n, f"{st}*p + ky - {pd}", f"{st}*q + kx - {pd}", c)
+        index = self._window_index("pool_window2d", x, kernel, stride, pad)
+        n, c = x.dims[0], x.dims[3]
+        st, pd = int(stride), int(pad)
+        h, w = self.dims[x.dims[1]], self.dims[x.dims[2]]
         view = self._emit(Op("window", self._fresh("window", None if pd and not zero_padded else name),
                              (n, "p", "q", "ky", "kx", c), (Access(x.name, index),), x.name))
         if not pd or zero_padded:
@@ -436,6 +429,40 @@ class Builder:
         keep = (f"({st}*p + ky >= {pd}) & ({st}*p + ky <= {h - 1 + pd}) & ({st}*q + kx >= {pd}) & "
                 f"({st}*q + kx <= {w - 1 + pd})")
         return self.mask(view, keep, name=name)
+
+    def _window_index(self, what: str, x: Tensor, kernel: int, stride: int, pad: int) -> tuple[str, ...]:
+        """The dims p, q (output pixels) and ky, kx (taps) of a ``kernel`` x ``kernel`` window over the
+        channels-last image ``x`` [n, h, w, c], declared here, and the window's index into ``x``."""
+        if len(x.dims) != 4:
+            raise ShapeError(f"{what} takes a channels-last image [n, h, w, c]; {x.name!r} has dims {x.dims}")
+        n, y, xx, c = x.dims
+        h, w = self.dims[y], self.dims[xx]
+        k, st, pd = int(kernel), int(stride), int(pad)
+        if min(k, st) < 1 or pd < 0 or 2 * pd > k:
+            raise ShapeError(f"{what} of {x.name!r}: kernel {kernel} and stride {stride} must be positive and "
+                             f"pad {pad} between 0 and half the kernel")
+        if h + 2 * pd < k or w + 2 * pd < k:
+            raise ShapeError(f"{what} of {x.name!r}: a {k}x{k} window does not fit the padded {h}x{w} image")
+        for d, size in (("p", (h + 2 * pd - k) // st + 1), ("q", (w + 2 * pd - k) // st + 1), ("ky", k), ("kx", k)):
+            self._dim(d, size)
+        return (n, f"{st}*p + ky - {pd}", f"{st}*q + kx - {pd}", c)
+
+    def depthwise_window2d(self, x: Tensor, w: Tensor, kernel: int, stride: int, pad: int,
+                           name: str | None = None) -> Tensor:
+        """A depthwise convolution of the channels-last image ``x`` [n, h, w, c] by ``w`` [ky, kx, c] as one op:
+        ``Y[n, p, q, c] = sum_{ky, kx} w[ky, kx, c] * x[n, s*p + ky - pad, s*q + kx - pad, c]`` (zero outside
+        the image).  The channel is One-to-One (no GEMM), the taps All-to-One.  One op, not the pooling view
+        times ``w``: its reduction reads ``x`` through the window itself, so a kernel keeps no per-thread tile
+        of the window's taps (a 7x7 filter's 98 values a thread, one block of 256 threads per SM)."""
+        self._own(x, w)
+        index = self._window_index("depthwise_window2d", x, kernel, stride, pad)
+        if w.dims != ("ky", "kx", x.dims[3]):
+            raise ShapeError(f"depthwise_window2d: the filter {w.name!r} must be [ky, kx, {x.dims[3]}]; it has "
+                             f"dims {w.dims}")
+        n, c = x.dims[0], x.dims[3]
+        op = Op("dwconv", self._fresh("dwconv", name), (n, "p", "q", c),
+                (Access(w.name, w.dims), Access(x.name, index)), f"{w.name}*{x.name}", ("ky", "kx"), "sum")
+        return self._emit(op)
 
     def upsample_window2d(self, x: Tensor, kernel: int, pad: int, factor: int = 2,
                           name: str | None = None) -> Tensor:

@@ -298,20 +298,19 @@ def depthwise_conv2d(batch: int, height: int, width: int, channels: int, kernel:
                      dtype: str = "float32") -> SMG:
     """``Y = act(depthwise_conv2d(X, Wt) + bias (+ R))`` on a channels-last image ``X[n, h, w, c]``: each channel
     convolved with its own ``kernel`` x ``kernel`` filter (``groups`` = channels: MobileNet's and EfficientNet's
-    3x3 and 5x5, ConvNeXt's 7x7).  The pooling view ``A[n, p, q, ky, kx, c]`` with the taps outside the image
-    reading zero (torch's zero padding), times ``Wt[ky, kx, c]`` (One-to-All over the pixels), summed over the
-    taps: a windowed reduction whose channel dim is One-to-One, so no GEMM (one multiply-add per tap and
-    channel, on CUDA cores) and its epilogue (bias, a residual ``R[n, p, q, c]``, an activation) in the same
-    kernel.  ``Y[n, p, q, c]`` is NHWC."""
+    3x3 and 5x5, ConvNeXt's 7x7).  One windowed reduction (``Builder.depthwise_window2d``): ``Wt[ky, kx, c]``
+    times ``X`` read through the window (zero outside the image: torch's zero padding), summed over the taps.
+    The channel is One-to-One, so no GEMM (one multiply-add per tap and channel, on CUDA cores); the window's
+    input is staged in shared memory as its halo box (``schedulers.halo``), and the epilogue (bias, a residual
+    ``R[n, p, q, c]``, an activation) runs in the same kernel.  ``Y[n, p, q, c]`` is NHWC."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
     g = Builder(f"dwconv2d_{kernel}x{kernel}_s{stride}{'_bias' if bias else ''}{'_res' if residual else ''}"
                 f"{'_' + act if act != 'none' else ''}", dtype)
     x = g.input("X", {"n": batch, "h": height, "w": width, "c": channels})
-    a = g.pool_window2d(x, kernel, stride, pad, name="A", zero_padded=True)
-    taps = g.binary("mul", a, g.input("Wt", {"ky": kernel, "kx": kernel, "c": channels}), name="T")
+    wt = g.input("Wt", {"ky": kernel, "kx": kernel, "c": channels})
     last = not (bias or residual) and act == "none"
-    y = g.reduce(taps, ("ky", "kx"), "sum", name="Y" if last else "S")
+    y = g.depthwise_window2d(x, wt, kernel, stride, pad, name="Y" if last else "S")
     if bias:
         last = not residual and act == "none"
         y = g.binary("add", y, g.input("bias", {"c": channels}), name="Y" if last else "Sb")

@@ -1,5 +1,6 @@
 """Depthwise convolutions (groups = channels: MobileNet, EfficientNet, ConvNeXt) as an SMG
-(``patterns.depthwise_conv2d``: the zero-padded window times a per-channel filter, summed over the taps) and
+(``patterns.depthwise_conv2d``: a per-channel filter times the image read through the window, summed over the
+taps) and
 through the frontend (``matchers._depthwise``), each checked against torch's own convolution."""
 
 from __future__ import annotations
@@ -115,6 +116,49 @@ def test_depthwise_blocks_through_dynamo_match_eager(target: str) -> None:
     assert any("groups 4" in left.reason for left in p.left), p.left  # grouped, not depthwise: torch, with why
 
 
+def test_the_cuda_backend_leaves_depthwise_convs_to_cudnn_with_why(tmp_path) -> None:
+    """On the GPU a depthwise conv stays with cuDNN (its kernel measured slower than cuDNN's), reported with the
+    measurement; ``library_first = {}`` on the backend fuses them (the kernels' own research path)."""
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.frontend.partition import partition
+
+    model = _Blocks().eval()
+    gm = torch.fx.symbolic_trace(model)
+    torch.fx.passes.shape_prop.ShapeProp(gm).propagate(torch.randn(2, 16, 13, 11))
+    be = CudaBackend(tmp_path, load=False)
+    kept = partition(gm, be.layout_of, be.library_first)
+    assert not [s for s in kept.subgraphs if "dwconv" in s.label]
+    assert sum("cuDNN" in left.reason and "depthwise" in left.reason for left in kept.left) == 3, kept.left
+    fused = partition(gm, be.layout_of, {})
+    assert sum("dwconv" in s.label for s in fused.subgraphs) == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(4, 28, 28, 32, 7, 1, 3, "none", True, True),
+                                   (4, 30, 30, 48, 3, 2, 1, "silu", True, False),
+                                   (2, 14, 14, 96, 5, 1, 2, "relu", False, False)])
+def test_depthwise_kernels_on_the_gpu_match_torch(shape, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pick of each (its window's input staged with its halo in shared memory) against torch's fp32
+    depthwise convolution, on the GPU (TVM there: built in place)."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("tvm")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from spacefusion.frontend.dynamo import first_pick
+    from spacefusion.runtime.gpu import load_kernel
+
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cubins"))
+    n, h, w, c, k, s, p, act, bias, res = shape
+    g = patterns.depthwise_conv2d(n, h, w, c, k, s, p, act, bias, res, "float16")
+    pick = first_pick(g)
+    assert dict(pick.memory)["X"] == "shared" or pick.tiles == {}, pick.memory
+    folder = build(pick, "cuda:sm_90a").save(tmp_path / "dw")
+    x = random_inputs(g, seed=0)
+    got = load_kernel(folder)(**{name: torch.tensor(v, device="cuda").half() for name, v in x.items()})["Y"]
+    want = _torch(x, k, s, p, act, bias, res)
+    np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.cuda
 def test_depthwise_blocks_on_gpu_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("cupy")
@@ -130,6 +174,14 @@ def test_depthwise_blocks_on_gpu_kernels(tmp_path, monkeypatch: pytest.MonkeyPat
         xh = x.half().to(memory_format=torch.channels_last)
         eager = model(xh)
         torch._dynamo.reset()
-        got = spacefusion.compile(model)(xh)
+        from spacefusion.frontend.backends import CudaBackend
+        from spacefusion.frontend.dynamo import first_pick
+
+        be = CudaBackend(tmp_path / "k", schedule_for=first_pick, build_missing=True)
+        be.library_first = {}  # the fused kernels, not cuDNN's
+        compiled = spacefusion.compile(model, target=be)
+        got = compiled(xh)
     err, base = (got.float() - exact).abs().max().item(), (eager.float() - exact).abs().max().item()
     assert err <= 4 * base + 1e-3, (err, base)
+    labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert sum("dwconv" in lab for lab in labels) == 3, labels

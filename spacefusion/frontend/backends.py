@@ -12,8 +12,9 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -144,6 +145,13 @@ class CudaBackend(_Cached):
     GPU, no TVM) and launches it on torch tensors (``experiments/e2e_gpu.py`` runs whole models)."""
 
     name = "cuda"
+    #: forms left to torch's library kernels on the GPU, each with why (reported as the op's reason): where the
+    #: fused kernel measured slower than the library's, fusing its epilogue does not pay it back.  Set it to
+    #: ``{}`` on an instance to fuse them anyway (research on the kernels themselves).
+    library_first: Mapping[str, str] = MappingProxyType({
+        "dwconv": "a depthwise convolution stays with cuDNN on the GPU: the CUDA-core kernel (halo-staged window, "
+                  "fp32 taps) measured 2.2-2.9x slower than cuDNN's (H100, ConvNeXt-T's 7x7 at 32x96x56x56: "
+                  "208-368 us against 96), more than fusing its BatchNorm and activation saves"})
 
     def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule,
                  build_missing: bool = False, load: bool = True, by_schedule: bool = False,

@@ -310,7 +310,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too."""
     fold_bn_into_left_convs(cap.module)
     be = get_backend(backend)
-    part = partition(cap.module, getattr(be, "layout_of", None))
+    part = partition(cap.module, getattr(be, "layout_of", None), getattr(be, "library_first", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}
     if hasattr(be, "prefetch"):  # the distinct SMGs' artefacts exported side by side (``parallel_build``)
         be.prefetch([sub.smg for sub in part.subgraphs if _closed(sub, by_name)])

@@ -351,10 +351,34 @@ _ACT_METHODS = {"tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu"}
 _ACT_MODULES = {nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu", nn.ReLU: "relu", nn.Sigmoid: "sigmoid"}
 
 
+_HARDTANH = (F.hardtanh, torch._C._nn.hardtanh, F.relu6, torch.nn.functional.hardtanh_)
+
+
+def _is_relu6(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """``node`` clamps its one input to [0, 6]: ``F.relu6``, ``F.hardtanh(x, 0, 6)``, ``nn.ReLU6`` or
+    ``nn.Hardtanh(0, 6)`` (in place or not: the matchers take a node only where its input has no other
+    reader)."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        return isinstance(mod, nn.Hardtanh) and (mod.min_val, mod.max_val) == (0.0, 6.0)
+    if node.op != "call_function" or node.target not in _HARDTANH:
+        return False
+    if node.target is F.relu6:
+        return True
+    args = list(node.args[1:3])
+    lo = args[0] if args else node.kwargs.get("min_val", -1.0)
+    hi = args[1] if len(args) > 1 else node.kwargs.get("max_val", 1.0)
+    return (lo, hi) == (0.0, 6.0)
+
+
 def activation_of(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """The SMG unary (``smg.ops.UNARY``) that ``node`` applies to its one input, or None.
 
-    GELU's exact (erf) form is ``gelu``, its tanh approximation ``gelu_tanh``: different functions."""
+    GELU's exact (erf) form is ``gelu``, its tanh approximation ``gelu_tanh``: different functions.  A
+    ``hardtanh`` clamping to [0, 6] (``nn.ReLU6``: MobileNet's, which Dynamo records as ``F.hardtanh``) is
+    ``relu6``; other bounds are no SMG unary."""
+    if _is_relu6(node, gm):
+        return "relu6"
     if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
         if node.target in (F.gelu, torch._C._nn.gelu):
             approx = node.args[1] if len(node.args) > 1 else node.kwargs.get("approximate", "none")

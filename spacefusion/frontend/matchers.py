@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -75,6 +75,8 @@ class Context:
     refused: dict[str, str] = field(default_factory=dict)
     layout_of: LayoutOf = default_layout_of
     layouts: dict[str, str] = field(default_factory=dict)  # chosen conv SMG key -> why that layout
+    #: forms the backend leaves to torch's library kernels, with why (``CudaBackend.library_first``)
+    library: Mapping[str, str] = field(default_factory=dict)
 
     def free(self, *nodes: fx.Node) -> bool:
         return all(n.name not in self.claimed for n in nodes)
@@ -456,7 +458,7 @@ def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
 
 
 #: activations a convolution's epilogue takes (ResNet's ReLU, diffusion models' SiLU, GELU)
-CONV_ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh")
+CONV_ACTIVATIONS = ("relu", "relu6", "silu", "gelu", "gelu_tanh", "sigmoid", "tanh")
 
 
 def conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | None:
@@ -647,7 +649,7 @@ def _depthwise(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     channels-last and a per-channel filter summed over the taps, on CUDA cores, with what follows it as in
     ``match_conv`` (an inference BatchNorm folded into the filter and bias, a residual add, an activation)."""
     x, dt = cv.x, dtype(node)
-    why = depthwise_refusal(cv, shape(x), dt)
+    why = ctx.library.get("dwconv") or depthwise_refusal(cv, shape(x), dt)
     if why is not None:
         ctx.refuse(node, why)
         return None

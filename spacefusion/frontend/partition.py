@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import fx
 
 from spacefusion.frontend.bn_fold import BN_FOLDED
@@ -12,12 +14,14 @@ from spacefusion.frontend.reasons import reason
 from spacefusion.frontend.records import LeftOp, Partition, Subgraph
 
 
-def partition(gm: fx.GraphModule, layout_of: LayoutOf | None = None) -> Partition:
+def partition(gm: fx.GraphModule, layout_of: LayoutOf | None = None,
+              library: Mapping[str, str] | None = None) -> Partition:
     """Run the matchers in priority order over the graph (each node joins at most one subgraph); every
     other call node is left to torch, with the reason a matcher refused it or the reason for its kind.
     A matcher that fails unexpectedly leaves its node to torch with the error: never a crash.
-    ``layout_of`` decides a convolution's image layout (a backend's, which an export records)."""
-    ctx = Context(gm, layout_of=layout_of or default_layout_of)
+    ``layout_of`` decides a convolution's image layout (a backend's, which an export records); ``library``
+    names the forms the backend leaves to torch's library kernels, each with why (the reason reported)."""
+    ctx = Context(gm, layout_of=layout_of or default_layout_of, library=dict(library or {}))
     found: list[Subgraph] = []
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
     for matcher in (match_eager_attention, *MATCHERS):

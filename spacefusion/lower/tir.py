@@ -13,6 +13,7 @@ end are skipped by every reduction.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from tvm.script import ir_builder as IB
 from tvm.script.ir_builder import tirx as T
 
 from schedulers.errors import ScheduleError
+from schedulers.halo import halo_shape, window_box
 from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule, lane_spread
 from schedulers.temporal import parse
@@ -135,7 +137,10 @@ class _Kernel:
         return [env.get(LANE_IT, env[d]) if d == self.s.serial else env[d] for d in self.local_dims(space)] or [0]
 
     def shared_shape(self, space: str) -> tuple[int, ...]:
-        """A block-shared buffer holds the block's whole tile (all threads' elements)."""
+        """A block-shared buffer holds the block's whole tile (all threads' elements); a window's input, the
+        box the block's taps read (``schedulers.halo``)."""
+        if window_box(self.smg, space) is not None:
+            return halo_shape(self.smg, space, self.s.tiles, self.s.serial, self.s.step)
         dims = self.smg.space(space).dims
         return tuple(self.s.tiles[d] if d in self.cut else self.s.step if d == self.s.serial else self.sizes[d]
                      for d in dims) or (1,)
@@ -155,6 +160,22 @@ class _Kernel:
             else:
                 idx.append(env[d])
         return idx
+
+    def halo_position(self, space: str, at: Callable[[str], tirx.PrimExpr]) -> list[tirx.PrimExpr]:
+        """Per component of ``space``'s window, ``sum a_d * at(d) (+ b)``: with ``at`` the block's and step's
+        first indices and ``b`` the halo box's origin; with ``at`` a thread's position within them and no
+        ``b``, the tap's place in the box."""
+        box = window_box(self.smg, space)
+        return [sum((a * at(d) for d, a in coeffs), tirx.const(0, "int32")) for coeffs, _ in box]
+
+    def halo_origin(self, space: str) -> list[tirx.PrimExpr]:
+        def start(d: str) -> tirx.PrimExpr:
+            if d in self.cut:
+                return self.base[d]
+            return self.t0 if d == self.s.serial else tirx.const(0, "int32")
+
+        box = window_box(self.smg, space)
+        return [p + b for p, (_, b) in zip(self.halo_position(space, start), box)]
 
     # -- loads --------------------------------------------------------------------
     def dim_value(self, dim: str, env: dict[str, tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -178,6 +199,11 @@ class _Kernel:
         producer's body (its halo is not in any tile), so it must read only inputs.
         """
         space = self.smg.space(acc.space)
+        if acc.space in self.shared and window_box(self.smg, acc.space) is not None:
+            # its halo box, zeros staged where the window reads past the edges
+            val = self.shared[acc.space][self.halo_position(
+                acc.space, lambda d: self.within[d] if d in self.cut else env[d])]
+            return val if self.shared[acc.space].dtype == F32 else tirx.Cast(F32, val)
         if VEC_I in env and acc.space in self.smg.inputs:
             off = _serial_offset(acc, space.dims, self.s.serial)
             copy = self.regs.get(_shift_key(acc.space, off)) if off is not None else None
@@ -680,9 +706,24 @@ def _cooperative(k: _Kernel, name: str, emit) -> None:
 
 
 def _emit_stage(k: _Kernel, name: str) -> None:
-    """Cooperative copy of one step's tile of an input into shared memory."""
-    _cooperative(k, name, lambda env: T.buffer_store(
-        k.shared[name], k.glob[name][k.global_index(name, env)], k.shared_index(name, env)))
+    """Cooperative copy of one step's tile of an input into shared memory; a window's input copies its halo
+    box, zero where the box reaches past the input's edges (the window's padding)."""
+    if window_box(k.smg, name) is None:
+        _cooperative(k, name, lambda env: T.buffer_store(
+            k.shared[name], k.glob[name][k.global_index(name, env)], k.shared_index(name, env)))
+        return
+    dims, sizes = k.smg.space(name).dims, [k.sizes[d] for d in k.smg.space(name).dims]
+    origin = k.halo_origin(name)
+
+    def emit(env: dict[str, tirx.PrimExpr]) -> None:
+        local = [env[d] for d in dims]
+        pos = [o + i for o, i in zip(origin, local)]
+        inside = tirx.all(*[tirx.all(p >= 0, p < n) for p, n in zip(pos, sizes)])
+        clamped = [tirx.max(tirx.min(p, n - 1), 0) for p, n in zip(pos, sizes)]
+        zero = tirx.const(0, k.glob[name].dtype)
+        T.buffer_store(k.shared[name], tirx.if_then_else(inside, k.glob[name][clamped], zero), local)
+
+    _cooperative(k, name, emit)
 
 
 def _emit_shared_streamed(k: _Kernel, name: str) -> None:
@@ -737,7 +778,11 @@ def _emit_streamed(k: _Kernel, name: str) -> None:
 def _emit_update(k: _Kernel, u) -> None:
     """``S = max(S, max_t body)`` or ``S = carry + sum_t body`` over one step; with lanes, each
     lane reduces its own elements and the partial results meet in warp shuffles."""
+    op = k.smg.producer(u.base)
+    windowed = any(not a.plain for a in op.inputs)  # its body reads through the op's own window
     with ExitStack() as st:
+        if windowed:
+            st.enter_context(k.emitting(op))
         env = k.loops(k.local_dims(u.state), st)
         idx = k.local_index(u.state, env)
         buf = k.local[u.state]
@@ -747,7 +792,7 @@ def _emit_update(k: _Kernel, u) -> None:
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)
             inlined = _inline_tiles(k, u.body)  # lanes spread over others' positions recompute T = X + E
-            spread = _spread_dims(k, inlined, others) if inlined is not None else None
+            spread = _spread_dims(k, inlined, others) if inlined is not None and not windowed else None
             body = inlined if spread is not None else u.body
             keep = None  # the spread loop's flattened-tail predicate: past it an element adds the identity
             if spread is not None:

@@ -480,7 +480,7 @@ def conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | N
         return f"a convolution of a non-float or non-image input (shape {x_shape}, dtype {dt})"
     if cv.c % 8:
         return (f"{cv.c} input channels: the implicit GEMM's gathered tile reads 16-byte runs of 8 channels (an "
-                f"RGB stem stays with cuDNN)")
+                f"RGB stem{' or a raw waveform' if cv.dims == 1 else ''} stays with cuDNN)")
     if cv.cout % 8:
         return (f"{cv.cout} output channels: the tensor-core GEMM's columns come in 8s, so the search's kernels "
                 f"for so narrow an output run on CUDA cores (SD 1.5 VAE's RGB head took 919 us on the H100); cuDNN "

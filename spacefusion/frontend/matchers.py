@@ -53,7 +53,7 @@ from spacefusion.frontend.graph import (
     single_user,
     swapped_dims_1_2,
 )
-from spacefusion.frontend.guard import guard_of, guarded
+from spacefusion.frontend.guard import clamp_of, guard_of, guarded
 from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
@@ -915,16 +915,19 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     x = nm.x
     guard = guard_of(x) if isinstance(x, fx.Node) else None
     guard = guard if guard is not None and ctx.free(*guard.nodes) and shape(guard.x) == xs else None
-    residual = (guard is None and is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and ctx.free(x)
-                and all(shape(a) == xs for a in x.args))
+    clip = _clamped_sum(x, ctx) if guard is None else None
+    add = clip[0] if clip else x
+    residual = (guard is None and is_function(add, ADD) and len(add.args) == 2 and not add.kwargs and ctx.free(add)
+                and all(shape(a) == xs for a in add.args))
+    clip = clip if residual else None
     keep_sum = (residual or guard is not None) and any(u is not node and u not in nm.inner for u in x.users)
     m, n = rows(xs), xs[-1]
     smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset,
-                                                  guard))
+                                                  guard, clip[1:] if clip else None))
     if smg is None:
         return None
     if residual:
-        ops = [_value("X", x.args[0], (m, n)), _value("R", x.args[1], (m, n))]
+        ops = [_value("X", add.args[0], (m, n)), _value("R", add.args[1], (m, n))]
     else:
         ops = [_value("X", guard.x if guard else x, (m, n))]
     ops.append(_param("W", nm.weight, (n,)))
@@ -932,10 +935,21 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
         ops.append(_param("B", nm.bias, (n,)))
     kind = "residual_norm" if residual else "norm"
     weight = f" ({nm.offset:g} + w)" if nm.offset else ""
-    kept = " (clamped kept)" if guard and keep_sum else " (sum kept)" if keep_sum else ""
-    label = f"{'add + ' if residual else 'inf guard + ' if guard else ''}{nm.kind}{weight}{kept} {m}x{n} {dt}"
-    nodes = (*((x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
+    kept = " (clamped kept)" if (guard or clip) and keep_sum else " (sum kept)" if keep_sum else ""
+    first = "add + clamp + " if clip else "add + " if residual else "inf guard + " if guard else ""
+    label = f"{first}{nm.kind}{weight}{kept} {m}x{n} {dt}"
+    nodes = (*((add, x) if clip else (x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
     return _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x})
+
+
+def _clamped_sum(x: object, ctx: Context) -> tuple[fx.Node, float, float] | None:
+    """(the add, lo, hi) where a norm's input ``x`` is ``clamp(a + b, lo, hi)`` with number bounds and the add read
+    by the clamp alone (Whisper's fp16 guard after its residual add): the norm's kernel then takes the add and
+    the clamp, and the clamped sum is its second output where something else reads it (the next residual)."""
+    got = clamp_of(x) if isinstance(x, fx.Node) and ctx.free(x) else None
+    if got is None or single_user(got[0]) is not x or not ctx.free(got[0]):
+        return None
+    return got
 
 
 def match_guard(node: fx.Node, ctx: Context) -> Subgraph | None:

@@ -225,18 +225,22 @@ def _whisper(num_mel_bins: int = 16, d: int = 64, frames: int = 100):
     return WhisperEncoder(cfg).eval()
 
 
-def test_whisper_encoders_convolutions_are_fused_with_their_gelus() -> None:
-    """The real ``transformers`` WhisperEncoder (tiny config): both 1-D convolutions fused with their GELUs
-    (they were refused as 'computed, not a parameter'), the log-mel frames read as the layout decision says,
-    and the output as eager's."""
-    pytest.importorskip("transformers")
-    model = _whisper()
-    x = torch.randn(2, 16, 100)
+def _partition_matching_eager(model: nn.Module, x: torch.Tensor):
+    """The partition of ``model``'s one Dynamo graph on the reference target, its output checked against eager."""
     torch._dynamo.reset()
     compiled = spacefusion.compile(model, target="reference")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x).last_hidden_state, model(x).last_hidden_state, rtol=1e-4, atol=1e-4)
     (p,) = compiled.spacefusion.partitions
+    return p
+
+
+def test_whisper_encoders_convolutions_are_fused_with_their_gelus() -> None:
+    """The real ``transformers`` WhisperEncoder (tiny config): both 1-D convolutions fused with their GELUs
+    (they were refused as 'computed, not a parameter'), the log-mel frames read as the layout decision says,
+    and the output as eager's."""
+    pytest.importorskip("transformers")
+    p = _partition_matching_eager(_whisper(), torch.randn(2, 16, 100))
     labels = [s.label for s in p.subgraphs]
     assert sum(lab.startswith("conv1d + gelu k3/s1 2x16x100 -> 64") for lab in labels) == 1, labels
     assert sum(lab.startswith("conv1d + gelu k3/s2 2x64x100 -> 64") for lab in labels) == 1, labels
@@ -253,13 +257,7 @@ def test_wav2vec2s_feature_encoder_convolutions_are_fused() -> None:
                          conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 2),
                          num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
     torch.manual_seed(0)
-    model = Wav2Vec2Model(cfg).eval()
-    x = torch.randn(2, 800)
-    torch._dynamo.reset()
-    compiled = spacefusion.compile(model, target="reference")
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x).last_hidden_state, model(x).last_hidden_state, rtol=1e-4, atol=1e-4)
-    (p,) = compiled.spacefusion.partitions
+    p = _partition_matching_eager(Wav2Vec2Model(cfg).eval(), torch.randn(2, 800))
     labels = [s.label for s in p.subgraphs]
     assert sum(lab.startswith("conv1d + gelu") for lab in labels) == 2, labels
     reasons = [left.reason for left in p.left if left.op == "torch.conv1d"]

@@ -24,7 +24,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.errors import ScheduleError
-from smg.ops import UPSAMPLE_VIEW, upsample_taps, upsample_window2d_index, window2d_index
+from smg.ops import UPSAMPLE_VIEW, pads2d, upsample_taps, upsample_window2d_index, window2d_index
 
 #: elements of a 16-byte chunk (fp16 / bf16)
 CHUNK = 8
@@ -134,7 +134,7 @@ class Im2col:
 
     src: str
     kernel: tuple[int, int]
-    pad: int
+    pad: int | tuple[int, int]  # one for both dims, or (rows, columns): a 1-D conv's (0, p)
     channels: int
     out: tuple[int, int]
     shift: tuple[int, ...] = ()
@@ -154,8 +154,13 @@ class Im2col:
         if self.shift:  # by parity: the box's first pixel ranges over [min shift, size - 1 + max shift]
             lo, hi = min(self.shift), max(self.shift)
             return [lo, lo], [hi, hi]
-        (r, s), pad = self.kernel, self.pad
-        return [-pad, -pad], [pad - (s - 1), pad - (r - 1)]
+        (r, s), (pad_y, pad_x) = self.kernel, self.pads
+        return [-pad_x, -pad_y], [pad_x - (s - 1), pad_y - (r - 1)]
+
+    @property
+    def pads(self) -> tuple[int, int]:
+        """The padding as (rows, columns)."""
+        return pads2d(self.pad)
 
 
 #: im2col_of's answers by (SMG content key, gathered tile): asked for every schedule of a conv the search ranks
@@ -195,19 +200,21 @@ def _im2col_of(smg, g: GatherTile) -> Im2col | str:
         return f"{g.tile!r} {op.out_index} is not a window2d view [pixels, taps]"
     m, k = op.out_index
     taps = sizes[k] // c
+    pads = range(IM2COL_MAX_PAD + 1)
     for r in range(1, IM2COL_MAX_KERNEL + 1):
         if taps % r or taps // r > IM2COL_MAX_KERNEL:
             continue
         s = taps // r
-        for pad in range(IM2COL_MAX_PAD + 1):
-            if h + 2 * pad < r or w + 2 * pad < s:
+        for pad_y, pad_x in ((a, b) for a in pads for b in pads):
+            if h + 2 * pad_y < r or w + 2 * pad_x < s:
                 continue
             for stride in range(1, IM2COL_MAX_STRIDE + 1):
-                p, q = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - s) // stride + 1
+                p, q = (h + 2 * pad_y - r) // stride + 1, (w + 2 * pad_x - s) // stride + 1
                 if n * p * q != sizes[m]:
                     continue
-                want = window2d_index(m, k, c, (p, q), s, stride, pad)
+                want = window2d_index(m, k, c, (p, q), s, stride, (pad_y, pad_x))
                 if tuple(re.sub(r"\s+", "", t) for t in want) == norm:
+                    pad = pad_y if pad_y == pad_x else (pad_y, pad_x)
                     return Im2col(g.src, (r, s), pad, c, (p, q), stride=stride)
     return (f"{g.tile!r} is not a non-upsampled window of {g.src!r} that a tensor map steps through "
             f"(its index {g.index})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import keyword
 import math
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,15 +73,27 @@ class Tensor:
         return tuple(self.builder.dims[d] for d in self.dims)
 
 
-def window2d_index(m: str, k: str, c: int, out: tuple[int, int], kernel_w: int, stride: int, pad: int,
-                   upsample: int = 1) -> tuple[str, str, str, str]:
+def pads2d(pad: int | tuple[int, int]) -> tuple[int, int]:
+    """A window's zero padding as (rows, columns): one int pads both (a square conv's), a pair each its own (a
+    1-D convolution is a window over an image one row high, padded along its columns only: (0, p))."""
+    try:
+        if isinstance(pad, tuple | list) and len(pad) == 2:
+            return operator.index(pad[0]), operator.index(pad[1])
+        return operator.index(pad), operator.index(pad)
+    except TypeError:
+        raise ShapeError(f"a window's padding is an int or a pair of ints (rows, columns); got {pad!r}") from None
+
+
+def window2d_index(m: str, k: str, c: int, out: tuple[int, int], kernel_w: int, stride: int,
+                   pad: int | tuple[int, int], upsample: int = 1) -> tuple[str, str, str, str]:
     """The index expressions of ``Builder.window2d``'s view into a channels-last image [n, h, w, c]: row ``m``
     an output pixel of the ``out`` = (p, q) grid, column ``k`` a tap (ky, kx, channel) of a window
-    ``kernel_w`` wide.  One definition, so analyses that recognise a window (a TMA im2col load) rebuild it
-    instead of restating it."""
+    ``kernel_w`` wide, padded ``pad`` (``pads2d``: one int, or (rows, columns)).  One definition, so analyses
+    that recognise a window (a TMA im2col load) rebuild it instead of restating it."""
     p, q = out
-    y = f"{stride}*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{kernel_w * c}) - {pad}"
-    x = f"{stride}*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {kernel_w}*floor({k}/{kernel_w * c}) - {pad}"
+    pad_y, pad_x = pads2d(pad)
+    y = f"{stride}*(floor({m}/{q}) - {p}*floor({m}/{p * q})) + floor({k}/{kernel_w * c}) - {pad_y}"
+    x = f"{stride}*({m} - {q}*floor({m}/{q})) + floor({k}/{c}) - {kernel_w}*floor({k}/{kernel_w * c}) - {pad_x}"
     if upsample > 1:
         y, x = f"floor(({y})/{upsample})", f"floor(({x})/{upsample})"
     return (f"floor({m}/{p * q})", y, x, f"{k} - {c}*floor({k}/{c})")
@@ -377,16 +390,18 @@ class Builder:
                 (channel, *window.values()), "sum")
         return self._emit(op)
 
-    def window2d(self, x: Tensor, kernel: tuple[int, int], stride: int = 1, pad: int = 0, rows: str = "m",
-                 cols: str = "k", upsample: int = 1, name: str | None = None, layout: str = "nhwc") -> Tensor:
+    def window2d(self, x: Tensor, kernel: tuple[int, int], stride: int = 1, pad: int | tuple[int, int] = 0,
+                 rows: str = "m", cols: str = "k", upsample: int = 1, name: str | None = None,
+                 layout: str = "nhwc") -> Tensor:
         """The im2col view of a channels-last image ``x`` [n, h, w, c]: ``A[rows, cols]`` with rows the output
-        pixels (n, p, q) and cols the taps (ky, kx, c), ``A = x[n, s*p + ky - pad, s*q + kx - pad, c]`` (zero
-        outside).  ``upsample`` = u reads ``x`` nearest-upsampled u times first (``x[.., floor(y/u), ..]``), so
-        an ``Upsample -> Conv`` chain never writes the upsampled image.  A convolution is then ``A @ W^T`` with
-        the weight [c_out, kh, kw, c] seen as [c_out, cols]: an implicit GEMM, whose A tile the lowering loads
-        through these index expressions (no im2col in memory).  ``layout="nchw"``: ``x`` is [n, c, h, w] (the
-        same view; a run of 8 columns is then 8 channels H * W apart, which the tensor-core kernels gather
-        element by element, ``schedulers.gather_tile``)."""
+        pixels (n, p, q) and cols the taps (ky, kx, c), ``A = x[n, s*p + ky - pad_y, s*q + kx - pad_x, c]`` (zero
+        outside; ``pad`` one int for both, or (pad_y, pad_x): a 1-D convolution is this view of an image one
+        row high, kernel (1, k), padding (0, p)).  ``upsample`` = u reads ``x`` nearest-upsampled u times first
+        (``x[.., floor(y/u), ..]``), so an ``Upsample -> Conv`` chain never writes the upsampled image.  A
+        convolution is then ``A @ W^T`` with the weight [c_out, kh, kw, c] seen as [c_out, cols]: an implicit
+        GEMM, whose A tile the lowering loads through these index expressions (no im2col in memory).
+        ``layout="nchw"``: ``x`` is [n, c, h, w] (the same view; a run of 8 columns is then 8 channels H * W
+        apart, which the tensor-core kernels gather element by element, ``schedulers.gather_tile``)."""
         self._own(x)
         if layout not in IMAGE_LAYOUTS:
             raise ValueError(f"window2d layout {layout!r}: known {IMAGE_LAYOUTS}")
@@ -395,16 +410,17 @@ class Builder:
         sizes = [self.dims[d] for d in x.dims]
         n, h, w, c = sizes if layout == "nhwc" else (sizes[0], sizes[2], sizes[3], sizes[1])
         (r, s), st, u = (int(v) for v in kernel), int(stride), int(upsample)
-        if min(r, s, st, u) < 1 or pad < 0:
+        pad_y, pad_x = pads2d(pad)
+        if min(r, s, st, u) < 1 or min(pad_y, pad_x) < 0:
             raise ShapeError(f"window2d of {x.name!r}: kernel {kernel}, stride {stride}, upsample {upsample} must be "
                              f"positive and pad {pad} not negative")
-        hp, wp = h * u + 2 * pad - r, w * u + 2 * pad - s
+        hp, wp = h * u + 2 * pad_y - r, w * u + 2 * pad_x - s
         if hp < 0 or wp < 0:
             raise ShapeError(f"window2d of {x.name!r}: a {r}x{s} kernel does not fit the padded {h * u}x{w * u} image")
         p, q = hp // st + 1, wp // st + 1
         self._dim(rows, n * p * q)
         self._dim(cols, r * s * c)
-        index = window2d_index(rows, cols, c, (p, q), s, st, int(pad), u)
+        index = window2d_index(rows, cols, c, (p, q), s, st, (pad_y, pad_x), u)
         if layout == "nchw":
             index = (index[0], index[3], index[1], index[2])
         return self._emit(Op("window", self._fresh("window", name), (rows, cols), (Access(x.name, index),), x.name))

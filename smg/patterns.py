@@ -361,27 +361,45 @@ def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "
     return g.build(y if act == "none" else g.unary(act, y, name="Y"))
 
 
-def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int = 3, stride: int = 1,
-           pad: int = 1, act: str = "none", bias: bool = True, residual: bool = False, upsample: int = 1,
-           dtype: str = "float32", layout: str = "nhwc") -> SMG:
+def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int | tuple[int, int] = 3,
+           stride: int = 1, pad: int | tuple[int, int] = 1, act: str = "none", bias: bool = True,
+           residual: bool = False, upsample: int = 1, dtype: str = "float32", layout: str = "nhwc",
+           name: str | None = None) -> SMG:
     """``Y = act(conv2d(X, W) + bias (+ R))`` as an implicit GEMM: X channels-last [n, h, w, c], its im2col
     view ``A[m, k]`` (``Builder.window2d``: m the output pixels, k the taps (ky, kx, c)), the weight as
     ``Wt[k, co]`` ([kh, kw, c, c_out]: the tensor-core B operand's layout, permuted once), Y [m, co] (the NHWC
     output [n, p, q, c_out]).  An inference BatchNorm is folded into W and the bias before this (the frontend
     does it); ``R`` is a residual [m, co] added before ``act``; ``upsample`` 2 reads X nearest-upsampled (an
     ``Upsample -> Conv`` chain).  ``layout="nchw"`` reads X as torch's default [n, c, h, w] where it lies (no
-    transposed copy; the output is still [m, co])."""
+    transposed copy; the output is still [m, co]).  ``kernel`` and ``pad`` are one int (square) or (rows,
+    columns) each: ``conv1d`` is this with one row."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
     nchw = layout == "nchw"
-    g = Builder(f"conv2d_{kernel}x{kernel}{'_res' if residual else ''}_{act}{'_nchw' if nchw else ''}", dtype)
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    g = Builder(name or f"conv2d_{kh}x{kw}{'_res' if residual else ''}_{act}{'_nchw' if nchw else ''}", dtype)
     dims = {"n": batch, "c": c_in, "h": height, "w": width} if nchw else {"n": batch, "h": height, "w": width,
                                                                          "c": c_in}
     x = g.input("X", dims)
-    a = g.window2d(x, (kernel, kernel), stride, pad, upsample=upsample, name="A", layout=layout)
+    a = g.window2d(x, (kh, kw), stride, pad, upsample=upsample, name="A", layout=layout)
     w = g.input("Wt", {"k": g.dims["k"], "co": c_out})
     y = g.matmul(a, w, reduce="k", name="Y" if not (bias or residual or act != "none") else "C")
     return _conv_epilogue(g, y, c_out, act, bias, residual, {"m": g.dims["m"], "co": c_out})
+
+
+def conv1d(batch: int, length: int, c_in: int, c_out: int, kernel: int = 3, stride: int = 1, pad: int = 1,
+           act: str = "none", bias: bool = True, residual: bool = False, dtype: str = "float32",
+           layout: str = "nhwc") -> SMG:
+    """``Y = act(conv1d(X, W) + bias (+ R))``: ``conv2d`` over an image one row high, kernel (1, ``kernel``),
+    padding (0, ``pad``) (a stride along that one row moves nothing: the output has one row), so the implicit
+    GEMM, its gathered tile and its epilogue are the 2-D convolution's.  X is [n, 1, L, c] (channels-last:
+    a [batch, channels, frames] tensor transposed, or a fused conv's output as it lies) or, with
+    ``layout="nchw"``, [n, c, 1, L] (Whisper's log-mel frames where they lie); the weight ``Wt[k, co]`` is
+    torch's [co, c, kernel] laid out as [kernel, c, co]; Y [m, co] is [n, L', co] (L' = (L + 2 pad - kernel) //
+    stride + 1)."""
+    return conv2d(batch, 1, length, c_in, c_out, (1, kernel), stride, (0, pad), act, bias, residual,
+                  dtype=dtype, layout=layout,
+                  name=f"conv1d_k{kernel}{'_res' if residual else ''}_{act}{'_nchw' if layout == 'nchw' else ''}")
 
 
 def _conv_epilogue(g: Builder, y, c_out: int, act: str, bias: bool, residual: bool, rows: dict[str, int]) -> SMG:
@@ -420,6 +438,7 @@ def upsample_conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, 
 PATTERNS = {
     "layernorm": layernorm,
     "conv2d": conv2d,
+    "conv1d": conv1d,
     "upsample_conv2d": upsample_conv2d,
     "group_norm": group_norm,
     "rmsnorm": rmsnorm,

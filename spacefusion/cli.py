@@ -29,7 +29,7 @@ def size_params(fn: Any) -> list[inspect.Parameter]:
     flag or name, such as attention's ``causal``, is not a size: a seventh number used to set it silently)."""
     out = []
     for p in inspect.signature(fn).parameters.values():
-        if p.name == "dtype" or str(p.annotation) not in ("int", "int | None"):
+        if p.name == "dtype" or str(p.annotation) not in ("int", "int | None", "int | tuple[int, int]"):
             break
         out.append(p)
     return out

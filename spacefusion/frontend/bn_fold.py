@@ -54,11 +54,12 @@ def fold_bn_into_left_convs(gm: fx.GraphModule) -> list[str]:
     refuses the conv (``conv_refusal``: it stays with torch) as one ``F.conv2d`` with the folded weight
     ``W * gamma / sqrt(var + eps)`` and bias ``(b - mean) * gamma / sqrt(var + eps) + beta``, computed in float32
     and stored in the weight's dtype; returns the BatchNorms' node names.  Only zero padding folds this way
-    (``F.conv2d`` has no other)."""
+    (``F.conv2d`` has no other), and only 2-D convolutions (a 1-D one's BatchNorm stays with torch)."""
     folded: list[str] = []
     for node in list(gm.graph.nodes):
         cv = conv_of(node, gm)
-        if cv is None or cv.padding_mode != "zeros" or conv_refusal(cv, shape(cv.x), dtype(node)) is None:
+        if cv is None or cv.dims != 2 or cv.padding_mode != "zeros" \
+                or conv_refusal(cv, shape(cv.x), dtype(node)) is None:
             continue
         u = single_user(node)
         bn = batchnorm_of(u, gm) if u is not None else None

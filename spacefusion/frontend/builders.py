@@ -12,7 +12,7 @@ from smg import patterns
 from smg.errors import UnknownOperatorError
 from smg.ir import SMG
 from smg.ops import UNARY, Builder
-from spacefusion.frontend.guard import Guard, guarded
+from spacefusion.frontend.guard import Guard, clamped, guarded
 
 
 def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32", b_layout: str = "kn",
@@ -34,23 +34,29 @@ def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32"
 
 
 def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float,
-         offset: float = 0.0, guard: Guard | None = None) -> SMG:
+         offset: float = 0.0, guard: Guard | None = None, clamp: tuple[float, float] | None = None) -> SMG:
     """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``; ``guard``: of ``T``, T5's fp16 clamp
-    of X) over the last dim; ``keep_sum`` also outputs ``T``; the weight is ``offset + W`` (Gemma's
+    of X; ``clamp`` (lo, hi): of ``T = clamp(X + R, lo, hi)``, Whisper's fp16 clamp after its residual add)
+    over the last dim; ``keep_sum`` also outputs ``T``; the weight is ``offset + W`` (Gemma's
     ``1 + w``: one more element-wise op on W, fused like the rest).  The forms ``smg.patterns`` has are
     taken from there."""
     if residual and guard is not None:
         raise ValueError("a norm's input is either a residual sum or a guarded value, not both")
+    if clamp is not None and (not residual or guard is not None):
+        raise ValueError("a clamp is fused on a residual sum (clamp(X + R)), not on a plain or guarded input")
     if not offset and not residual and guard is None:
         return patterns.layernorm(m, n, dtype, eps) if kind == "layernorm" else patterns.rmsnorm(m, n, dtype, eps)
-    if not offset and kind == "layernorm" and not keep_sum and guard is None:
+    if not offset and kind == "layernorm" and not keep_sum and guard is None and clamp is None:
         return patterns.residual_layernorm(m, n, dtype, eps)
-    name = (f"{'residual_' if residual else ''}{'inf_guard_' if guard else ''}{kind}{'_offset_w' if offset else ''}"
+    name = (f"{'residual_' if residual else ''}{'clamp_' if clamp else ''}{'inf_guard_' if guard else ''}{kind}"
+            f"{'_offset_w' if offset else ''}"
             f"{'_sum' if keep_sum else ''}")
     g = Builder(name, dtype)
     x = g.input("X", {"m": m, "n": n})
     if guard is not None:
         t = guarded(g, x, guard, dtype)
+    elif clamp is not None:
+        t = clamped(g, g.binary("add", x, g.input("R", {"m": m, "n": n}), name="S"), *clamp)
     else:
         t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
     w = g.input("W", {"n": n})

@@ -110,13 +110,15 @@ class FusedKernel(nn.Module):
 
 
 def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
-    """A convolution's weight as the implicit GEMM's B [kh * kw * c, co] (after an upsampling: merged per output
-    parity, ``fold_upsample``), or its bias, with an inference BatchNorm folded in (in float32, then back to the
-    weight's dtype); the bias of a conv without one, under a
-    BatchNorm (``ref`` ""), starts from zeros."""
+    """A convolution's weight as the implicit GEMM's B [kh * kw * c, co] (a conv1d's [co, c, k] as [k * c, co];
+    after an upsampling: merged per output parity, ``fold_upsample``), or its bias, with an inference BatchNorm
+    folded in (in float32, then back to the weight's dtype); the bias of a conv without one, under a BatchNorm
+    (``ref`` ""), starts from zeros."""
     ref = op.ref or op.fold_bn[0]
     like = _attr(root, ref).detach()
     t = _attr(root, op.ref).detach().float() if op.ref else torch.zeros(op.shape, device=like.device)
+    if op.conv and t.dim() == 3:  # a conv1d's [co, c, k]: the 2-D conv's weight one row high
+        t = t.unsqueeze(2)
     if op.fold_bn:
         mean, var, w, b, eps = op.fold_bn
         scale, shift = fold_batchnorm(lambda ref: _attr(root, ref), mean, var, w, b, float(eps))

@@ -183,8 +183,10 @@ def _pair(v: Any) -> Any:
 
 @dataclass(frozen=True)
 class Conv:
-    """An ``nn.Conv2d`` call or ``F.conv2d`` on parameters: its input, weight and bias, and its geometry as
-    torch gives it (``padding`` may be a string: "same" / "valid")."""
+    """An ``nn.Conv2d`` / ``nn.Conv1d`` call or ``F.conv2d`` / ``F.conv1d`` on parameters: its input, weight and
+    bias, and its geometry as torch gives it (``padding`` may be a string: "same" / "valid").  A 1-D
+    convolution (``dims`` 1) is given as the 2-D one over an image one row high: kernel (1, k), stride (1, s),
+    padding (0, p), dilation (1, d); its input stays the [batch, channels, length] node."""
 
     x: fx.Node
     weight: str
@@ -198,24 +200,60 @@ class Conv:
     dilation: tuple[int, int]
     groups: int
     padding_mode: str = "zeros"
+    dims: int = 2  # spatial dims: 1 for a conv1d (given as a 2-D conv one row high)
+
+
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV2D = (torch.conv2d, F.conv2d)  # Dynamo inlines nn.Conv2d into this call
+CONV1D = (torch.conv1d, F.conv1d)
+
+
+def _one(v: Any) -> Any:
+    """A 1-D conv's stride / padding / dilation as its one value (a string padding as it is)."""
+    if isinstance(v, tuple | list):
+        return v[0] if len(v) == 1 else None
+    return v
+
+
+def _row(v: Any, first: int, kernel: int | None = None) -> Any:
+    """A 1-D conv's ``v`` as the 2-D one's (``first``, v) over an image one row high.  A padding of "valid" is
+    (0, 0), "same" of an odd ``kernel`` (0, (kernel - 1) / 2) (torch allows it at stride 1 only); other strings
+    are kept (an even kernel's "same" pads one side more: refused later)."""
+    one = _one(v)
+    if one == "valid":
+        return first, 0
+    if one == "same" and kernel is not None and kernel % 2:
+        return first, (kernel - 1) // 2
+    return one if isinstance(one, str) or one is None else (first, one)
 
 
 def conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
-    if is_function(node, (torch.conv2d, F.conv2d)):  # Dynamo inlines nn.Conv2d into this call
-        a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
+    """The convolution at ``node`` on parameters (its weight and any bias ``get_attr`` nodes), 2-D or 1-D; None
+    where it is not one (a weight computed in the graph, a 3-D conv)."""
+    if is_function(node, CONV2D + CONV1D):
+        a = dict(zip(CONV_ARGS, node.args)) | node.kwargs
         w, b_node = param_ref(a.get("weight")), a.get("bias")
         b = param_ref(b_node)
         if w is None or (b_node is not None and b is None) or not isinstance(a["input"], fx.Node):
             return None
-        cout, cg, kh, kw = _param_shape(gm, w)
         groups = a.get("groups", 1)
+        if node.target in CONV1D:
+            cout, cg, k = _param_shape(gm, w)
+            return Conv(a["input"], w, b, cg * groups, 1, k, cout, _row(a.get("stride", 1), 1),
+                        _row(a.get("padding", 0), 0, k), _row(a.get("dilation", 1), 1), groups, dims=1)
+        cout, cg, kh, kw = _param_shape(gm, w)
         return Conv(a["input"], w, b, cg * groups, kh, kw, cout, _pair(a.get("stride", 1)),
                     _pair(a.get("padding", 0)), _pair(a.get("dilation", 1)), groups)
-    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.Conv2d):
+    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.Conv2d | nn.Conv1d):
         return None
     if not isinstance(node.args[0], fx.Node):
         return None
     bias = f"{node.target}.bias" if mod.bias is not None else None
+    if isinstance(mod, nn.Conv1d):
+        return Conv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, 1, mod.kernel_size[0],
+                    mod.out_channels, _row(mod.stride, 1), _row(mod.padding, 0, mod.kernel_size[0]),
+                    _row(mod.dilation, 1), mod.groups,
+                    mod.padding_mode, dims=1)
     (kh, kw) = mod.kernel_size
     return Conv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, kh, kw, mod.out_channels,
                 tuple(mod.stride), _pair(mod.padding), tuple(mod.dilation), mod.groups, mod.padding_mode)
@@ -226,7 +264,7 @@ def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
     embedding): its windows tile the image without overlap, so it is one GEMM of a row per patch,
     [b * nh * nw, c * kh * kw] @ W.T[c * kh * kw, c_out]."""
     cv = conv_of(node, gm)
-    if cv is None or cv.stride != (cv.kh, cv.kw) or cv.dilation != (1, 1) or cv.groups != 1 \
+    if cv is None or cv.dims != 2 or cv.stride != (cv.kh, cv.kw) or cv.dilation != (1, 1) or cv.groups != 1 \
             or cv.padding not in ((0, 0), "valid") or cv.padding_mode != "zeros":
         return None
     return cv
@@ -234,7 +272,8 @@ def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
 
 @dataclass(frozen=True)
 class BatchNorm:
-    """An inference ``BatchNorm2d`` (running statistics, not training): ``(x - mean) / sqrt(var + eps) * w + b``."""
+    """An inference ``BatchNorm2d`` / ``BatchNorm1d`` (running statistics, not training): ``(x - mean) / sqrt(var +
+    eps) * w + b``."""
 
     x: fx.Node
     mean: str
@@ -254,7 +293,8 @@ def batchnorm_of(node: fx.Node, gm: fx.GraphModule) -> BatchNorm | None:
         if (a.get("weight") is not None and refs[2] is None) or (a.get("bias") is not None and refs[3] is None):
             return None
         return BatchNorm(a["input"], refs[0], refs[1], refs[2], refs[3], float(a.get("eps", 1e-5)))
-    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.BatchNorm2d):
+    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target),
+                                                  nn.BatchNorm2d | nn.BatchNorm1d):
         return None
     if mod.training or mod.running_mean is None or not isinstance(node.args[0], fx.Node):
         return None

@@ -70,6 +70,25 @@ def guard_of(node: fx.Node) -> Guard | None:
     return Guard(x, on_inf, bound, (inf, flag, hi, lo, node))
 
 
+def clamp_of(node: fx.Node) -> tuple[fx.Node, float, float] | None:
+    """(x, lo, hi) of ``torch.clamp(x, min=lo, max=hi)`` with both bounds numbers (Whisper's, BART's and
+    other HF models' fp16 guard after a residual add: ``clamp(h, -(finfo.max - 1000), finfo.max - 1000)``,
+    unconditional), else None."""
+    if not is_function(node, (torch.clamp, torch.clip)) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    a = dict(zip(("input", "min", "max"), node.args)) | dict(node.kwargs)
+    lo, hi = _number(a.get("min")), _number(a.get("max"))
+    if set(a) != {"input", "min", "max"} or lo is None or hi is None or lo > hi:
+        return None
+    return node.args[0], lo, hi
+
+
+def clamped(g: Builder, x: Tensor, lo: float, hi: float, name: str = "T") -> Tensor:
+    """``clamp(x, lo, hi)`` as one SMG map, with comparisons so a NaN passes through as torch's clamp passes it."""
+    return g.map(f"Piecewise(({hi!r}, {x.name} > {hi!r}), ({lo!r}, {x.name} < {lo!r}), ({x.name}, True))", x,
+                 name=name)
+
+
 def guarded(g: Builder, x: Tensor, guard: Guard, dt: str) -> Tensor:
     """``clamp(x, -c, c)`` as SMG ops on ``x`` (``dt``: its dtype): the flag ``F`` (a max over every dim of
     x's 0/1 overflow), the bound ``C`` and the clamp ``T``, written with comparisons so a NaN passes
@@ -82,4 +101,4 @@ def guarded(g: Builder, x: Tensor, guard: Guard, dt: str) -> Tensor:
         return g.map(f"Piecewise((C, {x.name} > C), (-C, {x.name} < -C), ({x.name}, True))", x, c, name="T")
 
 
-__all__ = ["FINITE_MAX", "Guard", "guard_of", "guarded"]
+__all__ = ["FINITE_MAX", "Guard", "clamp_of", "clamped", "guard_of", "guarded"]

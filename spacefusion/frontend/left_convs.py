@@ -36,7 +36,7 @@ def channels_last_left_convs(gm: fx.GraphModule, fused: Iterable[Subgraph]) -> s
     done: set[str] = set()
     for node in list(gm.graph.nodes):
         cv = conv_of(node, gm) if node.name in read_nhwc and node.name not in inside else None
-        if cv is None or not contiguous(cv.x) or contiguous_nhwc(cv.x):
+        if cv is None or cv.dims != 2 or not contiguous(cv.x) or contiguous_nhwc(cv.x):
             continue
         with gm.graph.inserting_before(node):
             image = gm.graph.call_method("contiguous", (cv.x,), {"memory_format": torch.channels_last})

@@ -53,7 +53,7 @@ from spacefusion.frontend.graph import (
     single_user,
     swapped_dims_1_2,
 )
-from spacefusion.frontend.guard import guard_of, guarded
+from spacefusion.frontend.guard import clamp_of, guard_of, guarded
 from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
@@ -465,18 +465,24 @@ def conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | N
     """Why the implicit-GEMM convolution cannot take ``cv`` (None: it can)."""
     from spacefusion.frontend.reasons import conv_reason
 
-    if cv.groups != 1 or cv.dilation != (1, 1) or cv.padding_mode != "zeros":
+    if cv.groups != 1 or cv.dilation not in ((1, 1), (1,)):
         return conv_reason(cv.stride, cv.padding, cv.dilation, cv.groups) + (
             f" (padding mode {cv.padding_mode!r})" if cv.padding_mode != "zeros" else "")
-    if cv.kh != cv.kw or cv.stride[0] != cv.stride[1] or not isinstance(cv.padding, tuple) \
+    if cv.padding_mode != "zeros":
+        return f"padding mode {cv.padding_mode!r}: the SMG window reads zeros outside the image"
+    if cv.dims == 1:
+        if not isinstance(cv.padding, tuple):
+            return (f"a 1-D convolution with padding {cv.padding!r} (kernel {cv.kw}): the window pads both ends "
+                    f"alike")
+    elif cv.kh != cv.kw or cv.stride[0] != cv.stride[1] or not isinstance(cv.padding, tuple) \
             or cv.padding[0] != cv.padding[1]:
         return (f"a {cv.kh}x{cv.kw} kernel, stride {cv.stride}, padding {cv.padding}: the implicit GEMM takes square "
                 f"kernels with one stride and one padding")
-    if x_shape is None or len(x_shape) != 4 or dt not in ("float16", "bfloat16", "float32"):
+    if x_shape is None or len(x_shape) != cv.dims + 2 or dt not in ("float16", "bfloat16", "float32"):
         return f"a convolution of a non-float or non-image input (shape {x_shape}, dtype {dt})"
     if cv.c % 8:
         return (f"{cv.c} input channels: the implicit GEMM's gathered tile reads 16-byte runs of 8 channels (an "
-                f"RGB stem stays with cuDNN)")
+                f"RGB stem{' or a raw waveform' if cv.dims == 1 else ''} stays with cuDNN)")
     if cv.cout % 8:
         return (f"{cv.cout} output channels: the tensor-core GEMM's columns come in 8s, so the search's kernels "
                 f"for so narrow an output run on CUDA cores (SD 1.5 VAE's RGB head took 919 us on the H100); cuDNN "
@@ -572,6 +578,8 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     if patch_conv_of(node, ctx.gm) is not None and not _fused_after(node, ctx):
         return None  # a lone patch embedding (ViT's): match_patch_conv's GEMM of the patches
     x, dt = cv.x, dtype(node)
+    if cv.dims == 1:
+        return _conv1d(node, cv, ctx)
     if cv.groups > 1 and cv.groups == cv.c == cv.cout:
         return _depthwise(node, cv, ctx)
     why = conv_refusal(cv, shape(x), dt)
@@ -628,6 +636,60 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
              f"{cv.stride[0]} {n}x{c}x{h * factor}x{w * factor} -> {co} {dt}"
              f"{' (NCHW image)' if layout == 'nchw' else ''}")
     return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
+def _conv1d(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
+    """A 1-D ``nn.Conv1d`` / ``F.conv1d`` (groups 1) -> ``patterns.conv1d``: the implicit GEMM of ``match_conv``
+    over an image one row high, with what follows it fused as there (an inference BatchNorm folded, a residual
+    add, an activation: Whisper's GELUs).  The input [batch, channels, length] is bound channels-last
+    ([n, L, c]: a copy of an NCL tensor, none of a fused conv's output), or read where it lies where it is a
+    graph input lying NCL and the search decides so (``ctx.layout_of``, as for a 2-D image: Whisper's log-mel
+    frames).  The output goes back as the conv's [n, c_out, L'] with channels-last strides ([n, L', c_out] in
+    memory): the next conv reads it without a copy, and Whisper's ``permute(0, 2, 1)`` after its second conv
+    is then a packed [n, L', d] view."""
+    x, dt = cv.x, dtype(node)
+    if cv.groups > 1 and cv.groups == cv.c == cv.cout:
+        ctx.refuse(node, f"a depthwise 1-D convolution (groups {cv.groups}): the depthwise pattern's window is "
+                         f"square (2-D); torch runs it")
+        return None
+    why = conv_refusal(cv, shape(x), dt)
+    if why is not None:
+        ctx.refuse(node, why)
+        return None
+    n, c, length = shape(x)
+    y, bn, res, act, taken = _conv_epilogue(node, ctx)
+    k, stride, pad, co = cv.kw, cv.stride[1], cv.padding[1], cv.cout
+    has_bias = cv.bias is not None or bn is not None
+    kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
+
+    def make(layout: str) -> Callable[[], SMG]:
+        return lambda: patterns.conv1d(n, length, c, co, k, stride, pad, layout=layout, **kw)
+
+    smg, layout = _build(ctx, node, make("nhwc")), "nhwc"
+    if smg is None:
+        return None
+    if lies_nchw(x) and (ncl := _build(ctx, node, make("nchw"))) is not None:
+        choice = ctx.layout_of(ncl, smg)  # the search's decision: read where it lies, or copied first
+        if choice.layout == "nchw":
+            smg, layout = ncl, "nchw"
+        ctx.layouts[smg.key] = choice.reason
+    out_len = shape(node)[2]
+    fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
+    ops = [_value("X", x, (n, c, 1, length)) if layout == "nchw" else _value("X", x, (n, 1, length, c), NLC),
+           Operand("Wt", "param", cv.weight, (k * c, co), conv=True, fold_bn=fold)]  # [co, c, k] -> [k, c, co]
+    if has_bias:
+        ops.append(Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold))
+    if res is not None:
+        ops.append(_value("R", res, (n * out_len, co), NLC))
+    out = Result("Y", y.name, shape(y), permute=NLC, split=(n, out_len, co))
+    parts = ["conv1d"] + ["bn"] * (bn is not None) + ["add"] * (res is not None) + ([act.name] if act else [])
+    label = (f"{' + '.join(parts)} k{k}/s{stride} {n}x{c}x{length} -> {co} {dt}"
+             f"{' (NCL frames)' if layout == 'nchw' else ''}")
+    return Subgraph("conv", label, tuple(t.name for t in taken), smg, tuple(ops), (out,))
+
+
+#: a 1-D image [n, c, L] seen channels-last [n, L, c] (and a [n, L, c] kernel output seen back as [n, c, L])
+NLC = (0, 2, 1)
 
 
 def depthwise_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | None:
@@ -855,16 +917,19 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     x = nm.x
     guard = guard_of(x) if isinstance(x, fx.Node) else None
     guard = guard if guard is not None and ctx.free(*guard.nodes) and shape(guard.x) == xs else None
-    residual = (guard is None and is_function(x, ADD) and len(x.args) == 2 and not x.kwargs and ctx.free(x)
-                and all(shape(a) == xs for a in x.args))
+    clip = _clamped_sum(x, ctx) if guard is None else None
+    add = clip[0] if clip else x
+    residual = (guard is None and is_function(add, ADD) and len(add.args) == 2 and not add.kwargs and ctx.free(add)
+                and all(shape(a) == xs for a in add.args))
+    clip = clip if residual else None
     keep_sum = (residual or guard is not None) and any(u is not node and u not in nm.inner for u in x.users)
     m, n = rows(xs), xs[-1]
     smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset,
-                                                  guard))
+                                                  guard, clip[1:] if clip else None))
     if smg is None:
         return None
     if residual:
-        ops = [_value("X", x.args[0], (m, n)), _value("R", x.args[1], (m, n))]
+        ops = [_value("X", add.args[0], (m, n)), _value("R", add.args[1], (m, n))]
     else:
         ops = [_value("X", guard.x if guard else x, (m, n))]
     ops.append(_param("W", nm.weight, (n,)))
@@ -872,10 +937,21 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
         ops.append(_param("B", nm.bias, (n,)))
     kind = "residual_norm" if residual else "norm"
     weight = f" ({nm.offset:g} + w)" if nm.offset else ""
-    kept = " (clamped kept)" if guard and keep_sum else " (sum kept)" if keep_sum else ""
-    label = f"{'add + ' if residual else 'inf guard + ' if guard else ''}{nm.kind}{weight}{kept} {m}x{n} {dt}"
-    nodes = (*((x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
+    kept = " (clamped kept)" if (guard or clip) and keep_sum else " (sum kept)" if keep_sum else ""
+    first = "add + clamp + " if clip else "add + " if residual else "inf guard + " if guard else ""
+    label = f"{first}{nm.kind}{weight}{kept} {m}x{n} {dt}"
+    nodes = (*((add, x) if clip else (x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
     return _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x})
+
+
+def _clamped_sum(x: object, ctx: Context) -> tuple[fx.Node, float, float] | None:
+    """(the add, lo, hi) where a norm's input ``x`` is ``clamp(a + b, lo, hi)`` with number bounds and the add read
+    by the clamp alone (Whisper's fp16 guard after its residual add): the norm's kernel then takes the add and
+    the clamp, and the clamped sum is its second output where something else reads it (the next residual)."""
+    got = clamp_of(x) if isinstance(x, fx.Node) and ctx.free(x) else None
+    if got is None or single_user(got[0]) is not x or not ctx.free(got[0]):
+        return None
+    return got
 
 
 def match_guard(node: fx.Node, ctx: Context) -> Subgraph | None:

@@ -30,16 +30,33 @@ ELEMENT = "element-wise op with no fusable producer or consumer pattern next to 
 
 CONV_FUNCTIONS = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d,
                   torch.conv1d, torch.conv2d, torch.conv3d)
+CONV1D = (torch.nn.functional.conv1d, torch.conv1d)
+CONV3D = (torch.nn.functional.conv3d, torch.conv3d)
+LINEAR_FUNCTIONS = (torch.nn.functional.linear, torch._C._nn.linear)
 
 
 def _all_one(v: object) -> bool:
     return all(x == 1 for x in (v if isinstance(v, tuple | list) else (v,)))
 
 
-def conv_reason(stride: object, padding: object, dilation: object, groups: object) -> str:
+def weight_kind(w: object) -> str:
+    """What a weight argument is in the graph: "param" (a ``get_attr``: a parameter or buffer, laid out once at
+    build time), "input" (a graph input: a parameter the backend did not lift, or a caller's tensor), "computed"
+    (an op's output: weight norm, a reparametrisation), "none" (absent) or "other"."""
+    if w is None:
+        return "none"
+    if not isinstance(w, fx.Node):
+        return "other"
+    return {"get_attr": "param", "placeholder": "input"}.get(w.op, "computed" if w.op.startswith("call_") else "other")
+
+
+def conv_reason(stride: object, padding: object, dilation: object, groups: object, weight: object = None,
+                bias: object = None, spatial: int = 2) -> str:
     """Why a convolution runs in torch (cuDNN): what of it the implicit-GEMM convolution
-    (``smg.ops.Builder.window2d``: any stride and padding, dilation 1, one group) cannot express, or, for one
-    it can, that its weight is not a parameter the kernel can bind (prepared once at build time)."""
+    (``smg.ops.Builder.window2d``: 1-D and 2-D, any stride and padding, dilation 1, one group) cannot express,
+    or, for one it can, what its weight (or bias) is where that is not a parameter the kernel can bind: a
+    graph input or a value computed in the graph (``weight_kind``; a module's own weight is a parameter).
+    Said only where the matcher recorded no reason of its own."""
     why = []
     if not _all_one(groups):
         why.append(f"groups {groups}: a grouped convolution (groups neither 1 nor every channel, or a channel "
@@ -47,11 +64,21 @@ def conv_reason(stride: object, padding: object, dilation: object, groups: objec
                    f"(groups = in = out channels) are fused")
     if not _all_one(dilation):
         why.append(f"dilation {dilation}: the SMG window is s*y + ky, not s*y + d*ky")
+    if spatial not in (1, 2):
+        why.append(f"a {spatial}-D convolution: the SMG convolutions are windows over 1-D and 2-D images")
     if why:
         return "; ".join(why)
-    return (f"a convolution (stride {stride}, padding {padding}) whose weight or bias is computed, not a "
-            f"parameter: the implicit GEMM lays its weight out once at build time; torch runs it (cuDNN on the "
-            f"GPU)")
+    kinds = {part: weight_kind(t) for part, t in (("weight", weight), ("bias", bias))}
+    what = f"a convolution (stride {stride}, padding {padding})"
+    for part, kind in kinds.items():
+        if kind == "computed":
+            return (f"{what} whose {part} is computed in the graph, not a parameter: the implicit GEMM lays its "
+                    f"weight out once at build time; torch runs it (cuDNN on the GPU)")
+        if kind == "input":
+            return (f"{what} whose {part} is a graph input, not a parameter the backend lifted (a parameter whose "
+                    f"Dynamo source was not read as a module's, or a caller's tensor): the implicit GEMM lays its "
+                    f"weight out once at build time; torch runs it (cuDNN on the GPU)")
+    return f"{what} on parameters that no SMG pattern took: torch runs it (cuDNN on the GPU)"
 
 
 def _short(node: fx.Node) -> str:
@@ -89,7 +116,7 @@ def reason(node: fx.Node, gm: fx.GraphModule) -> str:
         if isinstance(mod, nn.Embedding):
             return GATHER
         if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
-            return conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups)
+            return conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups, spatial=len(mod.kernel_size))
         if isinstance(mod, nn.Dropout | nn.Identity):
             return "identity at inference"
         return "no SMG pattern covers this module"
@@ -97,7 +124,16 @@ def reason(node: fx.Node, gm: fx.GraphModule) -> str:
         return LAYOUT
     if node.target in CONV_FUNCTIONS:
         a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
-        return conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
+        spatial = 3 if node.target in CONV3D else 1 if node.target in CONV1D else 2
+        return conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1),
+                           a.get("weight"), a.get("bias"), spatial)
+    if node.target in LINEAR_FUNCTIONS:
+        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        kind = weight_kind(w)
+        if kind in ("input", "computed"):
+            return (f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}, "
+                    f"not a parameter the backend lifted: the GEMM patterns lay their weight out once at build "
+                    f"time; torch runs it")
     if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
         return GATHER
     if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:

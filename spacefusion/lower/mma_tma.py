@@ -104,12 +104,12 @@ class TmaRing:
         offsets; pixels past the image's edge arrive as zeros."""
         st = self.st
         im = st.p.im2col(n)
-        (p_out, q_out), pad = im.out, im.pad
+        (p_out, q_out), (pad_y, pad_x) = im.out, im.pads
         m0 = st.row0
         if im.shift:  # by output parity (a, b): row nh's pixels from j0, shifted by the parity's first small row
             nh, a, b = (st.coord[d] for d in UPSAMPLE_VIEW[:3])
             img, y0, x0 = nh // p_out, nh % p_out + self._shift(im, a), m0 + self._shift(im, b)
-            pad = 0
+            pad_y = pad_x = 0
         else:
             img, y0, x0 = m0 // (p_out * q_out), (m0 // q_out) % p_out, m0 % q_out
             if im.stride > 1:  # the output pixel's first tap: ``stride`` input pixels an output pixel
@@ -120,8 +120,8 @@ class TmaRing:
             tap, ch = col // im.channels, col % im.channels
             ky, kx = tap // im.kernel[1], tap % im.kernel[1]
             dst = st.arena.ptr_to([st.slot_tile(n, slot) + band * rows * 64])
-            T.evaluate(tirx.call_extern("void", IM2COL_LOAD, dst, st.glob[f"{n}__tmap"].data, ch, x0 - pad, y0 - pad,
-                                        img, kx, ky, bar))
+            T.evaluate(tirx.call_extern("void", IM2COL_LOAD, dst, st.glob[f"{n}__tmap"].data, ch, x0 - pad_x,
+                                        y0 - pad_y, img, kx, ky, bar))
 
 
     @staticmethod

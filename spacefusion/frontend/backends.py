@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from schedulers.barrier import Barrier, find_barrier, stages
-from schedulers.hardware import CPU_STAND_IN, HardwareChoice, HardwareModel
+from schedulers.hardware import CPU_STAND_IN, PRESETS, HardwareChoice, HardwareModel
 from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
@@ -153,10 +153,12 @@ def recorded_hardware(folder: Path) -> tuple[HardwareModel, dict] | None:
         return None
     try:
         record = json.loads(path.read_text())
-        return HardwareModel.from_dict(record["model"]), record
+        model = HardwareModel.from_dict(record["model"])
     except (ValueError, KeyError, TypeError) as exc:
         raise FrontendError(f"{path} is not a hardware record ({exc}); move it away, or export into another "
                             f"folder") from exc
+    preset = PRESETS.get(model.name.lower())
+    return (preset if preset == model else model), record  # the preset itself where it is one
 
 
 class CudaBackend(_Cached):

@@ -2,7 +2,7 @@
 """Rebuild the tuner's first-round prior (``search/prior.py``) of a machine from its committed records.
 
 Usage:  python experiments/tuning/train_prior.py [--hw h100|h200] [--out search/data/prior_<hw>.json]
-                                                 [--evaluate experiments/results/prior_<hw>_heldout.json]
+                                                 [--evaluate experiments/tuning/prior_<hw>_heldout.json]
 
 Trains ``search.learned.LearnedCostModel`` (XGBoost, pairwise ranking within each workload) on every
 measured kernel of that machine committed here (``FILES``) and writes xgboost's JSON plus its sidecar.  Re-run

@@ -74,10 +74,11 @@ def _dynamo_times() -> dict[str, float]:
 def _exports(since: float) -> list[dict[str, Any]]:
     """The kernels this process's compile exported (their ``timing.json``, newest run only), slowest first:
     what a cold compile's critical path is made of."""
-    from spacefusion.frontend.dynamo import kernel_cache
+    from spacefusion.frontend.dynamo import device_hardware, kernel_cache
 
     start = time.time() - (time.perf_counter() - since)
-    rows = [json.loads(f.read_text()) | {"key": f.parent.name} for f in kernel_cache().glob("*/timing.json")
+    folder = kernel_cache(device_hardware())  # the GPU's own folder of the cache
+    rows = [json.loads(f.read_text()) | {"key": f.parent.name} for f in folder.glob("*/timing.json")
             if f.stat().st_mtime >= start]
     return sorted(rows, key=lambda r: -(r["schedule_s"] + r["lower_s"] + r["save_s"]))
 

@@ -225,9 +225,10 @@ def float_inputs(name: str, model: torch.nn.Module, x: dict[str, Any]) -> dict[s
     return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in x.items()}
 
 
-def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[str, ...] = ("H100",)) -> int:
-    """Each model's first picks (with ``db``, its best schedules measured on the first of ``hardware`` with a
-    record of them) as CUDA artefacts."""
+def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[str, ...] | None = None) -> int:
+    """Each model's first picks, ranked for the first of ``hardware`` (None: this GPU's preset, else the H100,
+    reported), as CUDA artefacts; with ``db``, its best schedules measured on the first of ``hardware`` with a
+    record of them."""
     from spacefusion.frontend.dynamo import export_cuda
 
     for name in names:
@@ -385,9 +386,13 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
 
     import spacefusion
     from spacefusion.frontend import CudaBackend
-    from spacefusion.frontend.dynamo import first_pick
+    from spacefusion.frontend.backends import recorded_hardware
+    from spacefusion.frontend.dynamo import device_hardware, first_pick_for
 
     time_cuda = runtime_module("timing").time_cuda
+    # the machine the folder's kernels were ranked for (an export's), else this GPU's: one folder, one machine
+    recorded = recorded_hardware(art / "kernels")
+    hw = recorded[0] if recorded is not None else device_hardware()
     db = None
     if tune_trials:
         from search.database import TuningDatabase
@@ -404,7 +409,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             exact = _last_hidden(model(**float_inputs(name, model, x))).clone()
             model.half()
             systems: dict[str, Any] = {"eager": model}
-            backend = CudaBackend(art / "kernels", schedule_for=first_pick, build_missing=build_missing)
+            backend = CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), build_missing=build_missing,
+                                  hardware=hw)
             t = time.perf_counter()
             sf = spacefusion.compile(model, target=backend)
             _last_hidden(sf(**x))
@@ -424,7 +430,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                                "subgraphs": len(report.tuned), "cached": report.cached, "report": str(report)}
                 print(report, flush=True)
                 tuned = CudaBackend(art / "kernels_tuned", build_missing=True,
-                                    schedule_for=report.schedule_for(fallback=first_pick))
+                                    schedule_for=report.schedule_for(fallback=first_pick_for(hw)), hardware=hw)
                 systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned)
                 _last_hidden(systems["spacefusion+graph tuned"](**x))
             # the same kernels with one runtime feature off, captured (and so built into the graph) under it
@@ -435,7 +441,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                     continue
                 os.environ[env] = "0"
                 try:
-                    off = CudaBackend(art / "kernels", schedule_for=first_pick)
+                    off = CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), hardware=hw)
                     systems[f"spacefusion+graph {ab_name}"] = spacefusion.compile(model, target=off)
                     _last_hidden(systems[f"spacefusion+graph {ab_name}"](**x))
                 finally:
@@ -443,10 +449,10 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             for matcher in without:  # the same kernels with one pattern left to torch (its ops run as captured)
                 with _without_matcher(matcher):
                     systems[f"spacefusion+graph without {matcher}"] = spacefusion.compile(
-                        model, target=CudaBackend(art / "kernels", schedule_for=first_pick))
+                        model, target=CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), hardware=hw))
                     _last_hidden(systems[f"spacefusion+graph without {matcher}"](**x))
             if second_art is not None:  # another export's artefacts (export --db: the tuned kernels), same code
-                second_be = CudaBackend(second_art / "kernels", schedule_for=first_pick)
+                second_be = CudaBackend(second_art / "kernels")  # loads what that export built, as it was ranked
                 systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be)
                 _last_hidden(systems[f"spacefusion+graph {second_name}"](**x))
             for mode in modes:
@@ -529,9 +535,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also tune every distinct SMG on this GPU (TVM here) and time the tuned kernels")
     ap.add_argument("--db", type=Path, default=None,
                     help="the tuning database (tune, run --tune: default ART/tuning.db; export: build its picks)")
-    ap.add_argument("--hw", nargs="+", default=["H100"],
-                    help="export --db: whose measurements to build from, in order (a record of the first wins; "
-                         "e.g. 'H200 H100': a round measured on an H200 where it has one, else the H100's)")
+    ap.add_argument("--hw", nargs="+", default=None,
+                    help="export: the machine the first picks are ranked for (the first named; default: this GPU's "
+                         "preset, else the H100, reported) and, with --db, whose measurements to build from, in "
+                         "order (e.g. 'H200 H100': a round measured on an H200 where it has one, else the H100's)")
     ap.add_argument("--kinds", nargs="*", default=None,
                     help="tune: only the subgraphs of these kinds (conv, attention, gemm, group_norm, ...)")
     ap.add_argument("--trials", type=int, default=8, help="tune: candidates per SMG")
@@ -553,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
     a = ap.parse_args(argv)
     if a.phase == "export":
-        return export(a.art, a.models, a.db, tuple(a.hw))
+        return export(a.art, a.models, a.db, tuple(a.hw) if a.hw else None)
     if a.phase == "tune":
         return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))

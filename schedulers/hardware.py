@@ -19,17 +19,23 @@ from typing import Any
 
 __all__ = [
     "A100",
+    "CPU_STAND_IN",
+    "DEFAULT_GPU",
     "H100",
     "H200",
     "NPU",
     "PRESETS",
     "V100",
+    "HardwareChoice",
     "HardwareError",
     "HardwareModel",
     "ResourceError",
     "ZERO_ALLOWED_FIELDS",
+    "choose_hardware",
     "from_device",
     "get_hardware",
+    "local_device",
+    "preset_of_device",
 ]
 
 KiB = 1024
@@ -568,10 +574,76 @@ def _query_torch(index: int) -> dict[str, Any] | None:
     }
 
 
-def preset_of_device(name: str) -> HardwareModel | None:
+def preset_of_device(name: str, capability: tuple[int, int] | None = None) -> HardwareModel | None:
     """The preset a device's name ("NVIDIA H200", "NVIDIA H100 PCIe", ...) names, or None: the key a
-    measurement on that device is filed under."""
-    return _matching_preset(name, None, None)
+    measurement on that device is filed under.  With ``capability`` (major, minor), a name that names no
+    preset falls back to the data-centre part of that compute capability (9.0: the H100)."""
+    return _matching_preset(name, *(capability or (None, None)))
+
+
+# ---------------------------------------------------------------------- which model ranks, and why
+
+#: The model where nothing says which GPU: no ``hw``/``hardware`` given and no CUDA device here (an export
+#: on a CPU machine for a GPU one, an offline tune), or a device that matches no preset.  Whoever uses it
+#: reports it (``HardwareChoice.defaulted``): an export's ``hardware.json`` and ``timing.json``, the
+#: backend's report, a log line.
+DEFAULT_GPU = H100
+#: The CPU has no hardware model.  Where an llvm path needs one all the same, it is this GPU preset, named
+#: here and never a claim about the CPU: the search space and first-round order of an llvm tune (which
+#: candidates fit and which are measured first; the LLVM runner's measurements decide) and the key its
+#: records are filed under, and a convolution's image-layout decision on llvm (which of two correct
+#: kernels is built).
+CPU_STAND_IN = H100
+
+
+@dataclass(frozen=True)
+class HardwareChoice:
+    """The hardware model that ranks schedules (first picks, layouts, splits), and why that one: given,
+    the GPU in hand (by name or compute capability), or ``DEFAULT_GPU`` standing in (``defaulted``)."""
+
+    model: HardwareModel
+    why: str
+    defaulted: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.model.name} ({self.why})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hardware": self.model.name, "why": self.why, "defaulted": self.defaulted}
+
+
+def choose_hardware(hw: HardwareModel | str | None = None,
+                    device: tuple[str, tuple[int, int] | None] | None = None) -> HardwareChoice:
+    """Which model ranks: ``hw`` where given (a model, or a preset's name); else the preset of ``device``
+    ((name, (major, minor) or None), the GPU in hand) by name, then by compute capability; else
+    ``DEFAULT_GPU``, marked ``defaulted`` with the reason.  Pure: the caller says what device it has."""
+    if hw is not None:
+        model = get_hardware(hw)
+        return HardwareChoice(model, "given")
+    if device is None:
+        return HardwareChoice(DEFAULT_GPU, f"no CUDA GPU here: the {DEFAULT_GPU.name} preset by default "
+                                           f"(give the hardware to rank for another)", True)
+    name, capability = device
+    by_name = preset_of_device(name)
+    if by_name is not None:
+        return HardwareChoice(by_name, f"the GPU in hand, {name}")
+    by_cc = preset_of_device(name, capability)
+    cc = ".".join(map(str, capability)) if capability else "unknown"
+    if by_cc is not None:
+        return HardwareChoice(by_cc, f"the GPU in hand, {name}: its name names no preset, compute capability "
+                                     f"{cc} does")
+    return HardwareChoice(DEFAULT_GPU, f"the GPU in hand, {name} (compute capability {cc}), matches no preset: "
+                                       f"the {DEFAULT_GPU.name} preset by default", True)
+
+
+def local_device(index: int = 0) -> tuple[str, tuple[int, int] | None] | None:
+    """(name, (major, minor)) of CUDA device ``index`` via cupy, else torch (both imported lazily); None
+    where neither sees one."""
+    info = _query_cupy(index) or _query_torch(index)
+    if info is None:
+        return None
+    major, minor = info.get("major"), info.get("minor")
+    return str(info["name"]), (int(major), int(minor)) if major is not None and minor is not None else None
 
 
 def _matching_preset(name: str, major: int | None, minor: int | None) -> HardwareModel | None:

@@ -18,7 +18,7 @@ import sympy as sp
 
 from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.halo import window_box
-from schedulers.hardware import H100, PRESETS, HardwareError, HardwareModel, get_hardware
+from schedulers.hardware import PRESETS, HardwareError, HardwareModel, get_hardware
 from schedulers.options import (
     GROUPS,
     KNOB_FIELDS,
@@ -452,11 +452,16 @@ def _checked_tiles(tiles: Mapping[str, int] | None) -> dict[str, int]:
     return out
 
 
+#: the threads a CUDA block may have on every GPU since compute capability 2.0: ``make_schedule``'s bound where
+#: no machine is named (a schedule for llvm is held to it too, so one schedule lowers for either target)
+THREADS_PER_BLOCK = 1024
+
+
 def _hardware(hw: HardwareModel | str | None) -> HardwareModel | None:
     """``hw`` as a HardwareModel: a model passes, a preset name (``"h100"``, ``"H200"``, an alias such as
-    ``"H100-SXM"``; case-insensitive) is looked up, None stays None (H100).  Raises HardwareError listing the
-    known names for an unknown one, and for anything else, at once rather than as an AttributeError deep
-    in the slicers."""
+    ``"H100-SXM"``; case-insensitive) is looked up, None stays None (``THREADS_PER_BLOCK`` bounds it).
+    Raises HardwareError listing the known names for an unknown one, and for anything else, at once rather
+    than as an AttributeError deep in the slicers."""
     if hw is None or isinstance(hw, HardwareModel):
         return hw
     if not isinstance(hw, str):
@@ -512,8 +517,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``recompute`` a tile may also cut a dim whose only obstacle is that each
     block recomputes an intermediate (e.g. the MLP's hidden tile per output
     column block): a trade of FLOPs for on-chip memory.  Each tile is a positive int (else
-    ScheduleError naming the dim and value).  ``hw`` (default H100; a HardwareModel or a preset
-    name of ``schedulers.hardware.PRESETS``, case-insensitive) bounds the threads per block.
+    ScheduleError naming the dim and value).  ``hw`` (a HardwareModel or a preset name of
+    ``schedulers.hardware.PRESETS``, case-insensitive) bounds the threads per block; None: CUDA's own limit,
+    ``THREADS_PER_BLOCK``, which every CUDA GPU shares (no machine is assumed).
     ``levels`` overrides memory levels where the lowering has a choice: a staged input may be read from ``global``
     instead, a block-shared streamed tile may be computed per thread
     (``register``).  ``vector`` > 1 gives each lane runs of that many consecutive serial
@@ -541,7 +547,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     hw = _hardware(hw)
     spatial, thread_dim, block = blocking(smg, tiles, thread_dim, recompute, tensor_cores)
     sizes = smg.dim_sizes
-    limit = (hw or H100).max_threads_per_block
+    limit = hw.max_threads_per_block if hw is not None else THREADS_PER_BLOCK
     groups = split_knobs(knobs)
     serial = serial or pick_serial(smg, spatial)
     if serial not in sizes:
@@ -585,7 +591,7 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         _refuse(needs_tensor_cores(out))
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {out.lanes} lanes needs {out.threads} threads; at most "
-                            f"{limit} on {(hw or H100).name}", code="threads")
+                            f"{limit} on {hw.name if hw is not None else 'any CUDA GPU'}", code="threads")
     return out
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import xgboost as xgb
 
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
 from search.features import FEATURE_NAMES, feature_matrix
 from search.metrics import spearman, top1_slowdown, top_k_recall
@@ -115,10 +115,11 @@ class LearnedCostModel:
     and takes well under a second on a few hundred records.
     """
 
-    def __init__(self, hw: HardwareModel = H100, *, num_rounds: int = 150, max_depth: int = 6,
+    def __init__(self, hw: HardwareModel, *, num_rounds: int = 150, max_depth: int = 6,
                  learning_rate: float = 0.1, num_pairs_per_sample: int = 8, seed: int = 0,
                  nthread: int = 1) -> None:
-        self.hw = hw
+        self.hw = hw  # the machine whose numbers the features are computed with: no default, it is a choice
+        self.meta: dict[str, Any] = {}  # a loaded model's sidecar (what it was trained on)
         self.num_rounds = int(num_rounds)
         self.params: dict[str, Any] = {
             "objective": "rank:pairwise",
@@ -256,8 +257,9 @@ class LearnedCostModel:
         }
 
     # -- persistence --------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Write the booster as xgboost JSON at ``path`` (must end in .json) and a ``.meta.json`` sidecar."""
+    def save(self, path: str | Path, training: dict[str, Any] | None = None) -> None:
+        """Write the booster as xgboost JSON at ``path`` (must end in .json) and a ``.meta.json`` sidecar;
+        ``training`` (what it was trained on, how it did held out) goes into the sidecar as it is."""
         if self._booster is None:
             raise RuntimeError("nothing to save: the cost model is not trained")
         path = Path(path)
@@ -273,6 +275,8 @@ class LearnedCostModel:
             "num_records": self.num_records,
             "xgboost_version": xgb.__version__,
         }
+        if training is not None:
+            meta["training"] = training
         _sidecar(path).write_text(json.dumps(meta, indent=1, sort_keys=True))
 
     @classmethod
@@ -293,4 +297,5 @@ class LearnedCostModel:
         model = cls(HardwareModel.from_dict(meta["hardware"]), num_rounds=int(meta["num_rounds"]))
         model.params = dict(meta["params"])
         model._booster = booster
+        model.meta = meta
         return model

@@ -14,7 +14,9 @@ prior breaks its ties.  Left out per shape, this put the first pick within 10% o
 best on 9 of the 12 unseen shapes instead of 5 (``tests/test_prior.py``).
 
 The model ships as xgboost's own JSON (``search/data/prior_<hw>.json`` + sidecar, never a pickle),
-rebuilt from the records by ``experiments/tuning/train_prior.py``.
+rebuilt from the records by ``experiments/tuning/train_prior.py``.  Each machine's own prior is used where one
+ships (``prior_for``); a GPU without one is ranked with the H100's, which scores the candidates as they
+would be on the H100 (its features are the H100's numbers) and says so in its ``why``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from __future__ import annotations
 import json
 import lzma
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from schedulers.hardware import HardwareModel
+from schedulers.hardware import H100, HardwareModel, preset_of_device
 from schedulers.schedule import Schedule
 from search.learned import LearnedCostModel
 from search.records import MeasureResult
@@ -39,15 +42,47 @@ DATA = Path(__file__).resolve().parent / "data"
 
 
 def prior_path(hw: HardwareModel) -> Path:
-    return DATA / f"prior_{hw.name.lower()}.json"
+    """Where ``hw``'s prior ships: named after its preset (a queried device's model, "NVIDIA H200", is the
+    H200's)."""
+    return DATA / f"prior_{(preset_of_device(hw.name) or hw).name.lower()}.json"
 
 
 @lru_cache(maxsize=4)
 def load_prior(hw: HardwareModel) -> LearnedCostModel | None:
-    """The shipped prior for ``hw`` (None where no measurements of that machine were committed); read
-    once per process (0.7 MB of xgboost JSON), not once per tuned workload."""
+    """The shipped prior of ``hw`` itself (None where none ships; ``prior_for`` falls back); read once per
+    process (0.7 MB of xgboost JSON), not once per tuned workload."""
     path = prior_path(hw)
     return LearnedCostModel.load(path) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class PriorChoice:
+    """The prior that breaks ``hw``'s ties: ``model`` (None: none, the key order breaks them), the machine it
+    was trained on (``trained_on``), and why that one."""
+
+    model: LearnedCostModel | None
+    trained_on: str | None
+    why: str
+
+
+#: the prior a GPU without one of its own is ranked with
+FALLBACK = H100
+
+
+@lru_cache(maxsize=8)
+def prior_for(hw: HardwareModel) -> PriorChoice:
+    """``hw``'s own prior where one ships; else, for a GPU, the ``FALLBACK``'s (the H100's), with the reason;
+    else none."""
+    own = load_prior(hw)
+    if own is not None:
+        n = own.meta.get("num_records")
+        return PriorChoice(own, hw.name, f"the {hw.name}'s own prior" + (f" ({n} records)" if n else ""))
+    fallback = load_prior(FALLBACK) if hw.kind == "gpu" and hw.name != FALLBACK.name else None
+    if fallback is not None:
+        return PriorChoice(fallback, FALLBACK.name, f"no prior of the {hw.name} ships (none in {DATA.name}/): the "
+                                                    f"{FALLBACK.name}'s, which scores ties with the "
+                                                    f"{FALLBACK.name}'s numbers")
+    return PriorChoice(None, None, f"no prior of the {hw.name} ships: ties go by key")
 
 
 def read_json(path: Path | str) -> Any:
@@ -59,15 +94,16 @@ def read_json(path: Path | str) -> Any:
     return json.loads(path.read_text())
 
 
-def read_records(path: Path) -> tuple[list[Schedule], list[MeasureResult], list[str]]:
+def read_records(path: Path, device: str = "H100") -> tuple[list[Schedule], list[MeasureResult], list[str]]:
     """Schedules, results and groups (workload + tuning key) of a ``spacefusion-records/1`` file, of
     ``warp_tile_calibration.json`` (rows of schedule, workload and median), or of the models' tuning rounds
-    (``spacefusion-e2e-rounds/2``: each round's SMG stored once; H100 rounds only)."""
+    (``spacefusion-e2e-rounds/2``: each round's SMG stored once; the rounds of ``device`` only, a preset's
+    name that the round's device name holds)."""
     data = read_json(path)
     scheds, res, groups = [], [], []
     if "rounds" in data:
         for rnd in data["rounds"]:
-            if "H100" not in rnd["device"] or "schedules" not in rnd:
+            if device.upper() not in rnd["device"].upper() or "schedules" not in rnd:
                 continue
             dims = "x".join(f"{d['name']}{d['size']}" for d in rnd["workload"]["dims"])
             for r in rnd["results"]:
@@ -91,12 +127,13 @@ def read_records(path: Path) -> tuple[list[Schedule], list[MeasureResult], list[
 
 
 def train_prior(hw: HardwareModel, files: Iterable[Path], exclude: Sequence[str] = ()) -> LearnedCostModel:
-    """A ranker on every record of ``files`` whose group names none of ``exclude`` (held-out workloads)."""
+    """A ranker on every record of ``files`` (the rounds of ``hw``'s device where a file holds several
+    machines') whose group names none of ``exclude`` (held-out workloads)."""
     scheds: list[Schedule] = []
     res: list[MeasureResult] = []
     groups: list[str] = []
     for f in files:
-        s, r, g = read_records(f)
+        s, r, g = read_records(f, hw.name)
         keep = [i for i, gi in enumerate(g) if not any(gi.startswith(f"{x}:") for x in exclude)]
         scheds += [s[i] for i in keep]
         res += [r[i] for i in keep]

@@ -23,6 +23,7 @@ live in ``spacefusion.runners``, so this layer never imports them.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import tempfile
@@ -33,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import CPU_STAND_IN, HardwareModel, choose_hardware, local_device
 from schedulers.schedule import Schedule
 from search.cost import estimate_us, simt_veto
 from search.database import TuningDatabase, cache_enabled, claim_owner, key_parts, tuning_key
 from search.learned import LearnedCostModel
 from search.metrics import spearman, top1_slowdown
-from search.prior import first_round_order, load_prior
+from search.prior import first_round_order, prior_for
 from search.records import Builder, MeasureInput, MeasureResult, Runner
 from search.space import SearchSpace, SpaceReport
 from smg.ir import SMG
@@ -128,7 +129,25 @@ def _quality(pred: list[float], measured: list[float]) -> dict[str, float]:
             "n": float(len(ok))}
 
 
-def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
+log = logging.getLogger("spacefusion")
+
+
+def tuning_hardware(target: str, hw: HardwareModel | None = None) -> HardwareModel:
+    """The model a tune of ``target`` searches with and files its records under: ``hw`` where given; for
+    llvm, ``CPU_STAND_IN`` (the CPU has no model); for CUDA, the preset of the GPU in hand, else
+    ``DEFAULT_GPU``, logged (a tune whose runner measures elsewhere, offline or on a cluster, should name
+    the machine)."""
+    if hw is not None:
+        return hw
+    if target.startswith("llvm"):
+        return CPU_STAND_IN
+    choice = choose_hardware(None, local_device())
+    if choice.defaulted:
+        log.warning("tuning %s for the %s: %s", target, choice.model.name, choice.why)
+    return choice.model
+
+
+def tune(smg: SMG, runner: Runner, *, hw: HardwareModel | None = None, target: str = "cuda:sm_90a",
          db: TuningDatabase | str | Path | None = None, trials: int = 64, batch: int = 16, explore: float = 0.25,
          seed: int = 0, workers: int = 2, progress: bool = True, recompute: bool = False,
          max_step: int | None = None, fast_math: bool = False, use_prior: bool = True,
@@ -137,7 +156,9 @@ def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "c
     tensor-core candidates compute tanh and logistics on tanh.approx (``Schedule.fast_math``); it is
     part of the database key, so approximate and exact results never stand in for each other.
     ``use_prior`` breaks the analytical model's ties in the first round with the ranker learned from
-    the committed measurements of ``hw`` (``search.prior``), where there is one.  ``builder`` lowers the
+    the committed measurements of ``hw`` (``search.prior.prior_for``).  ``hw``: the machine the records are
+    filed under and the search ranks for; None: ``tuning_hardware`` (the GPU in hand's preset, the llvm
+    stand-in for llvm, else the logged default).  ``builder`` lowers the
     candidates (prebuilt in ``workers`` processes) and its flags key the database; by default the runner's
     own (``runner.builder``), as every runner of ``spacefusion.runners`` has one.  ``inputs_from``: the graph
     whose outputs ``smg`` reads (a split's partial for its ``stats`` kernel), so every candidate is checked on
@@ -147,6 +168,7 @@ def tune(smg: SMG, runner: Runner, *, hw: HardwareModel = H100, target: str = "c
         raise TypeError(f"tune needs a builder: pass builder=..., or a runner with a .builder "
                         f"({type(runner).__name__} has none)")
     t_start = time.perf_counter()
+    hw = tuning_hardware(target, hw)
     own_db = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db if db is not None else Path(tempfile.mkdtemp()) / "tuning.db") if own_db else db
     try:
@@ -186,7 +208,7 @@ def _tune(smg: SMG, runner: Runner, builder: Builder, hw: HardwareModel, target:
     remaining = {s.key: s for s in cands if s.key not in measured}
     est = {k: estimate_us(s, hw) for k, s in remaining.items()}
     model = LearnedCostModel(hw)
-    prior = load_prior(hw) if use_prior and target.startswith("cuda") else None  # learned from GPU kernels
+    prior = prior_for(hw).model if use_prior and target.startswith("cuda") else None  # learned from GPU kernels
     history = [(s, r) for s, r in db.records(key)]
     if sum(r.ok for _, r in history) >= MIN_RECORDS_TO_LEARN:
         model.fit([s for s, _ in history], [r for _, r in history], [key] * len(history))

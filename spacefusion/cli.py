@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from schedulers.hardware import CPU_STAND_IN, DEFAULT_GPU
 from smg.errors import SpaceFusionError
 from smg.serialize import smg_to_dict
 
@@ -180,8 +181,25 @@ def build_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+#: --target: the hardware preset a tune searches with and files its records under, and the build target.  llvm's
+#: is ``CPU_STAND_IN``: the CPU has no model, so the search space is a GPU preset's and the CPU measures
 TARGETS = {"h100": ("H100", "cuda:sm_90a"), "h200": ("H200", "cuda:sm_90a"), "a100": ("A100", "cuda:sm_80"),
-           "llvm": ("H100", "llvm")}
+           "llvm": (CPU_STAND_IN.name, "llvm")}
+
+
+def default_target(runner: str) -> tuple[str, str]:
+    """--target where none is given, and why: llvm for --runner llvm; for --runner gpu, the GPU in hand's preset
+    where it is one of ``TARGETS``; otherwise (a GPU elsewhere: offline, ray) ``DEFAULT_GPU``'s, said so."""
+    if runner == "llvm":
+        return "llvm", "--runner llvm measures on this CPU"
+    if runner == "gpu":
+        from schedulers.hardware import choose_hardware, local_device
+
+        choice = choose_hardware(None, local_device())
+        if choice.model.name.lower() in TARGETS and not choice.defaulted:
+            return choice.model.name.lower(), choice.why
+    return DEFAULT_GPU.name.lower(), (f"--runner {runner} measures on a GPU elsewhere (or none matched here): the "
+                                      f"{DEFAULT_GPU.name} by default, give --target for another")
 
 
 #: what to use instead of a runner that cannot measure here
@@ -244,8 +262,9 @@ def tune_cmd(args: argparse.Namespace) -> int:
     from schedulers.hardware import get_hardware
     from search.tuner import summary_dict, tune
 
-    if args.target is None:  # --runner llvm tunes for this CPU; every other runner for the H100 unless told
-        args.target = "llvm" if args.runner == "llvm" else "h100"
+    if args.target is None:  # --runner llvm tunes for this CPU, gpu for its GPU; the others for DEFAULT_GPU, said so
+        args.target, why = default_target(args.runner)
+        print(f"spacefusion: --target {args.target} ({why})", file=sys.stderr)
     if args.target not in TARGETS:
         raise SpaceFusionError(f"unknown target {args.target!r}; known: {sorted(TARGETS)}")
     if args.json:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from schedulers.barrier import Barrier, find_barrier, stages
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import CPU_STAND_IN, PRESETS, HardwareChoice, HardwareModel
 from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
@@ -80,9 +80,10 @@ class _Cached:
         return None if isinstance(got, str) else got
 
     def layout_of(self, nchw: SMG, nhwc: SMG) -> LayoutChoice:
-        """How a conv reads an NCHW image (``layouts.decide`` on ``split_hw``, the H100 where none), once per conv."""
+        """How a conv reads an NCHW image (``layouts.decide`` on ``split_hw``; where none, as on llvm, on
+        ``CPU_STAND_IN``: the CPU has no model, and either layout is a correct kernel), once per conv."""
         if nchw.key not in self._layouts:
-            self._layouts[nchw.key] = decide(nchw, nhwc, self.split_hw or H100)
+            self._layouts[nchw.key] = decide(nchw, nhwc, self.split_hw or CPU_STAND_IN)
         return self._layouts[nchw.key]
 
     def _compile(self, smg: SMG) -> Kernel:
@@ -139,10 +140,41 @@ def _stale(path: Path) -> bool:
         return True
 
 
+#: the file of a kernel folder that says which machine its first picks, splits and layouts were ranked for
+HARDWARE_FILE = "hardware.json"
+#: ``CudaBackend``'s ``split_hw`` default: the machine the backend ranks for (``hardware``)
+RANKING = "ranking"
+
+
+def recorded_hardware(folder: Path) -> tuple[HardwareModel, dict] | None:
+    """The machine ``folder``'s kernels were ranked for (its ``HARDWARE_FILE``) and the record; None where the
+    folder has none (empty, or exported before the record existed); FrontendError naming a damaged one."""
+    path = Path(folder) / HARDWARE_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        model = HardwareModel.from_dict(record["model"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FrontendError(f"{path} is not a hardware record ({exc}); move it away, or export into another "
+                            f"folder") from exc
+    preset = PRESETS.get(model.name.lower())
+    return (preset if preset == model else model), record  # the preset itself where it is one
+
+
 class CudaBackend(_Cached):
     """The GPU backend: ``export`` builds each SMG's CUDA artefact (needs TVM, this machine);
     ``compile`` loads an exported artefact with ``spacefusion.runtime.gpu`` (needs torch + cupy and a
-    GPU, no TVM) and launches it on torch tensors (``experiments/e2e_gpu.py`` runs whole models)."""
+    GPU, no TVM) and launches it on torch tensors (``experiments/e2e_gpu.py`` runs whole models).
+
+    ``hardware`` is the machine whose numbers rank what this backend decides (a ``HardwareChoice``, a
+    ``HardwareModel`` or a preset's name; None: the GPU in hand's preset, else the reported default,
+    ``machine.ranking_hardware``); ``split_hw`` defaults to it.  The folder records it (``HARDWARE_FILE``)
+    when a decision is first written there, since artefacts are named by the SMG alone: a backend that builds
+    (``build_missing``) refuses a folder ranked for another machine rather than serve or mix its kernels; one
+    that only loads takes the folder's record as its own (the kernels are correct on any sm_90a GPU, only
+    ranked for the recorded machine's numbers), saying so in a log line where it differs from the GPU's.
+    ``schedule_for`` is the caller's: ranked for the same machine where it ranks (``dynamo.first_pick_for``)."""
 
     name = "cuda"
     #: forms left to torch's library kernels on the GPU, each with why (reported as the op's reason): where the
@@ -155,9 +187,24 @@ class CudaBackend(_Cached):
 
     def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule,
                  build_missing: bool = False, load: bool = True, by_schedule: bool = False,
-                 split_hw: HardwareModel | None = H100) -> None:
-        super().__init__(split_hw)
-        self.folder, self.arch, self.schedule_for = Path(folder), arch, schedule_for
+                 split_hw: HardwareModel | None | str = RANKING,
+                 hardware: HardwareChoice | HardwareModel | str | None = None) -> None:
+        from spacefusion.frontend.machine import log, ranking_hardware
+
+        folder = Path(folder)
+        choice = hardware if isinstance(hardware, HardwareChoice) else ranking_hardware(hardware)
+        recorded = recorded_hardware(folder)
+        if recorded is not None and recorded[0] != choice.model:
+            there = f"{folder} holds kernels ranked for the {recorded[0].name} ({recorded[1].get('why', '')})"
+            if build_missing:
+                raise FrontendError(f"{there}, and this backend builds for the {choice}: give it another folder "
+                                    f"(one per machine), or hardware={recorded[0].name!r} to go on ranking for "
+                                    f"the {recorded[0].name}")
+            log.warning("%s; loaded as they are on the %s", there, choice)
+            choice = HardwareChoice(recorded[0], f"recorded with the kernels in {folder / HARDWARE_FILE}")
+        self.hardware = choice
+        super().__init__(choice.model if isinstance(split_hw, str) and split_hw == RANKING else split_hw)
+        self.folder, self.arch, self.schedule_for = folder, arch, schedule_for
         self.build_missing = build_missing  # export an artefact not found (TVM and the GPU in one process)
         self.load = load  # False: export only (where TVM is and no GPU); the kernel refuses to run
         # artefacts named by the schedule too (a tuning database's pick may change; a first pick may not)
@@ -194,6 +241,7 @@ class CudaBackend(_Cached):
             return None
         record = got.to_dict() if got is not None else self._one_kernel(smg, self.splits.get(smg.key, ""))
         try:
+            self._record_hardware()
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".json.{os.getpid()}.tmp")  # whole or not at all: workers share the folder
             tmp.write_text(json.dumps(record))
@@ -202,6 +250,17 @@ class CudaBackend(_Cached):
             if got is not None:  # a split must reach the GPU machine; a decision to keep one kernel need not
                 raise
         return got
+
+    def _record_hardware(self) -> None:
+        """Write the folder's ``HARDWARE_FILE`` (which machine this backend ranks for) before its first
+        decision there; a folder that has one keeps it (the constructor checked it is this backend's)."""
+        path = self.folder / HARDWARE_FILE
+        if path.is_file():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".json.{os.getpid()}.tmp")  # whole or not at all: workers share the folder
+        tmp.write_text(json.dumps({**self.hardware.to_dict(), "model": self.hardware.model.to_dict()}, indent=1))
+        tmp.replace(path)
 
     def _one_kernel(self, smg: SMG, reason: str) -> dict[str, object]:
         """The record of a decision to keep ``smg`` one kernel: what it was decided for, and why."""
@@ -227,6 +286,7 @@ class CudaBackend(_Cached):
                 pass  # another rule's (or a damaged) record: decided again and replaced
         got = super().layout_of(nchw, nhwc)
         if not math.isnan(got.nchw_us):  # a decision made without the cost model is not recorded
+            self._record_hardware()
             records[key] = got.to_dict()
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".json.tmp")
@@ -266,8 +326,10 @@ class CudaBackend(_Cached):
             undecided = self.split_hw is not None and not (self.folder / smg.key[:16] / "split.json").is_file()
             if undecided or self._missing(smg):  # the worker decides the split, then exports what is missing
                 todo[smg.key] = smg
+        if todo:
+            self._record_hardware()  # before the workers: theirs would race to write it
         return export_many(self.folder, self.arch, self.schedule_for, self.by_schedule, list(todo.values()),
-                           split=(self.split_hw, self.split_kw))
+                           split=(self.split_hw, self.split_kw), hardware=self.hardware)
 
     def _missing(self, smg: SMG) -> list[SMG]:
         """The kernels ``compile`` would build for ``smg`` (its split's, or its own) that the folder lacks or
@@ -285,9 +347,11 @@ class CudaBackend(_Cached):
     def export(self, smg: SMG, cubin: bool = True) -> Path:
         """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``), and
         ``timing.json``: the seconds its schedule (the first pick's search), TVM's lowering and the save
-        (nvcc) took, what a cold compile's time is made of (``experiments/compile_time.py`` reads them)."""
+        (nvcc) took, what a cold compile's time is made of (``experiments/compile_time.py`` reads them), and
+        the machine its schedule was ranked for, with why (a default says so)."""
         from spacefusion.api import build
 
+        self._record_hardware()
         t0 = time.perf_counter()
         schedule = self.schedule_for(smg)
         t1 = time.perf_counter()
@@ -296,7 +360,8 @@ class CudaBackend(_Cached):
         path = art.save(self.artefact_dir(smg), compile_cubin=cubin)
         t3 = time.perf_counter()
         (path / "timing.json").write_text(json.dumps({"name": smg.name, "schedule_s": round(t1 - t0, 3),
-                                                      "lower_s": round(t2 - t1, 3), "save_s": round(t3 - t2, 3)}))
+                                                      "lower_s": round(t2 - t1, 3), "save_s": round(t3 - t2, 3),
+                                                      "ranked_for": self.hardware.to_dict()}))
         return path
 
     def _compile(self, smg: SMG) -> Kernel:

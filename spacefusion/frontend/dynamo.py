@@ -160,6 +160,9 @@ class SpaceFusionBackend:
         breaks = len(self.graph_breaks())
         # the kernels as made (a report never makes them: a "cuda" target without a GPU would raise here)
         name = getattr(self._kernels, "name", self.target) if self.graphs else "no graph yet"
+        ranked_for = getattr(self._kernels, "hardware", None) if self.graphs else None
+        if ranked_for is not None:  # which machine's numbers ranked the kernels, and why (a default said so)
+            name += f", ranked for the {ranked_for}"
         head = f"spacefusion ({name}): {len(self.graphs)} Dynamo graphs"
         lines = [head + (f", {breaks} graph breaks (torch runs the code at each)" if breaks else "")]
         lines += [str(g) for g in self.graphs]
@@ -193,16 +196,25 @@ TARGETS = ("cuda", "llvm", "reference")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def kernel_cache() -> Path:
-    """Where the "cuda" target keeps the artefacts it builds (``SPACEFUSION_CACHE``, else ~/.cache)."""
-    return Path(os.environ.get("SPACEFUSION_CACHE", Path.home() / ".cache" / "spacefusion")) / "kernels"
+def kernel_cache(hw: Any = None) -> Path:
+    """Where the "cuda" target keeps the artefacts it builds (``SPACEFUSION_CACHE``, else ~/.cache): with
+    ``hw`` (a ``HardwareModel``), the folder of the kernels ranked for it, ``kernels/<preset>``.  Each machine
+    has its own: a first pick, a split and a layout are decided for one machine's numbers, and the artefacts
+    (and ``split.json``, ``layouts.json``, the ``seen`` marks) are named by the SMG alone, so an H100's would
+    otherwise be served to an H200."""
+    root = Path(os.environ.get("SPACEFUSION_CACHE", Path.home() / ".cache" / "spacefusion")) / "kernels"
+    if hw is None:
+        return root
+    from spacefusion.frontend.machine import hardware_dir
+
+    return root / hardware_dir(hw)
 
 
-def writable_kernel_cache() -> Path:
-    """``kernel_cache()``, made and checked writable now: FrontendError naming the folder and
+def writable_kernel_cache(hw: Any = None) -> Path:
+    """``kernel_cache(hw)``, made and checked writable now: FrontendError naming the folder and
     ``SPACEFUSION_CACHE`` otherwise (a read-only HOME), before anything is traced or built rather than as a
     PermissionError inside the first export."""
-    folder = kernel_cache()
+    folder = kernel_cache(hw)
     probe = folder / f".write-test-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -216,35 +228,41 @@ def writable_kernel_cache() -> Path:
 
 def kernel_backend(target: Any, db: str | Path | None = None) -> Any:
     """The kernel backend of a target: "reference", "llvm", "cuda" (TVM builds each SMG's first pick, the
-    analytical model's best schedule for an H100, into ``kernel_cache()`` and the GPU runtime launches it:
-    TVM, nvcc and the GPU on one machine), or a backend object.  With ``db`` (a tuning database that
-    ``frontend.tune.tune_model`` filled) "llvm" and "cuda" build each SMG's best measured schedule there
-    ("cuda": measured on this GPU's preset, ``device_hardware``, else on an H100)."""
+    analytical model's best schedule for this GPU's preset, ``device_hardware``, into its folder of
+    ``kernel_cache``, and the GPU runtime launches it: TVM, nvcc and the GPU on one machine), or a backend
+    object.  With ``db`` (a tuning database that ``frontend.tune.tune_model`` filled) "llvm" and "cuda" build
+    each SMG's best measured schedule there ("cuda": measured on this GPU's preset, else on an H100; "llvm":
+    filed under ``CPU_STAND_IN``, the CPU having no model)."""
     if target == "llvm" and db is not None:
+        from schedulers.hardware import CPU_STAND_IN
         from spacefusion.frontend.backends import LLVMBackend
         from spacefusion.frontend.schedules import default_schedule
 
-        return LLVMBackend(schedule_for=tuned(db, "llvm", default_schedule))
+        return LLVMBackend(schedule_for=tuned(db, "llvm", default_schedule, (CPU_STAND_IN.name,)))
     if target != "cuda":
         return get_backend(target)
     if not torch.cuda.is_available():
         raise FrontendError("target 'cuda' needs a CUDA GPU (torch.cuda.is_available() is False); use 'llvm'")
     from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.frontend.machine import ranking_hardware
 
+    choice = ranking_hardware()
+    folder = writable_kernel_cache(choice.model)
     if db is None:
-        return CudaBackend(writable_kernel_cache(), schedule_for=first_pick, build_missing=True)
-    machines = tuple(dict.fromkeys((device_hardware().name, "H100")))
-    return CudaBackend(writable_kernel_cache(), schedule_for=tuned(db, "cuda:sm_90a", first_pick, machines),
-                       build_missing=True, by_schedule=True)
+        return CudaBackend(folder, schedule_for=first_pick_for(choice.model), build_missing=True, hardware=choice)
+    machines = tuple(dict.fromkeys((choice.model.name, "H100")))
+    return CudaBackend(folder, schedule_for=tuned(db, "cuda:sm_90a", first_pick_for(choice.model), machines),
+                       build_missing=True, by_schedule=True, hardware=choice)
 
 
 def device_hardware() -> Any:
-    """The hardware preset of this machine's GPU: the key its tunes file records under, and whose records a
-    tuned build reads first (an H200's measurements are not an H100's); the H100's where the device's name
-    matches no preset."""
-    from schedulers.hardware import H100, preset_of_device
+    """The hardware preset of this machine's GPU (``machine.ranking_hardware``): what its first picks are ranked
+    for, the key its tunes file records under, and whose records a tuned build reads first (an H200's
+    measurements are not an H100's); ``DEFAULT_GPU`` (the H100), logged, where the device matches no preset
+    or there is none."""
+    from spacefusion.frontend.machine import ranking_hardware
 
-    return preset_of_device(torch.cuda.get_device_name()) or H100
+    return ranking_hardware().model
 
 
 def check_database(db: str | Path, target: Any) -> None:
@@ -283,30 +301,54 @@ def tuned(db: str | Path, target: str, fallback: Any, hardware: Sequence[str] = 
     return pick
 
 
-def first_pick(smg: Any) -> Any:
-    """The analytical model's best schedule of ``smg`` for an H100 (``schedules.model_pick``); the slicers'
-    default where no candidate fits (a correct kernel, not a fast one)."""
+def first_pick(smg: Any, hw: Any = None) -> Any:
+    """The analytical model's best schedule of ``smg`` for ``hw`` (``schedules.model_pick``; None: this GPU's
+    preset, else the reported default, ``machine.ranking_hardware``); the slicers' default where no candidate
+    fits (a correct kernel, not a fast one)."""
     from spacefusion.frontend.schedules import default_schedule, model_pick
 
     try:
-        return model_pick(smg)[0]
+        return model_pick(smg, hw)[0]
     except Exception:  # no candidate fits
         return default_schedule(smg)
 
 
-def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path | None = None,
-                hardware: Sequence[str] = ("H100",), **kwargs: Any) -> SpaceFusionBackend:
-    """Capture ``model`` on the example inputs (meta tensors do: nothing runs) and write the CUDA artefact
-    of every fused SMG's first pick (with ``db``, its best schedule measured on the first of ``hardware``
-    with a record of it) into
-    ``folder``, where TVM is and no GPU: on the GPU machine ``spacefusion.compile(model,
-    target=CudaBackend(folder))`` then loads them with no TVM there (the SMG content keys name the
-    artefacts).  Returns the backend, whose report says what was fused."""
-    from spacefusion.frontend.backends import CudaBackend
+def first_pick_for(hw: Any) -> Callable[[Any], Any]:
+    """``first_pick`` ranked for ``hw``: a ``functools.partial``, so the export workers receive it pickled."""
+    import functools
 
-    pick = first_pick if db is None else tuned(db, "cuda:sm_90a", first_pick, hardware)
-    backend = SpaceFusionBackend(CudaBackend(folder, schedule_for=pick, build_missing=True, load=False),
-                                 export_only=True)
+    return functools.partial(first_pick, hw=hw)
+
+
+def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path | None = None,
+                hardware: Any = None, **kwargs: Any) -> SpaceFusionBackend:
+    """Capture ``model`` on the example inputs (meta tensors do: nothing runs) and write the CUDA artefact
+    of every fused SMG's first pick into ``folder``, where TVM is and no GPU: on the GPU machine
+    ``spacefusion.compile(model, target=CudaBackend(folder))`` then loads them with no TVM there (the SMG
+    content keys name the artefacts).  Returns the backend, whose report says what was fused and for which
+    machine.
+
+    ``hardware``: the machine the first picks (and splits and layouts) are ranked for, a preset's name or a
+    ``HardwareModel``, or a sequence of names: the first ranks, and with ``db`` each SMG's best schedule is
+    the one measured on the first of them with a record of it.  None: the GPU in hand's preset, else
+    ``DEFAULT_GPU`` (the H100), which is reported: in the report, in ``folder/hardware.json`` and each
+    kernel's ``timing.json``, and in a log line."""
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.frontend.machine import ranking_hardware
+
+    names = [hardware] if hardware is None or isinstance(hardware, str) or not isinstance(hardware, Sequence) \
+        else list(hardware)
+    if not names:
+        raise FrontendError("export_cuda: hardware names no machine (give a preset's name, or None for this GPU)")
+    choice = ranking_hardware(names[0])
+    machines = tuple(dict.fromkeys([choice.model.name, *(n if isinstance(n, str) else n.name for n in names[1:])]))
+    if hardware is None:  # the GPU in hand's records first, then the H100's (as ``kernel_backend`` reads them)
+        machines = tuple(dict.fromkeys((*machines, "H100")))
+    pick = first_pick_for(choice.model)
+    if db is not None:
+        pick = tuned(db, "cuda:sm_90a", pick, machines)
+    backend = SpaceFusionBackend(CudaBackend(folder, schedule_for=pick, build_missing=True, load=False,
+                                             hardware=choice), export_only=True)
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)
     return backend
@@ -352,7 +394,9 @@ def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: s
         from spacefusion.frontend.parallel_build import start_pool
 
         backend.model_signature = model_signature(model)
-        if db is not None or not seen(writable_kernel_cache(), backend.model_signature):
+        from spacefusion.frontend.machine import ranking_hardware
+
+        if db is not None or not seen(writable_kernel_cache(ranking_hardware().model), backend.model_signature):
             start_pool()  # the export workers import TVM while Dynamo traces the first call (as Inductor's do)
     compiled = torch.compile(model, backend=backend, **kwargs)
     # on the wrapper itself: OptimizedModule's setattr would put it on ``model``, shared by every compile

@@ -18,7 +18,6 @@ import sympy as sp
 import torch
 from torch import fx
 
-from schedulers.hardware import H100
 from smg import patterns
 from smg.errors import ShapeError, SpaceFusionError
 from smg.ir import SMG
@@ -59,13 +58,17 @@ from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.records import Operand, Result, Subgraph
 from spacefusion.frontend.rope import rope_of
 
-#: how a partition decides a convolution's image layout (``layouts.decide`` for the H100 where none is given):
-#: the backend's ``layout_of``, which an export records and the GPU machine reads back
+#: how a partition decides a convolution's image layout: the backend's ``layout_of``, which an export records
+#: and the GPU machine reads back (``default_layout_of`` where no backend is given)
 LayoutOf = Callable[[SMG, SMG], LayoutChoice]
 
 
 def default_layout_of(nchw: SMG, nhwc: SMG) -> LayoutChoice:
-    return decide(nchw, nhwc, H100)
+    """``layouts.decide`` for the machine the CUDA path ranks for here (``machine.ranking_hardware``: the GPU in
+    hand's preset, else the reported default), for a partition made without a backend."""
+    from spacefusion.frontend.machine import ranking_hardware
+
+    return decide(nchw, nhwc, ranking_hardware().model)
 
 
 @dataclass

@@ -59,9 +59,9 @@ def _export_one(job: Path) -> str:
     """Export the SMG of one job file (written by ``export_many``); its key."""
     from spacefusion.frontend.backends import CudaBackend
 
-    folder, arch, schedule_for, by_schedule, (split_hw, split_kw), smg = pickle.loads(job.read_bytes())
+    folder, arch, schedule_for, by_schedule, (split_hw, split_kw), hardware, smg = pickle.loads(job.read_bytes())
     backend = CudaBackend(folder, arch, schedule_for=schedule_for, build_missing=True, load=False,
-                          by_schedule=by_schedule, split_hw=split_hw)
+                          by_schedule=by_schedule, split_hw=split_hw, hardware=hardware)
     backend.split_kw = split_kw
     backend.export_all(smg)
     return smg.key
@@ -213,9 +213,10 @@ def close_pool() -> None:
 
 def export_many(folder: Path, arch: str, schedule_for: Callable[[Any], Any], by_schedule: bool,
                 smgs: Sequence[Any], workers: int | None = None,
-                split: tuple[Any, dict[str, int]] = (None, {})) -> dict[str, str]:
+                split: tuple[Any, dict[str, int]] = (None, {}), hardware: Any = None) -> dict[str, str]:
     """Export the artefacts of ``smgs`` into ``folder`` on the pool's workers (``CudaBackend.export_all``: each
-    SMG's split decided for ``split``'s machine and keywords, as the caller's backend would, then its
+    SMG's split decided for ``split``'s machine and keywords, as the caller's backend would, for the caller's
+    ``hardware`` (its ``HardwareChoice``, recorded in each ``timing.json``), then its
     kernels); {SMG key: error} of those that failed.  Nothing happens with no SMG, fewer than two workers, or
     a ``schedule_for`` that cannot be sent to a worker (a closure over a tuning database): the caller's serial
     path exports them."""
@@ -230,7 +231,7 @@ def export_many(folder: Path, arch: str, schedule_for: Callable[[Any], Any], by_
         jobs = []
         for i, smg in enumerate(smgs):  # the job files: transient messages to our own workers, never kept
             path = Path(tmp) / f"job{i}.pkl"
-            path.write_bytes(pickle.dumps((Path(folder), arch, schedule_for, by_schedule, split, smg)))
+            path.write_bytes(pickle.dumps((Path(folder), arch, schedule_for, by_schedule, split, hardware, smg)))
             jobs.append(path)
         key_of = {str(p): smg.key for p, smg in zip(jobs, smgs)}
         done, failed = _pool().run(jobs, workers)

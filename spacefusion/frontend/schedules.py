@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import CPU_STAND_IN, HardwareModel
 from schedulers.schedule import Schedule, make_schedule, pick_serial
 from schedulers.spatial import analyse_spatial
 from smg.ir import SMG
@@ -20,10 +20,12 @@ def default_schedule(smg: SMG) -> Schedule:
     return make_schedule(smg, serial=serial)  # make_schedule's default step is capped at the serial dim
 
 
-def from_database(db, hw: HardwareModel = H100, target: str = "llvm",
+def from_database(db, hw: HardwareModel = CPU_STAND_IN, target: str = "llvm",
                   fallback: ScheduleFor = default_schedule) -> ScheduleFor:
     """Schedules from a ``search.database.TuningDatabase``'s best record of each SMG (as ``spacefusion tune``
-    stored it for ``hw`` and ``target``), ``fallback`` for SMGs it has not measured."""
+    stored it for ``hw`` and ``target``), ``fallback`` for SMGs it has not measured.  The defaults read an
+    llvm tune's records, which are filed under ``CPU_STAND_IN`` (the CPU has no model); a CUDA lookup names
+    its machine."""
     from search.database import tuning_key
     from spacefusion.lower.build import COMPILE_FLAGS
 
@@ -40,18 +42,30 @@ _RANKED: OrderedDict[tuple[str, HardwareModel, int | None], tuple[Schedule, ...]
 RANKED_CACHE = 64
 
 
-def ranked(smg: SMG, hw: HardwareModel = H100, head: int | None = None) -> list[Schedule]:
+def _ranking(hw: HardwareModel | None) -> HardwareModel:
+    """``hw``, else the model the CUDA path ranks for here (``machine.ranking_hardware``: the GPU in hand's
+    preset, else the reported default)."""
+    if hw is not None:
+        return hw
+    from spacefusion.frontend.machine import ranking_hardware
+
+    return ranking_hardware().model
+
+
+def ranked(smg: SMG, hw: HardwareModel | None = None, head: int | None = None) -> list[Schedule]:
     """``smg``'s candidates in the order the tuner's first round measures them: the analytical model's
-    estimates, ties broken by the prior learned from the committed measurements (``search.prior``).  The
-    last ``RANKED_CACHE`` orders are kept (schedules are immutable; a new list each call).
+    estimates for ``hw`` (None: the GPU in hand's preset, ``machine.ranking_hardware``), ties broken by the
+    prior learned from the committed measurements of that machine (``search.prior.prior_for``).  The last
+    ``RANKED_CACHE`` orders are kept (schedules are immutable; a new list each call).
 
     With ``head``, only the first ``head`` of that order are sure to be there and in place (what a first
     pick needs): the CUDA-core candidates are not enumerated where their floor is above every estimate that
     can reach the head (``head_veto``), which leaves those ``head`` exactly as the whole order has them."""
     from search.cost import either, estimate_us, head_veto, simt_veto
-    from search.prior import first_round_order, load_prior
+    from search.prior import first_round_order, prior_for
     from search.space import SearchSpace
 
+    hw = _ranking(hw)
     if head is not None and head < 1:
         raise ValueError(f"ranked: head {head} must be 1 or more (the candidates a first pick needs)")
     key = (smg.key, hw, head)
@@ -71,7 +85,7 @@ def ranked(smg: SMG, hw: HardwareModel = H100, head: int | None = None) -> list[
         veto = either(veto, head_veto(hw, head, estimate))
     cands = {s.key: s for s in SearchSpace(smg, hw).candidates(skip_simt=veto)}
     est = {k: estimate(s) for k, s in cands.items()}
-    order = tuple(cands[k] for k in first_round_order(cands, est, load_prior(hw)))
+    order = tuple(cands[k] for k in first_round_order(cands, est, prior_for(hw).model))
     _RANKED[key] = order
     while len(_RANKED) > RANKED_CACHE:
         _RANKED.popitem(last=False)
@@ -82,11 +96,13 @@ def ranked(smg: SMG, hw: HardwareModel = H100, head: int | None = None) -> list[
 ATTEMPTS = 5
 
 
-def model_pick(smg: SMG, hw: HardwareModel = H100, build: Callable[[Schedule], object] | None = None,
+def model_pick(smg: SMG, hw: HardwareModel | None = None, build: Callable[[Schedule], object] | None = None,
                attempts: int = ATTEMPTS) -> tuple[Schedule, int]:
-    """The tuner's first pick for ``smg`` with nothing measured, and how many candidates were tried:
+    """The tuner's first pick for ``smg`` on ``hw`` (None: the GPU in hand's preset, else the reported
+    default, ``machine.ranking_hardware``) with nothing measured, and how many candidates were tried:
     with ``build``, the first of the best ``attempts`` that ``build`` accepts (a lowering that refuses a
     schedule moves on to the next, the error of the last is raised if none builds)."""
+    hw = _ranking(hw)
     order = ranked(smg, hw, head=attempts)
     if not order:
         raise ValueError(f"no schedule of {smg.name!r} fits {hw.name}")

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from schedulers.barrier import Barrier, find_barrier, stages
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import CPU_STAND_IN, HardwareModel
 from schedulers.schedule import Schedule
 from search.database import TuningDatabase
 from search.records import Runner
@@ -83,10 +83,12 @@ def _tunable(sub: Subgraph) -> list[tuple[str, SMG]]:
 
 
 def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner | Callable[[SMG], Runner],
-                    db: TuningDatabase | str | Path, *, hw: HardwareModel = H100, target: str = "cuda:sm_90a",
+                    db: TuningDatabase | str | Path, *, hw: HardwareModel | None = None, target: str = "cuda:sm_90a",
                     trials: int = 32, batch: int = 16, workers: int = 2, seed: int = 0,
                     progress: bool = True) -> TuningReport:
-    """Tune each distinct subgraph of ``partitions`` on ``runner`` (``trials`` candidates each), all in ``db``.
+    """Tune each distinct subgraph of ``partitions`` on ``runner`` (``trials`` candidates each), all in ``db``,
+    filed under ``hw`` (None: ``search.tuner.tuning_hardware``: the GPU in hand's preset, ``CPU_STAND_IN`` for
+    llvm, else the logged default).
 
     ``runner`` may be a function of the SMG giving its runner: an ``OfflineBatchRunner`` needs a folder
     of its own per subgraph, whose batch is measured on the GPU machine and picked up by the next call."""
@@ -155,7 +157,7 @@ def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu"
     else:
         from spacefusion.runners import LLVMRunner
 
-        measure, hw = LLVMRunner(), H100
+        measure, hw = LLVMRunner(), CPU_STAND_IN  # the CPU has no model: its records are filed under the stand-in
     return tune_partitions(captured_partitions(model, *args, **kwargs), measure, db, hw=hw, target=RUNNERS[runner],
                            trials=trials, workers=workers, progress=progress)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from schedulers.errors import ScheduleError
-from schedulers.hardware import H100, PRESETS, HardwareModel
+from schedulers.hardware import PRESETS, HardwareModel
 from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import tma_maps
@@ -359,12 +359,26 @@ def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
     return _compile_lowered(s, build_tensorcore(s, arch), arch, "tensorcore-wmma (TVM MatmulTensorization)")
 
 
+def _capability(arch: str) -> int:
+    """``sm_90a`` -> 90, ``sm_86`` -> 86; ValueError naming an arch that is not ``sm_<digits>[a]``."""
+    digits = arch.removeprefix("sm_").rstrip("a")
+    if not arch.startswith("sm_") or not digits.isdigit():
+        raise ValueError(f"CUDA arch {arch!r} is not sm_<compute capability> (sm_80, sm_90a, ...)")
+    return int(digits)
+
+
 def hardware_for(arch: str) -> HardwareModel:
-    """The hardware model whose limits a kernel for ``arch`` is checked against."""
-    for hw in PRESETS.values():
-        if hw.arch and hw.arch.rstrip("a") == arch.rstrip("a"):
-            return hw
-    return H100
+    """The hardware model whose limits (shared memory, threads) a kernel for ``arch`` is checked against: the
+    preset of that arch (sm_90a: the H100, whose limits the H200 shares), else the preset of the nearest
+    compute capability below it (sm_86, sm_89: the A100's); ValueError for an arch below every preset's."""
+    cc = _capability(arch)
+    gpus = sorted(((_capability(hw.arch), hw) for hw in PRESETS.values() if hw.kind == "gpu" and hw.arch),
+                  key=lambda pair: pair[0])  # stable: the H100 before the H200 at sm_90
+    below = [c for c, _ in gpus if c <= cc]
+    if not below:
+        raise ValueError(f"no hardware preset for CUDA arch {arch!r}: the oldest is {gpus[0][1].arch} "
+                         f"({gpus[0][1].name})")
+    return next(hw for c, hw in gpus if c == below[-1])
 
 
 #: the most elements a tensor of a CUDA kernel may have: the kernels index with 32-bit integers

@@ -4,12 +4,13 @@ with ``spacefusion-measure`` (the GPU runtime, no TVM), import the results back.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from schedulers.hardware import H100, HardwareModel
+from schedulers.hardware import DEFAULT_GPU, HardwareModel, preset_of_device
 from schedulers.schedule import Schedule
 from search.database import TuningDatabase, key_parts, tuning_key
 from search.records import RECORD_FORMAT, Builder, MeasureInput, MeasureResult
@@ -28,6 +29,7 @@ from spacefusion.runtime.batch import (
 )
 
 import_batch = read_results  # what the GPU command wrote, as records
+log = logging.getLogger("spacefusion")
 
 
 class BatchError(SpaceFusionError, ValueError):
@@ -135,12 +137,34 @@ class OfflineBatchRunner:
         return [fail(inp, msg, {"runner": self.name, "pending": True}) for inp in inputs]
 
 
-def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: HardwareModel = H100,
+def measured_on(results: Sequence[MeasureResult], folder: Path) -> HardwareModel:
+    """The preset of the GPU the results say they were measured on (each record's ``meta["device"]``, which the
+    GPU command writes); ``DEFAULT_GPU``, logged, where they name none; BatchError where they name several, or
+    a device no preset matches (its records would be filed under another machine's key)."""
+    devices = {str(dict(r.meta).get("device")) for r in results if dict(r.meta).get("device")}
+    if len(devices) > 1:
+        raise BatchError(f"{folder}: results measured on several devices ({', '.join(sorted(devices))}); import "
+                         f"each device's with its hw")
+    if not devices:
+        log.warning("%s: the results name no device: filed under the %s by default (give hw=)", folder,
+                    DEFAULT_GPU.name)
+        return DEFAULT_GPU
+    (device,) = devices
+    hw = preset_of_device(device)
+    if hw is None:
+        raise BatchError(f"{folder}: measured on {device!r}, which no hardware preset matches: give hw= to file "
+                         f"its records under a machine's key")
+    return hw
+
+
+def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: HardwareModel | None = None,
                    builder: Builder | None = None) -> int:
     """Add the records of an offline batch (its manifest + the GPU command's results.json) to ``db``.
 
     The schedules come from the manifest, so a batch can be imported whatever ranking chose it; the
-    records go under the tuning key the tuner would use (the builder's flags, and fast_math's).
+    records go under the tuning key the tuner would use (the builder's flags, and fast_math's) for ``hw``:
+    None, the preset of the device the results were measured on (``measured_on``); a given ``hw`` wins, with
+    a log line where the results name another machine.
     """
     folder = Path(folder)
     try:  # every result read and matched to the manifest before any is stored: all of a batch or none
@@ -153,6 +177,13 @@ def import_offline(db: TuningDatabase | str | Path, folder: str | Path, hw: Hard
     if missing:
         raise BatchError(f"{folder}: results for {', '.join(missing)} have no manifest entry (another batch's "
                          f"results.json?); nothing imported")
+    if hw is None:
+        hw = measured_on(results, folder)
+    else:
+        named = {preset_of_device(str(dict(r.meta).get("device", ""))) for r in results} - {None}
+        if any(m.name != hw.name for m in named):
+            log.warning("%s: measured on the %s, filed under the %s as given", folder,
+                        ", ".join(sorted(m.name for m in named)), hw.name)  # type: ignore[union-attr]
     scheds = [Schedule.from_json(json.dumps(by_key[r.schedule_key]["schedule"])) for r in results]
     fast = any(c.get("schedule", {}).get("fast_math") for c in manifest["candidates"])
     flags = (*(builder if builder is not None else TVMBuilder()).flags, *(("fast_math",) if fast else ()))

@@ -34,6 +34,7 @@ UNARY_REF = {
     "tanh": np.tanh,
     "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
     "relu": lambda x: np.maximum(x, 0.0),
+    "relu6": lambda x: np.clip(x, 0.0, 6.0),
     "silu": lambda x: x / (1.0 + np.exp(-x)),
     "gelu": lambda x: x * (1.0 + _erf(x / math.sqrt(2.0))) / 2.0,
     "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),

@@ -87,7 +87,7 @@ def stages(b: Barrier) -> tuple[tuple[SMG, dict[str, str]], ...]:
         if cuttable(tail):
             return ((fold_all(split.partial), {o: f"{o}_p" for o in split.partial.outputs}), (tail, {}))
     raise TemporalSliceError(f"{b.head.name}: no split of {dim!r} ({sizes[dim]}) into 2 to {TAIL_PARTS} equal chunks "
-                             f"leaves {b.tail.name} a dim to cut once it totals them")
+                             f"leaves {b.tail.name} a dim to cut once it totals them", code="split.tail_uncut")
 
 
 __all__ = ["TAIL_PARTS", "Barrier", "find_barrier", "stages"]

@@ -47,7 +47,7 @@ def _symbols(text: str) -> dict[str, sp.Symbol]:
 
 #: gather_tile's answers by (SMG content key, view, row dim, serial dim): the search asks for every schedule
 #: of one SMG (44k times while ranking a ResNet conv, 356 of its 380 s before this)
-_MEMO: dict[tuple[str, str, str, str], GatherTile | str] = {}
+_MEMO: dict[tuple[str, str, str, str], GatherTile | tuple[str, str]] = {}
 
 
 def gather_tile(smg, op, row: str, L: str) -> GatherTile:
@@ -59,21 +59,22 @@ def gather_tile(smg, op, row: str, L: str) -> GatherTile:
             _MEMO.clear()
         try:
             _MEMO[key] = _gather_tile(smg, op, row, L)
-        except ScheduleError as exc:
-            _MEMO[key] = str(exc)
+        except ScheduleError as exc:  # its code and sentence, not the exception (nor its traceback)
+            _MEMO[key] = (exc.code, str(exc))
     got = _MEMO[key]
-    if isinstance(got, str):
-        raise ScheduleError(got)
+    if isinstance(got, tuple):
+        raise ScheduleError(got[1], code=got[0])
     return got
 
 
 def _gather_tile(smg, op, row: str, L: str) -> GatherTile:
     if op.reduce or len(op.inputs) != 1 or op.body != op.inputs[0].space or op.inputs[0].space not in smg.inputs:
         raise ScheduleError(f"streamed op {op.out!r} gathers through an index expression but is not a view of one "
-                            f"input (its body {op.body!r})")
+                            f"input (its body {op.body!r})", code="gather.not_view")
     acc = op.inputs[0]
     if op.out_index[-1] != L or row not in op.out_index:
-        raise ScheduleError(f"view {op.out!r} {op.out_index} must be on ({row}, {L}) with {L} last")
+        raise ScheduleError(f"view {op.out!r} {op.out_index} must be on ({row}, {L}) with {L} last",
+                            code="gather.off_plane")
     try:
         return _chunked(smg, op, L)
     except ScheduleError:
@@ -87,7 +88,8 @@ def _chunked(smg, op, L: str) -> GatherTile:
     sizes = smg.dim_sizes
     if sizes[src.dims[-1]] % CHUNK:
         raise ScheduleError(f"view {op.out!r} reads {acc.space!r} whose last dim {src.dims[-1]!r} = "
-                            f"{sizes[src.dims[-1]]} is not a multiple of {CHUNK} (16-byte chunks)")
+                            f"{sizes[src.dims[-1]]} is not a multiple of {CHUNK} (16-byte chunks)",
+                            code="gather.chunk_width")
     *outer, last = acc.index
     lsym = sp.Symbol(L, integer=True)
     for text in outer:
@@ -96,17 +98,19 @@ def _chunked(smg, op, L: str) -> GatherTile:
                            and _chunk_constant(f.args[0], lsym), lambda f: sp.Symbol("chunk__const"))
         if lsym in hidden.free_symbols:
             raise ScheduleError(f"view {op.out!r} reads {acc.space!r} at {text!r}, which changes within a chunk of "
-                                f"{CHUNK} columns of {L!r} (only floor({L}/c) with c a multiple of {CHUNK} may)")
+                                f"{CHUNK} columns of {L!r} (only floor({L}/c) with c a multiple of {CHUNK} may)",
+                                code="gather.chunk_outer")
     e = sp.sympify(last, locals=_symbols(last))
     if e.free_symbols != {lsym}:
-        raise ScheduleError(f"view {op.out!r}: the last index {last!r} of {acc.space!r} must depend on {L!r} alone")
+        raise ScheduleError(f"view {op.out!r}: the last index {last!r} of {acc.space!r} must depend on {L!r} alone",
+                            code="gather.chunk_last")
     ks = np.arange(sizes[L])
     v = np.asarray(sp.lambdify(lsym, e, "numpy")(ks), dtype=np.int64).reshape(-1)
     v = np.broadcast_to(v, ks.shape)
     first = v[(ks // CHUNK) * CHUNK]
     if np.any(v != first + ks % CHUNK) or np.any(first % CHUNK):
         raise ScheduleError(f"view {op.out!r}: {last!r} does not run over 8-aligned runs of 8 consecutive "
-                            f"elements of {acc.space!r} on 8-aligned columns of {L!r}")
+                            f"elements of {acc.space!r} on 8-aligned columns of {L!r}", code="gather.chunk_runs")
     return GatherTile(op.out, acc.space, acc.index)
 
 

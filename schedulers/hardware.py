@@ -351,6 +351,48 @@ class HardwareModel:
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(blob.encode()).hexdigest()
 
+    # ------------------------------------------------------------------ what kernels for a target may use
+    def capabilities(self, arch: str | None = None) -> Capabilities:
+        """What kernels built for ``arch`` (default: this model's own) may use on this model: the features the
+        arch has and the model's block limits.  The option groups (``schedulers.options``) refuse a knob the
+        target cannot run with these before the search enumerates it, as Triton's ``parse_options`` refuses
+        what the target cannot do before compiling; the lowering's checks (``spacefusion.lower.build``) are
+        a safety net behind them.  Derived, not stored: ``to_dict`` and the fingerprint are unchanged."""
+        arch = self.arch if arch is None else arch
+        sm = _sm_version(arch) if self.kind == "gpu" else None
+        major = sm[0] if sm else 0
+        return Capabilities(arch=arch, wgmma=sm == (90, True), tma=major >= 90, clusters=major >= 90,
+                            max_dynamic_smem_bytes=self.smem_per_block_bytes,
+                            max_threads_per_block=self.max_threads_per_block)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What kernels for one target may use (``HardwareModel.capabilities``).  Each flag says which
+    architectures have the feature, from the PTX ISA."""
+
+    arch: str
+    #: warpgroup MMA (wgmma.mma_async) and setmaxnreg: sm_90a only (not plain sm_90, not sm_100a)
+    wgmma: bool
+    #: the Tensor Memory Accelerator (cp.async.bulk.tensor) with mbarrier transaction counts: sm_90 and later
+    tma: bool
+    #: thread-block clusters and distributed shared memory: sm_90 and later
+    clusters: bool
+    #: the most dynamic shared memory a block may opt in to (``smem_per_block_bytes``)
+    max_dynamic_smem_bytes: int
+    #: the most threads a block may have
+    max_threads_per_block: int
+
+
+def _sm_version(arch: str) -> tuple[int, bool] | None:
+    """``"sm_90a"`` -> (90, True), ``"sm_80"`` -> (80, False); None for anything else (the NPU's "")."""
+    head, _, tail = arch.partition("_")
+    if head != "sm" or not tail:
+        return None
+    suffix = tail.endswith("a")
+    digits = tail[:-1] if suffix else tail
+    return (int(digits), suffix) if digits.isdigit() else None
+
 
 # ---------------------------------------------------------------------- presets
 

@@ -50,7 +50,8 @@ def interpret(s: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
         for a in op.inputs:
             if not a.plain:
                 raise ScheduleError(f"the schedule interpreter slices tensors per block and cannot follow "
-                                    f"{op.out!r} reading {a.space!r} at {a.index}; check the llvm kernel instead")
+                                    f"{op.out!r} reading {a.space!r} at {a.index}; check the llvm kernel instead",
+                                    code="interpreter.gather")
     sizes = smg.dim_sizes
     data = {n: np.asarray(inputs[n], dtype=np.float64) for n in smg.inputs}
     outs = {o: np.zeros(smg.shape(o)) for o in smg.outputs}

@@ -7,7 +7,9 @@ Adding a knob is a field in its group, its check in the group's ``check`` and it
 
 A check returns a ``Rejection`` (a stable code, the knob to blame, a sentence) instead of raising prose:
 the search counts rejections by code, and drops a knob that was offered where it cannot apply by its
-name, never by reading the sentence.
+name, never by reading the sentence.  Every code is in ``schedulers.codes``.  A group's ``check_target``
+refuses what the target cannot run (``HardwareModel.capabilities``): ``make_schedule`` asks it first, and
+the search asks it before offering a knob at all.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from schedulers.hardware import Capabilities
     from schedulers.schedule import Schedule
 
 LANES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # threads sharing a tile element's reductions
@@ -215,6 +218,13 @@ class SimtOptions:
                              f"{s.smg.name!r} has none")
         return None
 
+    def check_target(self, caps: Capabilities) -> Rejection | None:
+        """What the target cannot run: a cluster where it has no thread-block clusters (before sm_90)."""
+        if self.cluster != 1 and not caps.clusters:
+            return Rejection("cluster.target", "cluster", f"cluster {self.cluster}: thread-block clusters exist on "
+                             f"sm_90 and later; the target is {caps.arch or 'not a GPU'}: use cluster 1 for it")
+        return None
+
     def check_tensor_cores(self, s: Schedule) -> Rejection | None:
         if s.tensor_cores and self.lanes != 1:
             return Rejection("lanes.tensor_cores", "lanes", "lanes apply to CUDA-core kernels; tensor-core kernels "
@@ -247,7 +257,7 @@ class WarpTileOptions:
                            "fast_math", encode="flag")
 
     def check(self, s: Schedule) -> Rejection | None:
-        from schedulers.warp_tile import warp_tile_reason
+        from schedulers.warp_tile import warp_tile_refusal
 
         bad = check_values(self)
         if bad is not None and bad.knob != "slices":
@@ -259,8 +269,9 @@ class WarpTileOptions:
             return None  # reported with the Hopper options' (one sentence for both groups)
         p, name = s.warp_tile, s.smg.name
         if p is None and (self.stages != 1 or self.warps or self.split != 1 or self.slices != 1):
-            return Rejection("warp.no_program", None, f"stages/warps/split/slices need a warp-tile program, and "
-                             f"{name!r} is not one: {warp_tile_reason(s)}")
+            why = warp_tile_refusal(s)  # its code: why there is no program (``warp_tile.*``)
+            return Rejection(why.code, None, f"stages/warps/split/slices need a warp-tile program, and {name!r} is "
+                             f"not one: {why.sentence}")
         if self.reload_a and (p is None or p.gemm is None):
             return Rejection("reload_a.no_gemm", "reload_a", f"reload_a re-reads the A operand of a warp-tile "
                              f"program's first GEMM (attention's Q @ K^T); {name!r} has no such GEMM")
@@ -286,12 +297,12 @@ class WarpTileOptions:
     def check_last(self, s: Schedule) -> Rejection | None:
         """After the Hopper options: a warp-tile program that wgmma could not read is refused as wgmma's
         fault first (the search then drops wgmma and keeps ``fast_math`` on the mma.sync program)."""
-        from schedulers.warp_tile import warp_tile_reason
+        from schedulers.warp_tile import warp_tile_refusal
 
         if self.fast_math and s.warp_tile is None:
-            return Rejection("fast_math.no_program", "fast_math", f"fast_math puts a warp-tile kernel's tanh and "
-                             f"logistics on tanh.approx.f32; {s.smg.name!r} has no warp-tile program: "
-                             f"{warp_tile_reason(s)}")
+            why = warp_tile_refusal(s)
+            return Rejection(why.code, "fast_math", f"fast_math puts a warp-tile kernel's tanh and logistics on "
+                             f"tanh.approx.f32; {s.smg.name!r} has no warp-tile program: {why.sentence}")
         return None
 
 
@@ -310,16 +321,28 @@ class HopperOptions:
     pingpong: bool = knob(False, "two MMA warpgroups per persistent block taking turns on alternate tiles",
                           "pingpong", encode="flag")
 
+    def check_target(self, caps: Capabilities) -> Rejection | None:
+        """What the target cannot run: warpgroup MMA and a producer warpgroup (setmaxnreg) but on sm_90a, TMA
+        before sm_90.  (``persistent`` and ``pingpong`` need ``producer``, refused by ``check``.)"""
+        for code, name, can, where in (("wgmma.target", "wgmma", caps.wgmma, "sm_90a"),
+                                       ("tma.target", "tma", caps.tma, "sm_90 and later"),
+                                       ("producer.target", "producer", caps.wgmma, "sm_90a")):
+            if getattr(self, name) and not can:
+                return Rejection(code, name, f"{name} exists on {where} only; the target is "
+                                 f"{caps.arch or 'not a GPU'}: build without {name} for it")
+        return None
+
     def check(self, s: Schedule) -> Rejection | None:
-        from schedulers.warp_tile import tma_reason, warp_tile_reason
+        from schedulers.warp_tile import tma_reason, warp_tile_refusal
 
         bad = check_values(self)
         if bad is not None:
             return bad
         p, name = s.warp_tile, s.smg.name
         if self.wgmma and p is None:
-            return Rejection("wgmma.no_program", "wgmma", f"wgmma runs a warp-tile program's GEMMs on warpgroup "
-                             f"MMA: {warp_tile_reason(s)}")
+            why = warp_tile_refusal(s)
+            return Rejection(why.code, "wgmma", f"wgmma runs a warp-tile program's GEMMs on warpgroup MMA: "
+                             f"{why.sentence}")
         if self.tma:
             why = "it is not a warp-tile program" if p is None else tma_reason(p)
             if why is not None:

@@ -108,7 +108,7 @@ def partition(smg: SMG, hw: HardwareModel, tiles: dict[str, int] | None = None, 
             last_reason = got
         if best is None:
             raise ScheduleError(f"operator {groups[i]!r} of {smg.name!r} does not fit {hw.name} even alone: "
-                                f"{last_reason}")
+                                f"{last_reason}", code="partition.no_fit")
         j, s = best
         kernels.append(s)
         if j < len(groups):

@@ -129,8 +129,8 @@ class Schedule:
 
         try:
             return warp_tile_program(self)
-        except ScheduleError as e:  # kept for ``warp_tile_reason``: the search's refusals quote it
-            self.__dict__["_warp_tile_error"] = str(e)
+        except ScheduleError as e:  # kept for ``warp_tile_refusal``: the search's refusals quote it
+            self.__dict__["_warp_tile_error"] = Rejection(e.code, None, str(e))
             return None
 
     @property
@@ -198,14 +198,14 @@ class Schedule:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ScheduleError(f"schedule JSON is not valid JSON: {e}") from None
+            raise ScheduleError(f"schedule JSON is not valid JSON: {e}", code="schedule.json") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             tag = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise ScheduleError(f"not a spacefusion schedule (format tag {tag!r})")
+            raise ScheduleError(f"not a spacefusion schedule (format tag {tag!r})", code="schedule.format")
         try:
             s = cls._from_dict(d)
         except (KeyError, TypeError, ValueError) as e:
-            raise ScheduleError(f"schedule JSON is incomplete or malformed: {e!r}") from None
+            raise ScheduleError(f"schedule JSON is incomplete or malformed: {e!r}", code="schedule.malformed") from None
         _check_loaded(s)
         return s
 
@@ -272,14 +272,18 @@ def _check_loaded(s: Schedule) -> None:
     with step 0 or tile -5 would otherwise reach the lowering: a ZeroDivisionError, or TVM's InternalError)."""
     sizes = s.smg.dim_sizes
     if s.serial not in sizes:
-        raise ScheduleError(f"schedule JSON: serial dim {s.serial!r} is not a dim of {s.smg.name!r}")
+        raise ScheduleError(f"schedule JSON: serial dim {s.serial!r} is not a dim of {s.smg.name!r}",
+                            code="schedule.serial")
     if not 1 <= s.step <= sizes[s.serial]:
-        raise ScheduleError(f"schedule JSON: step {s.step} for serial dim {s.serial!r} must be 1..{sizes[s.serial]}")
+        raise ScheduleError(f"schedule JSON: step {s.step} for serial dim {s.serial!r} must be 1..{sizes[s.serial]}",
+                            code="schedule.step")
     for d, tile in s.block:
         if d not in sizes:
-            raise ScheduleError(f"schedule JSON: block dim {d!r} is not a dim of {s.smg.name!r}")
+            raise ScheduleError(f"schedule JSON: block dim {d!r} is not a dim of {s.smg.name!r}",
+                                code="schedule.block_dim")
         if tile < 1 or (tile > sizes[d] and not s.tensor_cores):
-            raise ScheduleError(f"schedule JSON: tile {tile} for dim {d!r} must be 1..{sizes[d]}")
+            raise ScheduleError(f"schedule JSON: tile {tile} for dim {d!r} must be 1..{sizes[d]}",
+                                code="schedule.tile")
     for g in GROUPS:
         bad = check_values(getattr(s, g))
         if bad is not None:
@@ -356,13 +360,14 @@ def _override_levels(memory: list[tuple[str, str]], levels: dict[str, str], inpu
     cur = dict(memory)
     for name, lvl in levels.items():
         if name not in cur:
-            raise ScheduleError(f"memory level given for unknown space {name!r}")
+            raise ScheduleError(f"memory level given for unknown space {name!r}", code="levels.unknown_space")
         if lvl == cur[name]:
             continue
         allowed = {cur[name], "global"} if name in inputs else {cur[name], "register"}
         if cur[name] != "shared" or lvl not in allowed:
             raise ScheduleError(f"space {name!r} cannot move from {cur[name]!r} to {lvl!r}; the lowering can "
-                                f"only read a staged input from global memory or compute a shared tile per thread")
+                                f"only read a staged input from global memory or compute a shared tile per thread",
+                                code="levels.move")
         cur[name] = lvl
     return [(n, cur[n]) for n, _ in memory]
 
@@ -378,7 +383,7 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
     sizes = smg.dim_sizes
     cands = [d.dim for d in spatial if not d.cut and any(d.dim in op.reduce for op in smg.ops)]
     if not cands:
-        raise ScheduleError(f"{smg.name!r} has no reduced dim to slice temporally")
+        raise ScheduleError(f"{smg.name!r} has no reduced dim to slice temporally", code="serial.none")
 
     def weight(dim: str) -> int:
         return sum(math.prod(sizes[x] for x in s.dims if x not in cut)
@@ -391,7 +396,8 @@ def pick_serial(smg: SMG, spatial: tuple[DimDecision, ...]) -> str:
             return c
         except TemporalSliceError as e:
             refused.append(f"{c}: {e}")
-    raise TemporalSliceError(f"no reduced dim of {smg.name!r} can be sliced temporally: " + "; ".join(refused))
+    raise TemporalSliceError(f"no reduced dim of {smg.name!r} can be sliced temporally: " + "; ".join(refused),
+                             code="serial.unsliceable")
 
 
 def _pads_rows(tile: int, size: int) -> bool:
@@ -570,6 +576,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
         bad = check_values(getattr(out, g))
         if bad is not None and bad.code != "slices.range":
             raise ScheduleError.rejected(bad)
+    if hw is not None:  # then what the target cannot run (wgmma, tma, clusters), by its group; no machine: none
+        caps = hw.capabilities()
+        _refuse(out.simt.check_target(caps), out.hopper.check_target(caps))
     _refuse(out.simt.check(out), out.warp.check(out) if not tensor_cores else None)
     padded = [d for d, t in block if t > sizes[d]]
     if padded and (out.warp_tile is None or padded != [out.warp_tile.row]):
@@ -578,20 +587,21 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                             f"MMA row tiles", code="tile.padded")
     if tensor_cores:
         from schedulers.tensorcore_fit import tensorcore_reason
-        from schedulers.warp_tile import warp_tile_reason
+        from schedulers.warp_tile import warp_tile_refusal
 
         if out.warp_tile is None:  # the warp-tile reading is tried first (cached on the Schedule)
             wmma = tensorcore_reason(out)
-            if wmma is not None:
+            if wmma is not None:  # no form: counted by the warp-tile reading's code (``wmma.*`` as a GEMM)
+                why = warp_tile_refusal(out)
                 raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
-                                    f"as a warp-tile program: {warp_tile_reason(out)}", code="tensor_cores.no_form")
+                                    f"as a warp-tile program: {why.sentence}", code=why.code)
         _refuse(out.simt.check_tensor_cores(out), out.warp.check(out), out.hopper.check(out),
                 out.warp.check_last(out), out.hopper.check_last(out))
     else:
         _refuse(needs_tensor_cores(out))
     if out.threads > limit:  # one thread per tile element (x lanes), or 32 per warp of a warp-tile program
         raise ScheduleError(f"block tile {dict(block)} x {out.lanes} lanes needs {out.threads} threads; at most "
-                            f"{limit} on {hw.name if hw is not None else 'any CUDA GPU'}", code="threads")
+                            f"{limit} on {hw.name if hw is not None else 'any CUDA GPU'}", code="threads.block")
     return out
 
 

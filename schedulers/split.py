@@ -120,12 +120,13 @@ def split_reduction(smg: SMG, dim: str, parts: int, reason: str = "") -> SplitRe
     ``TemporalSliceError`` with the reason where the chain cannot be split this way."""
     size = smg.dim_sizes.get(dim)
     if size is None:
-        raise TemporalSliceError(f"split dim {dim!r} is not a dimension of {smg.name!r}")
+        raise TemporalSliceError(f"split dim {dim!r} is not a dimension of {smg.name!r}", code="split.dim_unknown")
     if parts < 2 or size % parts:
-        raise TemporalSliceError(f"cannot split {dim!r} ({size}) into {parts} equal chunks")
+        raise TemporalSliceError(f"cannot split {dim!r} ({size}) into {parts} equal chunks", code="split.parts")
     plan = plan_temporal(smg, dim)
     if not plan.states:
-        raise TemporalSliceError(f"no op of {smg.name!r} reduces over {dim!r}: nothing to split")
+        raise TemporalSliceError(f"no op of {smg.name!r} reduces over {dim!r}: nothing to split",
+                                 code="split.no_reduction")
     inputs = set(smg.inputs)
     states = {u.state for u in plan.states}
     streamed_plan = plan  # its bodies still name the streamed element-wise tiles (``T = X + E``)
@@ -134,12 +135,13 @@ def split_reduction(smg: SMG, dim: str, parts: int, reason: str = "") -> SplitRe
         for s in parse(u.body).free_symbols:
             if s.name not in states and s.name not in inputs:
                 raise TemporalSliceError(f"state {u.state!r} streams {s.name!r}, an intermediate: a split re-reads "
-                                         f"only inputs (partition the graph before {s.name!r})")
+                                         f"only inputs (partition the graph before {s.name!r})",
+                                         code="split.intermediate_stream")
     for o, e in plan.finalize:
         for s in parse(e).free_symbols:
             if s.name not in states and s.name not in inputs and s.name not in smg.dim_sizes:
                 raise TemporalSliceError(f"output {o!r} reads {s.name!r}, an intermediate the second pass "
-                                         "would recompute")
+                                         "would recompute", code="split.intermediate_output")
     inner, chunk = f"{dim}2", size // parts
     j = f"{dim}_part"
     partial = _partial(smg, streamed_plan, dim, j, inner, parts, chunk)
@@ -201,7 +203,7 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
             else:
                 if op.reduce or not all(a.plain for a in op.inputs):
                     raise TemporalSliceError(f"{name!r} is not an element-wise tile of inputs: the partial "
-                                             "cannot compute it")
+                                             "cannot compute it", code="split.not_elementwise")
                 reads = {a.space: handle(a.space) for a in op.inputs}
                 body = body_expr(op).xreplace({sp.Symbol(n, real=True): sp.Symbol(t.name, real=True)
                                                for n, t in reads.items()})
@@ -219,7 +221,8 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
         name = _space_name(u.state)
         mapped = g.map(str(body), *reads, name=f"{name}_body")
         if not set(red) <= set(mapped.dims):  # a body that does not read along a reduced dim: broadcast it
-            raise TemporalSliceError(f"state {u.state!r}'s body does not span its reduced dims {red}")
+            raise TemporalSliceError(f"state {u.state!r}'s body does not span its reduced dims {red}",
+                                     code="split.body_span")
         acc = g.reduce(mapped, red, u.combiner, name=name)
         handles[u.state] = acc
         outs.append(acc)
@@ -311,7 +314,8 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
         if u.combiner == "max" or not u.carry:
             p = part(u.state)
             if not isinstance(p, Tensor):
-                raise TemporalSliceError(f"state {u.state!r} is a constant: nothing to combine")
+                raise TemporalSliceError(f"state {u.state!r} is a constant: nothing to combine",
+                                         code="split.constant_state")
             totals[u.state] = g.reduce(p, over(u.state), u.combiner, name=u.state)
             continue
         carry = parse(u.carry)
@@ -324,7 +328,7 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
             elif s.name == old(base):
                 t = part(base)
             else:  # pragma: no cover - a carry reads only old and new values
-                raise TemporalSliceError(f"carry of {u.state!r} reads {s.name!r}")
+                raise TemporalSliceError(f"carry of {u.state!r} reads {s.name!r}", code="split.carry_read")
             if isinstance(t, Tensor):
                 subs[s] = sp.Symbol(t.name, real=True)
                 reads.append(t)
@@ -361,7 +365,8 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
         expr = expr.xreplace(subs)
         t = g.map(str(expr), *tensors(expr, smg.space(o).dims), name=o)
         if t.dims != smg.space(o).dims:
-            raise TemporalSliceError(f"output {o!r}: the second pass iterates {t.dims}, not {smg.space(o).dims}")
+            raise TemporalSliceError(f"output {o!r}: the second pass iterates {t.dims}, not {smg.space(o).dims}",
+                                     code="split.second_pass_dims")
         outs.append(t)
     out = g.build(*outs)
     return _with_dtypes(out, {o: smg.space(o).dtype for o in smg.outputs})

@@ -79,7 +79,8 @@ class UpdateFunction:
         ratio = sp.simplify(parse(self.carry) / sp.Symbol(old(self.state), real=True))
         if any(s.name.split("__")[0] == self.state.split("__")[0] or not s.name.endswith(("__old", "__new"))
                for s in ratio.free_symbols):
-            raise TemporalSliceError(f"update of {self.state!r} is not a plain rescaling: {self.carry}")
+            raise TemporalSliceError(f"update of {self.state!r} is not a plain rescaling: {self.carry}",
+                                     code="temporal.not_rescaling")
         return str(ratio)
 
     def describe(self, serial: str, states: tuple[str, ...] = ()) -> str:
@@ -150,13 +151,14 @@ def _inline(smg: SMG, expr: sp.Expr, cls: dict[str, str]) -> sp.Expr:
                 _plain_only(op, "inlined into an update function")
                 if op.reduce:
                     raise TemporalSliceError(
-                        f"op {op.out!r} reduces over {op.reduce} while depending on a running state"
+                        f"op {op.out!r} reduces over {op.reduce} while depending on a running state",
+                        code="temporal.reduce_dependent",
                     )
                 subs[s] = body_expr(op)
         if not subs:
             return expr
         expr = expr.xreplace(subs)
-    raise TemporalSliceError("cyclic inlining")  # pragma: no cover
+    raise TemporalSliceError("cyclic inlining", code="temporal.cyclic")  # pragma: no cover
 
 
 def _plain_only(op, role: str) -> None:
@@ -164,7 +166,8 @@ def _plain_only(op, role: str) -> None:
     for a in op.inputs:
         if not a.plain:
             raise TemporalSliceError(f"op {op.out!r} reads {a.space!r} at {a.index} and would be {role}; "
-                                     f"an op that gathers or windows must be streamed (materialised per step)")
+                                     f"an op that gathers or windows must be streamed (materialised per step)",
+                                     code="temporal.gather_inlined")
 
 
 def _windowed_state(smg: SMG, op) -> bool:
@@ -258,7 +261,8 @@ def _derivative_closure(body: sp.Expr, running: list[sp.Symbol], streamed: list[
                     raise TemporalSliceError(
                         f"state {state!r}: its body {body} is not closed under differentiation by the "
                         f"running state(s) {[str(r) for r in running]} within {limit} terms, so no "
-                        f"update-then-aggregate rule corrects a partial result"
+                        f"update-then-aggregate rule corrects a partial result",
+                        code="temporal.not_closed",
                     )
                 basis.append(sp.simplify(g))
                 c = np.eye(len(basis))[-1]
@@ -324,16 +328,19 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
     Pure in (smg, serial) and both are immutable, so plans are memoised in-process
     (the search asks for the same plan for every tiling)."""
     if serial not in smg.dim_sizes:
-        raise TemporalSliceError(f"serial dim {serial!r} is not a dimension of {smg.name!r}")
+        raise TemporalSliceError(f"serial dim {serial!r} is not a dimension of {smg.name!r}",
+                                 code="temporal.serial_unknown")
     cls = classify(smg, serial)
     state_ops = [op for op in smg.ops if cls[op.out] == "state"]
     if not state_ops and serial == elementwise_serial(smg):
         return _elementwise_plan(smg, serial)
     if not state_ops:
-        raise TemporalSliceError(f"no op of {smg.name!r} reduces over {serial!r}; nothing to slice")
+        raise TemporalSliceError(f"no op of {smg.name!r} reduces over {serial!r}; nothing to slice",
+                                 code="temporal.no_reduction")
     for o in smg.outputs:
         if cls[o] == "state" and serial in smg.space(o).dims:  # pragma: no cover - reduce drops the dim
-            raise TemporalSliceError(f"output {o!r} both reduces and keeps {serial!r}")
+            raise TemporalSliceError(f"output {o!r} both reduces and keeps {serial!r}",
+                                     code="temporal.output_keeps_serial")
     state_syms = {symbol(op.out) for op in state_ops}
     states: list[UpdateFunction] = []
     postponed: dict[str, sp.Expr] = {}
@@ -344,13 +351,15 @@ def plan_temporal(smg: SMG, serial: str) -> TemporalPlan:
         for s in body.free_symbols & state_syms:
             if s.name in postponed and postponed[s.name] != 1:
                 raise TemporalSliceError(
-                    f"state {op.out!r} reads state {s.name!r}, whose value carries a postponed factor"
+                    f"state {op.out!r} reads state {s.name!r}, whose value carries a postponed factor",
+                    code="temporal.postponed_read",
                 )
         if op.combiner == "max":
             if body.free_symbols & state_syms:
                 raise TemporalSliceError(
                     f"max-reduction {op.out!r} reads running state(s) "
-                    f"{sorted(str(s) for s in body.free_symbols & state_syms)}: a max cannot be corrected"
+                    f"{sorted(str(s) for s in body.free_symbols & state_syms)}: a max cannot be corrected",
+                    code="temporal.max_reads_state",
                 )
             states.append(UpdateFunction(op.out, "max", str(body), value=op.out))
             postponed[op.out] = sp.Integer(1)
@@ -415,7 +424,8 @@ def check_update_functions(plan: TemporalPlan, seed: int = 0) -> None:
         c = parse(u.carry)
         subs = {s: sp.Symbol(s.name.replace("__new", "__old"), real=True) for s in c.free_symbols}
         if sp.simplify(c.xreplace(subs) - sp.Symbol(old(u.state), real=True)) != 0:
-            raise TemporalSliceError(f"update of {u.state!r} changes the accumulator when nothing changed: {c}")
+            raise TemporalSliceError(f"update of {u.state!r} changes the accumulator when nothing changed: {c}",
+                                     code="temporal.carry_not_identity")
     rng = np.random.default_rng(seed)
     streamed = set()
     for u in plan.states:
@@ -432,7 +442,8 @@ def check_update_functions(plan: TemporalPlan, seed: int = 0) -> None:
     sliced = run_chain(plan, data, [3, 4, 4])
     for k in exact:
         if not np.allclose(exact[k], sliced[k], rtol=1e-9, atol=1e-12):
-            raise TemporalSliceError(f"derived update for {k!r} disagrees with the exact chain")
+            raise TemporalSliceError(f"derived update for {k!r} disagrees with the exact chain",
+                                     code="temporal.check_failed")
 
 
 def run_chain(plan: TemporalPlan, data: dict[str, np.ndarray], steps: list[int]) -> dict[str, float]:

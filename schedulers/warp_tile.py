@@ -29,6 +29,7 @@ import sympy as sp
 
 from schedulers.errors import ScheduleError
 from schedulers.gather_tile import GatherTile, Im2col, gather_tile, im2col_of
+from schedulers.options import Rejection
 from schedulers.temporal import UpdateFunction, parse
 from smg.expr import body_expr
 from smg.ops import UPSAMPLE_VIEW
@@ -157,7 +158,8 @@ class _Reading:
 
 
 @functools.lru_cache(maxsize=4096)
-def _row_of(smg, plan, block: tuple[tuple[str, int], ...]) -> tuple[str, int, tuple[tuple[str, int], ...]] | str:
+def _row_of(smg, plan, block: tuple[tuple[str, int], ...]
+            ) -> tuple[str, int, tuple[tuple[str, int], ...]] | Rejection:
     """(row dim, its tile, the other tiled dims) of a block, or why the block is not a warp-tile block."""
     state_dims = [smg.space(u.space or u.state).dims for u in plan.states]
     big = [(d, t) for d, t in block if t > 1]
@@ -165,24 +167,25 @@ def _row_of(smg, plan, block: tuple[tuple[str, int], ...]) -> tuple[str, int, tu
     if len(rowish) > 1:  # a GEMM's one state has both: the row is not its last (column) dim
         rowish = [(d, t) for d, t in rowish if all(d != dims[-1] for dims in state_dims)]
     if len(rowish) != 1 or len(big) > 2:
-        return (f"the warp-tile path tiles one row dim (and optionally a GEMM's column dim); "
-                f"block tiles are {dict(block)}")
+        return Rejection("warp_tile.row_dim", None, f"the warp-tile path tiles one row dim (and optionally a "
+                         f"GEMM's column dim); block tiles are {dict(block)}")
     row, rows = rowish[0]
     if rows % 16:
-        return f"row tile {rows} along {row!r} must be a multiple of 16 (16-row mma tiles)"
+        return Rejection("warp_tile.row_tile", None, f"row tile {rows} along {row!r} must be a multiple of 16 "
+                         f"(16-row mma tiles)")
     return row, rows, tuple((d, t) for d, t in big if d != row)
 
 
 @functools.lru_cache(maxsize=4096)
-def _reading(smg, plan, serial: str, block: tuple[tuple[str, int], ...]) -> _Reading | str:
+def _reading(smg, plan, serial: str, block: tuple[tuple[str, int], ...]) -> _Reading | Rejection:
     """The knob-free part of the warp-tile reading (after ``_row_of`` and the step's check), or why there is
     none: the graph, plan, serial dim and block decide it alone, so one derivation serves a tiling's every
-    knob set (before, it was derived again for each: a third of enumerating a GEMM's space).  A reason is
+    knob set (before, it was derived again for each: a third of enumerating a GEMM's space).  A refusal is
     returned, not raised: a cached exception would gather every raise's traceback."""
     try:
         return _read(smg, plan, serial, block)
     except ScheduleError as e:
-        return str(e)
+        return Rejection(e.code, e.knob, str(e))
 
 
 def _read(smg, plan, L: str, block: tuple[tuple[str, int], ...]) -> _Reading:
@@ -191,12 +194,6 @@ def _read(smg, plan, L: str, block: tuple[tuple[str, int], ...]) -> _Reading:
     col_cut = dict(cut)
     batch = tuple(d for d, t in block if t == 1 and d not in col_cut)
     plane = set(batch) | {row, L}
-    for n in smg.inputs:
-        if smg.space(n).dtype not in MMA_DTYPES:
-            raise ScheduleError(f"input {n!r} is {smg.space(n).dtype}; tensor cores take {MMA_DTYPES}")
-    dt = {smg.space(n).dtype for n in smg.inputs}
-    if len(dt) > 1:
-        raise ScheduleError(f"inputs mix dtypes {sorted(dt)}")
 
     gemm, score_ops, gathers = None, [], []
     for i, name in enumerate(plan.streamed):
@@ -206,7 +203,8 @@ def _read(smg, plan, L: str, block: tuple[tuple[str, int], ...]) -> _Reading:
             continue
         if not set(op.out_index) <= plane or row not in op.out_index or L not in op.out_index:
             raise ScheduleError(f"streamed space {name!r} {op.out_index} is not on the ({row}, {L}) plane "
-                                f"(block tiles {dict(block)}: its other dims need tile 1)")
+                                f"(block tiles {dict(block)}: its other dims need tile 1)",
+                                code="warp_tile.off_plane")
         if op.reduce:
             gemm = _score_gemm(smg, op, i, row, L, plane)
         else:
@@ -219,11 +217,12 @@ def _read(smg, plan, L: str, block: tuple[tuple[str, int], ...]) -> _Reading:
     tiles_in = tuple(n for n in smg.inputs if n in used and L in smg.space(n).dims and row in smg.space(n).dims)
     tiles_in += tuple(g.tile for g in gathers if g.tile in used)
     if {g.tile for g in gathers} - set(tiles_in):
-        raise ScheduleError(f"gathered views {[g.tile for g in gathers]} must be read by the states directly")
+        raise ScheduleError(f"gathered views {[g.tile for g in gathers]} must be read by the states directly",
+                            code="warp_tile.gather_unread")
     for n in tiles_in:
         if not _dims_ok(smg.space(n).dims, plane, L) or sizes[L] % 8:
             raise ScheduleError(f"input {n!r} {smg.space(n).dims} must be on ({row}, {L}) with {L} last, "
-                                f"{L} a multiple of 8")
+                                f"{L} a multiple of 8", code="warp_tile.tile_input")
 
     row_states, gemm_states = [], []
     for u in plan.states:
@@ -233,47 +232,98 @@ def _read(smg, plan, L: str, block: tuple[tuple[str, int], ...]) -> _Reading:
         else:
             gemm_states.append(_gemm_state(smg, u, dims, row, L, batch, col_cut))
     if not gemm_states:
-        raise ScheduleError("no state is a GEMM over the serial dim: nothing for tensor cores")
+        raise ScheduleError.rejected(_NO_GEMM_STATE)
     if set(col_cut) - {g.n for g in gemm_states}:
-        raise ScheduleError(f"tiled dims {sorted(col_cut)} are not a GEMM state's column dim")
+        raise ScheduleError(f"tiled dims {sorted(col_cut)} are not a GEMM state's column dim",
+                            code="warp_tile.column_dim")
     ns = {g.n for g in gemm_states}
     outs = []
     for out, text in plan.finalize:
         dims = smg.space(out).dims
         extra = set(dims) - set(batch) - {row}
         if row not in dims or len(extra) > 1 or (extra and not extra <= ns):
-            raise ScheduleError(f"output {out!r} {dims} is not on the rows (and a GEMM state's column dim)")
+            raise ScheduleError(f"output {out!r} {dims} is not on the rows (and a GEMM state's column dim)",
+                                code="warp_tile.output")
         outs.append((out, text))
     return _Reading(row, rows, col_cut, batch, gemm, tuple(score_ops), tiles_in, tuple(row_states),
                     tuple(gemm_states), tuple(outs), tuple(gathers))
 
 
+_NO_GEMM_STATE = Rejection("warp_tile.no_gemm_state", None,
+                           "no state is a GEMM over the serial dim: nothing for tensor cores")
+
+
+@functools.lru_cache(maxsize=1024)
+def program_form(smg, plan, L: str) -> Rejection | None:
+    """Why no block and no knob give ``smg`` a warp-tile program along serial dim ``L`` (None: some may): what the
+    graph and its plan decide alone -- a second pass, the inputs' dtypes, no state that could be a GEMM state
+    whatever the block (one needs a sum over [.., R, N] whose body multiplies an input over (L, N), N last).
+    ``program_checks`` asks it first, and the search once per graph and serial dim (``SearchSpace.forms``): where
+    neither this nor the GEMM + epilogue reading (``schedulers.tensorcore_fit``) has a form, no tensor-core knob
+    set is enumerated (a LayerNorm's were all refused, each for this one reason)."""
+    if plan.second_pass:
+        return Rejection("warp_tile.second_pass", None,
+                         "outputs keep the serial dim (a second pass); the warp-tile path needs none")
+    for n in smg.inputs:
+        if smg.space(n).dtype not in MMA_DTYPES:
+            return Rejection("warp_tile.dtype", None,
+                             f"input {n!r} is {smg.space(n).dtype}; tensor cores take {MMA_DTYPES}")
+    dt = {smg.space(n).dtype for n in smg.inputs}
+    if len(dt) > 1:
+        return Rejection("warp_tile.mixed_dtypes", None, f"inputs mix dtypes {sorted(dt)}")
+    if not any(_may_be_gemm_state(smg, u, L) for u in plan.states):
+        return _NO_GEMM_STATE
+    return None
+
+
+def _may_be_gemm_state(smg, u: UpdateFunction, L: str) -> bool:
+    """Whether some block could read state ``u`` as a GEMM state (``_gemm_state``'s checks that no block decides):
+    a sum accumulator of its space over [.., R, N] (the row dim is in every state, N last) whose body has an
+    input factor over (L, N) with N last."""
+    dims = smg.space(u.space or u.state).dims
+    if u.combiner != "sum" or u.state != (u.space or u.state) or len(dims) < 2:
+        return False
+    return any(smg.space(x.name).dims[-1] == dims[-1] and L in smg.space(x.name).dims
+               for x in _column_operands(smg, u.body, dims[-1]))
+
+
+def _column_operands(smg, body: str, n: str) -> list[sp.Symbol]:
+    """The factors of a state's ``body`` that are inputs over column dim ``n`` (a GEMM state has one)."""
+    return [f for f in sp.Mul.make_args(parse(body)) if f.is_Symbol and f.name in smg.inputs
+            and n in smg.space(f.name).dims]
+
+
 def program_checks(smg, plan, L: str, block: tuple[tuple[str, int], ...], step: int, warps: int, split: int,
                    slices: int, wgmma: bool, early_scores: bool) -> tuple[_Reading, int]:
     """The checks of a warp-tile reading on what they read (the graph, plan, serial dim, block, step and five
-    knobs): the reading and the warps it runs with, or ScheduleError saying why there is none.  The search
-    asks it before building a knob set's Schedule (``SearchSpace``), ``warp_tile_program`` before building
-    the program: one set of rules for both."""
-    if plan.second_pass:
-        raise ScheduleError("outputs keep the serial dim (a second pass); the warp-tile path needs none")
+    knobs): the reading and the warps it runs with, or ScheduleError saying why there is none (its code from
+    ``schedulers.codes``).  The search asks it before building a knob set's Schedule (``SearchSpace``),
+    ``warp_tile_program`` before building the program: one set of rules for both.  The graph's own reasons
+    (``program_form``) come first, then the block's, then the knobs'."""
+    form = program_form(smg, plan, L)
+    if form is not None:
+        raise ScheduleError.rejected(form)
     head = _row_of(smg, plan, block)
-    if isinstance(head, str):
-        raise ScheduleError(head)
+    if isinstance(head, Rejection):
+        raise ScheduleError.rejected(head)
     if step % 16:
-        raise ScheduleError(f"step {step} along {L!r} must be a multiple of 16 (the mma k extent)")
+        raise ScheduleError(f"step {step} along {L!r} must be a multiple of 16 (the mma k extent)",
+                            code="warp_tile.step")
     r = _reading(smg, plan, L, block)
-    if isinstance(r, str):
-        raise ScheduleError(r)
+    if isinstance(r, Rejection):
+        raise ScheduleError.rejected(r)
     rows = r.rows
     warps = warps or min(4, rows // 16)  # default: FlashAttention-2's 4 warps
     if warps not in (1, 2, 4, 8) or rows % (16 * warps):
-        raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles")
+        raise ScheduleError(f"{warps} warps must be 1, 2, 4 or 8 and divide the {rows}-row tile into 16-row tiles",
+                            code="warp_tile.warps")
     if split > 1 or slices > 1:
         what = " and ".join(f"{k} {v}" for k, v in (("split", split), ("slices", slices)) if v > 1)
         for g in r.gemm_states:  # the merge rescales each part's accumulator by its row factor
             if g.update.carry and carry_factor(g.update.carry, g.update.state) is None:
-                raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not "
-                                    f"its old value times a per-row factor, so partial results cannot merge")
+                raise ScheduleError(f"{what}: the carry of {g.update.state!r} ({g.update.carry}) is not its old "
+                                    f"value times a per-row factor, so partial results cannot merge",
+                                    code="warp_tile.merge_carry")
     if wgmma:
         _check_wgmma(smg, step, split, early_scores, r, warps, L)
     return r, warps
@@ -314,6 +364,17 @@ SWIZZLE_ATOM = 512
 WGMMA_STATE_REGS = 8
 
 
+def wgmma_knobs_refusal(split: int, early_scores: bool) -> Rejection | None:
+    """wgmma's refusal of knobs alone, whatever the graph (None: it may take them): its warpgroups do not split
+    the steps (``split``) nor wait for the score operands apart (``early_scores``).  The search asks it before
+    offering wgmma with a split (``SearchSpace.splits``): such a knob set was refused whatever else it held."""
+    if split != 1:
+        return Rejection("warp_tile.wgmma_split", None, "wgmma: no split or early_scores")
+    if early_scores:
+        return Rejection("warp_tile.wgmma_early_scores", None, "wgmma: no split or early_scores")
+    return None
+
+
 def _check_wgmma(smg, step: int, split: int, early_scores: bool, r: _Reading, warps: int, L: str) -> None:
     """Refuse ``wgmma`` unless its GEMMs fit warpgroup MMA.  A plain GEMM (+ epilogue) takes A (a
     staged input) and B straight from shared memory, as do several GEMM states over the same A tile
@@ -324,34 +385,39 @@ def _check_wgmma(smg, step: int, split: int, early_scores: bool, r: _Reading, wa
     (reload_a) or from registers."""
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
-                            f"{warps} warps")
+                            f"{warps} warps", code="warp_tile.wgmma_warps")
     gemm, score_ops, tiles_in, row_states, gemm_states = r.gemm, r.score_ops, r.tiles_in, r.row_states, r.gemm_states
-    if split != 1 or early_scores:
-        raise ScheduleError("wgmma: no split or early_scores")
+    knobs = wgmma_knobs_refusal(split, early_scores)
+    if knobs is not None:
+        raise ScheduleError.rejected(knobs)
     plain = gemm is None and not score_ops and not row_states
     for g in gemm_states:  # attention's V may end in a partial band (padded_band); a plain GEMM's B may not
         if (g.n_tile % 64 if plain else g.n_tile % 16) or g.n_tile > WGMMA_MAX_N:
             unit = "64 (128 B swizzle atoms)" if plain else "16"
-            raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of {unit} up to {WGMMA_MAX_N}")
+            raise ScheduleError(f"wgmma: {g.n_tile} columns per block must be a multiple of {unit} up to "
+                                f"{WGMMA_MAX_N}", code="warp_tile.wgmma_columns")
     if plain:  # plain GEMMs: both operands from shared memory, one A tile shared by every GEMM state
         for g in gemm_states:  # (LLaMA's gated MLP input: G = X @ Wg and U = X @ Wu over one staged X)
             if tiles_in != (g.factor,) or g.update.carry:
                 raise ScheduleError(f"wgmma multiplies a staged input by {g.x!r} with no carry; {g.update.state!r} "
-                                    f"has factor {g.factor!r} and carry {g.update.carry!r}")
+                                    f"has factor {g.factor!r} and carry {g.update.carry!r}",
+                                    code="warp_tile.wgmma_operand")
         shapes = {(g.n, g.n_tile) for g in gemm_states}
         if len(shapes) != 1:  # the epilogue reads every accumulator at the same element index
             raise ScheduleError(f"wgmma: GEMM states sharing the A tile must have one column dim and tile; "
-                                f"{smg.name!r} has {sorted(shapes)}")
+                                f"{smg.name!r} has {sorted(shapes)}", code="warp_tile.wgmma_shared_a")
         if step != WGMMA_STEP or smg.dim_sizes[L] % step:
             raise ScheduleError(f"wgmma: the step {step} must be {WGMMA_STEP} (an A row is one 128 B swizzle "
-                                f"atom) and divide {L!r} = {smg.dim_sizes[L]} (no tail to mask in shared memory)")
+                                f"atom) and divide {L!r} = {smg.dim_sizes[L]} (no tail to mask in shared memory)",
+                                code="warp_tile.wgmma_step")
     elif not gemm_states or any(g.factor in tiles_in for g in gemm_states):
         raise ScheduleError("wgmma takes a plain GEMM (+ epilogue), or GEMM states whose factor tile is computed "
-                            "in registers (attention's P @ V)")
+                            "in registers (attention's P @ V)", code="warp_tile.wgmma_form")
     if gemm is not None:  # the score GEMM too: its B (K) read K-major from 64-wide bands of swizzle atoms,
         if gemm.b_trans or step % 8 or step > WGMMA_MAX_N:  # the last one partial (padded_band): only
-            raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous and a step "
-                                f"(its N) a multiple of 8 up to {WGMMA_MAX_N}")  # its k16 slices that exist
+            raise ScheduleError(f"wgmma: the score GEMM needs {gemm.b!r} with {gemm.k!r} contiguous and a step "  # its
+                                f"(its N) a multiple of 8 up to {WGMMA_MAX_N}",  # k16 slices that exist
+                                code="warp_tile.wgmma_score_gemm")
 
 
 #: columns (fp16/bf16) of one band of a 128 B-swizzled tile: an atom row
@@ -461,62 +527,72 @@ def carry_factor(carry: str, state: str) -> sp.Expr | None:
 
 def _score_gemm(smg, op, i: int, row: str, L: str, plane: set[str]) -> ScoreGemm:
     if i != 0 or len(op.reduce) != 1 or op.combiner != "sum" or len(op.inputs) != 2:
-        raise ScheduleError(f"streamed op {op.out!r} reduces but is not the first, a two-operand sum over one dim")
+        raise ScheduleError(f"streamed op {op.out!r} reduces but is not the first, a two-operand sum over one dim",
+                            code="warp_tile.score_gemm")
     k = op.reduce[0]
     a, b = op.inputs
     if str(parse(op.body)) not in (f"{a.space}*{b.space}", f"{b.space}*{a.space}"):
-        raise ScheduleError(f"streamed GEMM {op.out!r} has body {op.body!r}, not a product of its operands")
+        raise ScheduleError(f"streamed GEMM {op.out!r} has body {op.body!r}, not a product of its operands",
+                            code="warp_tile.score_gemm_body")
     if L in a.index:
         a, b = b, a
     if a.space not in smg.inputs or b.space not in smg.inputs:
-        raise ScheduleError(f"GEMM {op.out!r} operands must be inputs (staged through shared memory)")
+        raise ScheduleError(f"GEMM {op.out!r} operands must be inputs (staged through shared memory)",
+                            code="warp_tile.score_gemm_operands")
     if not _dims_ok(a.index, plane | {k}, k) or L in a.index:
-        raise ScheduleError(f"GEMM operand {a.space!r} {a.index} must be [.., {row}, {k}] with {k} last")
+        raise ScheduleError(f"GEMM operand {a.space!r} {a.index} must be [.., {row}, {k}] with {k} last",
+                            code="warp_tile.score_gemm_a")
     if set(b.index) - (plane - {row}) - {k} or row in b.index or {k, L} - set(b.index):
-        raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must be on ({L}, {k})")
+        raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must be on ({L}, {k})", code="warp_tile.score_gemm_b")
     if b.index[-1] not in (k, L):
-        raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must end in {k!r} or {L!r}")
+        raise ScheduleError(f"GEMM operand {b.space!r} {b.index} must end in {k!r} or {L!r}",
+                            code="warp_tile.score_gemm_b")
     kd = smg.dim_sizes[k]
     kp = -(-kd // 16) * 16
     if kd % 8:
         raise ScheduleError(f"GEMM dim {k!r} = {kd} must be a multiple of 8 (16-byte rows of fp16 for cp.async; "
-                            f"the MMAs' k of 16 is reached by zero columns in shared memory)")
+                            f"the MMAs' k of 16 is reached by zero columns in shared memory)",
+                            code="warp_tile.k_not_multiple")
     b_trans = b.index[-1] == L
     if b_trans and smg.dim_sizes[L] % 8:
-        raise ScheduleError(f"{L!r} = {smg.dim_sizes[L]} must be a multiple of 8 when {b.space!r} ends in it")
+        raise ScheduleError(f"{L!r} = {smg.dim_sizes[L]} must be a multiple of 8 when {b.space!r} ends in it",
+                            code="warp_tile.serial_not_multiple")
     if b_trans and kp != kd:
         raise ScheduleError(f"GEMM dim {k!r} = {kd} is not a multiple of 16 and {b.space!r} {b.index} has it "
-                            f"as rows: zero rows are not padded in (K-contiguous {b.space!r} is)")
+                            f"as rows: zero rows are not padded in (K-contiguous {b.space!r} is)",
+                            code="warp_tile.k_padding")
     return ScoreGemm(op.out, a.space, b.space, k, b_trans, kd, kp)
 
 
 def _gemm_state(smg, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str, batch: tuple[str, ...],
                 col_cut: dict[str, int]) -> GemmState:
     if u.combiner != "sum" or u.state != (u.space or u.state):
-        raise ScheduleError(f"state {u.state!r} over {dims} is not a sum accumulator of its space")
+        raise ScheduleError(f"state {u.state!r} over {dims} is not a sum accumulator of its space",
+                            code="warp_tile.gemm_state_sum")
     extra = [d for d in dims if d not in batch and d != row]
     if len(extra) != 1 or dims[-1] != extra[0]:
-        raise ScheduleError(f"state {u.state!r} {dims} must be [.., {row}, N] with one column dim N last")
+        raise ScheduleError(f"state {u.state!r} {dims} must be [.., {row}, N] with one column dim N last",
+                            code="warp_tile.gemm_state_dims")
     n = extra[0]
-    body = parse(u.body)
-    xs = [f for f in sp.Mul.make_args(body) if f.is_Symbol and f.name in smg.inputs
-          and n in smg.space(f.name).dims]
+    xs = _column_operands(smg, u.body, n)
     if len(xs) != 1:
-        raise ScheduleError(f"state {u.state!r} body {u.body!r} is not (input over {n!r}) * factor")
+        raise ScheduleError(f"state {u.state!r} body {u.body!r} is not (input over {n!r}) * factor",
+                            code="warp_tile.gemm_state_body")
     x = xs[0]
     factor, free = _factor_of(u.body, x.name)
     if x.name in free or n in free:
-        raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}")
+        raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}",
+                            code="warp_tile.gemm_state_factor")
     xd = smg.space(x.name).dims
     if xd[-1] != n or L not in xd or set(xd) - set(batch) - {L, n}:  # L anywhere: a bshd V is [b, L, h, n]
         raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, .., {n}] ({n} last, the others "
-                            f"batch dims {batch})")
+                            f"batch dims {batch})", code="warp_tile.gemm_state_operand")
     n_tile = col_cut.get(n, smg.dim_sizes[n])
     pad = 8 if n not in col_cut and n_tile % 16 and n_tile % 8 == 0 else 0  # a head dim of 40: 48 columns,
     n_tile += pad  # the last 8 not stored; their loads are clamped and land only in those columns
     if n_tile % 16 or smg.dim_sizes[n] % 8:
         raise ScheduleError(f"GEMM dim {n!r}: {n_tile} columns per block must be a multiple of 16 "
-                            f"(and {n!r} = {smg.dim_sizes[n]} of 8)")
+                            f"(and {n!r} = {smg.dim_sizes[n]} of 8)", code="warp_tile.gemm_columns")
     return GemmState(u, x.name, n, factor, n_tile, pad)
 
 
@@ -528,17 +604,23 @@ def _factor_of(body: str, x: str) -> tuple[str, frozenset[str]]:
     return str(factor), frozenset(sym.name for sym in factor.free_symbols)
 
 
-def warp_tile_reason(s) -> str | None:
-    """Why ``s`` has no warp-tile program (None: it has one).  A tensor-core schedule whose program was
-    already asked for answers from what that attempt raised: the search's refusals quote this sentence for
+def warp_tile_refusal(s) -> Rejection | None:
+    """Why ``s`` has no warp-tile program, with its code (None: it has one).  A tensor-core schedule whose
+    program was already asked for answers from what that attempt raised: the search's refusals quote it for
     every knob set they reject (a tenth of ranking a GEMM's space went to deriving it again)."""
     if getattr(s, "tensor_cores", False) and "warp_tile" in getattr(s, "__dict__", {}):
         return None if s.warp_tile is not None else s.__dict__.get("_warp_tile_error")
     try:
         warp_tile_program(s)
     except ScheduleError as e:
-        return str(e)
+        return Rejection(e.code, None, str(e))
     return None
+
+
+def warp_tile_reason(s) -> str | None:
+    """The sentence of ``warp_tile_refusal`` (None: ``s`` has a warp-tile program)."""
+    r = warp_tile_refusal(s)
+    return None if r is None else r.sentence
 
 
 def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:

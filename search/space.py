@@ -30,13 +30,13 @@ import numpy as np
 
 from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
-from schedulers.options import KNOB_FIELDS, MAX_VECTOR_BYTES
+from schedulers.options import KNOB_FIELDS, MAX_VECTOR_BYTES, HopperOptions, Rejection
 from schedulers.resources import check_resources
 from schedulers.schedule import Schedule, blocking, make_schedule
 from schedulers.spatial import analyse_spatial, elementwise_serial
 from schedulers.temporal import plan_temporal
-from schedulers.tensorcore_fit import plan_reason as tensorcore_plan_reason
-from schedulers.warp_tile import program_checks
+from schedulers.tensorcore_fit import plan_refusal
+from schedulers.warp_tile import program_checks, program_form, wgmma_knobs_refusal
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 
@@ -119,14 +119,28 @@ class SpaceReport:
     total: int = 0
     valid: int = 0
     fits: int = 0
+    #: refusals by code (``schedulers.codes``), counted per knob set
     pruned: dict[str, int] = field(default_factory=dict)
     skipped: str = ""  # why the CUDA-core points were not enumerated at all
+    #: serial dims along which the graph has no tensor-core form, with the code of why (found once per graph:
+    #: no tensor-core knob set is enumerated along them)
+    no_form: dict[str, str] = field(default_factory=dict)
+    #: serial dims along which it has a GEMM + epilogue form but no warp-tile program, with the code of why (no
+    #: knob set asking for a program -- stages, warps, split, slices, a producer -- is enumerated along them)
+    no_program: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         why = ", ".join(f"{k}: {v}" for k, v in sorted(self.pruned.items(), key=lambda kv: -kv[1]))
+
+        def along(forms: dict[str, str]) -> str:
+            return ", ".join(f"along {d!r}: {c}" for d, c in forms.items())
+
         return (f"search space: {self.total} points, {self.valid} valid schedules, {self.fits} fit the hardware"
                 + (f" (pruned: {why})" if why else "") + (f"; CUDA-core points skipped: {self.skipped}"
-                                                          if self.skipped else ""))
+                                                          if self.skipped else "")
+                + (f"; no tensor-core form ({along(self.no_form)}): none enumerated" if self.no_form else "")
+                + (f"; no warp-tile program ({along(self.no_program)}): GEMM + epilogue points only"
+                   if self.no_program else ""))
 
 
 class SearchSpace:
@@ -158,7 +172,8 @@ class SearchSpace:
             except ScheduleError:
                 continue
         if not out:
-            raise ScheduleError(f"no reduced dim of {self.smg.name!r} can be sliced temporally")
+            raise ScheduleError(f"no reduced dim of {self.smg.name!r} can be sliced temporally",
+                                code="serial.unsliceable")
         return tuple(out)
 
     @cached_property
@@ -189,6 +204,7 @@ class SearchSpace:
         sizes = self.smg.dim_sizes
         tc = tc and self.tensor_cores and self.tensor_core_dtypes
         for serial in self.serials:
+            tc_here = tc and (not self.analyse_forms or None in self.forms[serial])
             steps = _pow2_upto(min(sizes[serial], self.max_step or sizes[serial]), lo=min(8, sizes[serial]))
             if sizes[serial] not in steps:
                 steps.append(sizes[serial])
@@ -213,10 +229,10 @@ class SearchSpace:
                 # whole MMA tiles (16 x 16, or WMMA's 8 x 32) along every dim a block spans: the warp-tile
                 # programs refuse the rest and TVM's WMMA tensorizer pads them (they were half of a GEMM's
                 # tensor-core points, 3 s of its search)
-                if (tc and len(movers) <= 2 and max(tiles.values()) >= 16 and all(tiles[d] % 8 == 0 for d in movers)
-                        and threads >= self.block_threads_floor):
+                if (tc_here and len(movers) <= 2 and max(tiles.values()) >= 16
+                        and all(tiles[d] % 8 == 0 for d in movers) and threads >= self.block_threads_floor):
                     yield from self._tc_knobs(serial, steps, tiles, movers)
-            if tc:  # warp-tile blocks larger than a thread each
+            if tc_here:  # warp-tile blocks larger than a thread each
                 for tiles in self.tc_tilings():
                     yield from self._tc_knobs(serial, steps, tiles, [d for d, t in tiles.items() if t > 1])
 
@@ -257,15 +273,20 @@ class SearchSpace:
         sizes = self.smg.dim_sizes
         steps16 = [s for s in steps if s % 16 == 0]
         blocks = self._blocks(tiles)
-        parts = [(sp, 1) for sp in SPLITS]
+        parts = [(sp, 1) for sp in self.splits]
         if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
             parts += [(1, sl) for sl in SLICES]
             parts += [(1, sl) for sl in MORE_SLICES if blocks * sl <= SLICED_BLOCKS_PER_SM * self.hw.num_sms]
         reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
         small = self._small_grid(tiles)
         deep = GEMM_STAGES if self.hopper and self.one_reduction and small else ()
+        # no warp-tile program along this serial dim whatever the block (``forms``): only the knob sets that ask
+        # for none (a GEMM + epilogue's); the prefilter refused each of the others, for the one reason
+        no_program = self.analyse_forms and self.forms[serial][0] is not None
         for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES + deep, WARPS, parts, reloads):
             if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
+                continue
+            if no_program and (stages != 1 or warps or split != 1 or sl != 1):
                 continue
             if stages in deep and (split > 1 or sl > (SLICED_DEEP_MAX if self.gathers and stages == 4 else 2)):
                 continue
@@ -282,7 +303,8 @@ class SearchSpace:
                             lazy_rescale=lazy,
                             mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
                             tma=by_tma and not early, fast_math=self.fast_math)
-            if self.hopper and self.one_reduction and (stages, split, sl, rl) == (STAGES[0], 1, 1, False):
+            if (self.hopper and self.one_reduction and not no_program
+                    and (stages, split, sl, rl) == (STAGES[0], 1, 1, False)):
                 yield from self._producer_knobs(tiles, serial, step, movers[-1], warps, small)
             if (self.hopper and self.first_gemm and serial not in self.first_gemm and (split, sl) == (1, 1)
                     and stages == PRODUCER_STAGES[0] and warps == 8 and step >= 64
@@ -316,10 +338,39 @@ class SearchSpace:
 
     @cached_property
     def hopper(self) -> bool:
-        """Whether the target has warpgroup MMA (sm_90): ``wgmma`` is then offered on, not searched
-        both ways (it won on every harness workload it applies to; measured: docs/tuning.md, 'Why the
-        search space looks as it does'); where make_schedule refuses it the candidate goes without."""
-        return self.hw.arch.startswith("sm_90")
+        """Whether the target runs warpgroup MMA, TMA and a producer warpgroup (sm_90a), as the Hopper options'
+        own ``check_target`` says for ``hw.capabilities()`` (no wgmma, tma or producer knob set is enumerated for
+        another target): ``wgmma`` is then offered on, not searched both ways (it won on every harness workload
+        it applies to; measured: docs/tuning.md, 'Why the search space looks as it does'); where make_schedule
+        refuses it the candidate goes without."""
+        return HopperOptions(wgmma=True, tma=True, producer=True).check_target(self.hw.capabilities()) is None
+
+    #: derive the graph's forms once (``forms``) and leave out the knob sets they refuse whatever else they hold
+    #: (``splits``); off only to check that the search is the same with it (tests/test_space_prefilter.py)
+    analyse_forms: bool = True
+
+    @cached_property
+    def splits(self) -> tuple[int, ...]:
+        """The warp groups offered to split a block's steps: ``SPLITS``, less those that wgmma refuses whatever the
+        graph (``warp_tile.wgmma_knobs_refusal``) where wgmma is offered on -- every tensor-core knob set on
+        Hopper but early_scores', which takes no split.  make_schedule refused each such knob set without dropping
+        wgmma (its reason blames no knob), so none was ever a candidate."""
+        if not (self.hopper and self.analyse_forms):
+            return SPLITS
+        return tuple(sp for sp in SPLITS if wgmma_knobs_refusal(sp, False) is None)
+
+    @cached_property
+    def forms(self) -> dict[str, tuple[Rejection | None, Rejection | None]]:
+        """Per serial dim, why the graph has no warp-tile program along it whatever the block and knobs
+        (``warp_tile.program_form``: a second pass, the dtypes, no state that could be a GEMM) and why no GEMM +
+        epilogue (``tensorcore_fit.plan_refusal``); None where it may have one.  Derived once per graph: along a
+        dim with neither ``knobs`` enumerates no tensor-core knob set (a LayerNorm's were each refused for the one
+        reason), and along one with no program no knob set that asks for one (``_tc_knobs``)."""
+        out = {}
+        for serial in self.serials:
+            plan = plan_temporal(self.smg, serial)
+            out[serial] = (program_form(self.smg, plan, serial), plan_refusal(self.smg, plan, serial))
+        return out
 
     @cached_property
     def one_reduction(self) -> bool:
@@ -430,11 +481,19 @@ class SearchSpace:
             self.report.valid += sub.report.valid
             for why, n in sub.report.pruned.items():
                 self.report.pruned[why] = self.report.pruned.get(why, 0) + n
+            for d, code in sub.report.no_form.items():
+                self.report.no_form.setdefault(d, code)
+            for d, code in sub.report.no_program.items():
+                self.report.no_program.setdefault(d, code)
         self.report.fits = len(out)
         return list(out.values())
 
     def _candidates(self, skip_simt: SimtVeto | None = None) -> list[Schedule]:
         rep = self.report = SpaceReport()
+        if self.tensor_cores and self.tensor_core_dtypes and self.analyse_forms:
+            for d, (program, wmma) in self.forms.items():  # counted by the warp-tile reading's code
+                if program is not None:
+                    (rep.no_form if wmma is not None else rep.no_program)[d] = program.code
         out: dict[str, Schedule] = {}
         self._add(self.knobs(simt=False), out)
         why = skip_simt(list(out.values())) if skip_simt is not None and out else None
@@ -453,8 +512,8 @@ class SearchSpace:
         """The code ``make_schedule`` refuses ``k`` with, where that is certain before building it: a
         tensor-core knob set that asks for a warp-tile program (stages, warps, split or slices) whose program
         ``warp_tile.program_checks`` refuses.  ``make_schedule`` then refuses it whatever else it holds (by
-        ``tile.padded``, ``tensor_cores.no_form`` or ``warp.no_program``: none of them drops a knob and
-        tries again), so the candidates are those the search built before; it cost a third of a GEMM's
+        ``tile.padded``, or for want of a program with the code of ``program_checks``' refusal: neither drops a
+        knob and tries again), so the candidates are those the search built before; it cost a third of a GEMM's
         first pick to build 18,000 such schedules and refuse each.  None: build it and see."""
         if not (self.prefilter and k.tensor_cores and (k.stages != 1 or k.warps or k.split != 1 or k.slices != 1)):
             return None
@@ -464,12 +523,10 @@ class SearchSpace:
             program_checks(self.smg, plan, k.serial, block, k.step, k.warps, k.split, k.slices, k.wgmma,
                            k.early_scores)
             return None
-        except ScheduleError:
-            pass
+        except ScheduleError as e:
+            code = e.code
         sizes = self.smg.dim_sizes
-        if any(t > sizes[d] for d, t in block):
-            return "tile.padded"
-        return "tensor_cores.no_form" if tensorcore_plan_reason(self.smg, plan, k.serial) else "warp.no_program"
+        return "tile.padded" if any(t > sizes[d] for d, t in block) else code
 
     def _add(self, knobs: Iterator[Knobs], out: dict[str, Schedule]) -> None:
         """Build each knob's schedule into ``out`` (by key) if it is valid and fits; count the rest."""
@@ -498,7 +555,7 @@ class SearchSpace:
                 f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
                 f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
                 f"(stages {list(STAGES)}, for GEMMs also {list(GEMM_STAGES)}, warps {list(WARPS)}, split "
-                f"{list(SPLITS)}, slices {list(SLICES)} (up to "
+                f"{list(self.splits)}, slices {list(SLICES)} (up to "
                 f"{MORE_SLICES[-1]} for the smallest) for grids smaller than the SMs, A fragments held or reloaded) "
                 f"where the plan is one"
                 + (f"; also over the graph with {', '.join(f'{o}*{i}' for o, i in self.folds)} folded into one row "

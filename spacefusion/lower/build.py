@@ -308,7 +308,8 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         src = lib.imports[0].inspect_source()
     fns = [f for dm in device.values() for f in dm.functions.values()]
     if len(fns) != 1:
-        raise ScheduleError(f"the {lowering} lowering of {s.smg.name!r} gave {len(fns)} kernels, not one")
+        raise ScheduleError(f"the {lowering} lowering of {s.smg.name!r} gave {len(fns)} kernels, not one",
+                            code="build.kernels")
     text = str(fns[0])
     dims = {k: int(v) for k, v in _LAUNCH.findall(text)}
     m = _SIG.search(src)
@@ -323,7 +324,8 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     hw = hardware_for(arch)
     if dyn > hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes:
         raise ScheduleError(f"{lowering} kernel needs {dyn} B of shared memory per block; {hw.name} allows "
-                            f"{hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes} B")
+                            f"{hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes} B",
+                            code="build.shared_memory")
     meta = {
         "format": "spacefusion-kernel/1", "kernel_name": kname, "arch": arch,
         "grid": [dims.get(f"blockIdx.{a}", 1) for a in "xyz"],
@@ -343,10 +345,6 @@ def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
     tvm = _tvm()
     if s.warp_tile is not None:
         from spacefusion.lower.mma import build_warp_tile
-
-        if s.warp_tile.wgmma and not arch.startswith("sm_90"):
-            raise ScheduleError(f"wgmma (warpgroup MMA) exists on sm_90a only; the target is {arch}: build without "
-                                f"wgmma for it")
 
         mod = tvm.IRModule({"main": build_warp_tile(s)})
         loads = "TMA (cp.async.bulk.tensor, mbarriers)" if s.warp_tile.tma else "cp.async"
@@ -397,12 +395,24 @@ def check_index_range(s: Schedule) -> None:
                              f"kernels index with 32-bit integers (at most {MAX_INDEX} elements a tensor): split it")
     if s.num_blocks > MAX_GRID_X:
         raise ScheduleError(f"{s.smg.name}: {s.num_blocks} blocks; a CUDA grid has at most {MAX_GRID_X}: use larger "
-                            f"tiles or split the work")
+                            f"tiles or split the work", code="build.grid")
+
+
+def check_target(s: Schedule, arch: str) -> None:
+    """Refuse a knob that ``arch`` cannot run (wgmma and a producer warpgroup but on sm_90a, TMA and clusters
+    before sm_90), by the option groups' own rules (``check_target``, with ``HardwareModel.capabilities``):
+    the search and ``make_schedule`` refuse the same for their hardware model before a schedule is built, so
+    this is the safety net for a schedule made for another target (a file, another machine's record)."""
+    caps = hardware_for(arch).capabilities(arch)
+    for bad in (s.hopper.check_target(caps), s.simt.check_target(caps)):
+        if bad is not None:
+            raise ScheduleError.rejected(bad)
 
 
 def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
     check_index_range(s)
+    check_target(s, arch)
     if s.tensor_cores:
         return _build_tensorcore(s, arch)
     smem = shared_bytes(s)
@@ -415,13 +425,11 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     if dyn_bytes > usable:
         raise ScheduleError(
             f"step {s.step} on {s.serial!r} needs {dyn_bytes} B of shared memory per block, over the "
-            f"{usable} B {hw.name} allows (dynamic, opted in); use a smaller step or tile"
+            f"{usable} B {hw.name} allows (dynamic, opted in); use a smaller step or tile", code="build.shared_memory"
         )
     if s.threads > hw.max_threads_per_block:
-        raise ScheduleError(f"{s.threads} threads per block; {hw.name} allows {hw.max_threads_per_block}")
-    if s.cluster > 1 and int(re.sub(r"\D", "", arch)) < 90:
-        raise ScheduleError(f"cluster {s.cluster}: thread-block clusters exist on sm_90 and later; the target is "
-                            f"{arch}: build with cluster 1 for it")
+        raise ScheduleError(f"{s.threads} threads per block; {hw.name} allows {hw.max_threads_per_block}",
+                            code="build.threads")
     tvm = _tvm()
     f = build_primfunc(s, "cuda", dynamic_smem=dynamic)
     with _pass_context(tvm):

@@ -105,7 +105,8 @@ class Values:
                 return tirx.Cast(F32, st.tin[name][i])
             v = self.load_common(name, r, pos)
             if v is None:
-                raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on the score tile")
+                raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on the score tile",
+                                    code="lower.mma_read")
             return v
 
         return load
@@ -114,7 +115,7 @@ class Values:
         """``name`` at this thread's row slot ``h`` (row states, dims, inputs)."""
         v = self.load_common(name, h, {self.st.p.row: self.st.row_of(h)})
         if v is None:
-            raise ScheduleError(f"the warp-tile lowering cannot read {name!r} in a row update")
+            raise ScheduleError(f"the warp-tile lowering cannot read {name!r} in a row update", code="lower.mma_read")
         return v
 
     def load_acc(self, gs: GemmState, i: int) -> Callable[[str], tirx.PrimExpr]:
@@ -130,7 +131,8 @@ class Values:
                 return st.acc[base][i]
             v = self.load_common(name, h, pos)
             if v is None:
-                raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on an accumulator")
+                raise ScheduleError(f"the warp-tile lowering cannot read {name!r} on an accumulator",
+                                    code="lower.mma_read")
             return v
 
         return load

@@ -21,7 +21,7 @@ from typing import Any
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
-from schedulers.tensorcore_fit import tensorcore_reason
+from schedulers.tensorcore_fit import plan_refusal
 from smg.expr import body_expr
 
 F32 = "float32"
@@ -92,9 +92,9 @@ def _cheap_stack() -> Iterator[None]:
 
 def build_tensorcore(s: Schedule, arch: str) -> Any:
     """The IRModule of the tensor-core (WMMA) kernel of ``s``, scheduled by TVM's tensorizer."""
-    reason = tensorcore_reason(s)
-    if reason is not None:
-        raise ScheduleError(f"no tensor-core lowering for {s.smg.name!r}: {reason}")
+    refused = plan_refusal(s.smg, s.plan, s.serial)
+    if refused is not None:
+        raise ScheduleError(f"no tensor-core lowering for {s.smg.name!r}: {refused.sentence}", code=refused.code)
     import tvm
     from tvm import te
     from tvm.s_tir.dlight.gpu.matmul import MatmulTensorization
@@ -108,5 +108,6 @@ def build_tensorcore(s: Schedule, arch: str) -> Any:
     with target:
         sch = MatmulTensorization().apply(func, target, False)
     if sch is None:
-        raise ScheduleError(f"TVM's tensorizer does not accept {s.smg.name!r} (shapes must be multiples of 16)")
+        raise ScheduleError(f"TVM's tensorizer does not accept {s.smg.name!r} (shapes must be multiples of 16)",
+                            code="lower.wmma_tensorizer")
     return sch.mod

@@ -222,7 +222,7 @@ class _Kernel:
             if prod.reduce or any(a.space not in self.smg.inputs for a in prod.inputs):
                 raise ScheduleError(
                     f"{self.op.out!r} reads intermediate {acc.space!r} through {acc.index}: recomputing its "
-                    f"halo needs {acc.space!r} to be an element-wise function of inputs")
+                    f"halo needs {acc.space!r} to be an element-wise function of inputs", code="lower.recompute_read")
             saved_abs, saved_op = dict(self.abs), self.op
             self.abs.update(dict(zip(prod.out_index, clamped)))
             self.op = prod

@@ -317,3 +317,14 @@ def test_the_face_offers_tuning() -> None:
 
     assert face.tune_with is tune_with and face.CostModel is CostModel and face.Database is Database
     assert set(search.tuning.__all__) <= set(face.__all__) and all(hasattr(face, n) for n in face.__all__)
+
+
+def test_the_docs_example_swaps_a_strategy_and_adds_a_callback(capsys) -> None:
+    """The block of docs/tuning.md runs as written (TVM llvm, 8 kernels) and does what it says."""
+    from tests.mdblocks import ROOT, block_after
+
+    code = block_after(ROOT / "docs" / "tuning.md", "To swap one part, pass it and keep the rest")
+    scope: dict[str, Any] = {}
+    exec(compile(code, "docs/tuning.md", "exec"), scope)
+    assert capsys.readouterr().out.splitlines() == ["4 measured, 4 stored", "4 measured, 8 stored"]
+    assert scope["summary"].measured == 8 and scope["summary"].best_result.ok

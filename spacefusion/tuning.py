@@ -10,33 +10,8 @@ The parts live in ``search.tuning`` (one file per implementation); docs/tuning.m
 
 from __future__ import annotations
 
+import search.tuning as _parts
 from search.tuner import tune, tuning_hardware
-from search.tuning import (
-    MIN_RECORDS_TO_LEARN,
-    AddToDatabase,
-    AnalyticalCostModel,
-    CostModel,
-    Database,
-    DefaultCostModel,
-    ExploreExploit,
-    MeasureCallback,
-    MeasuredBatch,
-    PriorCostModel,
-    ReportProgress,
-    SearchStrategy,
-    TuneState,
-    TuneSummary,
-    TuningContext,
-    UpdateCostModel,
-    XGBoostCostModel,
-    default_callbacks,
-    summary_dict,
-    tune_with,
-)
+from search.tuning import *  # noqa: F403  (every part: search.tuning.__all__)
 
-__all__ = [
-    "MIN_RECORDS_TO_LEARN", "AddToDatabase", "AnalyticalCostModel", "CostModel", "Database", "DefaultCostModel",
-    "ExploreExploit", "MeasureCallback", "MeasuredBatch", "PriorCostModel", "ReportProgress", "SearchStrategy",
-    "TuneState", "TuneSummary", "TuningContext", "UpdateCostModel", "XGBoostCostModel", "default_callbacks",
-    "summary_dict", "tune", "tune_with", "tuning_hardware",
-]
+__all__ = [*_parts.__all__, "tune", "tuning_hardware"]

@@ -37,12 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 
 
-def one(model_name: str, calls: int) -> dict[str, Any]:
-    """In this process: compile the model (warm or cold, as the cache is), run it ``calls`` times, check it."""
+def one(model_name: str, calls: int, batch: int | None = None) -> dict[str, Any]:
+    """In this process: compile the model (warm or cold, as the cache is), run it ``calls`` times, check it.
+    ``batch`` replaces the model's batch size: racecheck's time grows with the blocks launched (BERT-base at
+    batch 8 ran past 160 s); at batch 1 the same graphs' kernels are checked at their own first picks for
+    that size (the tiles may differ from batch 8's)."""
     import torch
 
     import spacefusion
-    from experiments.dynamo_gpu import build, float_inputs
+    from experiments.dynamo_gpu import MODELS, build, float_inputs
+
+    if batch is not None:
+        cfg, cls, kw, kind, _, seq = MODELS[model_name]
+        MODELS[model_name] = (cfg, cls, kw, kind, batch, seq)
 
     model, x = build(model_name, "cuda")
     with torch.no_grad():
@@ -65,8 +72,10 @@ def _last_json(text: str) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def _spawn(prefix: list[str], model_name: str, calls: int, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    cmd = [*prefix, sys.executable, __file__, "--one", model_name, "--calls", str(calls)]
+def _spawn(prefix: list[str], model_name: str, calls: int, env: dict[str, str], timeout: float,
+           batch: int | None = None) -> dict[str, Any]:
+    cmd = [*prefix, sys.executable, __file__, "--one", model_name, "--calls", str(calls),
+           *(("--batch", str(batch)) if batch is not None else ())]
     t = time.perf_counter()
     try:
         out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout,
@@ -94,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("memcheck", "racecheck", "initcheck", "synccheck"))
     ap.add_argument("--calls", type=int, default=2, help="calls of the compiled model under each tool")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitized process")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="the models' batch size instead of their own (e.g. 1 for racecheck: fewer blocks to check)")
     ap.add_argument("--out", type=Path, default=Path("sanitize.json"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(one(args.one, args.calls)), flush=True)
+        print(json.dumps(one(args.one, args.calls, args.batch)), flush=True)
         return 0
     sanitizer = shutil.which("compute-sanitizer") or next(
         (str(p) for p in Path("/usr/local").glob("cuda*/bin/compute-sanitizer")), None)
@@ -114,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             env = {"SPACEFUSION_CACHE": f"{tmp}/{name}"}
-            rec: dict[str, Any] = {"compile": _spawn([], name, 1, env, args.timeout * 2)}
+            rec: dict[str, Any] = {"batch": args.batch, "compile": _spawn([], name, 1, env, args.timeout * 2,
+                                                                          args.batch)}
             print(name, "compile", json.dumps(rec["compile"])[:300], flush=True)
             for tool in args.tools:
                 prefix = [sanitizer, "--tool", tool, "--print-limit", "50", "--target-processes", "all"]
-                rec[tool] = _spawn(prefix, name, args.calls, env, args.timeout)
+                rec[tool] = _spawn(prefix, name, args.calls, env, args.timeout, args.batch)
                 print(name, tool, json.dumps({k: v for k, v in rec[tool].items() if k != "reports"})[:400],
                       flush=True)
             rows["models"][name] = rec

@@ -144,6 +144,7 @@ REFUSALS: dict[str, str] = {
     "warp_tile.gemm_state_operand": "a GEMM state's operand is not [.., serial, .., N] with N last",
     "warp_tile.gemm_columns": "a GEMM state's columns per block are not a multiple of 16",
     "warp_tile.wgmma_warps": "wgmma with other than one or two warpgroups (4 or 8 warps)",
+    "warp_tile.target": "the target has no mma.sync m16n8k16 (before sm_80: a V100 has WMMA only)",
     "warp_tile.wgmma_split": "wgmma with warp groups splitting the steps (split > 1)",
     "warp_tile.wgmma_early_scores": "wgmma with early_scores",
     "warp_tile.wgmma_columns": "wgmma with columns per block not a multiple of 64 (16) up to 256",

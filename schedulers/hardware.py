@@ -362,6 +362,7 @@ class HardwareModel:
         sm = _sm_version(arch) if self.kind == "gpu" else None
         major = sm[0] if sm else 0
         return Capabilities(arch=arch, wgmma=sm == (90, True), tma=major >= 90, clusters=major >= 90,
+                            mma_sync=major >= 80,
                             max_dynamic_smem_bytes=self.smem_per_block_bytes,
                             max_threads_per_block=self.max_threads_per_block)
 
@@ -378,6 +379,8 @@ class Capabilities:
     tma: bool
     #: thread-block clusters and distributed shared memory: sm_90 and later
     clusters: bool
+    #: the warp-tile programs' ``mma.sync.m16n8k16`` on fp16/bf16: sm_80 and later (a V100 has WMMA only)
+    mma_sync: bool
     #: the most dynamic shared memory a block may opt in to (``smem_per_block_bytes``)
     max_dynamic_smem_bytes: int
     #: the most threads a block may have

@@ -595,6 +595,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
                 why = warp_tile_refusal(out)
                 raise ScheduleError(f"tensor cores requested for {smg.name!r}: as a GEMM + epilogue: {wmma}; "
                                     f"as a warp-tile program: {why.sentence}", code=why.code)
+        elif hw is not None and not hw.capabilities().mma_sync:
+            raise ScheduleError(f"{smg.name!r}'s warp-tile program runs mma.sync m16n8k16, which {hw.name} "
+                                f"({hw.arch}) does not have: sm_80 and later", code="warp_tile.target")
         _refuse(out.simt.check_tensor_cores(out), out.warp.check(out), out.hopper.check(out),
                 out.warp.check_last(out), out.hopper.check_last(out))
     else:

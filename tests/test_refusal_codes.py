@@ -226,3 +226,22 @@ def test_the_lowering_keeps_the_target_check_as_a_safety_net() -> None:
         with pytest.raises(ScheduleError, match="wgmma exists on sm_90a only") as info:
             build_cuda(s, arch)
         assert info.value.code == "wgmma.target"
+
+
+def test_a_v100_gets_no_warp_tile_program_but_keeps_wmma() -> None:
+    """The warp-tile programs run mma.sync m16n8k16 (sm_80+): on a V100 (sm_70) none is enumerated and one
+    asked for is refused with ``warp_tile.target``; a GEMM's WMMA form (sm_70) stays; an A100 keeps both."""
+    from schedulers.hardware import A100, V100
+    from schedulers.schedule import make_schedule
+    from search.space import SearchSpace
+    from smg import patterns
+
+    att = patterns.attention(2, 4, 128, 128, 64, dtype="float16")
+    with pytest.raises(ScheduleError) as e:
+        make_schedule(att, {"b": 1, "h": 1, "m": 64}, serial="l", step=64, tensor_cores=True, hw=V100)
+    assert e.value.code == "warp_tile.target" and "sm_80" in str(e.value)
+    assert not [s for s in SearchSpace(att, V100).candidates() if s.warp_tile is not None]
+    assert [s for s in SearchSpace(att, A100).candidates() if s.warp_tile is not None]
+    gemm = patterns.gemm_epilogue(256, 256, 256, act="relu", dtype="float16")
+    wmma = [s for s in SearchSpace(gemm, V100).candidates() if s.tensor_cores]
+    assert wmma and all(s.warp_tile is None for s in wmma)

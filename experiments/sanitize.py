@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("sanitize.json"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        ap.error(f"--batch {args.batch}: a batch size is 1 or more")
     if args.one:
         print(json.dumps(one(args.one, args.calls, args.batch)), flush=True)
         return 0

@@ -471,10 +471,13 @@ class Builder:
         times ``w``: its reduction reads ``x`` through the window itself, so a kernel keeps no per-thread tile
         of the window's taps (a 7x7 filter's 98 values a thread, one block of 256 threads per SM)."""
         self._own(x, w)
-        index = self._window_index("depthwise_window2d", x, kernel, stride, pad)
-        if w.dims != ("ky", "kx", x.dims[3]):
+        if len(x.dims) == 4 and w.dims != ("ky", "kx", x.dims[3]):
             raise ShapeError(f"depthwise_window2d: the filter {w.name!r} must be [ky, kx, {x.dims[3]}]; it has "
                              f"dims {w.dims}")
+        if len(x.dims) == 4 and w.shape[:2] != (int(kernel), int(kernel)):
+            raise ShapeError(f"depthwise_window2d: the filter {w.name!r} is {w.shape[0]}x{w.shape[1]}, the window "
+                             f"{kernel}x{kernel}")
+        index = self._window_index("depthwise_window2d", x, kernel, stride, pad)
         n, c = x.dims[0], x.dims[3]
         op = Op("dwconv", self._fresh("dwconv", name), (n, "p", "q", c),
                 (Access(w.name, w.dims), Access(x.name, index)), f"{w.name}*{x.name}", ("ky", "kx"), "sum")

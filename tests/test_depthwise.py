@@ -5,6 +5,8 @@ through the frontend (``matchers._depthwise``), each checked against torch's own
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -185,3 +187,16 @@ def test_depthwise_blocks_on_gpu_kernels(tmp_path, monkeypatch: pytest.MonkeyPat
     assert err <= 4 * base + 1e-3, (err, base)
     labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
     assert sum("dwconv" in lab for lab in labels) == 3, labels
+
+
+@pytest.mark.parametrize(("filt", "kernel", "says"), [
+    ({"ky": 3, "kx": 3, "d": 4}, 3, "must be [ky, kx, c]"), ({"ky": 3, "kx": 3, "c": 4}, 5, "is 3x3, the window 5x5"),
+    ({"ky": 9, "kx": 9, "c": 4}, 9, "does not fit")])
+def test_a_filter_that_does_not_fit_the_window_is_refused_by_name(filt, kernel, says) -> None:
+    from smg.errors import ShapeError
+    from smg.ops import Builder
+
+    g = Builder("dw", "float32")
+    x, w = g.input("X", {"n": 1, "h": 5, "w": 5, "c": 4}), g.input("W", filt)
+    with pytest.raises(ShapeError, match=re.escape(says)):
+        g.depthwise_window2d(x, w, kernel, 1, 1)

@@ -158,6 +158,7 @@ def run(art: Path | None, out_path: Path, passes: int, loops: list[str] | None =
             results["systems"].setdefault(loop_name, {})[system] = row
             print(f"{loop_name} {system}: {row['pass_ms']:.2f} ms a pass (first pass {first:.1f} s), "
                   f"all correct: {all(e['ok'] for e in errors)}", flush=True)
+            out_path.write_text(json.dumps(results, indent=1))  # after each system: a run cut short keeps them
     out_path.write_text(json.dumps(results, indent=1))
     return 0
 

@@ -26,6 +26,7 @@ import islpy as isl
 import numpy as np
 
 from schedulers.schedule import Schedule
+from smg.expr import parse
 from smg.ir import SMG
 
 ON_CHIP_BYTES = 4  # on-chip values are fp32 (accumulators, streamed tiles)
@@ -236,9 +237,7 @@ def _second_pass_inputs(s: Schedule) -> set[str]:
     return _inputs_reached(s, first, True) & _inputs_reached(s, second, s.num_steps > 1)
 
 
-def _symbols(text: str):
-    from schedulers.temporal import parse
-
+def _symbols(text: str) -> set:
     return parse(text).free_symbols
 
 

@@ -30,8 +30,8 @@ import sympy as sp
 from schedulers.errors import ScheduleError
 from schedulers.gather_tile import GatherTile, Im2col, gather_tile, im2col_of
 from schedulers.options import Rejection
-from schedulers.temporal import UpdateFunction
-from smg.expr import body_expr, parse
+from schedulers.temporal import UpdateFunction, parse
+from smg.expr import body_expr
 from smg.ops import UPSAMPLE_VIEW
 
 #: shared-memory rows are padded by 8 halfs (16 B): ldmatrix row addresses then fall in distinct banks

@@ -27,7 +27,7 @@ import sympy as sp
 
 from schedulers.errors import TemporalSliceError
 from schedulers.spatial import elementwise_serial
-from smg.expr import body_expr, parse, symbol
+from smg.expr import body_expr, parse, symbol  # parse: also read from here by schedulers.warp_tile
 from smg.ir import SMG
 
 _TRANSCENDENTAL = (sp.exp, sp.log, sp.sin, sp.cos, sp.tanh, sp.erf)

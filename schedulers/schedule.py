@@ -36,6 +36,7 @@ from schedulers.options import (
 )
 from schedulers.spatial import DimDecision, analyse_spatial, elementwise_serial
 from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
+from smg.expr import parse
 from smg.hashing import canonical_text, text_key
 from smg.ir import SMG
 from smg.serialize import smg_from_dict, smg_to_dict
@@ -346,8 +347,6 @@ def _same_expr(a: str, b: str) -> bool:
         return True
     if not a or not b:
         return False
-    from schedulers.temporal import parse
-
     try:
         return bool(sp.simplify(parse(a) - parse(b)) == 0)
     except (sp.SympifyError, TypeError, SyntaxError):

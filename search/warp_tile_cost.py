@@ -32,7 +32,6 @@ import sympy as sp
 
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
-from schedulers.temporal import parse
 from schedulers.warp_tile import (
     WarpTileProgram,
     _quotient,
@@ -41,7 +40,7 @@ from schedulers.warp_tile import (
     tile_columns,
     wgmma_swizzled,
 )
-from smg.expr import body_expr, logistic_arg
+from smg.expr import Role, body_expr, logistic_arg, parse
 
 #: exp2 / rcp results per SM per clock (CUDA Programming Guide, arithmetic throughput, cc 5.x-9.0)
 SFU_PER_CLK = 16
@@ -251,7 +250,7 @@ def gather_ops(s: Schedule, p: WarpTileProgram) -> float:
     if p.tma:
         return total
     for g in p.gathers:
-        exprs = [parse(e) for e in g.index]
+        exprs = [parse(e, Role.INDEX) for e in g.index]
         per_chunk = sum(int(sp.count_ops(e)) + (FLOOR_DIV_OPS - 1) * len(e.atoms(sp.floor)) for e in exprs)
         per_chunk += 3 * len(exprs) + 2  # two bounds compares and a multiply-add per component; rows, columns
         # a scalar gather (an NCHW image) evaluates them per element and issues 8 loads and selects a chunk

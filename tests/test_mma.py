@@ -951,8 +951,7 @@ def test_fast_math_puts_tanh_and_the_logistic_on_tanh_approx() -> None:
 def test_logistic_denominators_are_recognised(expr, z) -> None:
     import sympy as sp
 
-    from schedulers.temporal import parse
-    from smg.expr import logistic_arg
+    from smg.expr import logistic_arg, parse
 
     e = parse(expr)
     found = logistic_arg(e.base) if isinstance(e, sp.Pow) else logistic_arg(e)

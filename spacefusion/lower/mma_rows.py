@@ -14,8 +14,9 @@ from contextlib import ExitStack
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.temporal import UpdateFunction, parse
+from schedulers.temporal import UpdateFunction
 from schedulers.warp_tile import GemmState, carry_factor
+from smg.expr import parse
 from spacefusion.lower.exprs import F32
 from spacefusion.lower.mma_overlap import Overlap
 from spacefusion.lower.mma_state import I32, NEG_INF, KernelState, f32, tree

@@ -16,8 +16,8 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from schedulers.errors import ScheduleError
-from schedulers.temporal import parse
 from schedulers.warp_tile import MMA_DTYPES, GemmState
+from smg.expr import parse
 from spacefusion.lower.exprs import F32, to_tir
 from spacefusion.lower.mma_state import KernelState, f32
 

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+import logging
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from schedulers.schedule import Schedule
 from search.records import MeasureInput
 
-
-def _prebuild_one(args: tuple[str, str, str]) -> str | None:
-    """Worker: lower one candidate and compile its cubin into the content-hashed cache."""
-    schedule_json, target, folder = args
-    try:
-        TVMBuilder().build(Schedule.from_json(schedule_json), target).save(folder)
-        return None
-    except Exception as exc:  # reported by the runner when it builds the same candidate
-        return f"{type(exc).__name__}: {exc}"
+log = logging.getLogger("spacefusion")
 
 
 class TVMBuilder:
@@ -44,13 +34,21 @@ class TVMBuilder:
         return parse_target(target)[0]
 
     def prebuild(self, inputs: list[MeasureInput], workers: int) -> float:
-        """Build CUDA candidates in parallel processes (``import tvm`` and nvcc take seconds per kernel):
-        the cubins land in the content-hashed cache, so the runner's own build is a cache hit."""
+        """Build CUDA candidates in ``workers`` build processes (``import tvm`` and nvcc take seconds per kernel):
+        the cubins land in the content-hashed cache, so the runner's own build -- in this process or in a
+        measuring worker of this host -- is a cache hit.  The build processes (``processes.build_pool``) start on
+        first use and stay for the process's life; several tunes at once share them."""
         cuda = [i for i in inputs if i.target.startswith(("cuda", "sm_"))]
         if not cuda or workers <= 1:
             return 0.0
+        from spacefusion.runners.common import RunnerUnavailable
+        from spacefusion.runners.processes import build_pool
+
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(workers) as pool:
-            jobs = [(i.schedule.to_json(), i.target, os.path.join(tmp, i.key)) for i in cuda]
-            list(pool.map(_prebuild_one, jobs))
+        try:
+            pool = build_pool(workers)
+        except RunnerUnavailable as exc:  # only time is lost: the runner builds each candidate itself
+            log.warning("prebuild: no build worker started, the runner builds: %s", exc)
+            return time.perf_counter() - t0
+        pool.run([{"op": "build", "schedule": i.schedule.to_json(), "target": i.target} for i in cuda])
         return time.perf_counter() - t0

@@ -185,8 +185,11 @@ class WorkerPool:
             except WorkerLost as exc:
                 streak += 1
                 self._lost(i, job, f"{slot.label}: {exc}")
+                if self._closed:  # close() stopped it: nothing to start again
+                    break
                 if streak > self.restarts or not self._start_slot(i, slot, tries=self.restarts):
-                    self._retire(i, f"{slot.label}: lost {streak} job(s) in a row, last: {exc}")
+                    why = f"{slot.label}: lost {streak} job(s) in a row, last: {exc}"
+                    self._retire(i, None if self._closed else why)
                     return
                 continue
             except Exception as exc:  # noqa: BLE001  not the worker's death: this job's failure

@@ -1,14 +1,17 @@
 """Inner runners for the pool tests, importable by a worker process (``tests.fault_runners:...``: the workers get
 the test process's ``sys.path``): a worker that dies on a candidate, and the golden runs' keyed runner slowed
-down so that tunes side by side overlap."""
+down so that tunes side by side overlap; and how a test kills a busy worker and waits for its pool to recover."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 from search.records import MeasureInput, MeasureResult
+from spacefusion.runners.pool import PoolRunner, WorkerPool
 from tests.tuner_golden import KeyedRunner
 
 
@@ -45,3 +48,28 @@ class SlowKeyedRunner(KeyedRunner):
     def measure(self, inputs: list[MeasureInput]) -> list[MeasureResult]:
         time.sleep(self.delay_s * len(inputs))
         return super().measure(inputs)
+
+
+def kill_first_busy(pool: WorkerPool, killed: list[int]) -> threading.Thread:
+    """A thread that SIGKILLs the first worker it sees with a candidate in hand, once."""
+    def run() -> None:
+        for _ in range(3000):
+            busy = pool.busy()
+            if busy:
+                os.kill(busy[0]["pid"], signal.SIGKILL)
+                killed.append(busy[0]["pid"])
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def back_to(runner: PoolRunner, n: int) -> int:
+    """The runner's live workers once ``n`` are up again (a lost one restarts in the background), or after 60 s."""
+    for _ in range(600):
+        if runner.parallelism >= n:
+            break
+        time.sleep(0.1)
+    return runner.parallelism

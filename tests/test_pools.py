@@ -8,11 +8,8 @@ by side; the tuner's build processes kept warm.  The Ray cluster's side: tests/t
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import sqlite3
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,36 +22,10 @@ from search.tuner import tune
 from smg import patterns as P
 from smg.workloads import gemm
 from spacefusion.runners import LLVMRunner, LocalGPURunner, ProcessRunner, RunnerUnavailable, gpu_runner
-from spacefusion.runners.pool import WorkerPool
-from tests.fault_runners import DyingRunner, SlowKeyedRunner
+from tests.fault_runners import DyingRunner, SlowKeyedRunner, back_to, kill_first_busy
 from tests.tuner_golden import BATCH, CASES, GOLDEN, SEED, TRIALS, KeyedRunner, NoBuilder
 
 LLVM = functools.partial(LLVMRunner, repeats=1, warmup=0)
-
-
-def kill_first_busy(pool: WorkerPool, killed: list[int]) -> threading.Thread:
-    """A thread that SIGKILLs the first worker it sees with a candidate in hand, once."""
-    def run() -> None:
-        for _ in range(3000):
-            busy = pool.busy()
-            if busy:
-                os.kill(busy[0]["pid"], signal.SIGKILL)
-                killed.append(busy[0]["pid"])
-                return
-            time.sleep(0.01)
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def back_to(runner: ProcessRunner, n: int) -> int:
-    """The runner's live workers once ``n`` are up again (a lost one restarts in the background), or after 60 s."""
-    for _ in range(600):
-        if runner.parallelism >= n:
-            break
-        time.sleep(0.1)
-    return runner.parallelism
 
 
 def claims(db: Path) -> list[tuple]:

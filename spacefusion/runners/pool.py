@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -79,6 +79,15 @@ class _Job:
         self.done.set()
 
 
+def grouped(reasons: Iterable[str]) -> str:
+    """``"label: why"`` reasons, those with the same why said once: ``"worker 0, worker 1: why"``."""
+    by_why: dict[str, list[str]] = {}
+    for r in reasons:
+        label, _, why = r.partition(": ")
+        by_why.setdefault(why, []).append(label)
+    return "; ".join(f"{', '.join(labels)}: {why}" for why, labels in by_why.items())
+
+
 class WorkerPool:
     """Workers in ``slots``, each served by a thread of its own that hands it one job at a time.
 
@@ -118,7 +127,7 @@ class WorkerPool:
                 t.start()
             self._cond.wait_for(lambda: self._starting == 0)
             if not self._live:
-                raise RunnerUnavailable(f"{self.name}: no worker started: " + "; ".join(self._gone.values()))
+                raise RunnerUnavailable(f"{self.name}: no worker started: {grouped(self._gone.values())}")
             for i, why in self._gone.items():
                 log.warning("%s: worker %d did not start and is left out: %s", self.name, i, why)
 
@@ -137,7 +146,7 @@ class WorkerPool:
         jobs = [_Job(dict(r)) for r in requests]
         with self._cond:
             if self._closed or (not self._live and self._starting == 0):
-                why = "the pool is closed" if self._closed else "no worker left: " + "; ".join(self._gone.values())
+                why = "the pool is closed" if self._closed else f"no worker left: {grouped(self._gone.values())}"
                 for job in jobs:
                     job.finish({"ok": False, "environmental": True, "error": f"{self.name}: {why}", "worker": None})
             else:
@@ -256,7 +265,7 @@ class WorkerPool:
                 self._gone[i] = why
                 log.warning("%s: worker %d given up: %s", self.name, i, why)
             if not self._live and self._starting == 0 and not self._closed:
-                reasons = "; ".join(self._gone.values()) or "every worker ended"
+                reasons = grouped(self._gone.values()) or "every worker ended"
                 for job in self._queue:
                     job.finish({"ok": False, "environmental": True, "worker": None,
                                 "error": f"{self.name}: no worker left ({reasons})"})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -73,7 +74,7 @@ def _short(exc: BaseException) -> str:
     """Ray's error as one line: its last line names the cause (an actor's creation error ends with the
     exception its constructor raised, after the traceback)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    last = lines[-1] if lines else type(exc).__name__
+    last = re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1]) if lines else type(exc).__name__  # the class's own name
     return last if len(last) <= 300 else last[:300] + " ..."
 
 

@@ -184,3 +184,46 @@ def test_gpu_runner_asks_for_no_more_gpus_than_are_visible(monkeypatch) -> None:
     assert isinstance(gpu_runner(), LocalGPURunner)  # none: its check() says why
     with pytest.raises(ValueError, match="unknown engine 'mpi'"):
         gpu_runner(engine="mpi")
+
+
+def test_cuda_candidates_are_built_ahead_in_build_processes_that_stay_up(tmp_path, monkeypatch) -> None:
+    """The tuner's prebuild: CUDA candidates lowered (and compiled by nvcc where it is) in build processes
+    (never forked from a process running threads), which stay up for the next batch; their cubins land in
+    the cache the measuring workers read."""
+    import shutil
+
+    from spacefusion.runners import TVMBuilder
+    from spacefusion.runners.processes import build_pool, close_build_pools
+
+    close_build_pools()
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cubins"))  # the build processes' environment
+    ss = [make_schedule(gemm(32, 32, 16), tiles={"n": n}, step=k) for n, k in ((8, 4), (16, 8))]
+    inputs = [MeasureInput(s, "cuda:sm_90a") for s in ss]
+    builder = TVMBuilder()
+    assert builder.prebuild(inputs, 1) == 0.0 and builder.prebuild([MeasureInput(ss[0], "llvm")], 2) == 0.0
+    try:
+        assert builder.prebuild(inputs, 2) > 0
+        pool = build_pool(2)
+        pids = sorted(h["pid"] for h in pool.hellos.values())
+        answers = pool.run([{"op": "build", "schedule": ss[0].to_json(), "target": "cuda:sm_90a"},
+                            {"op": "build", "schedule": ss[0].to_json(), "target": "cuda:sm_1"}])
+        assert answers[0]["ok"] and answers[0]["error"] is None
+        assert answers[1]["ok"] and "sm_1" in answers[1]["error"]  # the runner reports it, building it again
+        assert sorted(h["pid"] for h in build_pool(2).hellos.values()) == pids  # the same processes
+        if shutil.which("nvcc"):
+            assert len(list((tmp_path / "cubins").rglob("*.cubin"))) == 2
+    finally:
+        close_build_pools()
+
+
+def test_a_candidate_that_never_answers_stops_its_workers_and_is_recorded_failed(tmp_path) -> None:
+    """A worker that does not answer within the candidate's time limit (a kernel that never ends) is stopped
+    and started again; the candidate goes to another, and after two it is recorded as failed, saying so."""
+    g = P.layernorm(32, 256)
+    with ProcessRunner(workers=2, inner=functools.partial(SlowKeyedRunner, delay_s=30), builder=NoBuilder(),
+                       candidate_timeout_s=1) as runner:
+        s = tune(g, runner, target="llvm", db=tmp_path / "t.db", trials=1, batch=1, progress=False)
+    with TuningDatabase(tmp_path / "t.db") as d:
+        ((_, r),) = d.records(s.key)
+    assert r.error.startswith("worker: it took down 2 workers: worker ")
+    assert r.error.count("gave no answer within 1 s (stopped)") == 2

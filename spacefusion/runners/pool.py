@@ -41,6 +41,11 @@ log = logging.getLogger("spacefusion")
 ATTEMPTS = 2
 #: how many times in a row a slot starts its worker again after losing it before it gives up
 RESTARTS = 2
+#: seconds a worker has to say it is ready (it imports torch, TVM, the search: 5-20 s on a busy host)
+START_TIMEOUT_S = 180.0
+#: seconds a worker has to answer for one candidate (its build, nvcc, the check and the timing) before it is
+#: stopped and the candidate handed to another: a kernel that never ends would hold a GPU for good
+CANDIDATE_TIMEOUT_S = 900.0
 
 
 class WorkerLost(Exception):
@@ -58,7 +63,8 @@ class Slot(Protocol):
         ...
 
     def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The worker's answer to ``request``; raises ``WorkerLost`` if the worker died before answering."""
+        """The worker's answer to ``request``; raises ``WorkerLost`` if the worker died before answering, or (the
+        worker then stopped) did not answer within the slot's time limit."""
         ...
 
     def stop(self) -> None:
@@ -302,6 +308,9 @@ class PoolRunner:
     runner builds, checks and times it; results come back in input order.  Subclasses say where workers run
     (``_slots``).  ``connect()`` starts the workers (``measure`` does on first use); ``close()`` ends them.
 
+    A worker that does not say it is ready within ``start_timeout_s``, or answer for a candidate within
+    ``candidate_timeout_s`` (None: no limit), is stopped and counts as lost.
+
     ``measure`` is thread-safe; ``parallelism`` is how many workers are up.  ``answered`` counts, per (schedule
     key, target), the results workers gave (a lost worker's candidate is counted once, where it was measured).
     ``builder`` keys the database and prebuilds on the tuner's side; each worker builds with its own."""
@@ -309,9 +318,11 @@ class PoolRunner:
     via = "pool"
 
     def __init__(self, inner: Callable[[], Any] | None = None, builder: Builder | None = None,
-                 attempts: int = ATTEMPTS, restarts: int = RESTARTS) -> None:
+                 attempts: int = ATTEMPTS, restarts: int = RESTARTS, start_timeout_s: float = START_TIMEOUT_S,
+                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S) -> None:
         self.inner = inner or LLVMRunner
         self.attempts, self.restarts = attempts, restarts
+        self.start_timeout_s, self.candidate_timeout_s = start_timeout_s, candidate_timeout_s
         self.builder: Builder = builder if builder is not None else TVMBuilder()
         self.name = f"{self.via}[{inner_name(self.inner)}]"
         self.answered: Counter[tuple[str, str]] = Counter()

@@ -23,12 +23,17 @@ from pathlib import Path
 from typing import IO, Any
 
 from search.records import Builder
-from spacefusion.runners.pool import ATTEMPTS, RESTARTS, PoolRunner, Slot, WorkerLost, WorkerPool
+from spacefusion.runners.pool import (
+    ATTEMPTS,
+    CANDIDATE_TIMEOUT_S,
+    RESTARTS,
+    START_TIMEOUT_S,
+    PoolRunner,
+    Slot,
+    WorkerLost,
+    WorkerPool,
+)
 from spacefusion.runners.worker import factory_spec
-
-#: seconds a worker process has to say it is ready (it imports torch, TVM, the search: 5-20 s on a busy host)
-START_TIMEOUT_S = 180.0
-
 
 #: how a worker process is started (``python -c``: ``-m spacefusion.runners.worker`` would import the module twice,
 #: once with its package, and say so)
@@ -57,12 +62,13 @@ def _tail(path: Path, lines: int = 6) -> str:
 
 class ProcessSlot:
     """One worker subprocess: started with ``spec`` (``worker.factory_spec``) and ``env``; its stderr goes to a
-    log file whose last lines name what went wrong when it dies."""
+    log file whose last lines name what went wrong when it dies.  ``call_timeout_s``: how long an answer may
+    take (None: no limit) before the process is stopped and the call counts as lost."""
 
     def __init__(self, spec: dict[str, Any], label: str, env: Mapping[str, str], log: Path,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, call_timeout_s: float | None = None) -> None:
         self.spec, self.label, self.env, self.log = spec, label, dict(env), log
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self._stdout: IO[bytes] | None = None
 
@@ -72,12 +78,9 @@ class ProcessSlot:
             self.proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN, json.dumps(self.spec)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=self.env)
         self._stdout = self.proc.stdout
-        with selectors.DefaultSelector() as sel:
-            assert self._stdout is not None
-            sel.register(self._stdout, selectors.EVENT_READ)
-            if not sel.select(self.start_timeout_s):
-                self.stop()
-                raise WorkerLost(f"not ready within {self.start_timeout_s:g} s")
+        if not self._wait(self.start_timeout_s):
+            self.stop()
+            raise WorkerLost(f"not ready within {self.start_timeout_s:g} s")
         line = self._stdout.readline()
         if not line:
             raise WorkerLost(self._why("exited before it was ready"))
@@ -95,12 +98,24 @@ class ProcessSlot:
         try:
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
+            if not self._wait(self.call_timeout_s):
+                self.stop()
+                raise WorkerLost(f"pid {proc.pid} gave no answer within {self.call_timeout_s:g} s (stopped)")
             line = self._stdout.readline()
         except (OSError, ValueError):  # a closed pipe: the process ended, or stop() closed it
             line = b""
         if not line:
             raise WorkerLost(self._why("ended with a candidate in hand"))
         return json.loads(line)
+
+    def _wait(self, timeout_s: float | None) -> bool:
+        """Whether the worker's stdout has something to read within ``timeout_s`` (None: wait for it).  One
+        request, one answer line: nothing is left in the reader's buffer between calls, so the pipe tells."""
+        if timeout_s is None or self._stdout is None:
+            return True
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._stdout, selectors.EVENT_READ)
+            return bool(sel.select(timeout_s))
 
     def _why(self, what: str) -> str:
         rc = None
@@ -166,8 +181,9 @@ class ProcessRunner(PoolRunner):
 
     def __init__(self, workers: int | None = None, inner: Callable[[], Any] | None = None,
                  gpus: Sequence[str] | None = None, builder: Builder | None = None, attempts: int = ATTEMPTS,
-                 restarts: int = RESTARTS, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        super().__init__(inner, builder, attempts, restarts)
+                 restarts: int = RESTARTS, start_timeout_s: float = START_TIMEOUT_S,
+                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S) -> None:
+        super().__init__(inner, builder, attempts, restarts, start_timeout_s, candidate_timeout_s)
         self.spec = factory_spec(self.inner)  # refused now, not in every worker
         if gpus is not None:
             self.gpus: list[str | None] = [str(g) for g in gpus]
@@ -176,7 +192,6 @@ class ProcessRunner(PoolRunner):
         if not self.gpus or (workers is not None and gpus is not None and workers != len(self.gpus)):
             raise ValueError(f"{self.name}: give workers >= 1 or the GPUs, one worker each; got workers={workers}, "
                              f"gpus={gpus}")
-        self.start_timeout_s = start_timeout_s
         self._logs: Path | None = None
 
     def _slots(self) -> list[Slot]:
@@ -185,7 +200,8 @@ class ProcessRunner(PoolRunner):
         for i, gpu in enumerate(self.gpus):
             env = child_env({} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})
             label = f"worker {i}" + ("" if gpu is None else f" (GPU {gpu})")
-            slots.append(ProcessSlot(self.spec, label, env, self._logs / f"worker{i}.log", self.start_timeout_s))
+            slots.append(ProcessSlot(self.spec, label, env, self._logs / f"worker{i}.log", self.start_timeout_s,
+                                     self.candidate_timeout_s))
         return slots
 
     def close(self) -> None:

@@ -20,8 +20,17 @@ from typing import Any
 
 from search.records import Builder
 from spacefusion.runners.common import RunnerUnavailable
-from spacefusion.runners.pool import ATTEMPTS, RESTARTS, PoolRunner, Slot, WorkerLost, ship
-from spacefusion.runners.processes import START_TIMEOUT_S, child_env
+from spacefusion.runners.pool import (
+    ATTEMPTS,
+    CANDIDATE_TIMEOUT_S,
+    RESTARTS,
+    START_TIMEOUT_S,
+    PoolRunner,
+    Slot,
+    WorkerLost,
+    ship,
+)
+from spacefusion.runners.processes import child_env
 from spacefusion.runners.worker import Worker
 from spacefusion.runtime.batch import describe
 
@@ -96,9 +105,9 @@ class RaySlot:
     an actor whose node is gone cannot wait forever for a place: its start times out and the slot gives up."""
 
     def __init__(self, ray: Any, actor_cls: Any, factory: Callable[[], Any], index: int, needs: str,
-                 start_timeout_s: float) -> None:
+                 start_timeout_s: float, call_timeout_s: float | None = None) -> None:
         self.ray, self.actor_cls, self.factory, self.index = ray, actor_cls, factory, index
-        self.needs, self.start_timeout_s = needs, start_timeout_s
+        self.needs, self.start_timeout_s, self.call_timeout_s = needs, start_timeout_s, call_timeout_s
         self.label = f"ray worker {index}"
         self.actor: Any = None
         exc = ray.exceptions
@@ -126,7 +135,10 @@ class RaySlot:
         if self.actor is None:
             raise WorkerLost("not started")
         try:
-            return self.ray.get(self.actor.handle.remote(request))
+            return self.ray.get(self.actor.handle.remote(request), timeout=self.call_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            self.stop()
+            raise WorkerLost(f"gave no answer within {self.call_timeout_s:g} s (stopped)") from None
         except self._lost as exc:
             raise WorkerLost(_short(exc)) from None
 
@@ -175,11 +187,12 @@ class RayRunner(PoolRunner):
                  inner: Callable[[], Any] | None = None, num_gpus: float = 0, num_cpus: float = 1,
                  init_kwargs: Mapping[str, Any] | None = None, builder: Builder | None = None,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
-                 attempts: int = ATTEMPTS, restarts: int = RESTARTS) -> None:
+                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S, attempts: int = ATTEMPTS,
+                 restarts: int = RESTARTS) -> None:
         self.available()  # fail at construction, not mid-tuning
-        super().__init__(inner, builder, attempts, restarts)
+        super().__init__(inner, builder, attempts, restarts, start_timeout_s, candidate_timeout_s)
         self.address, self.num_workers = address, num_workers
-        self.connect_timeout_s, self.start_timeout_s = connect_timeout_s, start_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.num_gpus, self.num_cpus = num_gpus, num_cpus
         self.init_kwargs = dict(init_kwargs or {})
 
@@ -257,4 +270,5 @@ class RayRunner(PoolRunner):
             n = max(1, int(have // per) if per else 1)
         needs = f"{self.num_gpus:g} GPU" if self.num_gpus else f"{self.num_cpus:g} CPU"
         actor_cls = ray.remote(_RayWorker).options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0)
-        return [RaySlot(ray, actor_cls, self.inner, i, needs, self.start_timeout_s) for i in range(n)]
+        return [RaySlot(ray, actor_cls, self.inner, i, needs, self.start_timeout_s, self.candidate_timeout_s)
+                for i in range(n)]

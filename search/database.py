@@ -16,6 +16,12 @@ a database is never overwritten, truncated, migrated or deleted.  A file another
 with the process that holds it where the OS says, never reported as corruption -- after waiting
 ``LOCK_WAIT_S`` seconds for it to go.
 
+One file, one host.  Tunes of one host share a file through claims (``claim``: disjoint candidates, a claim
+lapsing with its process); several hosts measure for one tune as workers of a Ray cluster whose driver alone
+writes the file.  Why not several hosts on one file: SQLite's locks do not hold between hosts on network file
+systems, so a tune whose claims meet a live tune of another host in a file on one (``NETWORK_FS``) is refused
+before it writes.
+
 Environment: ``SPACEFUSION_NO_CACHE=1`` (or ``true`` / ``yes`` / ``on``) makes ``cache_enabled()``
 return False, so the tuner measures again instead of reusing a cached best; records are still
 written.

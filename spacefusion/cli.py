@@ -219,6 +219,9 @@ def tune_runner(args: argparse.Namespace, target: str) -> Any:
     from spacefusion.runners.common import RunnerUnavailable
 
     cpu = target == "llvm"
+    for flag, value, owner in (("--gpus", args.gpus, "gpu"), ("--ray-address", args.ray_address, "ray")):
+        if value is not None and args.runner != owner:  # said, not ignored: the tune would run elsewhere than asked
+            raise SpaceFusionError(f"{flag} is for --runner {owner}, not --runner {args.runner}")
     if args.runner == "llvm":
         if not cpu:
             raise SpaceFusionError(f"--runner llvm measures on this CPU, so it tunes --target llvm, not "

@@ -4,8 +4,10 @@ down so that tunes side by side overlap; and how a test kills a busy worker and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -48,6 +50,20 @@ class SlowKeyedRunner(KeyedRunner):
     def measure(self, inputs: list[MeasureInput]) -> list[MeasureResult]:
         time.sleep(self.delay_s * len(inputs))
         return super().measure(inputs)
+
+
+class ShippedKeyedRunner(KeyedRunner):
+    """The keyed runner that also takes a shipped artefact (``measure_built``, as ``LocalGPURunner`` does): its
+    result says which files arrived, the schedule their kernel.json names, and whether this process has TVM."""
+
+    name = "shipped-keyed"
+
+    def measure_built(self, inp: MeasureInput, folder: str) -> MeasureResult:
+        files = sorted(p.name for p in Path(folder).iterdir())
+        kernel = json.loads((Path(folder) / "kernel.json").read_text())
+        r = super().measure([inp])[0]
+        meta = (("files", files), ("kernel_of", kernel.get("schedule_key")), ("tvm_here", "tvm" in sys.modules))
+        return MeasureResult(r.schedule_key, r.target, r.latencies_us, r.max_abs_err, r.error, meta)
 
 
 def kill_first_busy(pool: WorkerPool, killed: list[int]) -> threading.Thread:

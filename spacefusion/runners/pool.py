@@ -20,11 +20,13 @@ subprocess per GPU of this host; ``RayRunner``: Ray actors anywhere on a cluster
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 from schedulers.schedule import Schedule
@@ -114,7 +116,8 @@ class WorkerPool:
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._starting = len(self._slots)  # slots not yet started (or given up) for the first time
-        self._live: set[int] = set()
+        self._live: set[int] = set()  # slots serving: started, not given up (perhaps starting again: _down)
+        self._down: set[int] = set()  # live slots whose worker was lost and is starting again
         self._busy: dict[int, _Job] = {}
         self._gone: dict[int, str] = {}
         self._closed = False
@@ -139,9 +142,9 @@ class WorkerPool:
 
     @property
     def live(self) -> int:
-        """How many workers are up (the parallelism a caller can expect)."""
+        """How many workers are up now (the parallelism a caller can expect; one starting again is not)."""
         with self._cond:
-            return len(self._live)
+            return len(self._live - self._down)
 
     def busy(self) -> list[dict[str, Any]]:
         """The hellos of the workers with a job in hand now."""
@@ -229,6 +232,7 @@ class WorkerPool:
             with self._cond:
                 self.hellos[i] = hello
                 self._live.add(i)
+                self._down.discard(i)
                 self._cond.notify_all()
             return True
         with self._cond:
@@ -241,7 +245,7 @@ class WorkerPool:
         with self._cond:
             while not self._closed:
                 for k, job in enumerate(self._queue):
-                    if i not in job.avoid or self._live <= job.avoid:
+                    if i not in job.avoid or (self._live - self._down) <= job.avoid:
                         self._busy[i] = self._queue.pop(k)
                         return job
                 self._cond.wait()
@@ -250,7 +254,7 @@ class WorkerPool:
     def _lost(self, i: int, job: _Job, why: str) -> None:
         with self._cond:
             self._busy.pop(i, None)
-            self._live.discard(i)  # until it is started again
+            self._down.add(i)  # until it is started again (a request arriving meanwhile waits for it)
             job.lost.append(why)
             job.avoid.add(i)
             if self._closed:
@@ -267,6 +271,7 @@ class WorkerPool:
         """Slot ``i`` serves no more; with no worker left, every waiting job is answered as environmental."""
         with self._cond:
             self._live.discard(i)
+            self._down.discard(i)
             if why is not None:
                 self._gone[i] = why
                 log.warning("%s: worker %d given up: %s", self.name, i, why)
@@ -298,6 +303,11 @@ def ship(s: Schedule) -> tuple[str, str | None]:
                   "a worker would build a different kernel")
 
 
+def _made_by(inner: Callable[[], Any]) -> Any:
+    """The class (or function) a factory calls: ``inner`` itself, or a ``functools.partial``'s function."""
+    return getattr(inner, "func", inner)
+
+
 def inner_name(inner: Callable[[], Any]) -> str:
     """The name of the runner a factory makes (``LLVMRunner`` -> ``llvm``), without making one."""
     return str(getattr(inner, "name", None) or getattr(getattr(inner, "func", None), "name", "?"))
@@ -313,17 +323,28 @@ class PoolRunner:
 
     ``measure`` is thread-safe; ``parallelism`` is how many workers are up.  ``answered`` counts, per (schedule
     key, target), the results workers gave (a lost worker's candidate is counted once, where it was measured).
-    ``builder`` keys the database and prebuilds on the tuner's side; each worker builds with its own."""
+    ``builder`` keys the database and prebuilds on the tuner's side.  With ``ship`` (by default where the
+    builder is TVM's and the inner runner can measure a built artefact: ``LocalGPURunner``) CUDA candidates are
+    built on the tuning host -- ahead, in its build processes -- and their artefacts shipped to the workers, which
+    then need no TVM and spend their GPU's time measuring; otherwise each worker builds what it measures."""
 
     via = "pool"
 
     def __init__(self, inner: Callable[[], Any] | None = None, builder: Builder | None = None,
                  attempts: int = ATTEMPTS, restarts: int = RESTARTS, start_timeout_s: float = START_TIMEOUT_S,
-                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S) -> None:
+                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S, ship: bool | None = None) -> None:
         self.inner = inner or LLVMRunner
         self.attempts, self.restarts = attempts, restarts
         self.start_timeout_s, self.candidate_timeout_s = start_timeout_s, candidate_timeout_s
         self.builder: Builder = builder if builder is not None else TVMBuilder()
+        can = isinstance(self.builder, TVMBuilder) and callable(getattr(_made_by(self.inner), "measure_built", None))
+        if ship and not can:
+            raise ValueError(f"ship=True needs a TVMBuilder and an inner runner with measure_built (LocalGPURunner); "
+                             f"got {type(self.builder).__name__} and {inner_name(self.inner)}")
+        #: CUDA candidates are built here (the builder's prebuild) and shipped to the workers, which build nothing
+        self.ship = can if ship is None else ship
+        if self.ship:
+            cast(TVMBuilder, self.builder).keep_artefacts = True
         self.name = f"{self.via}[{inner_name(self.inner)}]"
         self.answered: Counter[tuple[str, str]] = Counter()
         self._pool: WorkerPool | None = None
@@ -364,16 +385,35 @@ class PoolRunner:
         out: list[MeasureResult | None] = [None] * len(inputs)
         sent: list[int] = []
         requests = []
-        for i, inp in enumerate(inputs):
-            text, problem = ship(inp.schedule)
-            if problem is not None:
-                out[i] = fail(inp, problem, {"runner": self.name})
-                continue
-            sent.append(i)
-            requests.append({"op": "measure", "schedule": text, "target": inp.target,
-                             "inputs_from": None if inp.inputs_from is None else smg_to_dict(inp.inputs_from)})
-        for i, answer in zip(sent, pool.run(requests)):
-            out[i] = self._result(inputs[i], answer)
+        shipped = [i for i in inputs if self.ship and i.target.startswith(("cuda", "sm_"))]
+        builder = cast(TVMBuilder, self.builder)
+        for inp in shipped:
+            if builder.artefact(inp.key, inp.target) is None:  # not prebuilt (no tuner, no build worker): now, here
+                builder.keep(inp)
+        ships = {id(i) for i in shipped}
+        try:
+            for i, inp in enumerate(inputs):
+                text, problem = ship(inp.schedule)
+                if problem is not None:
+                    out[i] = fail(inp, problem, {"runner": self.name})
+                    continue
+                request: dict[str, Any] = {
+                    "op": "measure", "schedule": text, "target": inp.target,
+                    "inputs_from": None if inp.inputs_from is None else smg_to_dict(inp.inputs_from)}
+                if id(inp) in ships:
+                    built = builder.artefact(inp.key, inp.target)
+                    if not isinstance(built, Path):  # it did not build: said here, no worker needed
+                        out[i] = fail(inp, f"build: {built}", {"runner": self.name, "built": "here"})
+                        continue
+                    request["artefact"] = {p.name: base64.b64encode(p.read_bytes()).decode()
+                                           for p in sorted(built.iterdir()) if p.is_file()}
+                sent.append(i)
+                requests.append(request)
+            for i, answer in zip(sent, pool.run(requests)):
+                out[i] = self._result(inputs[i], answer)
+        finally:
+            for inp in shipped:
+                builder.forget(inp.key, inp.target)
         return cast(list[MeasureResult], out)  # every index was filled above
 
     def _result(self, inp: MeasureInput, answer: dict[str, Any]) -> MeasureResult:

@@ -182,9 +182,9 @@ class ProcessRunner(PoolRunner):
     def __init__(self, workers: int | None = None, inner: Callable[[], Any] | None = None,
                  gpus: Sequence[str] | None = None, builder: Builder | None = None, attempts: int = ATTEMPTS,
                  restarts: int = RESTARTS, start_timeout_s: float = START_TIMEOUT_S,
-                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S) -> None:
-        super().__init__(inner, builder, attempts, restarts, start_timeout_s, candidate_timeout_s)
-        self.spec = factory_spec(self.inner)  # refused now, not in every worker
+                 candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S, ship: bool | None = None) -> None:
+        super().__init__(inner, builder, attempts, restarts, start_timeout_s, candidate_timeout_s, ship)
+        self.spec = {**factory_spec(self.inner), "builds": not self.ship}  # refused now, not in every worker
         if gpus is not None:
             self.gpus: list[str | None] = [str(g) for g in gpus]
         else:

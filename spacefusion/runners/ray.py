@@ -2,10 +2,12 @@
 
 A ``PoolRunner`` (``pool.py``) whose workers are Ray actors: one candidate per actor at a time, one GPU per actor
 for CUDA (Ray sets its ``CUDA_VISIBLE_DEVICES``), an actor lost mid-batch started again and its candidate
-retried on another.  The actors build where they run (TVM on every worker host; a worker without it, or
-without the GPU it asks for, refuses to start and is named).  The driver -- the process that tunes -- is the
-only one that reads and writes the tuning database: results travel back to it through Ray, so the database
-stays one SQLite file on one host however many hosts measure (docs/tuning.md, "Tuning on several GPUs").
+retried on another.  CUDA candidates for GPU actors (``LocalGPURunner``) are built by the driver, where TVM is,
+and shipped as artefacts (``PoolRunner.ship``), so the GPU hosts need no TVM; an llvm actor builds where it
+runs.  An actor that cannot work (no GPU where it needs one, no TVM where it must build) refuses to start and
+is named.  The driver -- the process that tunes -- is the only one that reads and writes the tuning database:
+results travel back to it through Ray, so the database stays one SQLite file on one host however many hosts
+measure (docs/tuning.md, "Tuning on several GPUs").
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def _short(exc: BaseException) -> str:
 class _RayWorker:
     """A Ray actor around ``worker.Worker``: requests in, answers out, as plain dicts."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.worker = Worker(factory)
+    def __init__(self, factory: Callable[[], Any], builds: bool = True) -> None:
+        self.worker = Worker(factory, builds)
 
     def hello(self) -> dict[str, Any]:
         return self.worker.hello()
@@ -105,8 +107,8 @@ class RaySlot:
     an actor whose node is gone cannot wait forever for a place: its start times out and the slot gives up."""
 
     def __init__(self, ray: Any, actor_cls: Any, factory: Callable[[], Any], index: int, needs: str,
-                 start_timeout_s: float, call_timeout_s: float | None = None) -> None:
-        self.ray, self.actor_cls, self.factory, self.index = ray, actor_cls, factory, index
+                 start_timeout_s: float, call_timeout_s: float | None = None, builds: bool = True) -> None:
+        self.ray, self.actor_cls, self.factory, self.index, self.builds = ray, actor_cls, factory, index, builds
         self.needs, self.start_timeout_s, self.call_timeout_s = needs, start_timeout_s, call_timeout_s
         self.label = f"ray worker {index}"
         self.actor: Any = None
@@ -117,7 +119,7 @@ class RaySlot:
 
     def start(self) -> dict[str, Any]:
         self.stop()
-        self.actor = self.actor_cls.remote(self.factory)
+        self.actor = self.actor_cls.remote(self.factory, self.builds)
         try:
             hello = self.ray.get(self.actor.hello.remote(), timeout=self.start_timeout_s)
         except self.ray.exceptions.GetTimeoutError:
@@ -188,9 +190,9 @@ class RayRunner(PoolRunner):
                  init_kwargs: Mapping[str, Any] | None = None, builder: Builder | None = None,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
                  candidate_timeout_s: float | None = CANDIDATE_TIMEOUT_S, attempts: int = ATTEMPTS,
-                 restarts: int = RESTARTS) -> None:
+                 restarts: int = RESTARTS, ship: bool | None = None) -> None:
         self.available()  # fail at construction, not mid-tuning
-        super().__init__(inner, builder, attempts, restarts, start_timeout_s, candidate_timeout_s)
+        super().__init__(inner, builder, attempts, restarts, start_timeout_s, candidate_timeout_s, ship)
         self.address, self.num_workers = address, num_workers
         self.connect_timeout_s = connect_timeout_s
         self.num_gpus, self.num_cpus = num_gpus, num_cpus
@@ -270,5 +272,5 @@ class RayRunner(PoolRunner):
             n = max(1, int(have // per) if per else 1)
         needs = f"{self.num_gpus:g} GPU" if self.num_gpus else f"{self.num_cpus:g} CPU"
         actor_cls = ray.remote(_RayWorker).options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0)
-        return [RaySlot(ray, actor_cls, self.inner, i, needs, self.start_timeout_s, self.candidate_timeout_s)
-                for i in range(n)]
+        return [RaySlot(ray, actor_cls, self.inner, i, needs, self.start_timeout_s, self.candidate_timeout_s,
+                        builds=not self.ship) for i in range(n)]

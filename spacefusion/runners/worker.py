@@ -6,10 +6,12 @@ as ``MeasureResult.to_dict``): nothing TVM-side crosses a process boundary, and 
 Ray, the factory that makes the inner runner.
 
 * ``{"op": "measure", "schedule": JSON, "target": str, "inputs_from": SMG dict | None}`` ->
-  ``{"ok": True, "result": record dict}``, measured by the inner runner (which checks, then times).
-* ``{"op": "build", "schedule": JSON, "target": str}`` -> ``{"ok": True, "error": str | None, "build_s": float}``:
-  a build worker (inner ``TVMBuilder``) saves the artefact into a scratch folder, so nvcc's cubin lands in the
-  content-hashed cache where the measuring workers of this host find it.
+  ``{"ok": True, "result": record dict}``, measured by the inner runner (which builds, checks, then times);
+  with ``"artefact": {file name: base64}`` (a CUDA artefact built and shipped by the tuning host), written to
+  a scratch folder and measured by the inner runner's ``measure_built``, nothing built here.
+* ``{"op": "build", "schedule": JSON, "target": str, "out": folder?}`` -> ``{"ok": True, "error": str | None,
+  "build_s": float}``: a build worker (inner ``TVMBuilder``) saves the artefact into ``out`` (kept, to be
+  shipped) or a scratch folder; nvcc's cubin lands in the content-hashed cache either way.
 * anything that raises -> ``{"ok": False, "error": "Type: message"}``.
 
 A worker is made ready (``Worker.__init__``) only if it can do its work: a GPU runner without a visible GPU,
@@ -23,6 +25,7 @@ per request line on stdin, until stdin ends.  Everything else the process prints
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib
 import importlib.util
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from spacefusion.runtime.batch import describe
@@ -77,15 +81,16 @@ def _builds_with_tvm(inner: Any) -> bool:
 class Worker:
     """One inner runner (or builder) and the requests it answers; see the module docstring.
 
-    The inner object is made once, so its reference cache (inputs and numpy references per graph) and, for a
-    GPU runner, its CUDA context serve every candidate the worker is given."""
+    ``builds``: whether the worker will be asked to build (False where the pool ships every candidate built, so
+    a worker without TVM may start).  The inner object is made once, so its reference cache (inputs and numpy
+    references per graph) and, for a GPU runner, its CUDA context serve every candidate the worker is given."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], Any], builds: bool = True) -> None:
         self.inner = factory()
         check = getattr(self.inner, "check", None)
         if callable(check):  # a GPU runner: a visible GPU, torch and cupy (RunnerUnavailable otherwise)
             check()
-        if _builds_with_tvm(self.inner) and importlib.util.find_spec("tvm") is None:
+        if builds and _builds_with_tvm(self.inner) and importlib.util.find_spec("tvm") is None:
             raise RuntimeError(f"{type(self.inner).__name__} builds with TVM, which is not installed on "
                                f"{socket.gethostname()} (pip install 'spacefusion[tvm]' there, or "
                                f"tools/offline_bundle.py)")
@@ -123,7 +128,15 @@ class Worker:
         frm = request.get("inputs_from")
         inp = MeasureInput(Schedule.from_json(request["schedule"]), str(request["target"]),
                            None if frm is None else smg_from_dict(frm))
-        return self.inner.measure([inp])[0].to_dict()
+        files = request.get("artefact")
+        if files is None:
+            return self.inner.measure([inp])[0].to_dict()
+        with tempfile.TemporaryDirectory(prefix="sf-shipped-") as tmp:  # built and shipped by the tuning host
+            for name, data in files.items():
+                (Path(tmp) / Path(name).name).write_bytes(base64.b64decode(data))
+            out = self.inner.measure_built(inp, tmp).to_dict()
+        out["meta"] = {**out.get("meta", {}), "shipped": sorted(Path(n).name for n in files)}
+        return out
 
     def _build(self, request: dict[str, Any]) -> dict[str, Any]:
         from schedulers.schedule import Schedule
@@ -132,8 +145,11 @@ class Worker:
         try:
             built = self.inner.build(Schedule.from_json(request["schedule"]), str(request["target"]))
             if hasattr(built, "save"):
-                with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
-                    built.save(tmp)
+                if request.get("out"):  # kept, to be shipped to a measuring worker
+                    built.save(request["out"])
+                else:
+                    with tempfile.TemporaryDirectory(prefix="sf-build-") as tmp:
+                        built.save(tmp)
             error = None
         except Exception as exc:  # noqa: BLE001  the runner builds it again and reports the error as the result's
             error = describe(exc)
@@ -146,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own copy of stdout ...
     os.dup2(2, 1)  # ... and everything else printed, by Python or by C (TVM, nvcc), goes to the log
     try:
-        worker = Worker(factory_from_spec(json.loads(argv[0])))
+        spec = json.loads(argv[0])
+        worker = Worker(factory_from_spec(spec), builds=bool(spec.get("builds", True)))
         proto.write(json.dumps({"ready": True, **worker.hello()}) + "\n")
     except Exception as exc:  # noqa: BLE001  said to the pool, which names it where it reports the worker gone
         proto.write(json.dumps({"ready": False, "error": describe(exc)}) + "\n")

@@ -8,7 +8,7 @@ subprocess per GPU of this host; ``RayRunner``: Ray actors anywhere on a cluster
 * **thread-safe.** ``measure`` may be called from several threads at once (``frontend.tune`` tunes several
   SMGs side by side): their candidates join one queue, and every idle worker takes the next.
 * **a lost worker is a retry, not a loss.** A worker that dies with a candidate in hand (killed, its node
-  gone, a crash in the driver) is started again, and the candidate goes to *another* worker first.  A
+  gone, a crash in TVM or the CUDA driver) is started again, and the candidate goes to *another* worker first.  A
   candidate that took down ``attempts`` workers is a failed result that says so: it is what failed, and a
   rerun should not crash them again.  When no worker is left, the candidates still waiting come back as
   environmental failures (``MeasureResult.environmental``): the tuner records none of them and releases their

@@ -123,8 +123,8 @@ def test_the_same_seeded_tune_on_three_workers_is_the_golden_run(tmp_path) -> No
     Ray workers: tests/test_ray_cluster.py."""
     import json
 
-    want = json.loads(GOLDEN.read_text())["gemm_sigmoid_cuda"]
-    smg, target = CASES["gemm_sigmoid_cuda"]
+    want = json.loads(GOLDEN.read_text())["layernorm_llvm"]
+    smg, target = CASES["layernorm_llvm"]
     with ProcessRunner(workers=3, inner=KeyedRunner, builder=NoBuilder()) as runner:
         s = tune(smg, runner, hw=H100, target=target, db=tmp_path / "t.db", trials=TRIALS, batch=BATCH, seed=SEED,
                  progress=False)

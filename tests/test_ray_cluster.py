@@ -25,7 +25,7 @@ from search.tuner import tune  # noqa: E402
 from smg import patterns as P  # noqa: E402
 from spacefusion.runners import LLVMRunner, LocalGPURunner, RayRunner, RunnerUnavailable  # noqa: E402
 from spacefusion.runners.ray import start_local  # noqa: E402
-from tests.fault_runners import back_to, kill_first_busy  # noqa: E402
+from tests.fault_runners import ShippedKeyedRunner, back_to, kill_first_busy  # noqa: E402
 from tests.tuner_golden import BATCH, CASES, GOLDEN, SEED, TRIALS, KeyedRunner, NoBuilder  # noqa: E402
 
 
@@ -122,14 +122,22 @@ def test_the_cli_tunes_on_the_cluster(cluster, tmp_path, capsys) -> None:
 
 def test_gpu_workers_get_a_gpu_each_and_do_not_start_where_torch_sees_none(cluster, capsys) -> None:
     """One actor per GPU of the cluster, each seeing only its own (Ray's CUDA_VISIBLE_DEVICES), measuring CUDA
-    candidates; a GPU runner that finds no GPU refuses to start, so nothing is measured and recorded as the
-    kernels' failures: a clear error before the tune, from Python and from the CLI."""
+    candidates built here and shipped (the actors import no TVM); a GPU runner that finds no GPU refuses to
+    start, so nothing is measured and recorded as the kernels' failures: a clear error before the tune."""
     from spacefusion.cli import main
+    from spacefusion.runners.processes import close_build_pools
 
-    with RayRunner(num_gpus=1, inner=KeyedRunner, builder=NoBuilder()) as runner:
-        res = runner.measure([MeasureInput(make_schedule(P.layernorm(8, 40)), "cuda:sm_90a")])
-        assert runner.parallelism == 2 and res[0].ok
-        assert sorted(h["cuda_visible_devices"] for h in runner.pool.hellos.values()) == ["0", "1"]
+    s = make_schedule(P.layernorm(8, 40))
+    try:
+        with RayRunner(num_gpus=1, inner=ShippedKeyedRunner) as runner:  # TVM's builder: built here, shipped
+            (res,) = runner.measure([MeasureInput(s, "cuda:sm_90a")])
+            assert runner.ship and runner.parallelism == 2 and res.ok, res.error
+            assert sorted(h["cuda_visible_devices"] for h in runner.pool.hellos.values()) == ["0", "1"]
+    finally:
+        close_build_pools()
+    meta = dict(res.meta)
+    assert {"kernel.cu", "kernel.json"} <= set(meta["shipped"]) and meta["kernel_of"] == s.key
+    assert meta["tvm_here"] is False and re.match(r"ray worker \d \(\S+ pid \d+, GPU [01]\)", meta["worker"])
     t0 = time.perf_counter()
     assert main(["tune", "layernorm", "--shape", "32", "256", "--runner", "ray", "--target", "h100"]) == 2
     err = capsys.readouterr().err

@@ -84,7 +84,7 @@ class ProcessSlot:
         line = self._stdout.readline()
         if not line:
             raise WorkerLost(self._why("exited before it was ready"))
-        hello = json.loads(line)
+        hello = self._parse(line)
         if not hello.get("ready"):
             self.stop()
             raise WorkerLost(f"cannot work: {hello.get('error')}")
@@ -106,7 +106,19 @@ class ProcessSlot:
             line = b""
         if not line:
             raise WorkerLost(self._why("ended with a candidate in hand"))
-        return json.loads(line)
+        return self._parse(line)
+
+    def _parse(self, line: bytes) -> dict[str, Any]:
+        """One protocol line as JSON; anything else (the stream out of step: something wrote to the worker's
+        stdout before it took it over) stops the worker, which counts as lost."""
+        try:
+            got = json.loads(line)
+            if isinstance(got, dict):
+                return got
+        except ValueError:
+            pass
+        self.stop()
+        raise WorkerLost(f"said something that is not the protocol's: {line[:200]!r}")
 
     def _wait(self, timeout_s: float | None) -> bool:
         """Whether the worker's stdout has something to read within ``timeout_s`` (None: wait for it).  One

@@ -5,8 +5,9 @@
 
 Captures every distinct fused SMG of the models (``dynamo_gpu.build`` on the meta device, as ``spacefusion.compile``
 partitions them), then tunes them all from an empty database once per GPU count of ``--gpus`` (default: 1 and
-every visible GPU) with ``runners.gpu_runner`` -- one worker per GPU (Ray where installed, else a subprocess per
-GPU), several SMGs side by side -- and records per run: the wall-clock of the tune, each GPU's utilisation
+every visible GPU) with ``runners.gpu_runner`` -- one GPU measured in this process, as before; several with one
+worker per GPU (Ray where installed, else a subprocess per GPU), several SMGs side by side and the artefacts
+built here -- and records per run: the wall-clock of the tune, each GPU's utilisation
 sampled by ``nvidia-smi`` every 0.5 s (mean, max, share of samples busy), how many candidates each worker
 measured, and each SMG's best (schedule key and µs).  The JSON's ``compare`` says, per SMG, whether the runs
 found the same best and the ratio of their bests; the speed-up is the 1-GPU run's wall-clock over each other's.

@@ -127,7 +127,7 @@ def test_warp_tile_refusals_name_the_problem(kwargs, match) -> None:
 def test_split_groups_threads_rings_and_merge() -> None:
     s = _schedule("causal_split4")
     p = s.warp_tile
-    assert p.split == 4 and s.threads == 4 * 4 * 32  # 4 groups of 4 row warps
+    assert p.warp.split == 4 and s.threads == 4 * 4 * 32  # 4 groups of 4 row warps
     # each group its own K and V ring (2 stages of [32, 64+8]), then Q [64, 64+8]; the hand-over of
     # 3 groups: P_max, P_sum (2 rows a thread) and O (8 column tiles x 4) per thread, fp32, is smaller
     assert p.merge_floats() == 2 + 2 + 32
@@ -141,7 +141,7 @@ def test_slices_grid_workspace_and_merge() -> None:
     (scratch params), fences, counts itself done with atomicAdd and merges from L2 (__ldcg)."""
     s = _schedule("softmax_gemm_slices3")
     p = s.warp_tile
-    assert s.num_blocks == 4 * 3 and p.slices == 3 and p.threads == 64
+    assert s.num_blocks == 4 * 3 and p.warp.slices == 3 and p.threads == 64
     art = build(s, "cuda")
     params = {q["name"]: q for q in art.meta["params"]}
     assert params["sf_partials"] == {"name": "sf_partials", "shape": [12, p.merge_floats(), 64],
@@ -214,7 +214,7 @@ def test_reload_a_keeps_q_in_shared_memory_and_frees_registers() -> None:
     s = _schedule("mt2_reload_d128")
     held = schedule(patterns.attention(1, 2, 128, 192, 128), tiles={"m": 128}, step=32, tensor_cores=True,
                     stages=2, warps=4)
-    assert s.warp_tile.reload_a and not held.warp_tile.reload_a and s.warp_tile.warp_mtiles == 2
+    assert s.warp_tile.warp.reload_a and not held.warp_tile.warp.reload_a and s.warp_tile.warp_mtiles == 2
     ring = 2 * 2 * (32 * (128 + 8)) * 2  # K and V, 2 stages of [32, 128+8] fp16
     q = 128 * (128 + 8) * 2
     assert block_resources(held).shared_bytes == block_resources(s).shared_bytes == ring + q
@@ -378,7 +378,7 @@ def test_wgmma_reads_both_operands_from_swizzled_shared_tiles() -> None:
     assert "wgmma.wait_group.sync.aligned 1" in lag and "m64n256k16" in lag
     back = Schedule.from_json(s.to_json())
     assert back.wgmma and back.key == s.key and "wgmma" not in _schedule("gemm_sigmoid").to_dict()
-    assert s.warp_tile.wgmma and "wgmma" in s.to_dict() and "GEMMs on warpgroup MMA" in str(s)
+    assert s.warp_tile.hopper.wgmma and "wgmma" in s.to_dict() and "GEMMs on warpgroup MMA" in str(s)
 
 
 def test_wgmma_is_refused_for_a_target_without_it() -> None:
@@ -571,7 +571,8 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
         p = s.warp_tile
         assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
         # ldmatrix only for a Q held in registers or a staged score tile (Softmax-GEMM's S)
-        assert ("ldmatrix" in src) == ((p.gemm is not None and not p.reload_a) or (bool(p.tiles_in) and not p.wgmma_ss))
+        held_q = p.gemm is not None and not p.warp.reload_a
+        assert ("ldmatrix" in src) == (held_q or (bool(p.tiles_in) and not p.wgmma_ss))
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
         assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
@@ -865,7 +866,7 @@ def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
     s = _schedule("causal_ws")
     p = s.warp_tile
     src = build(s, "cuda").source
-    assert p.producer and split_ring(p) and p.threads == 384 and s.num_blocks == 2 * 2
+    assert p.hopper.producer and split_ring(p) and p.threads == 384 and s.num_blocks == 2 * 2
     assert src.count("__syncthreads()") == 1 and "setmaxnreg.inc.sync.aligned.u32 232" in src
     assert src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") == 1 + 4 * s.stages  # (+ its definition)
     assert warp_tile_smem_bytes(s, p) % 8 == 0 and mbarrier_bytes(p) == 32 * s.stages

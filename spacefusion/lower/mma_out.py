@@ -43,7 +43,7 @@ class Epilogue:
         st = self.st
         p, tg = st.p, 32 * st.p.warps
         regs, offset, nf = self._parts()
-        xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
+        xchg = T.alloc_buffer(((p.warp.split - 1) * nf * tg,), F32, scope="shared.dyn")
         with T.If(st.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
             for name, b in regs:
                 for e in range(int(b.shape[0])):
@@ -55,7 +55,7 @@ class Epilogue:
                     return dict(regs)[name][e]
                 return xchg[((g - 1) * nf + offset[name] + e) * tg + st.gtid]
 
-            self._merged(p.split, src)
+            self._merged(p.warp.split, src)
             self.finalize()  # group 0 stores the outputs
 
     def merge_slices(self) -> None:
@@ -67,8 +67,8 @@ class Epilogue:
         st, p = self.st, self.st.p
         regs, offset, _ = self._parts()
         part, arrivals = st.glob[PARTIALS], st.glob[ARRIVALS]
-        parts = p.slices * p.split
-        mine = (st.tile * p.slices + st.slice) * p.split + st.grp
+        parts = p.warp.slices * p.warp.split
+        mine = (st.tile * p.warp.slices + st.slice) * p.warp.split + st.grp
         for name, b in regs:
             for e in range(int(b.shape[0])):
                 T.buffer_store(part, b[e], [mine, offset[name] + e, st.gtid])
@@ -80,8 +80,8 @@ class Epilogue:
         T.evaluate(T.tvm_storage_sync("shared"))
         last = T.alloc_buffer((1,), I32, scope="local")  # a branch condition may not read shared memory
         T.buffer_store(last, done[0], [0])
-        with T.If(last[0] == p.slices - 1), T.Then(), ExitStack() as group0:
-            if p.split > 1:
+        with T.If(last[0] == p.warp.slices - 1), T.Then(), ExitStack() as group0:
+            if p.warp.split > 1:
                 group0.enter_context(T.If(st.grp == 0))
                 group0.enter_context(T.Then())
             T.evaluate(tirx.call_extern("void", "__threadfence"))
@@ -171,7 +171,7 @@ class Epilogue:
                 continue
             gs = by_n[n]
             staged = staged_output(st.s, p, out)
-            if staged is not None and p.producer:  # by each MMA warpgroup alone, beside a producer
+            if staged is not None and p.hopper.producer:  # by each MMA warpgroup alone, beside a producer
                 self._store_bands(out, text, gs)
                 continue
             if staged is not None:

@@ -19,6 +19,7 @@ import sympy as sp
 from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.halo import window_box
 from schedulers.hardware import PRESETS, HardwareError, HardwareModel, get_hardware
+from schedulers.knobs import Rejection, check_values
 from schedulers.options import (
     GROUPS,
     KNOB_FIELDS,
@@ -26,10 +27,8 @@ from schedulers.options import (
     LANES,
     VECTORS,
     HopperOptions,
-    Rejection,
     SimtOptions,
     WarpTileOptions,
-    check_values,
     needs_tensor_cores,
     non_defaults,
     split_knobs,

@@ -29,7 +29,8 @@ import sympy as sp
 
 from schedulers.errors import ScheduleError
 from schedulers.gather_tile import GatherTile, Im2col, gather_tile, im2col_of
-from schedulers.options import HopperOptions, Rejection, WarpTileOptions
+from schedulers.knobs import Rejection
+from schedulers.options import HopperOptions, WarpTileOptions
 from schedulers.temporal import UpdateFunction, parse
 from smg.expr import body_expr
 from smg.ops import UPSAMPLE_VIEW
@@ -365,7 +366,7 @@ WGMMA_STATE_REGS = 8
 def wgmma_knobs_refusal(split: int, early_scores: bool) -> Rejection | None:
     """wgmma's refusal of knobs alone, whatever the graph (None: it may take them): its warpgroups do not split
     the steps (``split``) nor wait for the score operands apart (``early_scores``).  The search asks it before
-    offering wgmma with a split (``SearchSpace.splits``): such a knob set was refused whatever else it held."""
+    offering wgmma with a split (the ``split`` knob's offer): such a knob set was refused whatever else it held."""
     if split != 1:
         return Rejection("warp_tile.wgmma_split", None, "wgmma: no split or early_scores")
     if early_scores:

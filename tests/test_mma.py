@@ -195,7 +195,7 @@ def test_split_and_slices_leave_every_groups_part_in_the_workspace() -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -204,7 +204,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums, wg"):
+    with pytest.raises(ScheduleError, match="split set: .* apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -267,7 +267,7 @@ def test_early_scores_refusals() -> None:
         schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
     with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
         schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(att, tiles={"m": 32}, step=32, early_scores=True)
 
 
@@ -313,7 +313,7 @@ def _check_knob(s: Schedule, plain: Schedule, knob: str, refusal: str) -> None:
     with pytest.raises(ScheduleError, match=refusal):
         schedule(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=32, tensor_cores=True, stages=2, **{knob: True})
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, **{knob: True})
 
 
@@ -502,7 +502,8 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
     """The GEMM's 128 x 128 tile (16384 elements, 128 threads) is in the space, on warpgroup MMA
     where make_schedule takes it, and on mma.sync for a target without it (A100)."""
     from schedulers.hardware import A100, H100
-    from search.space import DEEP_PRODUCER_STAGES, GEMM_STAGES, PRODUCER_STAGES, SearchSpace
+    from schedulers.options import DEEP_PRODUCER_STAGES, GEMM_STAGES, PRODUCER_STAGES
+    from search.space import SearchSpace
 
     g = patterns.gemm_epilogue(1024, 1024, 256, "sigmoid", True, "float16")
     tiles = {(s.tiles["m"], s.tiles["n"], s.step, s.wgmma) for s in SearchSpace(g, H100).candidates()
@@ -532,7 +533,7 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -558,7 +559,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 
@@ -896,8 +897,9 @@ def test_warp_specialised_attention_registers_and_search() -> None:
     structure (8 warps, a 2-slot ring, no row sums on tensor cores) over long rows only, and its
     model puts LLaMA's steps of 128 before those of 64 (the measured order)."""
     from schedulers.hardware import H100
+    from schedulers.options import FA3_MIN_SERIAL
     from search.cost import estimate_us
-    from search.space import FA3_MIN_SERIAL, SearchSpace
+    from search.space import SearchSpace
 
     s = schedule(patterns.attention(1, 2, 256, 2048, 128), tiles={"m": 128}, step=128, tensor_cores=True, stages=2,
                  warps=8, reload_a=True, wgmma=True, tma=True, producer=True)
@@ -942,7 +944,7 @@ def test_fast_math_puts_tanh_and_the_logistic_on_tanh_approx() -> None:
     th = build(_schedule("gemm_tanh_pingpong_fast_math"), "cuda").source
     assert "tanh.approx.f32" in th and "tanhf(" not in th  # (the preamble names tanhf in a macro)
     assert "tanh and logistics on tanh.approx.f32" in str(_schedule("gemm_sigmoid_fast_math"))
-    with pytest.raises(ScheduleError, match="as do producer, persistent, pingpong and fast_math"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.gemm_epilogue(64, 64, 64, "tanh", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=64, fast_math=True)
 
@@ -973,7 +975,7 @@ def test_producer_and_persistent_refusals(kwargs, match) -> None:
     with pytest.raises(ScheduleError, match=match):
         schedule(patterns.gemm_epilogue(256, 256, 128, "relu", True, "float16"), tiles={"m": 128, "n": 128},
                  serial="k", step=64, tensor_cores=True, wgmma=True, **opts)
-    with pytest.raises(ScheduleError, match="as do producer, persistent, pingpong and fast_math"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=64, persistent=2)
 

@@ -75,7 +75,7 @@ Offer = Callable[[Where], Iterable[Any]]
 
 def knob(default: Any, help: str, feature: str, choices: tuple[Any, ...] | None = None, lo: int | None = None,
          hi: int | None = None, valid: str | None = None, encode: str | None = None, offer: Offer | None = None,
-         droppable: bool = False, refusals: Mapping[str, str] | None = None) -> Any:
+         droppable: bool = False, refusals: Mapping[str, str] | None = None, says: str | None = None) -> Any:
     """A group field that is a knob: its default, a sentence of help, the learned model's feature that
     sees it (``search.features``), the values it may take (``choices``, or bounds ``lo``..``hi``) and,
     optionally, how a refusal says what is valid.
@@ -87,12 +87,15 @@ def knob(default: Any, help: str, feature: str, choices: tuple[Any, ...] | None 
     ``offer`` says what the search tries (``Offer``; None: the default only, a user's knob); ``droppable``
     that a schedule refusing the offered value is built again without it (the knob is offered on where it
     may apply, not searched both ways).  ``refusals`` maps the reasons of the group's own checks of this knob
-    to what each refuses: their codes are ``<knob>.<reason>`` (``schedulers.codes``)."""
+    to what each refuses: their codes are ``<knob>.<reason>`` (``schedulers.codes``).  ``says`` is what the
+    schedule's summary says where the knob is set (``{value}`` its value; None: the summary words it itself, or
+    not at all)."""
     if encode is not None and encode not in ENCODINGS:
         raise ValueError(f"encode {encode!r} is not one of {ENCODINGS}")
     return field(default=default, metadata={"help": help, "feature": feature, "choices": choices, "lo": lo,
                                             "hi": hi, "valid": valid, "encode": encode, "offer": offer,
-                                            "droppable": droppable, "refusals": dict(refusals or {})})
+                                            "droppable": droppable, "refusals": dict(refusals or {}),
+                                            "says": says})
 
 
 def is_int_knob(f: dataclasses.Field) -> bool:

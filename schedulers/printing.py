@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -67,4 +68,9 @@ def warp_tile_summary(s: Schedule) -> str:
         parts.append(f"{p.warp.split} warp groups splitting the steps")
     if p.warp.slices > 1:
         parts.append(f"{p.warp.slices} blocks per row tile splitting the steps")
+    for group in (p.warp, p.hopper):  # the knobs whose declaration says what a set one does
+        for f in dataclasses.fields(group):
+            value = getattr(group, f.name)
+            if f.metadata["says"] is not None and value != f.default:
+                parts.append(f.metadata["says"].format(value=value))
     return ", ".join(parts)

@@ -332,6 +332,15 @@ class WarpTileOptions:
                                                      "factor tile"})
     fast_math: bool = knob(False, "tanh and logistics on tanh.approx.f32 where stored in 16 bits",
                            "fast_math", encode="flag", offer=_fast_math, droppable=True)
+    # not offered: the order of its additions, so the last bits of the outputs, vary from run to run (a user's
+    # choice, like fast_math's numerics), and no GPU measurement says where it beats the last block's merge
+    atomic_slices: bool = knob(False, "blocks slicing a row tile's steps add their partial sums into one fp32 "
+                                      "workspace part with atomics, which the last block reads alone (the order of "
+                                      "the additions varies from run to run)", "atomic_slices", encode="flag",
+                               refusals={"no_slices": "atomic_slices without slices",
+                                         "not_sums": "atomic_slices on a program with a state that is not a sum "
+                                                     "without a carry (a max, or a sum its carry rescales)"},
+                               says="the slices' partial sums added into one workspace part by atomics")
 
     def check(self, s: Schedule) -> Rejection | None:
         from schedulers.warp_tile import warp_tile_refusal
@@ -365,6 +374,14 @@ class WarpTileOptions:
             return Rejection("lazy_rescale.no_reference", "lazy_rescale", f"lazy_rescale keeps a running max that "
                              f"only references the carried states; {name!r} has none (a max state whose readers "
                              f"rescale exponentially in its change and whose outputs do not change with it)")
+        if self.atomic_slices and self.slices == 1:
+            return Rejection("atomic_slices.no_slices", "atomic_slices", "atomic_slices adds the partial sums of "
+                             "blocks slicing a row tile's steps; give slices > 1")
+        if self.atomic_slices and any(u.combiner != "sum" or u.carry for u in s.plan.states):
+            odd = [u.state for u in s.plan.states if u.combiner != "sum" or u.carry]
+            return Rejection("atomic_slices.not_sums", "atomic_slices", f"atomic_slices adds the slices' partial "
+                             f"states, which merge by a sum alone only where each is a sum without a carry; "
+                             f"{name!r} has {odd} (a max, or a sum its carry rescales)")
         if self.mma_row_sums and (p is None or not p.row_sums):
             return Rejection("mma_row_sums.no_factor", "mma_row_sums", f"mma_row_sums sums a row statistic on "
                              f"tensor cores as a second GEMM's factor tile times ones; {name!r} has no sum state "

@@ -57,7 +57,7 @@ class Where(Protocol):
     serial_size: int  #: the serial dim's extent
     others: int  #: elements of the other dims reduced with the serial one (a step's positions times these)
     no_program: bool  #: the graph has no warp-tile program along the serial dim, whatever the block and knobs
-    reload_applies: bool  #: the first op is a GEMM of two inputs over dims other than the serial one (attention)
+    gemm_per_step: bool  #: the first op is a GEMM of two inputs over dims other than the serial one (attention)
     blocks: int  #: blocks of the grid of the block's tiles
     small_grid: bool  #: at most two waves of one block per SM (where deep rings and 192-column tiles are offered)
     threads: int  #: elements of the block's tile (a CUDA-core block's threads before lanes)

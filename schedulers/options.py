@@ -129,7 +129,7 @@ def _split(w: Where) -> tuple[int, ...]:
 
 def _reload_a(w: Where) -> tuple[bool, ...]:
     """Both ways where the first GEMM runs per step (attention's Q @ K^T over d, not over the serial dim)."""
-    return (False, True) if w.reload_applies else (False,)
+    return (False, True) if w.gemm_per_step else (False,)
 
 
 def _early_scores(w: Where) -> tuple[bool, ...]:
@@ -180,7 +180,7 @@ def _producer(w: Where) -> Iterator[dict[str, Any] | bool]:
             and (w.stages, w.split, w.slices, w.reload_a) == (SEARCH_STAGES[0], 1, 1, False)):
         for stages in PRODUCER_STAGES + (DEEP_PRODUCER_STAGES if w.small_grid else ()):
             yield fixed | {"stages": stages, "lazy_rescale": False}
-    if (w.hopper and w.reload_applies and (w.split, w.slices) == (1, 1) and w.stages == PRODUCER_STAGES[0]
+    if (w.hopper and w.gemm_per_step and (w.split, w.slices) == (1, 1) and w.stages == PRODUCER_STAGES[0]
             and w.warps == 8 and w.step >= 64 and w.serial_size >= FA3_MIN_SERIAL):
         yield fixed | {"persistent": 0, "pingpong": False}
 

@@ -276,14 +276,14 @@ class SearchSpace:
         """The facts along ``serial``: its extent, the other dims reduced with it (lanes spread over a step's
         positions times these: ``schedule.lane_spread``; a split's stats kernel, 16 chunks x 20 channels, a step
         of 16 or 20), whether the graph has no warp-tile program along it (``forms``), and whether the first GEMM
-        runs per step (``reload_a``)."""
+        runs per step (attention's scores)."""
         sizes = self.smg.dim_sizes
         others = math.prod(sizes[d] for d in {d for op in self.smg.ops if serial in op.reduce
                                                for d in op.reduce} - {serial})
         return self.facts | {"serial_size": sizes[serial], "others": others,
                              "no_program": self.analyse_forms and self.tensor_cores and self.tensor_core_dtypes
                              and self.forms[serial][0] is not None,
-                             "reload_applies": bool(self.first_gemm) and serial not in self.first_gemm}
+                             "gemm_per_step": bool(self.first_gemm) and serial not in self.first_gemm}
 
     def _tile_facts(self, tiles: dict[str, int]) -> dict[str, object]:
         return {"blocks": self._blocks(tiles), "small_grid": self._small_grid(tiles),
@@ -351,7 +351,7 @@ class SearchSpace:
     @cached_property
     def first_gemm(self) -> tuple[str, ...]:
         """The dims the first op reduces when it is a product of two inputs (attention's Q @ K^T):
-        ``reload_a`` applies when the serial dim is not one of them (a GEMM per step, not over steps)."""
+        when the serial dim is not one of them, it runs once per step (not over the steps)."""
         op = self.smg.ops[0] if self.smg.ops else None
         if op is None or op.combiner != "sum" or len(op.inputs) != 2 or not op.reduce:
             return ()

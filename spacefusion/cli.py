@@ -387,7 +387,8 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--step", type=_whole(1), default=None, help="serial step over SKV (default: 32, or SKV if "
                    "shorter)")
     d.add_argument("--out", default="spacefusion_out")
-    from schedulers.options import KNOB_FIELDS, KNOB_GROUP, is_int_knob
+    from schedulers.knobs import is_int_knob
+    from schedulers.options import KNOB_FIELDS, KNOB_GROUP
 
     b = sub.add_parser("build", help="build one workload for a target", epilog=shapes_epilog(), formatter_class=_Help)
     b.add_argument("workload", nargs="?", help="a workload named below (not with --schedule)")

@@ -142,7 +142,7 @@ class RowUpdate:
 
         if st.overlap:
             pass  # issued at the next step, behind its scores (or after the loop)
-        elif p.wgmma:
+        elif p.hopper.wgmma:
             self.wgmma.rs(acc, pf, gs)
         else:
             sync.pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)

@@ -63,7 +63,7 @@ def signature(s: Schedule) -> KernelSignature:
         p = s.warp_tile
         tiles = s.num_tiles // s.slices
         # one part per block of a row tile and warp group of the block (split x slices)
-        ps += [(PARTIALS, (tiles * s.slices * p.split, p.merge_floats(), 32 * p.warps), "float32", "scratch"),
+        ps += [(PARTIALS, (tiles * s.slices * p.warp.split, p.merge_floats(), 32 * p.warps), "float32", "scratch"),
                (ARRIVALS, (tiles,), "int32", "scratch")]
     return KernelSignature(tuple(ps))
 

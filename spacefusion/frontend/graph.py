@@ -65,26 +65,43 @@ def heads_interleaved(node: Any) -> bool:
     return all(n == 1 or st == w for n, st, w in zip((b, h, s, d), stride, want))
 
 
+def permutation(node: Any, rank: int | None = None) -> tuple[fx.Node, tuple[int, ...]] | None:
+    """(input, dims) where ``node`` only reorders its input's dims: ``permute`` (method or function),
+    ``transpose(a, b)`` (method or function), ``t()`` / ``torch.t`` / ``.T`` of a 2-d tensor; the dims
+    normalised to ``0..rank-1`` (``rank``: the input's, read from its shape where not given).  None otherwise."""
+    if not isinstance(node, fx.Node) or node.kwargs or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    src, rest = node.args[0], tuple(node.args[1:])
+    name = node.target if node.op == "call_method" else None
+    if node.op == "call_function":
+        name = {torch.transpose: "transpose", torch.permute: "permute", torch.t: "t"}.get(node.target)
+        if node.target is getattr and rest == ("T",):
+            name, rest = "t", ()
+    if rank is None:
+        rank = len(shape(src)) if shape(src) is not None else None
+    if name not in ("permute", "transpose", "t") or rank is None:
+        return None
+    if len(rest) == 1 and isinstance(rest[0], tuple | list):
+        rest = tuple(rest[0])
+    if not all(isinstance(d, int) and -rank <= d < rank for d in rest):
+        return None
+    rest = tuple(d % rank for d in rest)
+    if name == "t" and not rest and rank == 2:
+        return src, (1, 0)
+    if name == "transpose" and len(rest) == 2:
+        dims = list(range(rank))
+        dims[rest[0]], dims[rest[1]] = dims[rest[1]], dims[rest[0]]
+        return src, tuple(dims)
+    if name == "permute" and sorted(rest) == list(range(rank)):
+        return src, rest
+    return None
+
+
 def swapped_dims_1_2(node: Any) -> fx.Node | None:
     """The input of ``node`` when ``node`` swaps dims 1 and 2 of a 4-d tensor (``transpose(1, 2)`` or
     ``permute(0, 2, 1, 3)``, as method or function): HF's split_heads / merge_heads transpose."""
-    if not isinstance(node, fx.Node) or len(node.args) < 1 or not isinstance(node.args[0], fx.Node):
-        return None
-    src, name = node.args[0], node.target if node.op == "call_method" else None
-    if node.op == "call_function" and node.target in (torch.transpose, torch.permute):
-        name = node.target.__name__
-    if name is None or node.kwargs or shape(src) is None or len(shape(src)) != 4:
-        return None
-    rest = node.args[1:]
-    if len(rest) == 1 and isinstance(rest[0], tuple | list):
-        rest = tuple(rest[0])
-    if not all(isinstance(d, int) for d in rest):
-        return None
-    if name == "transpose" and len(rest) == 2 and {d % 4 for d in rest} == {1, 2}:
-        return src
-    if name == "permute" and [d % 4 for d in rest] == [0, 2, 1, 3]:
-        return src
-    return None
+    p = permutation(node)
+    return p[0] if p is not None and p[1] == (0, 2, 1, 3) else None
 
 
 def rows(shp: tuple[int, ...]) -> int:
@@ -196,17 +213,9 @@ def _weight_operand(node: Any) -> tuple[str | None, bool]:
     ref = param_ref(node)
     if ref is not None:
         return ref, False
-    if not isinstance(node, fx.Node) or node.kwargs or not node.args:
-        return None, False
-    w, rest = node.args[0], tuple(node.args[1:])
-    flips = (node.op == "call_function" and node.target is getattr and rest == ("T",)) \
-        or (node.op == "call_method" and node.target == "t" and not rest) \
-        or (is_function(node, (torch.t,)) and not rest) \
-        or ((node.op == "call_method" and node.target == "transpose" or is_function(node, (torch.transpose,)))
-            and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1))) \
-        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),), ([1, 0],)))
-    ref = param_ref(w)
-    return (ref, True) if flips and ref is not None else (None, False)
+    p = permutation(node, rank=2)
+    ref = param_ref(p[0]) if p is not None and p[1] == (1, 0) else None
+    return (ref, True) if ref is not None else (None, False)
 
 
 def _pair(v: Any) -> Any:

@@ -46,6 +46,7 @@ from spacefusion.frontend.graph import (
     norm_of,
     param_ref,
     patch_conv_of,
+    permutation,
     row_view,
     rows,
     shape,
@@ -423,10 +424,8 @@ def _residual_through_permute(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.
     channels-last (ConvNeXt's block: its MLP runs on [b, h, w, c], the block's input is NCHW): the sum's rows
     are the GEMM's rows, so the add is its epilogue, the residual and the sum bound as [m, n] views (never a
     copy: a residual not stored channels-last is left to torch's add)."""
-    from spacefusion.frontend.scale_fold import permute_of
-
     p = single_user(node)
-    pv = permute_of(p) if p is not None else None
+    pv = permutation(p) if p is not None else None
     if pv is None or pv[1] != (0, 3, 1, 2) or len(shape(node) or ()) != 4 or not ctx.free(p):
         return None
     added = _add_after(p, ctx)

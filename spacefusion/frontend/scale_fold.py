@@ -19,25 +19,22 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from spacefusion.frontend.graph import dtype, is_function, linear_of, param_ref, param_tensor, shape, single_user
+from spacefusion.frontend.graph import (
+    dtype,
+    is_function,
+    linear_of,
+    param_ref,
+    param_tensor,
+    permutation,
+    shape,
+    single_user,
+)
 
 #: the meta key of a linear node whose weight carries a folded scale (the partition report says it)
 SCALE_FOLDED = "sf_scale_folded"
 #: the folded weights' buffer name prefix
 PREFIX = "_sf_scalefold"
 MUL = (operator.mul, torch.mul, torch.Tensor.mul)
-
-
-def permute_of(node: fx.Node) -> tuple[fx.Node, tuple[int, ...]] | None:
-    """(input, dims) of ``x.permute(*dims)`` / ``torch.permute(x, dims)``, else None."""
-    if node.op == "call_method" and node.target == "permute" and len(node.args) >= 2:
-        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], tuple | list) else node.args[1:]
-    elif is_function(node, (torch.permute,)) and len(node.args) == 2:
-        dims = node.args[1]
-    else:
-        return None
-    x = node.args[0]
-    return (x, tuple(int(d) for d in dims)) if isinstance(x, fx.Node) and not node.kwargs else None
 
 
 def _channel_scale(scale: torch.Tensor, out_rank: int, channel: int, n: int) -> torch.Tensor | None:
@@ -62,7 +59,7 @@ def _fold_site(mul: fx.Node, gm: fx.GraphModule):
     ref, y = (param_ref(a), b) if param_ref(a) is not None else (param_ref(b), a)
     if ref is None or not isinstance(y, fx.Node) or single_user(y) is not mul:
         return None
-    perm = permute_of(y)
+    perm = permutation(y)
     lin_node = perm[0] if perm else y
     if perm and single_user(lin_node) is not y:
         return None
@@ -118,4 +115,4 @@ def fold_layer_scales(gm: fx.GraphModule) -> list[str]:
     return folded
 
 
-__all__ = ["PREFIX", "SCALE_FOLDED", "fold_layer_scales", "permute_of"]
+__all__ = ["PREFIX", "SCALE_FOLDED", "fold_layer_scales"]

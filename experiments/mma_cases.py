@@ -307,6 +307,55 @@ CASES = {
                                                                                     "tma": True}),
     "upconv_parity_rows_nh": (lambda: patterns.upsample_conv2d(2, 9, 3, 64, 32, 3, 1, "none", dtype="float16"),
                               {"nh": 16, "a": 1, "b": 1, "j": 1, "co": 32}, 32, 2),
+    # nn.Linear's weight as stored, B [n, k] (K-major): ldmatrix without .trans on mma.sync, wgmma's B not
+    # transposed; tails, bf16, TMA's [64, n_tile] boxes, a producer warpgroup, a gated and a stacked GEMM
+    "gemm_nk_sigmoid": (lambda: patterns.gemm_epilogue(200, 200, 96, "sigmoid", True, "float16", b_layout="nk"),
+                        {"m": 64, "n": 64}, 32, 2),
+    "gemm_nk_relu_wgmma_bf16": (lambda: patterns.gemm_epilogue(192, 256, 128, "relu", False, "bfloat16", "nk"),
+                                {"m": 64, "n": 256}, 64, 3, {"wgmma": True}),
+    "gemm_nk_wgmma_tma_2wg": (lambda: patterns.gemm_epilogue(200, 320, 192, "sigmoid", True, "float16", "nk"),
+                              {"m": 128, "n": 256}, 64, 3, {"wgmma": True, "tma": True, "warps": 8}),
+    "gemm_nk_ws_persistent": (lambda: patterns.gemm_epilogue(200, 320, 192, "none", True, "float16", "nk"),
+                              {"m": 128, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True,
+                                                           "persistent": 3}),
+    "gemm_gated_nk_wgmma_tma": (lambda: gated_gemm(200, 320, 192, "silu", "float16", "nk"), {"m": 64, "n": 128}, 64,
+                                3, {"wgmma": True, "tma": True}),
+    "gemm_stacked_nk_gelu": (lambda: patterns.gemm_epilogue(100, 160, 96, "gelu", True, "float16", "nk", stack=2),
+                             {"m": 64, "n": 64}, 32, 2),
+    # RMSNorm as the prologue of the next GEMM (``norm="rmsnorm"``): the rows' sum of squares read from the
+    # GEMM's A tile, 1/rms applied after the loop, the output columns cut (each block recomputes its rows'
+    # statistics). mma.sync with tails; wgmma's ss form (ldmatrix beside the async wgmmas) by cp.async, by
+    # TMA in slices, under a producer warpgroup, persistent with pingpong; the norm's weight kept apart
+    # (its factor G * X computed in registers: wgmma's rs form), W [k, n]; a gated GEMM; decoding rows
+    "gemm_rms_nk": (lambda: patterns.gemm_epilogue(200, 320, 200, "none", False, "float16", "nk", norm="rmsnorm"),
+                    {"m": 64, "n": 64}, 32, 2, {"recompute": True}),
+    "gemm_rms_nk_wgmma": (lambda: patterns.gemm_epilogue(200, 320, 256, "none", True, "float16", "nk",
+                                                         norm="rmsnorm"),
+                          {"m": 128, "n": 64}, 64, 3, {"wgmma": True, "recompute": True}),
+    "gemm_rms_nk_wgmma_tma_slices2": (lambda: patterns.gemm_epilogue(200, 320, 512, "silu", False, "bfloat16", "nk",
+                                                                     norm="rmsnorm"),
+                                      {"m": 64, "n": 128}, 64, 3,
+                                      {"wgmma": True, "tma": True, "slices": 2, "recompute": True}),
+    "gemm_rms_nk_ws": (lambda: patterns.gemm_epilogue(200, 320, 256, "none", False, "float16", "nk", norm="rmsnorm"),
+                       {"m": 128, "n": 128}, 64, 3, {"wgmma": True, "tma": True, "warps": 8, "producer": True,
+                                                    "recompute": True}),
+    "gemm_rms_nk_pingpong": (lambda: patterns.gemm_epilogue(200, 320, 192, "none", True, "float16", "nk",
+                                                            norm="rmsnorm"),
+                             {"m": 64, "n": 128}, 64, 2, {"wgmma": True, "tma": True, "producer": True,
+                                                         "persistent": 5, "pingpong": True, "recompute": True}),
+    "gemm_rms_weight_nk_rs": (lambda: patterns.gemm_epilogue(200, 320, 200, "none", False, "float16", "nk",
+                                                             norm="rmsnorm", norm_weight=True),
+                              {"m": 64, "n": 64}, 32, 2, {"wgmma": True, "recompute": True}),
+    "gemm_rms_weight_kn": (lambda: patterns.gemm_epilogue(200, 320, 192, "none", False, "float16", "kn",
+                                                          norm="rmsnorm", norm_weight=True),
+                           {"m": 64, "n": 64}, 32, 2, {"recompute": True}),
+    "gemm_gated_rms_nk_wgmma": (lambda: gated_gemm(200, 320, 192, "silu", "float16", "nk", norm="rmsnorm"),
+                                {"m": 128, "n": 64}, 64, 3, {"wgmma": True, "recompute": True}),
+    "gemm_rms_nk_decode": (lambda: patterns.gemm_epilogue(8, 320, 256, "none", True, "float16", "nk", norm="rmsnorm"),
+                           {"m": 16, "n": 64}, 32, 2, {"slices": 2, "recompute": True}),
+    "gemm_rms_nk_decode_wgmma": (lambda: patterns.gemm_epilogue(8, 320, 256, "none", False, "float16", "nk",
+                                                                norm="rmsnorm"),
+                                 {"m": 64, "n": 64}, 64, 2, {"wgmma": True, "recompute": True}),
 }
 
 

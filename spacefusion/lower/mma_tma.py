@@ -77,6 +77,7 @@ class TmaRing:
         names = tma_streamed(p) if names is None else names  # (a split ring loads K and V apart)
         nbytes = sum(st.layout[n][1] * st.layout[n][2] * 2 for n in names)
         cols0 = {g.x: st.col0(g.n) for g in p.gemm_states}
+        kmajor = {g.x for g in p.gemm_states if g.k_major}
         with T.If(cond):
             with T.Then():
                 bar = self.full(slot) if bar is None else bar
@@ -93,6 +94,8 @@ class TmaRing:
                         dst = st.arena.ptr_to([st.slot_tile(n, slot) + band * rows * 64])
                         if n in p.tiles_in:  # [rows, step] of the score plane: the band runs along L
                             c0, c1 = t0 + band * 64, st.row0
+                        elif n in kmajor:  # a K-major x [n_tile, step]: the band runs along L too
+                            c0, c1 = t0 + band * 64, cols0[n]
                         else:  # [step, cols]: the band runs along the tile's columns
                             c0, c1 = cols0.get(n, tirx.const(0, I32)) + band * 64, t0
                         T.evaluate(op(dst, st.glob[f"{n}__tmap"].data, c0, c1, *outer, bar))

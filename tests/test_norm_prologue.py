@@ -129,3 +129,42 @@ def test_the_prologue_equals_the_norm_then_the_gemm() -> None:
     a, w, gn = (xs[n].astype(np.float64) for n in ("A", "Bw", "Gn"))
     want = a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * gn @ w.T
     np.testing.assert_allclose(evaluate(g, xs)["Y"], want, rtol=1e-12, atol=1e-12)
+
+
+def _gpu_schedule(form: str, m: int, k: int, n: int):
+    """The folded form's first pick for this GPU, or a forced form (mma.sync, wgmma's ss form by cp.async),
+    or the first pick of the form with the norm's weight kept apart (the Builder's ``rmsnorm(x, g) @ W.T``)."""
+    weight = form == "weight_apart"
+    g = patterns.gemm_epilogue(m, n, k, "none", False, "float16", "nk", norm="rmsnorm", norm_weight=weight)
+    rows = 16 if m < 64 else 64
+    if form == "mma_sync":
+        return schedule(g, tiles={"m": rows, "n": 128}, tensor_cores=True, step=32, stages=3, recompute=True)
+    if form == "wgmma":
+        return schedule(g, tiles={"m": 64, "n": 128}, tensor_cores=True, wgmma=True, step=64, stages=3,
+                        recompute=True)
+    return model_pick(g)[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m, k, n", [(1024, 896, 896), (1024, 896, 4864), (8, 896, 896), (8, 896, 4864)])
+@pytest.mark.parametrize("form", ["first", "mma_sync", "wgmma", "weight_apart"])
+def test_norm_gemm_matches_float32_torch_on_gpu(m: int, k: int, n: int, form: str, tmp_path) -> None:
+    """Qwen2-0.5B's q and gate/up shapes at 1024 tokens and decoding 8: ``rmsnorm(x) * g @ W.T`` through the
+    GPU runtime, W [n, k] with g folded in (or kept apart), against float32 torch (smg/tolerance.py)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from spacefusion.runtime.gpu import CudaKernel
+
+    s = _gpu_schedule(form, m, k, n)
+    kernel = CudaKernel(build(s, "cuda").save(tmp_path / form))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, generator=gen, device="cuda").half()
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).half()
+    gn = (1 + 0.1 * torch.randn(k, generator=gen, device="cuda")).half()
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * gn.float()
+    ref = (h @ w.float().t()).double().cpu().numpy()
+    ins = {"A": x, "Bw": w, "Gn": gn} if form == "weight_apart" else {"A": x, "Bw": (w.float() * gn.float()).half()}
+    out = kernel.launch(ins)["Y"].double().cpu().numpy()
+    assert_close(out, ref, "float16", k, name=f"Y ({form}: {'tensor cores' if s.tensor_cores else 'CUDA cores'})")

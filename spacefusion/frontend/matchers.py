@@ -942,8 +942,8 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     if nm is None or not ctx.free(node, *nm.inner):
         return None
     if node.name in ctx.prologues:  # each linear reading it recomputes it from its input
-        ctx.refuse(node, f"an {nm.kind} read only by linears: the prologue of their GEMMs "
-                         f"({', '.join(ctx.prologues[node.name].readers)}), each normalising the rows it multiplies")
+        ctx.refuse(node, f"an {nm.kind} read only by linears: the prologue of their GEMMs, each normalising the "
+                         f"rows it multiplies (gone once they are fused)")
         return None
     xs, dt = shape(nm.x), dtype(node)
     if nm.dims != 1 or nm.weight is None or (nm.kind == "layernorm" and nm.bias is None) or xs is None or dt is None:

@@ -443,7 +443,8 @@ def _check_wgmma(smg, step: int, split: int, early_scores: bool, r: _Reading, wa
     every accumulator at one element index, so they share the column dim and tile); otherwise
     (attention) each GEMM state's factor tile (P) stays in registers as the A operand and its ``x`` (V)
     is read from shared memory, and the score GEMM reads K from shared memory and Q from there
-    (reload_a) or from registers."""
+    (reload_a) or from registers.  Row states beside a plain GEMM (a norm's statistics of its A rows) keep
+    the ss form where every GEMM state multiplies the staged A itself (``staged_factors``)."""
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps", code="warp_tile.wgmma_warps")
@@ -1077,8 +1078,9 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
 
 def tma_dims(smg, p: WarpTileProgram, n: str) -> tuple[str, ...]:
     """The dims of TMA-loaded tile ``n`` in its tensor map's order: the contiguous column dim, the
-    tile's row dim (the row dim R for an input on the score plane, else the serial dim), then the
-    others innermost first.  A tensor map takes each dim's own stride, so the row dim may lie anywhere
+    tile's row dim (the row dim R for an input on the score plane, a K-major ``x``'s column dim N, else
+    the serial dim), then the others innermost first.  A tensor map takes each dim's own stride, so the
+    row dim may lie anywhere
     in memory (a bshd K [b, L, h, d] is mapped as (d, L, h, b)) while the box and the kernel's
     coordinates keep the order (cols, rows, batch...)."""
     dims = smg.space(n).dims

@@ -70,8 +70,9 @@ class TmaRing:
         """Thread 0 loads the ring's tiles of the step at ``t0`` by TMA into ``slot``, in 64-column
         swizzled bands, their bytes counted by the slot's mbarrier: inputs on the score plane (a plain
         GEMM's A, Softmax-GEMM's S) as [rows, 64] bands along L, the score GEMM's B (K) and the GEMM
-        states' ``x`` (V, a plain GEMM's B) as [step, 64] bands along their columns, at this block's
-        (batch, head) coordinates; rows and columns past the ends arrive as zeros and count too."""
+        states' ``x`` (V, a plain GEMM's B) as [step, 64] bands along their columns (a K-major ``x``,
+        ``nn.Linear``'s weight [n, k], as [n_tile, 64] bands along L), at this block's (batch, head)
+        coordinates; rows and columns past the ends arrive as zeros and count too."""
         st, p = self.st, self.st.p
         cond = st.tid == 0 if pred is None else tirx.all(st.tid == 0, pred)
         names = tma_streamed(p) if names is None else names  # (a split ring loads K and V apart)

@@ -58,17 +58,6 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
                                                                       "num_hidden_layers": 4, "vocab_size": 32000,
                                                                       "max_position_embeddings": 4096},
                                         "decode", 1, 2048),
-    # Qwen2-0.5B's config (hidden 896, GQA 14/2 heads, FFN 4864, biased q/k/v), 4 of its layers: its RMSNorms are
-    # the prologues of the q, k/v and gate/up GEMMs (issue 57); prefill of 1024 tokens and a decode step at 1024
-    "qwen2_0.5b_4layers_1x1024": ("Qwen2Config", "Qwen2Model", {"hidden_size": 896, "intermediate_size": 4864,
-                                                                "num_attention_heads": 14, "num_key_value_heads": 2,
-                                                                "num_hidden_layers": 4, "vocab_size": 32000},
-                                  "ids", 1, 1024),
-    "qwen2_0.5b_4layers_decode_1x1024": ("Qwen2Config", "Qwen2Model", {"hidden_size": 896, "intermediate_size": 4864,
-                                                                       "num_attention_heads": 14,
-                                                                       "num_key_value_heads": 2,
-                                                                       "num_hidden_layers": 4, "vocab_size": 32000},
-                                         "decode", 1, 1024),
     # Gemma-2-2B's config (soft-capped attention logits, sliding window, GQA, head dim 256), 4 of its layers
     "gemma2_2b_4layers_1x2048": ("Gemma2Config", "Gemma2Model", {"num_hidden_layers": 4, "vocab_size": 32000},
                                  "ids", 1, 2048),

@@ -245,13 +245,14 @@ def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[
 
 
 def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int, db: Path | None,
-               workers: int) -> int:
-    """Tune the distinct SMGs of ``kinds`` in each model on this GPU (TVM here) into ``db``: ``trials``
-    candidates each, checked, then timed with L2 flushed (``LocalGPURunner``).  ``export --db`` then builds
-    the best of each where TVM is."""
+               workers: int, gpus: int | None = None) -> int:
+    """Tune the distinct SMGs of ``kinds`` in each model on this host's GPUs (TVM here) into ``db``: ``trials``
+    candidates each, checked, then timed with L2 flushed (``LocalGPURunner``), on every visible GPU at once (one
+    worker each, several SMGs side by side: ``runners.gpu_runner``), or ``gpus`` of them.  ``export --db`` then
+    builds the best of each where TVM is."""
     from spacefusion.frontend.dynamo import device_hardware
     from spacefusion.frontend.tune import captured_partitions, tune_partitions
-    from spacefusion.runners import LocalGPURunner
+    from spacefusion.runners import gpu_runner
 
     parts = []
     for name in names:
@@ -270,8 +271,14 @@ def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int
         return uses[sub.key] * max(math.prod(sizes[d] for d in op.iter_dims) for op in sub.smg.ops)
 
     parts = [dataclasses.replace(p, subgraphs=tuple(sorted(p.subgraphs, key=work, reverse=True))) for p in parts]
-    report = tune_partitions(parts, LocalGPURunner(), db or art / "tuning.db", hw=device_hardware(), trials=trials,
-                             workers=workers, progress=False)
+    runner = gpu_runner(gpus=gpus)
+    try:
+        report = tune_partitions(parts, runner, db or art / "tuning.db", hw=device_hardware(), trials=trials,
+                                 workers=workers, progress=False)
+    finally:
+        close = getattr(runner, "close", None)
+        if callable(close):
+            close()
     (art / "tune_report.txt").write_text(str(report) + "\n")
     print(report, flush=True)
     return 0
@@ -542,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="*", default=None,
                     help="tune: only the subgraphs of these kinds (conv, attention, gemm, group_norm, ...)")
     ap.add_argument("--trials", type=int, default=8, help="tune: candidates per SMG")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="tune: how many of this host's GPUs measure at once, one worker each (default: all)")
     ap.add_argument("--second-art", "--tuned-art", type=Path, default=None, dest="second_art",
                     help="run: also time the artefacts of this export (export --db: the tuned kernels), built by the "
                          "same code, as 'spacefusion+graph NAME' (--second-name)")
@@ -562,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.phase == "export":
         return export(a.art, a.models, a.db, tuple(a.hw) if a.hw else None)
     if a.phase == "tune":
-        return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers)
+        return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers, a.gpus)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
     return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
                a.tune, a.db, a.workers, a.second_art, a.second_name, a.pdl_ab,

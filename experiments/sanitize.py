@@ -13,6 +13,12 @@ For each model of ``dynamo_gpu.MODELS`` (random weights of the real config, fp16
    (the CUDA graph's capture and replay), and compute-sanitizer reports every bad access (memcheck) or shared
    memory hazard (racecheck) in every kernel launched, torch's own included.
 
+With ``--per-kernel`` the tools run instead over each distinct kernel the compile built, one process per
+kernel that loads its artefact from the cache and launches it once on random inputs (nothing of torch's own
+is checked then): racecheck's cost grows with the blocks and shared-memory accesses it tracks, so a whole
+model can run past any timeout (BERT-base, even at batch 1), while one launch per kernel finishes, and a
+kernel that does not is named.
+
 The record per model and tool: the sanitizer's ``ERROR SUMMARY`` count, the first reports it printed, the
 fused subgraphs and distinct SMGs launched, the wall time and the exit status.  A tool that runs past
 ``--timeout`` is recorded as such, not as clean.
@@ -67,6 +73,46 @@ def one(model_name: str, calls: int, batch: int | None = None) -> dict[str, Any]
             "distinct_smgs": len({s.key for p in parts for s in p.subgraphs})}
 
 
+def launch_one(folder: Path) -> dict[str, Any]:
+    """In this process: load the artefact in ``folder`` and launch it once on random inputs (normal values
+    scaled by 0.5 for floating point, zeros for integers), then synchronize."""
+    import torch
+
+    from spacefusion.runtime.gpu import load_kernel, torch_dtype
+
+    kernel = load_kernel(folder)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {}
+    for p in kernel.artefact.inputs:
+        dt = torch_dtype(p.dtype)
+        inputs[p.name] = (0.5 * torch.randn(p.shape, generator=gen, device="cuda")).to(dt) \
+            if dt.is_floating_point else torch.zeros(p.shape, dtype=dt, device="cuda")
+    out = kernel(**inputs)
+    torch.cuda.synchronize()
+    finite = all(bool(torch.isfinite(t.float()).all()) for t in out.values())
+    return {"kernel": json.loads((folder / "kernel.json").read_text())["kernel_name"], "finite": finite}
+
+
+def per_kernel(prefix: list[str], cache: Path, timeout: float) -> dict[str, Any]:
+    """Each artefact under ``cache`` (``kernels/<machine>/<key>``) launched once under ``prefix``."""
+    rows: dict[str, Any] = {}
+    for art in sorted(cache.glob("kernels/*/*/kernel.json")):
+        cmd = [*prefix, sys.executable, __file__, "--kernel", str(art.parent)]
+        t = time.perf_counter()
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            rows[art.parent.name] = {"timed_out_s": timeout}
+            continue
+        found = SUMMARY.findall(out.stdout + out.stderr)
+        rows[art.parent.name] = {"wall_s": round(time.perf_counter() - t, 1), "returncode": out.returncode,
+                                 "result": _last_json(out.stdout),
+                                 "sanitizer_errors": int(found[-1]) if found else None,
+                                 "reports": [ln for ln in (out.stdout + out.stderr).splitlines()
+                                             if ln.startswith("=========")][:20]}
+    return rows
+
+
 def _last_json(text: str) -> dict[str, Any] | None:
     lines = [ln for ln in text.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else None
@@ -106,10 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None,
                     help="the models' batch size instead of their own (e.g. 1 for racecheck: fewer blocks to check)")
     ap.add_argument("--out", type=Path, default=Path("sanitize.json"))
+    ap.add_argument("--per-kernel", action="store_true",
+                    help="each distinct kernel launched once under each tool, instead of the whole model")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--kernel", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.batch is not None and args.batch < 1:
         ap.error(f"--batch {args.batch}: a batch size is 1 or more")
+    if args.kernel:
+        print(json.dumps(launch_one(args.kernel)), flush=True)
+        return 0
     if args.one:
         print(json.dumps(one(args.one, args.calls, args.batch)), flush=True)
         return 0
@@ -132,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             print(name, "compile", json.dumps(rec["compile"])[:300], flush=True)
             for tool in args.tools:
                 prefix = [sanitizer, "--tool", tool, "--print-limit", "50", "--target-processes", "all"]
+                if args.per_kernel:
+                    rec[tool] = per_kernel(prefix, Path(env["SPACEFUSION_CACHE"]), args.timeout)
+                    counts = [r.get("sanitizer_errors") for r in rec[tool].values()]
+                    print(name, tool, f"{len(counts)} kernels, errors {counts}", flush=True)
+                    continue
                 rec[tool] = _spawn(prefix, name, args.calls, env, args.timeout, args.batch)
                 print(name, tool, json.dumps({k: v for k, v in rec[tool].items() if k != "reports"})[:400],
                       flush=True)

@@ -125,7 +125,7 @@ def run(art: Path | None, out_path: Path, passes: int, loops: list[str] | None =
             # the whole-model rule of dynamo_gpu.py: within twice eager fp16's own error against float32
             eager_err = {n: (model(input_ids=inputs[n]).last_hidden_state.float() - refs[n]).abs().max().item()
                          for n in loop}
-        for system in (x for x in SYSTEMS if not systems or x in systems):
+        for system in systems or SYSTEMS:  # in the order given
             torch._dynamo.reset()
             backend = None
             if system == "eager":
@@ -158,6 +158,7 @@ def run(art: Path | None, out_path: Path, passes: int, loops: list[str] | None =
             results["systems"].setdefault(loop_name, {})[system] = row
             print(f"{loop_name} {system}: {row['pass_ms']:.2f} ms a pass (first pass {first:.1f} s), "
                   f"all correct: {all(e['ok'] for e in errors)}", flush=True)
+            out_path.write_text(json.dumps(results, indent=1))  # after each system: a run cut short keeps them
     out_path.write_text(json.dumps(results, indent=1))
     return 0
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("session_loop.json"))
     ap.add_argument("--passes", type=int, default=5, help="timed passes per system and loop (median)")
     ap.add_argument("--loops", nargs="+", choices=tuple(LOOPS), help="only these loops (default: all)")
-    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, help="only these systems (default: all)")
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, help="only these systems, in this order (default: all)")
     args = ap.parse_args(argv)
     if args.phase == "inplace":
         import os

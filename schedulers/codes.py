@@ -9,10 +9,14 @@ raised somewhere).
 
 Codes are stable: a reason keeps its code while its sentence may be reworded.  Besides the table, every
 knob of ``schedulers.options`` has ``<knob>.<suffix>`` codes for each of ``KNOB_SUFFIXES`` (its declared
-values and the target's capabilities, checked by its group).
+values and the target's capabilities, checked by its group), and ``<knob>.<reason>`` for each reason its
+declaration lists (``knob(refusals=...)``: the refusals of its group's own checks, declared with the knob so that
+a knob and its codes are added in one place).
 """
 
 from __future__ import annotations
+
+import functools
 
 #: ``<knob>.<suffix>`` codes that every knob's group gives (``schedulers.options``)
 KNOB_SUFFIXES: dict[str, str] = {
@@ -77,34 +81,8 @@ REFUSALS: dict[str, str] = {
     "split.tail_uncut": "no split of the reduction leaves the tail a dim to cut",
     "partition.no_fit": "an operator does not fit the hardware even alone",
     "interpreter.gather": "the schedule interpreter cannot follow an op that gathers",
-    # -- the CUDA-core knobs (schedulers.options.SimtOptions)
-    "vector.tensor_cores": "vector on a tensor-core kernel",
-    "vector.step": "a step that is not a multiple of lanes x vector",
-    "vector.straddles": "a serial dim that is not a multiple of the vector",
-    "vector.width": "a vector wider than 16 bytes",
-    "cluster.tensor_cores": "cluster on a tensor-core kernel",
-    "cluster.lanes": "a cluster's block is not one row's lane group of whole warps",
-    "cluster.scalar": "cluster with vector or unroll",
-    "cluster.shared": "cluster with spaces staged in shared memory",
-    "cluster.no_reduction": "cluster on a graph with no reduction",
-    "unroll.not_simt_scalar": "unroll of a vector or tensor-core loop",
-    "unroll.too_long": "unroll of a loop of more trips than unrolled at most",
-    "lanes.tensor_cores": "lanes on a tensor-core kernel",
-    # -- the warp-tile knobs (schedulers.options.WarpTileOptions, HopperOptions)
-    "slices.range": "slices outside 1..32 or more than the serial steps",
-    "reload_a.no_gemm": "reload_a on a program without a first GEMM",
-    "early_scores.no_scores": "early_scores on a program with no score tile and second GEMM apart",
-    "early_scores.ring": "early_scores with a ring of one stage or with warp groups",
-    "lazy_rescale.no_reference": "lazy_rescale on a program with no max state only referenced",
-    "mma_row_sums.no_factor": "mma_row_sums on a program with no row sum that is a GEMM's factor tile",
-    "tma.unfit": "tma on a program whose ring TMA cannot load",
-    "producer.needs_tma": "producer without tma or with a ring of one stage",
-    "producer.shape": "producer on a program that is neither a plain GEMM nor attention's one GEMM state",
-    "producer.slices": "producer with slices",
-    "persistent.needs_producer": "persistent without producer",
-    "persistent.shape": "persistent on a program that is not a plain GEMM",
-    "persistent.range": "persistent blocks not fewer than the tiles",
-    "pingpong.shape": "pingpong without a persistent block of one warpgroup per tile",
+    # -- the knobs' own checks: declared with each knob (``knob(refusals=...)`` in schedulers.options), see
+    # ``knob_refusals``
     # -- the tensor-core forms.  A tensor-core schedule with no form is refused with its warp-tile reading's
     # code (the GEMM + epilogue reading's, ``wmma.*``, is in the sentence); a knob that needs a warp-tile
     # program (stages, warps, split, slices, wgmma, fast_math) refused for want of one, likewise
@@ -177,10 +155,18 @@ REFUSALS: dict[str, str] = {
 }
 
 
+@functools.cache
+def knob_refusals() -> dict[str, str]:
+    """``<knob>.<reason>`` -> what it refuses, for every reason a knob's declaration lists (``knob(refusals=)``)."""
+    from schedulers.options import KNOB_FIELDS
+
+    return {f"{f.name}.{why}": text for f in KNOB_FIELDS for why, text in f.metadata["refusals"].items()}
+
+
 def known(code: str) -> bool:
-    """Whether ``code`` is in the table: one of ``REFUSALS``, or ``<knob>.<suffix>`` for a knob of the option
-    groups and a suffix of ``KNOB_SUFFIXES``."""
-    if code in REFUSALS:
+    """Whether ``code`` is in the table: one of ``REFUSALS``, a reason a knob declares (``knob_refusals``), or
+    ``<knob>.<suffix>`` for a knob of the option groups and a suffix of ``KNOB_SUFFIXES``."""
+    if code in REFUSALS or code in knob_refusals():
         return True
     from schedulers.options import KNOB_GROUP
 
@@ -190,9 +176,10 @@ def known(code: str) -> bool:
 
 def meaning(code: str) -> str:
     """What ``code`` refuses (KeyError naming the table for a code not in it)."""
-    if code in REFUSALS:
-        return REFUSALS[code]
+    declared = REFUSALS | knob_refusals()
+    if code in declared:
+        return declared[code]
     if known(code):
         knob, _, suffix = code.rpartition(".")
         return f"{knob}: {KNOB_SUFFIXES[suffix]}"
-    raise KeyError(f"refusal code {code!r} is not in schedulers.codes.REFUSALS")
+    raise KeyError(f"refusal code {code!r} is not in schedulers.codes.REFUSALS nor declared by a knob")

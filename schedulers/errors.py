@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from smg.errors import SpaceFusionError
 
 if TYPE_CHECKING:
-    from schedulers.options import Rejection
+    from schedulers.knobs import Rejection
 
 
 class ScheduleError(SpaceFusionError, ValueError):

@@ -24,6 +24,7 @@ import numpy as np
 import sympy as sp
 
 from schedulers.errors import ScheduleError
+from smg.expr import index_symbol
 from smg.ops import UPSAMPLE_VIEW, pads2d, upsample_taps, upsample_window2d_index, window2d_index
 
 #: elements of a 16-byte chunk (fp16 / bf16)
@@ -39,10 +40,6 @@ class GatherTile:
     index: tuple[str, ...]
     #: loaded element by element (a chunk of 8 columns is not 8 consecutive elements of ``src``)
     scalar: bool = False
-
-
-def _symbols(text: str) -> dict[str, sp.Symbol]:
-    return {n: sp.Symbol(n, integer=True) for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text.replace("floor", " "))}
 
 
 #: gather_tile's answers by (SMG content key, view, row dim, serial dim): the search asks for every schedule
@@ -91,16 +88,15 @@ def _chunked(smg, op, L: str) -> GatherTile:
                             f"{sizes[src.dims[-1]]} is not a multiple of {CHUNK} (16-byte chunks)",
                             code="gather.chunk_width")
     *outer, last = acc.index
-    lsym = sp.Symbol(L, integer=True)
-    for text in outer:
-        e = sp.sympify(text, locals=_symbols(text))
+    lsym = index_symbol(L)
+    for text, e in zip(outer, acc.exprs):
         hidden = e.replace(lambda f: isinstance(f, sp.floor) and f.args[0].free_symbols == {lsym}
-                           and _chunk_constant(f.args[0], lsym), lambda f: sp.Symbol("chunk__const"))
+                           and _chunk_constant(f.args[0], lsym), lambda f: index_symbol("chunk__const"))
         if lsym in hidden.free_symbols:
             raise ScheduleError(f"view {op.out!r} reads {acc.space!r} at {text!r}, which changes within a chunk of "
                                 f"{CHUNK} columns of {L!r} (only floor({L}/c) with c a multiple of {CHUNK} may)",
                                 code="gather.chunk_outer")
-    e = sp.sympify(last, locals=_symbols(last))
+    e = acc.exprs[-1]
     if e.free_symbols != {lsym}:
         raise ScheduleError(f"view {op.out!r}: the last index {last!r} of {acc.space!r} must depend on {L!r} alone",
                             code="gather.chunk_last")

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import sympy as sp
 
+from smg.expr import Role, index_symbol, parse
 from smg.ir import SMG
 
 #: one index component: (coefficient per dim, constant)
@@ -31,12 +32,14 @@ Affine = tuple[tuple[tuple[str, int], ...], int]
 
 @lru_cache(maxsize=1024)
 def _affine(component: str) -> Affine | None:
+    """An index component as (coefficient per dim, constant) where it is affine with non-negative integer
+    coefficients and no ``floor``, else None (the component's one parse, ``Access.exprs``, expanded)."""
     names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", component)
     if "floor" in names:
         return None
-    syms = {n: sp.Symbol(n, integer=True) for n in names}
+    syms = {n: index_symbol(n) for n in names}
     try:
-        e = sp.expand(sp.sympify(component, locals=syms))
+        e = sp.expand(parse(component, Role.INDEX))
         poly = sp.Poly(e, *syms.values()) if syms else None
     except (sp.SympifyError, sp.PolynomialError, TypeError, SyntaxError):
         return None

@@ -15,7 +15,8 @@ import numpy as np
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
-from schedulers.temporal import new, old, parse
+from schedulers.temporal import new, old
+from smg.expr import parse
 from smg.ir import Access, Op
 from smg.reference import evaluate_op
 

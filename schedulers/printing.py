@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,33 +38,39 @@ def warp_tile_summary(s: Schedule) -> str:
     """The warp-tile program's knobs in words (what the memory levels above do not say)."""
     p = s.warp_tile
     parts = [f"{p.warps} warps x {p.warp_mtiles} 16-row mma tile{'s' if p.warp_mtiles > 1 else ''}",
-             f"{p.stages}-stage {'TMA' if p.tma else 'cp.async'} ring"]
+             f"{p.warp.stages}-stage {'TMA' if p.hopper.tma else 'cp.async'} ring"]
     if p.gemm is not None:
-        parts.append(f"{p.gemm.a} {'re-read from shared memory every step' if p.reload_a else 'held in registers'}")
-    if p.early_scores:
+        held = "re-read from shared memory every step" if p.warp.reload_a else "held in registers"
+        parts.append(f"{p.gemm.a} {held}")
+    if p.warp.early_scores:
         parts.append("score operands waited for before the second GEMM's")
     if p.lazy:
         parts.append(", ".join(f"{m} kept within {tau:.2f}" for m, tau in p.lazy))
-    if p.wgmma:
+    if p.hopper.wgmma:
         parts.append("GEMMs on warpgroup MMA (wgmma.mma_async, 128 B-swizzled tiles)")
-    if p.tma:
+    if p.hopper.tma:
         parts.append("tiles loaded by TMA (tensor maps, an mbarrier per ring slot)")
-    if p.producer:
+    if p.hopper.producer:
         parts.append("loads issued by a producer warpgroup (slots handed back by mbarriers, no block barrier)")
         if p.gemm is not None:
             xs = ", ".join(dict.fromkeys(g.x for g in p.gemm_states))
             parts.append(f"{p.gemm.b} and {xs} loaded and freed apart; each step's row states overlap the previous "
                          f"step's {xs} GEMM" + ("; the two MMA warpgroups take turns" if p.warps == 8 else ""))
-    if p.persistent:
-        parts.append(f"persistent: {p.persistent} blocks looping over {s.num_tiles} tiles")
-    if p.pingpong:
+    if p.hopper.persistent:
+        parts.append(f"persistent: {p.hopper.persistent} blocks looping over {s.num_tiles} tiles")
+    if p.hopper.pingpong:
         parts.append("two MMA warpgroups taking turns on alternate tiles (pingpong)")
-    if p.fast_math:
+    if p.warp.fast_math:
         parts.append("tanh and logistics on tanh.approx.f32")
     if p.row_sums:
         parts.append(", ".join(f"{r} summed on tensor cores with {g}" for r, g in p.row_sums))
-    if p.split > 1:
-        parts.append(f"{p.split} warp groups splitting the steps")
-    if p.slices > 1:
-        parts.append(f"{p.slices} blocks per row tile splitting the steps")
+    if p.warp.split > 1:
+        parts.append(f"{p.warp.split} warp groups splitting the steps")
+    if p.warp.slices > 1:
+        parts.append(f"{p.warp.slices} blocks per row tile splitting the steps")
+    for group in (p.warp, p.hopper):  # the knobs whose declaration says what a set one does
+        for f in dataclasses.fields(group):
+            value = getattr(group, f.name)
+            if f.metadata["says"] is not None and value != f.default:
+                parts.append(f.metadata["says"].format(value=value))
     return ", ".join(parts)

@@ -17,7 +17,8 @@ import numpy as np
 from schedulers.halo import halo_elements, window_box
 from schedulers.hardware import HardwareModel, ResourceError
 from schedulers.schedule import Schedule
-from schedulers.temporal import TemporalPlan, parse
+from schedulers.temporal import TemporalPlan
+from smg.expr import parse
 
 #: registers a thread needs besides its local buffers (indices, pointers, temporaries)
 BASE_REGISTERS = 32

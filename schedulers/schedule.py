@@ -19,6 +19,7 @@ import sympy as sp
 from schedulers.errors import ScheduleError, TemporalSliceError
 from schedulers.halo import window_box
 from schedulers.hardware import PRESETS, HardwareError, HardwareModel, get_hardware
+from schedulers.knobs import Rejection, check_values
 from schedulers.options import (
     GROUPS,
     KNOB_FIELDS,
@@ -26,16 +27,15 @@ from schedulers.options import (
     LANES,
     VECTORS,
     HopperOptions,
-    Rejection,
     SimtOptions,
     WarpTileOptions,
-    check_values,
     needs_tensor_cores,
     non_defaults,
     split_knobs,
 )
 from schedulers.spatial import DimDecision, analyse_spatial, elementwise_serial
 from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal
+from smg.expr import parse
 from smg.hashing import canonical_text, text_key
 from smg.ir import SMG
 from smg.serialize import smg_from_dict, smg_to_dict
@@ -346,8 +346,6 @@ def _same_expr(a: str, b: str) -> bool:
         return True
     if not a or not b:
         return False
-    from schedulers.temporal import parse
-
     try:
         return bool(sp.simplify(parse(a) - parse(b)) == 0)
     except (sp.SympifyError, TypeError, SyntaxError):
@@ -527,28 +525,9 @@ def make_schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | N
     ``schedulers.hardware.PRESETS``, case-insensitive) bounds the threads per block; None: CUDA's own limit,
     ``THREADS_PER_BLOCK``, which every CUDA GPU shares (no machine is assumed).
     ``levels`` overrides memory levels where the lowering has a choice: a staged input may be read from ``global``
-    instead, a block-shared streamed tile may be computed per thread
-    (``register``).  ``vector`` > 1 gives each lane runs of that many consecutive serial
-    elements, loaded and stored as one vector (CUDA-core kernels).  ``split`` > 1 divides a
-    warp-tile block's serial steps among that many warp groups, whose partial states merge at
-    the end through the derived update functions (more warps per block for few row tiles).
-    ``slices`` > 1 divides them among that many blocks (more blocks for a small grid); the last
-    block of a row tile to finish merges the others' partial states from global memory (with
-    ``split`` too, every warp group's: both at once measured slower on the H100 harness shapes,
-    so the search does not offer the pair).
-    ``reload_a`` keeps the first GEMM's A operand in shared memory and re-reads its fragments every
-    step (fewer registers: two 16-row tiles per warp at head dim 128 without spilling).
-    ``early_scores`` waits for the score tile's operands alone at the top of a step and for the
-    second GEMM's before that GEMM (a barrier more per step; a ring of 2+ stages, no warp groups).
-    ``lazy_rescale`` keeps a reference max while it is within the derived lag (no rescale that step).
-    ``mma_row_sums`` sums the row statistics that equal a second GEMM's factor tile on tensor cores.
-    ``wgmma`` runs the GEMMs on Hopper's warpgroup MMA (swizzled shared tiles, registers for P).
-    ``tma`` loads a wgmma program's ring with the Tensor Memory Accelerator (tensor maps, mbarriers).
-    ``producer`` gives those loads a warpgroup of their own (warp specialisation; attention's MMA
-    warpgroups then overlap each step's softmax with the previous P @ V and take turns); ``persistent`` > 0
-    launches that many blocks, each looping over the tiles (with ``producer``); ``pingpong`` gives such a
-    block two MMA warpgroups taking turns on alternate tiles.  ``fast_math`` computes tanh and logistics
-    on ``tanh.approx.f32`` where their values are stored in 16 bits.
+    instead, a block-shared streamed tile may be computed per thread (``register``).  ``knobs`` are the fields of
+    the option groups of ``schedulers.options``, each declared there with its help, values and checks
+    (``docs/knobs.md`` is their reference); an unknown one is refused with code ``option.unknown``.
     """
     hw = _hardware(hw)
     spatial, thread_dim, block = blocking(smg, tiles, thread_dim, recompute, tensor_cores)

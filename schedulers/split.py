@@ -28,8 +28,8 @@ import sympy as sp
 
 from schedulers.errors import TemporalSliceError
 from schedulers.hardware import HardwareModel
-from schedulers.temporal import TemporalPlan, _inline, new, old, parse, plan_temporal
-from smg.expr import body_expr
+from schedulers.temporal import TemporalPlan, _inline, new, old, plan_temporal
+from smg.expr import body_expr, parse, symbol
 from smg.fold import fold_all
 from smg.ir import SMG
 from smg.ops import Builder, Tensor
@@ -205,8 +205,7 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
                     raise TemporalSliceError(f"{name!r} is not an element-wise tile of inputs: the partial "
                                              "cannot compute it", code="split.not_elementwise")
                 reads = {a.space: handle(a.space) for a in op.inputs}
-                body = body_expr(op).xreplace({sp.Symbol(n, real=True): sp.Symbol(t.name, real=True)
-                                               for n, t in reads.items()})
+                body = body_expr(op).xreplace({symbol(n): symbol(t.name) for n, t in reads.items()})
                 handles[name] = g.map(str(body), *sorted(reads.values(), key=lambda t: -len(t.dims)), name=name)
         return handles[name]
 
@@ -217,7 +216,7 @@ def _partial(smg: SMG, plan: TemporalPlan, dim: str, j: str, inner: str, parts: 
             continue
         body = parse(u.body)
         reads = [handle(s.name) for s in sorted(body.free_symbols, key=str)]
-        body = body.xreplace({s: sp.Symbol(handles[s.name].name, real=True) for s in body.free_symbols})
+        body = body.xreplace({s: symbol(handles[s.name].name) for s in body.free_symbols})
         name = _space_name(u.state)
         mapped = g.map(str(body), *reads, name=f"{name}_body")
         if not set(red) <= set(mapped.dims):  # a body that does not read along a reduced dim: broadcast it
@@ -265,7 +264,7 @@ def _hoist(expr: sp.Expr, streamed: set[sp.Symbol]) -> tuple[sp.Expr, list[tuple
             if sp.simplify(p + p0) == 0 and sp.simplify(q + q0) == 0:
                 return -syms[i]
         pairs.append((p, q))
-        syms.append(sp.Symbol(f"L__{len(pairs) - 1}__{x.name}", real=True))  # the name keeps x
+        syms.append(symbol(f"L__{len(pairs) - 1}__{x.name}"))  # the name keeps x
         return syms[-1]
 
     return walk(expr), pairs
@@ -330,13 +329,13 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
             else:  # pragma: no cover - a carry reads only old and new values
                 raise TemporalSliceError(f"carry of {u.state!r} reads {s.name!r}", code="split.carry_read")
             if isinstance(t, Tensor):
-                subs[s] = sp.Symbol(t.name, real=True)
+                subs[s] = symbol(t.name)
                 reads.append(t)
             else:
                 subs[s] = t
         body = g.map(str(carry.xreplace(subs)), *dict.fromkeys(reads), name=f"{u.state}_carried")
         totals[u.state] = g.reduce(body, over(u.state), "sum", name=u.state)
-    streamed = {sp.Symbol(n, real=True) for n in smg.inputs if plan.serial in smg.space(n).dims}
+    streamed = {symbol(n) for n in smg.inputs if plan.serial in smg.space(n).dims}
     outs = []
     def tensors(x: sp.Expr, dims: tuple[str, ...]) -> list[Tensor]:
         """The spaces ``x`` reads, ordered so that the map's dims (its reads' order) follow ``dims``."""
@@ -346,21 +345,21 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
         return sorted(reads, key=lambda t: (t.dims != dims, min((order.get(d, len(order)) for d in t.dims), default=0)))
 
     for o, e in plan.finalize:
-        if o in totals and parse(e) == sp.Symbol(o, real=True):  # the output is a state's total itself
+        if o in totals and parse(e) == symbol(o):  # the output is a state's total itself
             outs.append(totals[o])
             continue
         expr, pairs = _hoist(parse(e), streamed)
         subs: dict[sp.Symbol, sp.Expr] = {}
         for i, (p, q) in enumerate(pairs):
             lsym = next(x for x in expr.free_symbols if x.name.startswith(f"L__{i}__"))
-            x = sp.Symbol(lsym.name.split("__", 2)[2], real=True)
+            x = symbol(lsym.name.split("__", 2)[2])
             coef = {}
             for part, val in (("scale", p), ("shift", q)):
                 if val.free_symbols:
                     coef[part] = g.map(str(val), *tensors(val, smg.space(o).dims), name=f"{o}_{part}{i}")
                     handles[coef[part].name] = coef[part]
-            pe = sp.Symbol(coef["scale"].name, real=True) if "scale" in coef else p
-            qe = sp.Symbol(coef["shift"].name, real=True) if "shift" in coef else q
+            pe = symbol(coef["scale"].name) if "scale" in coef else p
+            qe = symbol(coef["shift"].name) if "shift" in coef else q
             subs[lsym] = pe * x + qe
         expr = expr.xreplace(subs)
         t = g.map(str(expr), *tensors(expr, smg.space(o).dims), name=o)

@@ -27,7 +27,7 @@ import sympy as sp
 
 from schedulers.errors import TemporalSliceError
 from schedulers.spatial import elementwise_serial
-from smg.expr import body_expr, symbol
+from smg.expr import body_expr, parse, symbol  # parse: also read from here by schedulers.warp_tile
 from smg.ir import SMG
 
 _TRANSCENDENTAL = (sp.exp, sp.log, sp.sin, sp.cos, sp.tanh, sp.erf)
@@ -76,7 +76,7 @@ class UpdateFunction:
         """The multiplicative correction ``carry / X__old`` when the carry is one."""
         if not self.carry:
             return "1"
-        ratio = sp.simplify(parse(self.carry) / sp.Symbol(old(self.state), real=True))
+        ratio = sp.simplify(parse(self.carry) / symbol(old(self.state)))
         if any(s.name.split("__")[0] == self.state.split("__")[0] or not s.name.endswith(("__old", "__new"))
                for s in ratio.free_symbols):
             raise TemporalSliceError(f"update of {self.state!r} is not a plain rescaling: {self.carry}",
@@ -192,7 +192,7 @@ def _postpone(body: sp.Expr, state_syms: set[sp.Symbol]) -> tuple[sp.Expr, sp.Ex
     K = 4096); the factor is applied in fp32 after the loop."""
     factor = sp.Integer(1)
     for b in sorted(body.free_symbols & state_syms, key=str):
-        b1, b2 = sp.Symbol("b__1", real=True), sp.Symbol("b__2", real=True)
+        b1, b2 = symbol("b__1"), symbol("b__2")
         ratio = sp.simplify(body.subs(b, b1) / body.subs(b, b2))
         if not _free_of(ratio, {b1, b2}) or ratio.has(*_TRANSCENDENTAL):
             continue
@@ -306,9 +306,9 @@ def _carries(names: list[str], running: list[sp.Symbol], mats: dict[sp.Symbol, s
     """``expm(delta_b D_b) @ A_old`` for each running state, composed."""
     e = sp.eye(len(names))
     for b in running:
-        delta = sp.Symbol(new(b.name), real=True) - sp.Symbol(old(b.name), real=True)
+        delta = symbol(new(b.name)) - symbol(old(b.name))
         e = _flow(mats[b], delta) * e
-    accs = sp.Matrix([sp.Symbol(old(n), real=True) for n in names])
+    accs = sp.Matrix([symbol(old(n)) for n in names])
     # expand products but never split an exponential of a difference into a product: it overflows
     return [sp.expand(x, power_exp=False) for x in (e * accs)]
 
@@ -410,18 +410,6 @@ def _elementwise_plan(smg: SMG, serial: str) -> TemporalPlan:
     )
 
 
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?!\s*\()")
-
-
-@lru_cache(maxsize=8192)
-def parse(text: str) -> sp.Expr:
-    """Parse an update-function expression: identifiers followed by ``(`` are
-    sympy functions, every other identifier is a real space/state symbol.  Cached: sympy
-    expressions are immutable, and a search space parses the same few texts for every point."""
-    names = set(_IDENT.findall(text))
-    return sp.sympify(text, locals={n: sp.Symbol(n, real=True) for n in names})
-
-
 def check_update_functions(plan: TemporalPlan, seed: int = 0) -> None:
     """Check the derived functions: identity, composition, and a sliced run on
     random data against the unsliced reduction chain."""
@@ -429,8 +417,8 @@ def check_update_functions(plan: TemporalPlan, seed: int = 0) -> None:
         if not u.carry:
             continue
         c = parse(u.carry)
-        subs = {s: sp.Symbol(s.name.replace("__new", "__old"), real=True) for s in c.free_symbols}
-        if sp.simplify(c.xreplace(subs) - sp.Symbol(old(u.state), real=True)) != 0:
+        subs = {s: symbol(s.name.replace("__new", "__old")) for s in c.free_symbols}
+        if sp.simplify(c.xreplace(subs) - symbol(old(u.state))) != 0:
             raise TemporalSliceError(f"update of {u.state!r} changes the accumulator when nothing changed: {c}",
                                      code="temporal.carry_not_identity")
     rng = np.random.default_rng(seed)
@@ -476,5 +464,5 @@ def run_chain(plan: TemporalPlan, data: dict[str, np.ndarray], steps: list[int])
 def _lambda(text: str):
     expr = parse(text)
     names = sorted(s.name for s in expr.free_symbols)
-    f = sp.lambdify([sp.Symbol(n, real=True) for n in names], expr, modules="numpy")
+    f = sp.lambdify([symbol(n) for n in names], expr, modules="numpy")
     return lambda env: f(*(env[n] for n in names))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from schedulers.options import Rejection
+from schedulers.knobs import Rejection
 from smg.expr import body_expr
 from smg.ir import Op
 

@@ -26,6 +26,7 @@ import islpy as isl
 import numpy as np
 
 from schedulers.schedule import Schedule
+from smg.expr import names_of
 from smg.ir import SMG
 
 ON_CHIP_BYTES = 4  # on-chip values are fp32 (accumulators, streamed tiles)
@@ -231,15 +232,9 @@ def _second_pass_inputs(s: Schedule) -> set[str]:
     """Inputs the second pass reads from device memory *again*: read in the
     first pass too, and read directly in the second, or through streamed
     spaces that are recomputed because there is more than one step."""
-    first = [x.name for u in s.plan.states for x in _symbols(u.body)]
-    second = [x.name for o, e in s.plan.finalize if o in s.plan.second_pass for x in _symbols(e)]
+    first = [n for u in s.plan.states for n in names_of(u.body)]
+    second = [n for o, e in s.plan.finalize if o in s.plan.second_pass for n in names_of(e)]
     return _inputs_reached(s, first, True) & _inputs_reached(s, second, s.num_steps > 1)
-
-
-def _symbols(text: str):
-    from schedulers.temporal import parse
-
-    return parse(text).free_symbols
 
 
 def on_chip(s: Schedule) -> tuple[tuple[str, int], ...]:

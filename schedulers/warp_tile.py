@@ -29,7 +29,8 @@ import sympy as sp
 
 from schedulers.errors import ScheduleError
 from schedulers.gather_tile import GatherTile, Im2col, gather_tile, im2col_of
-from schedulers.options import Rejection
+from schedulers.knobs import Rejection
+from schedulers.options import HopperOptions, WarpTileOptions
 from schedulers.temporal import UpdateFunction, parse
 from smg.expr import body_expr
 from smg.ops import UPSAMPLE_VIEW
@@ -85,12 +86,17 @@ class GemmState:
 
 @dataclass(frozen=True)
 class WarpTileProgram:
+    """The warp-tile reading of a schedule: what the graph and block make of it (rows, GEMMs, states), and the
+    schedule's own option groups, held as they are (``warp.stages``, ``hopper.wgmma``): the lowering and the
+    cost model read a knob there, so a knob reaches them with no field of its own here.  Only what the reading
+    derives from a knob is a field: the warps it resolves (0: up to 4) and the lazily kept maxima and tensor-core
+    row sums that ``lazy_rescale`` and ``mma_row_sums`` find in the plan."""
+
     row: str
     rows: int  # block tile along R: 16 rows per warp
     batch: tuple[str, ...]  # cut dims of tile 1, outermost first
     serial: str
     step: int
-    stages: int
     gemm: ScoreGemm | None
     score_ops: tuple[str, ...]  # element-wise streamed ops on the score tile, in order
     tiles_in: tuple[str, ...]  # inputs on (R, serial), staged and read in the score layout
@@ -98,18 +104,10 @@ class WarpTileProgram:
     gemm_states: tuple[GemmState, ...]
     outputs: tuple[tuple[str, str], ...]  # (output, finalize expression)
     warps: int  # each warp owns rows / warps rows: one K/V fragment feeds that many 16-row mma tiles
-    split: int = 1  # warp groups, each taking every split-th serial step (own cp.async ring)
-    slices: int = 1  # blocks per row tile, each taking a contiguous range of serial steps
-    reload_a: bool = False  # the GEMM's A tile stays in shared memory, its fragments read every step
-    early_scores: bool = False  # two cp.async groups per step: score operands, then the second GEMM's
+    warp: WarpTileOptions  # the schedule's warp-tile knobs (stages, split, slices, reload_a, ...)
+    hopper: HopperOptions  # and its Hopper knobs (wgmma, tma, producer, persistent, pingpong)
     lazy: tuple[tuple[str, float], ...] = ()  # max states kept while within their lag (lazy_rescale)
     row_sums: tuple[tuple[str, str], ...] = ()  # (sum state, GEMM state) summed on tensor cores (mma_row_sums)
-    wgmma: bool = False  # the plain GEMM on warpgroup MMA (wgmma.mma_async from shared memory)
-    tma: bool = False  # the ring's tiles loaded by TMA (tensor maps, an mbarrier per ring slot)
-    producer: bool = False  # a producer warpgroup issues the TMA loads; slots come back through mbarriers
-    persistent: int = 0  # blocks launched, each looping over the tiles (0: one block per tile)
-    pingpong: bool = False  # two MMA warpgroups per block on alternate tiles, taking turns at the tensor cores
-    fast_math: bool = False  # tanh and logistics stored in 16 bits on tanh.approx.f32
     gathers: tuple[GatherTile, ...] = ()  # tiles_in that are views of an input (an implicit GEMM's im2col tile)
     im2cols: tuple[Im2col, ...] = ()  # each gather as a TMA im2col load (empty when one is not: im2col_why)
     im2col_why: str = ""  # why the gathers are not TMA im2col loads
@@ -128,7 +126,7 @@ class WarpTileProgram:
         may come with it where every GEMM state multiplies the staged A itself (``staged_factors``): a
         norm's statistics of the rows the GEMM multiplies (``rmsnorm(X) @ W`` with the norm applied after
         the loop), read from the same tile by ldmatrix while the step's wgmma runs."""
-        return self.wgmma and self.gemm is None and staged_factors(self.tiles_in, self.gemm_states)
+        return self.hopper.wgmma and self.gemm is None and staged_factors(self.tiles_in, self.gemm_states)
 
     @property
     def warp_mtiles(self) -> int:
@@ -137,11 +135,11 @@ class WarpTileProgram:
     @property
     def mma_groups(self) -> int:
         """Warp groups of a block each on its own tiles: two with ``pingpong``."""
-        return 2 if self.pingpong else 1
+        return 2 if self.hopper.pingpong else 1
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps * self.split * self.mma_groups + (PRODUCER_THREADS if self.producer else 0)
+        return 32 * self.warps * self.warp.split * self.mma_groups + (PRODUCER_THREADS if self.hopper.producer else 0)
 
     def merge_floats(self) -> int:
         """fp32 registers per thread that a warp group hands over when the groups merge."""
@@ -391,16 +389,16 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     """The warp-tile reading of ``s``; ScheduleError says why there is none (``program_checks``)."""
     r, warps = program_checks(s.smg, s.plan, s.serial, s.block, s.step, s.warps, s.split, s.slices, s.wgmma,
                               s.early_scores)
-    return WarpTileProgram(r.row, r.rows, r.batch, s.serial, s.step, s.stages, r.gemm, r.score_ops, r.tiles_in,
-                           r.row_states, r.gemm_states, r.outs, warps, s.split, s.slices,
-                           s.reload_a and r.gemm is not None, s.early_scores,
-                           tuple(lazy_references(s.plan).items()) if s.lazy_rescale else (),
-                           # (wgmma's ss form issues no mma.sync on fragments of its factor: no P @ 1 there)
-                           tuple(mma_row_sums(r.row_states, r.gemm_states).items())
-                           if s.mma_row_sums and not (s.wgmma and r.gemm is None
-                                                      and staged_factors(r.tiles_in, r.gemm_states)) else (),
-                           s.wgmma, s.tma, s.producer, s.persistent, s.pingpong, s.fast_math, r.gathers,
-                           *_im2cols(s.smg, list(r.gathers), r.row))
+    im2cols, im2col_why = _im2cols(s.smg, list(r.gathers), r.row)
+    # (wgmma's ss form issues no mma.sync on fragments of its factor: no P @ 1 there)
+    ss = s.wgmma and r.gemm is None and staged_factors(r.tiles_in, r.gemm_states)
+    return WarpTileProgram(
+        row=r.row, rows=r.rows, batch=r.batch, serial=s.serial, step=s.step, gemm=r.gemm, score_ops=r.score_ops,
+        tiles_in=r.tiles_in, row_states=r.row_states, gemm_states=r.gemm_states, outputs=r.outs, warps=warps,
+        warp=s.warp, hopper=s.hopper,
+        lazy=tuple(lazy_references(s.plan).items()) if s.lazy_rescale else (),
+        row_sums=tuple(mma_row_sums(r.row_states, r.gemm_states).items()) if s.mma_row_sums and not ss else (),
+        gathers=r.gathers, im2cols=im2cols, im2col_why=im2col_why)
 
 
 def _im2cols(smg, gathers: list[GatherTile], row: str) -> tuple[tuple[Im2col, ...], str]:
@@ -428,7 +426,7 @@ WGMMA_STATE_REGS = 8
 def wgmma_knobs_refusal(split: int, early_scores: bool) -> Rejection | None:
     """wgmma's refusal of knobs alone, whatever the graph (None: it may take them): its warpgroups do not split
     the steps (``split``) nor wait for the score operands apart (``early_scores``).  The search asks it before
-    offering wgmma with a split (``SearchSpace.splits``): such a knob set was refused whatever else it held."""
+    offering wgmma with a split (the ``split`` knob's offer): such a knob set was refused whatever else it held."""
     if split != 1:
         return Rejection("warp_tile.wgmma_split", None, "wgmma: no split or early_scores")
     if early_scores:
@@ -516,14 +514,14 @@ def wgmma_swizzled(p: WarpTileProgram) -> tuple[str, ...]:
     descriptors -- a plain GEMM's A and B; or the score GEMM's B (K), its A (Q) when re-read, and the
     GEMM states' ``x`` (V) -- and, loaded by TMA, the inputs staged in the score layout (Softmax-GEMM's
     S), which ldmatrix then reads through the same XOR."""
-    if not p.wgmma:
+    if not p.hopper.wgmma:
         return ()
     xs = tuple(dict.fromkeys(g.x for g in p.gemm_states))
     if p.wgmma_ss:
         return (p.tiles_in[0], *xs)
     if p.gemm is not None:  # the score GEMM's B (K), and its A (Q) when re-read from shared memory
-        xs = (p.gemm.b, *((p.gemm.a,) if p.reload_a else ()), *xs)
-    return (*p.tiles_in, *xs) if p.tma else xs
+        xs = (p.gemm.b, *((p.gemm.a,) if p.warp.reload_a else ()), *xs)
+    return (*p.tiles_in, *xs) if p.hopper.tma else xs
 
 
 #: how far a lazily kept reference may lag the true running max: values grow by at most this factor
@@ -694,19 +692,19 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     """Shared tiles as name -> (copies, rows, padded row length in elements); each warp group has
     its own ring of ``stages`` copies of every streamed tile."""
     out: dict[str, tuple[int, int, int]] = {}
-    ring = p.stages * p.split
+    ring = p.warp.stages * p.warp.split
     if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding; a slot holds A's [rows, 64]
         # band and each GEMM state's [64, n_tile] B tile (gated GEMMs: X, Wg's and Wu's)
         return {p.tiles_in[0]: (ring, p.rows, p.step)} | {g.x: (ring, *g.x_tile(p.step, True)) for g in p.gemm_states}
     if p.gemm is not None:  # read by wgmma (swizzled): whole bands, unpadded
         kp = p.gemm.kp
-        out[p.gemm.a] = (1, p.rows, padded_band(kp) if p.wgmma and p.reload_a else kp + PAD)
+        out[p.gemm.a] = (1, p.rows, padded_band(kp) if p.hopper.wgmma and p.warp.reload_a else kp + PAD)
         out[p.gemm.b] = ((ring, kp, p.step + PAD) if p.gemm.b_trans
-                         else (ring, p.step, padded_band(kp) if p.wgmma else kp + PAD))
+                         else (ring, p.step, padded_band(kp) if p.hopper.wgmma else kp + PAD))
     for n in p.tiles_in:  # swizzled for TMA (bands of 64 columns), else rows padded for ldmatrix
-        out[n] = (ring, p.rows, p.step + (0 if p.tma else PAD))
+        out[n] = (ring, p.rows, p.step + (0 if p.hopper.tma else PAD))
     for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, whole bands, unpadded
-        out.setdefault(g.x, (ring, *g.x_tile(p.step, p.wgmma)))
+        out.setdefault(g.x, (ring, *g.x_tile(p.step, p.hopper.wgmma)))
     return out
 
 
@@ -721,7 +719,7 @@ def staged_output(s, p: WarpTileProgram, out: str) -> tuple[str, int] | None:
     smg = s.smg
     dims = smg.space(out).dims
     by_n = {g.n: g for g in p.gemm_states}
-    if p.split > 1 or len(dims) < 2 or dims[-1] not in by_n or p.row not in dims[:-1]:
+    if p.warp.split > 1 or len(dims) < 2 or dims[-1] not in by_n or p.row not in dims[:-1]:
         return None
     if not set(dims[:-1]) - {p.row} <= set(p.batch) or smg.space(out).dtype not in MMA_DTYPES:
         return None
@@ -745,8 +743,8 @@ def warp_tile_smem_bytes(s, p: WarpTileProgram) -> int:
     # the groups hand over through the arena, unless blocks slice the steps too (then every group's
     # part goes to the global workspace)
     tiles += SWIZZLE_ATOM * item * len(wgmma_swizzled(p))  # each swizzled tile aligned to its atoms
-    merge = (p.split - 1) * 32 * p.warps * p.merge_floats() * 4 if p.slices == 1 else 0
-    if p.producer:  # the loads run on through the epilogue: its bands are staged beside the ring
+    merge = (p.warp.split - 1) * 32 * p.warps * p.merge_floats() * 4 if p.warp.slices == 1 else 0
+    if p.hopper.producer:  # the loads run on through the epilogue: its bands are staged beside the ring
         return tiles + staged_elements(s, p) * item + mbarrier_bytes(p)
     return max(tiles, merge, staged_elements(s, p) * item) + mbarrier_bytes(p)
 
@@ -756,23 +754,23 @@ def mbarrier_bytes(p: WarpTileProgram) -> int:
     in, and with a producer warpgroup one more per slot counting the MMA warpgroups done with it
     (twice that when the score GEMM's tiles and the GEMM states' come and go apart: ``split_ring``);
     with ``pingpong`` one per MMA warpgroup by which the other lets it start its next main loop."""
-    if not p.tma:
+    if not p.hopper.tma:
         return 0
-    per_slot = (4 if split_ring(p) else 2) if p.producer else 1
-    return 8 * p.stages * per_slot + 8 * (2 if p.pingpong else 0)
+    per_slot = (4 if split_ring(p) else 2) if p.hopper.producer else 1
+    return 8 * p.warp.stages * per_slot + 8 * (2 if p.hopper.pingpong else 0)
 
 
 def moves_registers(p: WarpTileProgram) -> bool:
     """Whether a producer warpgroup hands registers to two MMA warpgroups (``setmaxnreg``): each MMA
     thread may then hold ``CONSUMER_REGS`` though the block of 384 launches with 168 a thread."""
-    return p.producer and p.warps * p.mma_groups == 8
+    return p.hopper.producer and p.warps * p.mma_groups == 8
 
 
 def split_ring(p: WarpTileProgram) -> bool:
     """Whether a producer-fed ring loads and frees each slot's score-GEMM tile (K) apart from its GEMM
     states' (V): a step's scores need K at its start and V only at the next step, when its P @ V
     runs behind that step's scores (FlashAttention-3's intra-warpgroup overlap)."""
-    return p.producer and p.gemm is not None
+    return p.hopper.producer and p.gemm is not None
 
 
 def staged_elements(s, p: WarpTileProgram) -> int:
@@ -780,7 +778,7 @@ def staged_elements(s, p: WarpTileProgram) -> int:
     producer warpgroup each MMA warpgroup stages one ``BAND``-column band of its rows at a time (of
     its own tile with ``pingpong``)."""
     staged = [staged_output(s, p, out) for out, _ in p.outputs]
-    widths = [BAND + PAD if p.producer else st[1] for st in staged if st is not None]
+    widths = [BAND + PAD if p.hopper.producer else st[1] for st in staged if st is not None]
     return max((p.rows * w for w in widths), default=0) * p.mma_groups
 
 
@@ -827,12 +825,12 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
     if p.wgmma_ss:  # row states beside it: A's fragments of the step and two rows per 16-row tile each
         rows = mt * (p.step // 4) + 2 * mt * len(p.row_states) if p.row_states else 0
         return WGMMA_SS_BASE_REGS + acc + WGMMA_STATE_REGS * (len(p.gemm_states) - 1) + rows
-    base = WGMMA_BASE_REGS if p.wgmma else MMA_SYNC_BASE_REGS + (EARLY_SCORES_REGS if p.early_scores else 0)
+    base = WGMMA_BASE_REGS if p.hopper.wgmma else MMA_SYNC_BASE_REGS + (EARLY_SCORES_REGS if p.warp.early_scores else 0)
     if not p.row_states and not p.score_ops:  # a plain GEMM (+ epilogue) on mma.sync
         return base + acc + mt * min(p.step // 4, 8)
     rows = 2 * mt * len(p.row_states)
     scores = mt * (p.step // 2) * (1 + _held_score_ops(s, p))
-    held_a = mt * p.gemm.kp // 4 if p.gemm is not None and not p.reload_a else 0
+    held_a = mt * p.gemm.kp // 4 if p.gemm is not None and not p.warp.reload_a else 0
     factor = mt * (p.step // 4)
     if p.gemm is not None and s.steps_per_block == 1:
         return base + rows + max(held_a + scores, acc + factor)
@@ -1055,7 +1053,7 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
     coordinate at a time; the launcher encodes them for the tensors it binds.  A gathered tile (an
     implicit GEMM's) maps its image in im2col mode: box [64 channels, rows pixels], and ``im2col``'s
     pixel-box corners (w, h) and, for a strided window, its traversal stride (w, h)."""
-    if not p.tma:
+    if not p.hopper.tma:
         return {}
     maps = {}
     for n in tma_streamed(p):
@@ -1107,7 +1105,7 @@ def tma_reason(p: WarpTileProgram) -> str | None:
     """Why the ring of ``p`` cannot be loaded by TMA (None: it can): it needs warpgroup MMA's
     swizzled tiles (so one warp group) and steps of whole 64-column bands of an input staged in the
     score layout (Softmax-GEMM's S)."""
-    if not p.wgmma:
+    if not p.hopper.wgmma:
         return "its tiles are not wgmma's swizzled ones (wgmma=True)"
     if p.gathers:  # an implicit GEMM's im2col view: TMA's im2col mode loads a window's [rows, 64] bands
         if p.im2col_why:

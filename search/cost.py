@@ -42,7 +42,7 @@ from schedulers.hardware import HardwareModel
 from schedulers.resources import block_resources
 from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import fused_kernel
-from smg.expr import body_expr
+from smg.expr import body_expr, parse
 from smg.ir import SMG, Op
 
 from .simt_memory import dram_bandwidth, l1_sector_seconds, l2_reread_bytes, view_run_bytes
@@ -75,10 +75,9 @@ def _ops_per_point(op: Op) -> int:
 
 @lru_cache(maxsize=4096)
 def _carry_ops(carry: str) -> int:
-    """count_ops of a derived update function's carry, parsed once per text: sympy's parser costs about 2 ms a
-    call, and a search estimates thousands of schedules with the same few carries (27% of ranking a small
-    attention's 4138 candidates went to parsing them again)."""
-    return int(sp.count_ops(sp.sympify(carry)))
+    """count_ops of a derived update function's carry (its one parse, ``smg.expr.parse``), once per text: a
+    search estimates thousands of schedules with the same few carries, and sympy's count_ops walks the tree."""
+    return int(sp.count_ops(parse(carry)))
 
 
 @dataclass(frozen=True)

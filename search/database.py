@@ -16,6 +16,12 @@ a database is never overwritten, truncated, migrated or deleted.  A file another
 with the process that holds it where the OS says, never reported as corruption -- after waiting
 ``LOCK_WAIT_S`` seconds for it to go.
 
+One file, one host.  Tunes of one host share a file through claims (``claim``: disjoint candidates, a claim
+lapsing with its process); several hosts measure for one tune as workers of a Ray cluster whose driver alone
+writes the file.  Why not several hosts on one file: SQLite's locks do not hold between hosts on network file
+systems, so a tune whose claims meet a live tune of another host in a file on one (``NETWORK_FS``) is refused
+before it writes.
+
 Environment: ``SPACEFUSION_NO_CACHE=1`` (or ``true`` / ``yes`` / ``on``) makes ``cache_enabled()``
 return False, so the tuner measures again instead of reusing a cached best; records are still
 written.
@@ -55,11 +61,13 @@ __all__ = [
     "KEY_FORMAT",
     "SCHEMA_VERSION",
     "LOCK_WAIT_S",
+    "NETWORK_FS",
     "DatabaseError",
     "DatabaseLockedError",
     "RecordError",
     "TuningDatabase",
     "cache_enabled",
+    "filesystem_type",
     "key_parts",
     "tuning_key",
 ]
@@ -84,6 +92,11 @@ _SCHEMA = (
     "CREATE INDEX records_by_latency ON records (tuning_key, median_us)",
 )
 _TABLES = ("meta", "workloads", "records")
+#: File systems that several hosts mount and whose locks SQLite cannot rely on between them (its FAQ: "file
+#: locking is broken in many NFS implementations"): two hosts tuning into one file there are refused.
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "gpfs",
+                        "beegfs", "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "fuse.s3fs", "fuse.gcsfuse",
+                        "fuse.rclone", "fuse.juicefs"})
 #: Seconds a read or write waits for another process's lock on the file before ``DatabaseLockedError``.
 LOCK_WAIT_S = 30.0
 #: SQLite's primary result codes for "another connection holds a lock" (SQLITE_BUSY, SQLITE_LOCKED).
@@ -126,6 +139,26 @@ def _lock_holders(path: Path) -> list[str]:
             cmd = ""
         out.append(f"pid {pid}" + (f" ({cmd[:120]})" if cmd else ""))
     return out
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system ``path`` is on (``ext4``, ``nfs4``, ...), from Linux's /proc/mounts: the mount
+    whose point is the longest prefix of the resolved path; None where the OS does not say."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+        where = str(path.resolve())
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in mounts:
+        f = line.split()
+        if len(f) < 3:
+            continue
+        point = f[1].replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, f[2]
+    return kind
 
 
 class RecordError(SpaceFusionError, ValueError):
@@ -467,7 +500,11 @@ class TuningDatabase:
         """Of ``schedule_keys``, those ``owner`` may measure now: not measured yet and not claimed by another
         live tuner; they are claimed for ``owner`` in the same transaction.  A claim lapses when its process
         (``owner`` is ``host/pid/token``) is gone from this host, or after ``ttl_s``: a killed tune's
-        candidates return.  Why: two tunes on one database measured the same candidates twice."""
+        candidates return.  Why: two tunes on one database measured the same candidates twice.
+
+        One host per file: the claims of a live tune of another host in a file on a network file system
+        (``NETWORK_FS``, where SQLite's locks do not hold between hosts) raise ``DatabaseError`` and nothing is
+        written; several hosts measure for one tune through a Ray cluster instead (its driver alone writes)."""
         wanted, granted = list(dict.fromkeys(schedule_keys)), []
         host = socket.gethostname()
 
@@ -480,6 +517,7 @@ class TuningDatabase:
                                             (key,)):
                 if who != owner and now - at < ttl_s and _alive(who, host):
                     held[sk] = who
+            self._one_host(host, {w.split("/")[0] for w in held.values()} - {host})
             done = _measured(conn.execute("SELECT schedule_key, median_us, result_json FROM records "
                                           "WHERE tuning_key = ?", (key,)).fetchall())
             for sk in wanted:
@@ -491,6 +529,19 @@ class TuningDatabase:
 
         self._transaction(write)
         return granted
+
+    def _one_host(self, host: str, others: set[str]) -> None:
+        """Refuse a file on a network file system that a live tune of another host claims in (see ``claim``)."""
+        if not others:
+            return
+        fs = filesystem_type(self.path)
+        if fs not in NETWORK_FS:
+            return
+        raise self._err(f"is on {fs} and {', '.join(sorted(others))} is tuning into it too; SQLite's locks do not "
+                        f"hold between hosts there, so two writers could lose records or damage the file. Nothing "
+                        f"was written. Tune from one host (this one, {host}, once the other's tune has ended) and let "
+                        f"it measure on the other hosts' GPUs through a Ray cluster: --runner ray --ray-address "
+                        f"HEAD:PORT (docs/tuning.md)")
 
     def release(self, key: str, owner: str) -> None:
         """Drop ``owner``'s claims under ``key`` (its candidates are measured, or it gives up)."""

@@ -23,9 +23,8 @@ import sympy as sp
 from schedulers.hardware import HardwareError, HardwareModel
 from schedulers.options import KNOB_FIELDS, KNOB_GROUP
 from schedulers.schedule import LEVELS, Schedule
-from schedulers.temporal import parse
 from schedulers.traffic import traffic
-from smg.expr import body_expr
+from smg.expr import body_expr, parse
 from smg.ir import SMG, Op
 
 from .cost import estimate_us

@@ -45,6 +45,7 @@ import numpy as np
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import KernelTraffic
+from smg.expr import Role, names_of
 from smg.ir import SMG
 
 #: DRAM round-trip latency under load (H100 HBM3: ~500 ns idle, more when the memory system is busy)
@@ -171,14 +172,6 @@ def view_reuse(s: Schedule, name: str) -> float:
     return 1.0
 
 
-@lru_cache(maxsize=1024)
-def _names(expr: str) -> frozenset[str]:
-    """The dim names an index expression reads (parsed once: the model asks for every candidate)."""
-    import sympy as sp
-
-    return frozenset(str(v) for v in sp.sympify(expr).free_symbols)
-
-
 def view_run_bytes(s: Schedule, name: str) -> float | None:
     """Bytes of the run of neighbours consecutive threads read of input ``name`` through a view (``window``),
     None where it is read plainly: the lanes' or the thread dim's tile of elements where that dim is in the
@@ -188,7 +181,7 @@ def view_run_bytes(s: Schedule, name: str) -> float | None:
         if acc is None:
             continue
         fastest = s.serial if s.lanes > 1 else s.thread_dim
-        inner = _names(str(acc.index[-1]))
+        inner = names_of(acc.index[-1], Role.INDEX)
         run = (min(s.lanes, s.step) if s.lanes > 1 else s.tiles.get(fastest, 1)) if fastest in inner else 1
         return float(run * _itemsize(s, name))
     return None

@@ -1,25 +1,25 @@
 """The search space: every choice the slicers and the lowering leave open, and
 resource-aware pruning against a hardware model (analysis only, no GPU).
 
-Knobs: the serial dim (each one the temporal slicer accepts), block tiles per
-spatially cut dim (powers of two, one thread per tile element), the thread
-dim (which cut dim is fastest across threads), the serial step, whether each
-stageable input is staged in shared memory, whether each block-shared streamed
-tile is computed cooperatively or per thread, and -- on request -- cuts that
-recompute an intermediate.  For fp16/bf16 graphs whose plan is a warp-tile
-program (schedulers.warp_tile: attention, softmax-GEMM, GEMM + epilogue) the
-tensor-core variants add the cp.async pipeline depth (stages), the warps per
-block and the warp groups splitting the serial steps -- or, for grids too small
-to fill the SMs, blocks slicing them; their steps are multiples of 16.  On the
-GPU the CUDA-core kernels also choose a vector width (consecutive serial
-elements per load/store of a lane) and the lanes sharing each row's
-reductions; a block's threads are its tile elements times its lanes, so a tile
-of one or a few rows is offered where lanes make up the block (a row per warp,
-as a hand-written norm kernel has it, for grids that fill the SMs).
+The slicing choices are enumerated here: the serial dim (each one the temporal
+slicer accepts), block tiles per spatially cut dim (powers of two, one thread per
+tile element, or fewer elements whose threads are lanes; for tensor cores whole
+MMA tiles up to 256, 192-column ones on small grids, row tiles padding a short
+dim, folded dims), the thread dim, the serial step (multiples of 16 for tensor
+cores), whether each stageable input is staged in shared memory, whether each
+block-shared streamed tile is computed cooperatively or per thread, and -- on
+request -- cuts that recompute an intermediate.  The knobs are not listed here:
+each knob's declaration (``schedulers.options``) says what the search offers at a
+point (the graph's forms, the hardware, the block and step, the knobs before it),
+and each slicing choice gets the product over those offers (``search.walk``):
+``lanes`` and ``vector`` for CUDA-core kernels, the warp-tile and Hopper knobs for
+fp16/bf16 graphs whose plan is a warp-tile program (attention, softmax-GEMM,
+GEMM + epilogue) or a GEMM + epilogue on TVM's WMMA tensorizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -30,47 +30,35 @@ import numpy as np
 
 from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
-from schedulers.options import KNOB_FIELDS, MAX_VECTOR_BYTES, HopperOptions, Rejection
+from schedulers.knobs import Rejection
+from schedulers.options import (
+    GEMM_STAGES,
+    KNOB_FIELDS,
+    MORE_SLICES,
+    SEARCH_LANES,
+    SEARCH_SLICES,
+    SEARCH_SPLITS,
+    SEARCH_STAGES,
+    SEARCH_WARPS,
+    WIDE_LANES,
+    HopperOptions,
+)
 from schedulers.resources import check_resources
 from schedulers.schedule import Schedule, blocking, make_schedule
 from schedulers.spatial import analyse_spatial, elementwise_serial
 from schedulers.temporal import plan_temporal
 from schedulers.tensorcore_fit import plan_refusal
-from schedulers.warp_tile import gemm_with_statistics, program_checks, program_form, wgmma_knobs_refusal
+from schedulers.warp_tile import gemm_with_statistics, program_checks, program_form
+from search.walk import SIMT_WALK, TENSOR_CORE_WALK, walk
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
 
-# The H100 measurements behind the choices below (stages, slices, tiles, the FlashAttention-3 variants, the
-# knobs offered on): docs/tuning.md, "Why the search space looks as it does".
-LANES = (1, 8, 32, 128)  # threads sharing one tile element's serial reductions (128: four warps)
-#: more lanes where the grid leaves most SMs idle (a GroupNorm at batch 2: 64 rows of 10240+ elements)
-WIDE_LANES = (512, 1024)
-STAGES = (1, 2, 3)  # tensor-core warp-tile programs: shared buffers per streamed tile
-#: deeper rings offered for GEMMs (their ring holds only the A and B tiles), in blocks taking all of a
-#: row tile's steps or half: a deep K (BERT's and ViT's FFN output GEMMs, K = 3072) ran faster on 6
-#: stages than on 3 stages in 4 slices
-GEMM_STAGES = (4, 6)
-PRODUCER_STAGES = (2, 3, 4)  # a producer warpgroup's TMA ring (it needs 2+)
-DEEP_PRODUCER_STAGES = (6, 8)  # and deeper (8 for BERT's FFN output GEMM)
-#: the deep rings and the 192-column tiles are offered for grids of at most this many waves of one block
-#: per SM, where a block alone must keep its loads in flight (BERT's and ViT's GEMMs: 48-208 tiles); on
+# The H100 measurements behind the choices below (tiles, folds): docs/tuning.md, "Why the search space looks as it
+# does".  What the search offers of each knob is declared with the knob (``schedulers.options``, ``knob(offer=)``).
+#: the deep rings and the 192-column tiles are offered for grids of at most this many waves of one block per
+#: SM, where a block alone must keep its loads in flight (BERT's and ViT's GEMMs: 48-208 tiles); on
 #: LLaMA's 2048-row GEMMs (700-2800 tiles) the analytical model preferred them and they measured slower
 DEEP_WAVES = 2
-WARPS = (0, 8)  # 0: up to 4 warps (FlashAttention-2's default); 8: more warps per row tile
-SPLITS = (1, 4)  # warp groups dividing a block's serial steps (merged through the derived carries)
-SLICES = (2, 4, 8)  # blocks dividing a row tile's steps, offered when the grid cannot fill the SMs
-#: more slices where even 8 leave the SMs short (a GQA decoder's few kv heads at one sequence: 8 row
-#: tiles x 8 slices stayed behind cuDNN's time), up to this many blocks per SM in all
-MORE_SLICES, SLICED_BLOCKS_PER_SM = (16, 32), 4
-#: an implicit GEMM's slices of up to this many blocks also get a 4-deep ring: SD 1.5 UNet's 8x8 convs (128 rows,
-#: 11520-23040 steps of reduction) ran 19-26% faster in 8 slices on 4 stages than on 3, whose wgmma group in
-#: flight leaves the loads a single step ahead (experiments/tuning/unet_convs_h100.json)
-SLICED_DEEP_MAX = 8
-#: the serial extent from which the search offers attention's warp-specialised (FlashAttention-3)
-#: variants: one block of 384 threads per SM pays each block's ring fill alone, which long rows
-#: amortise (LLaMA's 2048) and short ones do not (BERT's 512, ViT's 197), where the cost model puts
-#: them level
-FA3_MIN_SERIAL = 1024
 #: largest tensor-core tile per dim the search tries (wgmma's N; two 64-row halves per warpgroup)
 TC_MAX_TILE = 256
 #: tensor-core tiles besides the powers of two: 192 columns (three 64-column swizzle atoms) fill the
@@ -108,8 +96,9 @@ Knobs = make_dataclass("Knobs", [
 Knobs.__module__, Knobs.__doc__ = __name__, "One point of the space: the slicing choices, then every knob."
 
 _DEFAULTS = {f.name: f.default for f in KNOB_FIELDS}
-#: knobs offered where they may apply and dropped, one at a time, where the schedule refuses them
-DROPPABLE = ("mma_row_sums", "wgmma", "tma", "producer", "persistent", "pingpong", "fast_math")
+#: knobs offered where they may apply and dropped, one at a time, where the schedule refuses them (declared
+#: ``knob(droppable=True)``)
+DROPPABLE = tuple(f.name for f in KNOB_FIELDS if f.metadata["droppable"])
 
 
 @dataclass
@@ -193,14 +182,16 @@ class SearchSpace:
         sizes = self.smg.dim_sizes
         limit = self.hw.max_threads_per_block
         opts = [_pow2_upto(min(sizes[d], limit)) for d in self.cut_dims]
-        floor = max(1, self.block_threads_floor // max(LANES))
+        floor = max(1, self.block_threads_floor // max(SEARCH_LANES))
         for combo in itertools.product(*opts):
             threads = math.prod(combo)
             if threads <= limit and threads >= floor:
                 yield dict(zip(self.cut_dims, combo))
 
     def knobs(self, simt: bool = True, tc: bool = True) -> Iterator[Knobs]:
-        """The space's points: CUDA-core ones (``simt``) and tensor-core ones (``tc``)."""
+        """The space's points: CUDA-core ones (``simt``) and tensor-core ones (``tc``).  The slicing choices
+        (serial dim, tiles, thread dim, step) are enumerated here; the knobs are a product over their declared
+        offers (``search.walk``) at the facts of each slicing (``facts`` and the per-serial, -tile and -step ones)."""
         sizes = self.smg.dim_sizes
         tc = tc and self.tensor_cores and self.tensor_core_dtypes
         for serial in self.serials:
@@ -208,33 +199,26 @@ class SearchSpace:
             steps = _pow2_upto(min(sizes[serial], self.max_step or sizes[serial]), lo=min(8, sizes[serial]))
             if sizes[serial] not in steps:
                 steps.append(sizes[serial])
-            # the dims reduced with the serial one: lanes spread over a step's positions times these
-            # (``schedule.lane_spread``; a split's stats kernel: 16 chunks x 20 channels a step of 16 or 20)
-            others = math.prod(sizes[d] for d in {d for op in self.smg.ops if serial in op.reduce
-                                                  for d in op.reduce} - {serial})
+            along = self._serial_facts(serial)
             for tiles in self.tilings():
                 movers = [d for d, t in tiles.items() if t > 1] or list(tiles)
                 threads = math.prod(tiles.values())
-                lanes_here = LANES + (WIDE_LANES if 2 * self._blocks(tiles) <= self.hw.num_sms else ())
-                simt_points = itertools.product(movers, steps, lanes_here, self.vectors) if simt else ()
-                for thread_dim, step, lanes, vec in simt_points:
-                    if lanes > step * (others if vec == 1 else 1) or (
-                            vec > 1 and (step % (lanes * vec) or sizes[serial] % vec)):
-                        continue
-                    if not self.block_threads_floor <= threads * lanes <= self.hw.max_threads_per_block:
-                        continue
-                    base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, lanes=lanes,
-                                 vector=vec)
-                    yield from self._level_variants(base)
+                facts = along | self._tile_facts(tiles)
+                for thread_dim, step in itertools.product(movers, steps) if simt else ():
+                    for values in walk(SIMT_WALK, facts | self._step_facts(serial, step)):
+                        base = Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, False,
+                                     *values)
+                        yield from self._level_variants(base)
                 # whole MMA tiles (16 x 16, or WMMA's 8 x 32) along every dim a block spans: the warp-tile
                 # programs refuse the rest and TVM's WMMA tensorizer pads them (they were half of a GEMM's
                 # tensor-core points, 3 s of its search)
                 if (tc_here and len(movers) <= 2 and max(tiles.values()) >= 16
                         and all(tiles[d] % 8 == 0 for d in movers) and threads >= self.block_threads_floor):
-                    yield from self._tc_knobs(serial, steps, tiles, movers)
+                    yield from self._tc_knobs(serial, steps, tiles, movers, facts)
             if tc_here:  # warp-tile blocks larger than a thread each
                 for tiles in self.tc_tilings():
-                    yield from self._tc_knobs(serial, steps, tiles, [d for d, t in tiles.items() if t > 1])
+                    yield from self._tc_knobs(serial, steps, tiles, [d for d, t in tiles.items() if t > 1],
+                                              along | self._tile_facts(tiles))
 
     def tc_tilings(self) -> Iterator[dict[str, int]]:
         """Tensor-core tiles that the thread-per-element tilings miss: one or two cut dims of 16..256
@@ -269,95 +253,56 @@ class SearchSpace:
         """Whether ``tiles`` make at most ``DEEP_WAVES`` waves of one block per SM (deep rings, 192 tiles)."""
         return self._blocks(tiles) <= DEEP_WAVES * self.hw.num_sms
 
-    def _tc_knobs(self, serial: str, steps: list[int], tiles: dict[str, int], movers: list[str]) -> Iterator[Knobs]:
-        sizes = self.smg.dim_sizes
-        steps16 = [s for s in steps if s % 16 == 0]
-        blocks = self._blocks(tiles)
-        parts = [(sp, 1) for sp in self.splits]
-        if blocks < self.hw.num_sms:  # too few row tiles: slices of the steps make more blocks
-            parts += [(1, sl) for sl in SLICES]
-            parts += [(1, sl) for sl in MORE_SLICES if blocks * sl <= SLICED_BLOCKS_PER_SM * self.hw.num_sms]
-        reloads = (False, True) if self.first_gemm and serial not in self.first_gemm else (False,)
-        small = self._small_grid(tiles)
-        deep = GEMM_STAGES if self.hopper and self.one_reduction and small else ()
-        # no warp-tile program along this serial dim whatever the block (``forms``): only the knob sets that ask
-        # for none (a GEMM + epilogue's); the prefilter refused each of the others, for the one reason
-        no_program = self.analyse_forms and self.forms[serial][0] is not None
-        for step, stages, warps, (split, sl), rl in itertools.product(steps16, STAGES + deep, WARPS, parts, reloads):
-            if sl > -(-sizes[serial] // step):  # a slice needs a step of its own
-                continue
-            if no_program and (stages != 1 or warps or split != 1 or sl != 1):
-                continue
-            if stages in deep and (split > 1 or sl > (SLICED_DEEP_MAX if self.gathers and stages == 4 else 2)):
-                continue
-            earlies = (False, True) if stages > 1 and split == 1 else (False,)
-            lazies = (False, True) if self.running_max else (False,)
-            tma = self.hopper and self.one_reduction
-            # blocks slicing a plain GEMM's steps: by TMA and by cp.async (measured apart: the ring's fill
-            # is a larger share of a slice's few steps); an implicit GEMM's gathered tile both ways too (TMA
-            # im2col lost to the cp.async gather on the UNet's small grids: docs/convolutions.md)
-            both = tma and (sl > 1 or self.gathers)
-            for early, lazy, by_tma in itertools.product(earlies, lazies, (True, False) if both else (tma,)):
-                yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, tensor_cores=True,
-                            stages=stages, warps=warps, split=split, slices=sl, reload_a=rl, early_scores=early,
-                            lazy_rescale=lazy,
-                            mma_row_sums=self.row_sum, wgmma=self.hopper and not early,
-                            tma=by_tma and not early, fast_math=self.fast_math)
-            if (self.hopper and self.one_reduction and not no_program
-                    and (stages, split, sl, rl) == (STAGES[0], 1, 1, False)):
-                yield from self._producer_knobs(tiles, serial, step, movers[-1], warps, small)
-            if (self.hopper and self.first_gemm and serial not in self.first_gemm and (split, sl) == (1, 1)
-                    and stages == PRODUCER_STAGES[0] and warps == 8 and step >= 64
-                    and sizes[serial] >= FA3_MIN_SERIAL):
-                for lazy in lazies:
-                    yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute,
-                                tensor_cores=True, stages=stages, warps=warps, reload_a=rl, lazy_rescale=lazy,
-                                wgmma=True, tma=True, producer=True,
-                                fast_math=self.fast_math)
+    def _tc_knobs(self, serial: str, steps: list[int], tiles: dict[str, int], movers: list[str],
+                  facts: dict[str, object]) -> Iterator[Knobs]:
+        """Tensor-core points of a block: steps of whole MMA k slices (16), each with the product over the
+        warp-tile and Hopper knobs' offers."""
+        for step in (s for s in steps if s % 16 == 0):
+            for values in walk(TENSOR_CORE_WALK, facts | self._step_facts(serial, step)):
+                yield Knobs(tuple(tiles.items()), serial, step, movers[-1], (), self.recompute, True, *values)
 
-    # A score GEMM per step (attention) with a producer warpgroup is FlashAttention-3's structure (K and V
-    # apart, each step's softmax beside the previous P @ V, two MMA warpgroups taking turns): offered in
-    # its own shape -- two MMA warpgroups (8 warps), a 2-slot ring, steps of 64+ -- without mma_row_sums,
-    # whose mma.sync per step stalls the async wgmma pipe, and only over long rows (FA3_MIN_SERIAL)
-    # (measured: docs/tuning.md, 'Why the search space looks as it does').
-    def _producer_knobs(self, tiles: dict[str, int], serial: str, step: int, thread_dim: str,
-                        warps: int, deep: bool = False) -> Iterator[Knobs]:
-        """A TMA GEMM's warp-specialised variants: a producer warpgroup, rings of 2..4 slots (it keeps
-        the deeper rings fed: 4 stages were the fastest of 2..4 on the H100's 128 x 256 tiles), also 6
-        and 8 on a ``deep`` (small) grid (8 on BERT's 3072-deep K with 64 x 128 tiles), one block
-        per tile or a persistent grid of one block per SM (estimated and measured faster for the
-        8192^2 x 1024 GEMM), the latter also with two MMA warpgroups taking turns on alternate tiles
-        (pingpong).  Measured: docs/tuning.md, 'Why the search space looks as it does'."""
-        modes = ((0, False), (self.hw.num_sms, False), (self.hw.num_sms, True))
-        rings = PRODUCER_STAGES + (DEEP_PRODUCER_STAGES if deep else ())
-        for stages, (persistent, pingpong) in itertools.product(rings, modes):
-            yield Knobs(tuple(tiles.items()), serial, step, thread_dim, (), self.recompute, tensor_cores=True,
-                        stages=stages, warps=warps, wgmma=True, tma=True, producer=True, persistent=persistent,
-                        pingpong=pingpong,
-                        fast_math=self.fast_math)
+    @cached_property
+    def facts(self) -> dict[str, object]:
+        """The facts of the graph and the hardware that the knobs' offers read (``schedulers.knobs.Where``)."""
+        return {"cuda": self.cuda, "hopper": self.hopper, "fast_math_asked": self.fast_math,
+                "analyse_forms": self.analyse_forms, "num_sms": self.hw.num_sms,
+                "max_threads": self.hw.max_threads_per_block,
+                "widest_item": max(np.dtype(self.smg.space(n).dtype).itemsize
+                                   for n in (*self.smg.inputs, *self.smg.outputs)),
+                "one_reduction": self.one_reduction, "running_max": self.running_max, "row_sum": self.row_sum,
+                "gathers": self.gathers, "threads_floor": self.block_threads_floor}
+
+    def _serial_facts(self, serial: str) -> dict[str, object]:
+        """The facts along ``serial``: its extent, the other dims reduced with it (lanes spread over a step's
+        positions times these: ``schedule.lane_spread``; a split's stats kernel, 16 chunks x 20 channels, a step
+        of 16 or 20), whether the graph has no warp-tile program along it (``forms``), and whether the first GEMM
+        runs per step (attention's scores)."""
+        sizes = self.smg.dim_sizes
+        others = math.prod(sizes[d] for d in {d for op in self.smg.ops if serial in op.reduce
+                                               for d in op.reduce} - {serial})
+        return self.facts | {"serial_size": sizes[serial], "others": others,
+                             "no_program": self.analyse_forms and self.tensor_cores and self.tensor_core_dtypes
+                             and self.forms[serial][0] is not None,
+                             "gemm_per_step": bool(self.first_gemm) and serial not in self.first_gemm}
+
+    def _tile_facts(self, tiles: dict[str, int]) -> dict[str, object]:
+        return {"blocks": self._blocks(tiles), "small_grid": self._small_grid(tiles),
+                "threads": math.prod(tiles.values())}
+
+    def _step_facts(self, serial: str, step: int) -> dict[str, object]:
+        return {"step": step, "steps": -(-self.smg.dim_sizes[serial] // step)}
 
     @cached_property
     def hopper(self) -> bool:
         """Whether the target runs warpgroup MMA, TMA and a producer warpgroup (sm_90a), as the Hopper options'
-        own ``check_target`` says for ``hw.capabilities()`` (no wgmma, tma or producer knob set is enumerated for
-        another target): ``wgmma`` is then offered on, not searched both ways (it won on every harness workload
-        it applies to; measured: docs/tuning.md, 'Why the search space looks as it does'); where make_schedule
-        refuses it the candidate goes without."""
+        own ``check_target`` says for ``hw.capabilities()``: the offers of ``wgmma``, ``tma`` and ``producer`` are
+        off for another target (no such knob set is enumerated there)."""
         return HopperOptions(wgmma=True, tma=True, producer=True).check_target(self.hw.capabilities()) is None
 
     #: derive the graph's forms once (``forms``) and leave out the knob sets they refuse whatever else they hold
-    #: (``splits``); off only to check that the search is the same with it (tests/test_space_prefilter.py)
+    #: (the offers read it as ``analyse_forms``); off only to check that the search is the same with it
+    #: (tests/test_space_prefilter.py)
     analyse_forms: bool = True
-
-    @cached_property
-    def splits(self) -> tuple[int, ...]:
-        """The warp groups offered to split a block's steps: ``SPLITS``, less those that wgmma refuses whatever the
-        graph (``warp_tile.wgmma_knobs_refusal``) where wgmma is offered on -- every tensor-core knob set on
-        Hopper but early_scores', which takes no split.  make_schedule refused each such knob set without dropping
-        wgmma (its reason blames no knob), so none was ever a candidate."""
-        if not (self.hopper and self.analyse_forms):
-            return SPLITS
-        return tuple(sp for sp in SPLITS if wgmma_knobs_refusal(sp, False) is None)
 
     @cached_property
     def forms(self) -> dict[str, tuple[Rejection | None, Rejection | None]]:
@@ -407,20 +352,11 @@ class SearchSpace:
     @cached_property
     def first_gemm(self) -> tuple[str, ...]:
         """The dims the first op reduces when it is a product of two inputs (attention's Q @ K^T):
-        ``reload_a`` applies when the serial dim is not one of them (a GEMM per step, not over steps)."""
+        when the serial dim is not one of them, it runs once per step (not over the steps)."""
         op = self.smg.ops[0] if self.smg.ops else None
         if op is None or op.combiner != "sum" or len(op.inputs) != 2 or not op.reduce:
             return ()
         return op.reduce if all(a.space in self.smg.inputs for a in op.inputs) else ()
-
-    @cached_property
-    def vectors(self) -> tuple[int, ...]:
-        """Scalar, or the widest (16-byte) vector of the graph's widest element type; on the CPU
-        only scalar (LLVM vectorizes the loops by itself)."""
-        if not self.cuda:
-            return (1,)
-        item = max(np.dtype(self.smg.space(n).dtype).itemsize for n in (*self.smg.inputs, *self.smg.outputs))
-        return (1, max(1, MAX_VECTOR_BYTES // item))
 
     @cached_property
     def tensor_core_dtypes(self) -> bool:
@@ -435,7 +371,7 @@ class SearchSpace:
         shared = [n for n, lvl in s.memory if lvl == "shared"]
         for alt in itertools.product((False, True), repeat=len(shared)):
             levels = tuple((n, "global" if n in s.smg.inputs else "register") for n, a in zip(shared, alt) if a)
-            yield Knobs(k.tiles, k.serial, k.step, k.thread_dim, levels, k.recompute, lanes=k.lanes, vector=k.vector)
+            yield dataclasses.replace(k, levels=levels)
 
     def _schedule(self, k: Knobs) -> Schedule:
         """The schedule of ``k``; a knob offered where it may apply (``DROPPABLE``) is dropped, one at a
@@ -553,10 +489,11 @@ class SearchSpace:
 
     def describe(self) -> str:
         return (f"{self.report}\n  knobs: serial {list(self.serials)}, cut dims {list(self.cut_dims)}, "
-                f"steps up to {self.max_step or 'the dim'}, lanes {list(LANES)}, vector widths "
-                f"{list(self.vectors)}, staging/cooperative choices per shared space, tensor-core warp tiles "
-                f"(stages {list(STAGES)}, for GEMMs also {list(GEMM_STAGES)}, warps {list(WARPS)}, split "
-                f"{list(self.splits)}, slices {list(SLICES)} (up to "
+                f"steps up to {self.max_step or 'the dim'}, lanes {list(SEARCH_LANES)} (and {list(WIDE_LANES)} "
+                f"for grids leaving most SMs idle), vectors of one element or 16 bytes on the GPU, "
+                f"staging/cooperative choices per shared space, tensor-core warp tiles "
+                f"(stages {list(SEARCH_STAGES)}, for GEMMs also {list(GEMM_STAGES)}, warps {list(SEARCH_WARPS)}, split "
+                f"{list(SEARCH_SPLITS)} (none with wgmma), slices {list(SEARCH_SLICES)} (up to "
                 f"{MORE_SLICES[-1]} for the smallest) for grids smaller than the SMs, A fragments held or reloaded) "
                 f"where the plan is one"
                 + (f"; also over the graph with {', '.join(f'{o}*{i}' for o, i in self.folds)} folded into one row "

@@ -32,7 +32,6 @@ import sympy as sp
 
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule
-from schedulers.temporal import parse
 from schedulers.warp_tile import (
     WarpTileProgram,
     _quotient,
@@ -41,7 +40,7 @@ from schedulers.warp_tile import (
     tile_columns,
     wgmma_swizzled,
 )
-from smg.expr import body_expr, logistic_arg
+from smg.expr import Role, body_expr, logistic_arg, parse
 
 #: exp2 / rcp results per SM per clock (CUDA Programming Guide, arithmetic throughput, cc 5.x-9.0)
 SFU_PER_CLK = 16
@@ -145,7 +144,7 @@ def _elementwise(s: Schedule, p: WarpTileProgram) -> tuple[float, float, float, 
     bodies += [_quotient(g.update.body, g.x) for g in p.gemm_states if p.gemm is not None or p.score_ops]
     simt, sfu = _ops(bodies)
     simt += len(p.row_states) - len(p.row_sums) + (len(p.gemm_states) if p.score_ops else 0)
-    out_simt, out_sfu = _ops([parse(v) for _, v in p.outputs], p.fast_math)
+    out_simt, out_sfu = _ops([parse(v) for _, v in p.outputs], p.warp.fast_math)
     return float(simt), float(sfu), float(out_simt + 1), float(out_sfu)
 
 
@@ -176,12 +175,13 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     p = s.warp_tile
     dtype = s.smg.space(s.smg.inputs[0]).dtype
     sms = hw.num_sms
-    fraction = (WGMMA_PRODUCER_FRACTION if p.producer else WGMMA_FRACTION) if p.wgmma else MMA_SYNC_FRACTION
+    fraction = ((WGMMA_PRODUCER_FRACTION if p.hopper.producer else WGMMA_FRACTION) if p.hopper.wgmma
+                else MMA_SYNC_FRACTION)
     tc_rate = hw.peak_flops(dtype, tensor_core=True) / 2 / sms * fraction
     fp32_rate = hw.peak_flops("float32", tensor_core=False) / sms
     sfu_rate = SFU_PER_CLK * hw.clock_hz
     smem_rate = hw.smem_bandwidth_bytes_per_s_per_sm
-    l2_rate = hw.l2_bandwidth_bytes_per_s / sms * (TMA_L2_FACTOR if p.tma and p.wgmma_ss else 1.0)
+    l2_rate = hw.l2_bandwidth_bytes_per_s / sms * (TMA_L2_FACTOR if p.hopper.tma and p.wgmma_ss else 1.0)
 
     rows, step = p.rows, p.step
     kd = p.gemm.kp if p.gemm else 0  # K as the MMAs run it (padded to 16)
@@ -200,26 +200,26 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     if p.wgmma_ss:  # the A tile once, the B tile by each 64-row half (and A again by ldmatrix for row states)
         a_fill = rows * step * 2
         reads = a_fill * (2 if p.row_states else 1) + halves * (fill - a_fill)
-    elif p.wgmma:  # each 64-row half reads the whole K and V tiles; Q once with reload_a
-        reads = halves * fill + (rows * kd * 2 if p.reload_a else 0)
+    elif p.hopper.wgmma:  # each 64-row half reads the whole K and V tiles; Q once with reload_a
+        reads = halves * fill + (rows * kd * 2 if p.warp.reload_a else 0)
     else:  # ldmatrix: every warp reads the whole streamed tiles; A's fragments again with reload_a
-        reads = p.warps * fill + (rows * kd * 2 if p.reload_a else 0)
+        reads = p.warps * fill + (rows * kd * 2 if p.warp.reload_a else 0)
     smem_s = (fill + reads) / smem_rate
     l2_s = fill / l2_rate
     tensor_s = macs / tc_rate
     carry_simt, carry_sfu = _carries(s, p)
     sfu_s = (elems * step_sfu + rows * carry_sfu) / sfu_rate
     simt_s = (elems * step_simt + rows * carry_simt + gather_ops(s, p)) / fp32_rate
-    load = ((IM2COL_LATENCY_S if p.tma else GATHER_LATENCY_S) if p.gathers else LOAD_LATENCY_S) + l2_s
+    load = ((IM2COL_LATENCY_S if p.hopper.tma else GATHER_LATENCY_S) if p.gathers else LOAD_LATENCY_S) + l2_s
     # steps loaded ahead: the ring less the slot being read and, a GEMM fed by a producer warpgroup,
     # the slot its wgmma group in flight still holds (attention's steps wait for their wgmma groups)
-    ahead = p.stages - 1 - (1 if p.wgmma_ss and (p.producer or p.stages >= 3) else 0)
+    ahead = p.warp.stages - 1 - (1 if p.wgmma_ss and (p.hopper.producer or p.warp.stages >= 3) else 0)
     if ahead <= 0:
         latency = load
     else:
         latency = max(0.0, load / ahead - (tensor_s + sfu_s + simt_s))
     latency += scalar_gather_chunks(p) * SCALAR_GATHER_LATENCY_S
-    if not p.producer:  # a producer warpgroup's ring hands slots back by mbarriers: no block barrier
+    if not p.hopper.producer:  # a producer warpgroup's ring hands slots back by mbarriers: no block barrier
         latency += BARRIER_S
 
     # prologue (the A tile) and epilogue (outputs through the arena, their element-wise ops)
@@ -228,7 +228,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
     fixed = (a_bytes / l2_rate + LOAD_LATENCY_S + out_elems * (out_simt / fp32_rate + out_sfu / sfu_rate)
              + out_elems * 2 * 2 / smem_rate + out_elems * 2 / l2_rate)
     # FlashAttention-3's overlap (lower/mma_overlap.py): lost to mma.sync row sums, which stall the async wgmma pipe
-    overlapped = p.producer and p.gemm is not None and not p.row_sums
+    overlapped = p.hopper.producer and p.gemm is not None and not p.row_sums
     overlapped = overlapped or (p.wgmma_ss and bool(p.row_states))  # a norm's statistics beside the async wgmmas
     return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed, overlapped)
 
@@ -249,10 +249,10 @@ def gather_ops(s: Schedule, p: WarpTileProgram) -> float:
     against its bounds and combines them into an offset, on the threads that also issue the MMAs (a scalar
     gather's every element does).  None by TMA: an im2col load's addresses are the copy engine's."""
     total = 0.0
-    if p.tma:
+    if p.hopper.tma:
         return total
     for g in p.gathers:
-        exprs = [parse(e) for e in g.index]
+        exprs = [parse(e, Role.INDEX) for e in g.index]
         per_chunk = sum(int(sp.count_ops(e)) + (FLOOR_DIV_OPS - 1) * len(e.atoms(sp.floor)) for e in exprs)
         per_chunk += 3 * len(exprs) + 2  # two bounds compares and a multiply-add per component; rows, columns
         # a scalar gather (an NCHW image) evaluates them per element and issues 8 loads and selects a chunk
@@ -272,20 +272,20 @@ def warp_tile_time_s(s: Schedule, hw: HardwareModel, occupancy: int) -> tuple[fl
     """(seconds, FLOPs) of the warp-tile program of ``s`` with ``occupancy`` blocks per SM."""
     p = s.warp_tile
     c = step_cost(s, hw)
-    groups = s.num_tiles * p.split  # warp groups of a block (split) run like blocks of their own
+    groups = s.num_tiles * p.warp.split  # warp groups of a block (split) run like blocks of their own
     per_tile = steps_per_row_tile(s, p)  # a killing mask (causal) skips whole steps
-    steps = sum(per_tile) / len(per_tile) / s.slices / p.split
-    if p.persistent:  # every block runs its share of the tiles; after its first tile the producer has the
-        per_sm = min(max(1, occupancy), -(-p.persistent // hw.num_sms))  # next one's loads under way
-        tiles = -(-groups // p.persistent)
+    steps = sum(per_tile) / len(per_tile) / s.slices / p.warp.split
+    if p.hopper.persistent:  # every block runs its share of the tiles; after its first tile the producer has the
+        per_sm = min(max(1, occupancy), -(-p.hopper.persistent // hw.num_sms))  # next one's loads under way
+        tiles = -(-groups // p.hopper.persistent)
         main = steps * c.round_s(per_sm)
-        if p.pingpong:  # one warpgroup's outputs go out while the other runs its main loop
+        if p.hopper.pingpong:  # one warpgroup's outputs go out while the other runs its main loop
             return tiles * max(main, c.fixed_s) + min(main, c.fixed_s), _flops(s, p, groups, steps)
         return tiles * (main + c.fixed_s) - (tiles - 1) * LOAD_LATENCY_S, _flops(s, p, groups, steps)
-    slots = max(1, occupancy) * p.split * hw.num_sms
+    slots = max(1, occupancy) * p.warp.split * hw.num_sms
     full, rest = divmod(groups, slots)
     fixed = c.fixed_s + merge_s(s, p, hw)
-    total = full * (steps * c.round_s(max(1, occupancy) * p.split) + fixed)
+    total = full * (steps * c.round_s(max(1, occupancy) * p.warp.split) + fixed)
     if rest:
         per_sm = -(-rest // hw.num_sms)
         total += steps * c.round_s(per_sm) + fixed
@@ -300,7 +300,7 @@ def merge_s(s: Schedule, p: WarpTileProgram, hw: HardwareModel) -> float:
     the GEMM form (GEMMs, implicit-GEMM convs), where it was measured."""
     if s.slices == 1 or p.gemm is not None or p.row_states or p.score_ops:
         return 0.0  # attention's slices (flash-decoding) merge a few rows of states: the prior was fitted there
-    part = p.merge_floats() * 32 * p.warps * p.split * 4
+    part = p.merge_floats() * 32 * p.warps * p.warp.split * 4
     return (1 + s.slices) * part / (hw.l2_bandwidth_bytes_per_s / hw.num_sms)
 
 

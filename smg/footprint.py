@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import sympy as sp
 
+from smg.expr import Role
 from smg.ir import SMG, Op
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def _fit_multilinear(sample, dims: list[str]) -> sp.Expr:
     sizes (``count_val``) are interpolated; projections and windows give
     footprints that are products of per-dim affine terms, hence multilinear.
     """
-    syms = [sp.Symbol(_param(d)) for d in dims]
+    syms = [size_symbol(d) for d in dims]
     monos = [sp.Mul(*[s for s, e in zip(syms, es) if e]) for es in itertools.product((0, 1), repeat=len(dims))]
     pts = list(itertools.product((2, 3), repeat=len(dims)))
     rows = [[m.subs(dict(zip(syms, p))) for m in monos] for p in pts]
@@ -60,7 +61,7 @@ def _fit_multilinear(sample, dims: list[str]) -> sp.Expr:
     coef = sp.Matrix(rows).solve(sp.Matrix(vals))
     poly = sp.expand(sum(c * m for c, m in zip(coef, monos)))
     check = {d: 5 + 2 * i for i, d in enumerate(dims)}
-    if poly.subs({sp.Symbol(_param(d)): v for d, v in check.items()}) != sample(check):
+    if poly.subs({size_symbol(d): v for d, v in check.items()}) != sample(check):
         raise ValueError("footprint is not multilinear in the dimension sizes")
     return poly
 
@@ -124,5 +125,5 @@ def dependency_footprint(smg: SMG, output: str | None = None) -> Footprint:
 
 
 def size_symbol(dim: str) -> sp.Symbol:
-    """The sympy symbol used for the size of ``dim`` in footprint polynomials."""
-    return sp.Symbol(_param(dim))
+    """The sympy symbol used for the size of ``dim`` in footprint polynomials (``smg.expr.Role.SIZE``)."""
+    return Role.SIZE.symbol(_param(dim))

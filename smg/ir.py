@@ -13,9 +13,13 @@ import numbers
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from smg.errors import BadNameError, DTypeError, ShapeError, UnknownAxisError
 from smg.hashing import canonical_text, text_key
+
+if TYPE_CHECKING:
+    import sympy as sp
 
 COMBINERS = ("none", "sum", "max")
 
@@ -105,6 +109,15 @@ class Access:
     def dims_in(self, component: str) -> tuple[str, ...]:
         return tuple(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", component.replace("floor", " ")))
 
+    @cached_property
+    def exprs(self) -> tuple[sp.Expr, ...]:
+        """Each index component parsed (``smg.expr.parse``, its dims integer symbols): the one parse every
+        consumer reads; ``index`` stays the canonical text the content key hashes.  Kept on the node, not in
+        a field: ``canonical`` walks the dataclass fields only."""
+        from smg.expr import Role, parse  # sympy waits for the first parse (``smg.ir`` imports without it)
+
+        return tuple(parse(c, Role.INDEX) for c in self.index)
+
 
 @dataclass(frozen=True)
 class Op:
@@ -125,6 +138,15 @@ class Op:
     reduce: tuple[str, ...] = ()
     combiner: str = "none"
     group: str = ""
+
+    @cached_property
+    def expr(self) -> sp.Expr:
+        """``body`` parsed (``smg.expr.parse``: every space and dim it reads a real symbol), once per op: the
+        one parse every consumer reads; ``body`` stays the canonical text the content key hashes.  Kept on
+        the node, not in a field: ``canonical`` walks the dataclass fields only."""
+        from smg.expr import parse  # sympy waits for the first parse (``smg.ir`` imports without it)
+
+        return parse(self.body)
 
     @property
     def iter_dims(self) -> tuple[str, ...]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import sympy as sp
 
 from smg.errors import ShapeError
-from smg.expr import body_expr, index_symbols, symbol
+from smg.expr import Role, body_expr, index_symbols, parse, symbol
 from smg.ir import SMG, Op
 from smg.tolerance import compare
 
@@ -50,12 +49,10 @@ def _aligned(arr: np.ndarray, index: tuple[str, ...], iter_dims: tuple[str, ...]
     return arr.reshape(shape)
 
 
-@lru_cache(maxsize=1024)
 def _component(text: str, dims: tuple[str, ...]):
     """An index expression as a function of integer grids, in exact integer arithmetic: ``floor(e/c)`` is
     ``e // c`` (lambdify's ``floor((1/7)*m)`` is float and gives 6 at m = 49)."""
-    syms = {d: sp.Symbol(d, integer=True) for d in dims}
-    e = sp.sympify(text, locals=syms)
+    e = parse(text, Role.INDEX)
 
     def go(x: sp.Expr, env: dict[str, np.ndarray]):
         if x.is_Symbol:

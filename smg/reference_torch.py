@@ -17,12 +17,13 @@ import math
 import operator
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy as sp
-
-from smg.expr import body_expr, index_symbols, symbol
+from smg.expr import Role, body_expr, index_symbols, parse, symbol
 from smg.ir import SMG, Op
+
+if TYPE_CHECKING:
+    import sympy as sp
 
 #: the graph of a kernel artefact, beside kernel.json
 SMG_FILE = "smg.json"
@@ -108,7 +109,7 @@ def _shifts(index: tuple[str, ...]) -> list[tuple[str, int]] | None:
         if comp.isidentifier():
             out.append((comp, 0))
             continue
-        e = sp.sympify(comp)
+        e = parse(comp, Role.INDEX)
         dims = [x for x in e.free_symbols]
         if len(dims) != 1 or not (e - dims[0]).is_Integer:
             return None

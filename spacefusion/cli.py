@@ -219,6 +219,9 @@ def tune_runner(args: argparse.Namespace, target: str) -> Any:
     from spacefusion.runners.common import RunnerUnavailable
 
     cpu = target == "llvm"
+    for flag, value, owner in (("--gpus", args.gpus, "gpu"), ("--ray-address", args.ray_address, "ray")):
+        if value is not None and args.runner != owner:  # said, not ignored: the tune would run elsewhere than asked
+            raise SpaceFusionError(f"{flag} is for --runner {owner}, not --runner {args.runner}")
     if args.runner == "llvm":
         if not cpu:
             raise SpaceFusionError(f"--runner llvm measures on this CPU, so it tunes --target llvm, not "
@@ -242,10 +245,13 @@ def tune_runner(args: argparse.Namespace, target: str) -> Any:
         raise SpaceFusionError(f"--runner {args.runner} measures CUDA kernels on {what}, and --target llvm builds "
                                f"for this CPU: use --runner llvm (or --runner ray) with --target llvm, or a GPU "
                                f"--target ({', '.join(k for k in sorted(TARGETS) if k != 'llvm')})")
-    if args.runner == "gpu":
-        runner = runners.LocalGPURunner(iters=args.iters or 100)
+    if args.runner == "gpu":  # every visible GPU of this host (or --gpus of them), one worker each
         try:
-            runner.check()
+            runner = runners.gpu_runner(gpus=args.gpus, iters=args.iters or 100)
+            if isinstance(runner, runners.LocalGPURunner):
+                runner.check()
+            else:
+                runner.connect()
         except RunnerUnavailable as e:
             raise RunnerUnavailable(f"--runner gpu (the default) cannot measure on this machine: {e}. Instead, "
                                     f"{ELSEWHERE}") from None
@@ -273,20 +279,29 @@ def tune_cmd(args: argparse.Namespace) -> int:
     g = _workload(args.workload, args.shape, args.dtype)
     if target == "llvm":
         llvm_dtypes_ok(g)
-    runner = tune_runner(args, target)
     if args.import_results:
-        from spacefusion.runners import MANIFEST_FILE, import_offline
+        from spacefusion.runners import MANIFEST_FILE
 
         for need in (MANIFEST_FILE, "results.json"):
             if not (Path(args.import_results) / need).is_file():
                 raise SpaceFusionError(f"--import-results {args.import_results}: no {need} there (an offline batch "
                                        f"folder holds the manifest it was exported with and the GPU's results.json)")
+    from spacefusion import runners
 
-        n = import_offline(args.db, args.import_results, get_hardware(hw_name))
-        print(f"imported {n} records from {args.import_results}")
-    summary = tune(g, runner, hw=get_hardware(hw_name), target=target, db=args.db, trials=args.trials,
-                   batch=args.batch, workers=args.workers, seed=args.seed, progress=not args.quiet,
-                   fast_math=args.fast_math)
+    runner = tune_runner(args, target)
+    try:
+        if args.import_results:
+            from spacefusion.runners import import_offline
+
+            n = import_offline(args.db, args.import_results, get_hardware(hw_name))
+            print(f"imported {n} records from {args.import_results}")
+        summary = tune(g, runner, hw=get_hardware(hw_name), target=target, db=args.db, trials=args.trials,
+                       batch=args.batch, workers=args.workers or runners.cpu_cores(), seed=args.seed,
+                       progress=not args.quiet, fast_math=args.fast_math)
+    finally:
+        close = getattr(runner, "close", None)
+        if callable(close):  # a pool's workers end with the tune
+            close()
     print(summary)
     if args.json:
         try:
@@ -372,7 +387,8 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--step", type=_whole(1), default=None, help="serial step over SKV (default: 32, or SKV if "
                    "shorter)")
     d.add_argument("--out", default="spacefusion_out")
-    from schedulers.options import KNOB_FIELDS, KNOB_GROUP, is_int_knob
+    from schedulers.knobs import is_int_knob
+    from schedulers.options import KNOB_FIELDS, KNOB_GROUP
 
     b = sub.add_parser("build", help="build one workload for a target", epilog=shapes_epilog(), formatter_class=_Help)
     b.add_argument("workload", nargs="?", help="a workload named below (not with --schedule)")
@@ -414,7 +430,10 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--db", default="spacefusion_tuning.db", help="the tuning database (SQLite), kept between tunes")
     t.add_argument("--trials", type=_whole(1), default=64, help="candidates measured at most")
     t.add_argument("--batch", type=_whole(1), default=16, help="candidates per round (ranked, built, measured)")
-    t.add_argument("--workers", type=_whole(1), default=2, help="processes building candidates")
+    t.add_argument("--gpus", type=_whole(1), default=None, help="--runner gpu: how many of this host's GPUs measure "
+                   "at once, one worker each (default: every visible one)")
+    t.add_argument("--workers", type=_whole(1), default=None, help="processes building candidates (default: this "
+                   "machine's CPU cores)")
     t.add_argument("--iters", type=_whole(1), default=None, help="timed runs per candidate (default: the runner's)")
     t.add_argument("--seed", type=_whole(0), default=0, help="the random inputs' seed (default 0)")
     t.add_argument("--json", default=None, help="write the summary as JSON here")

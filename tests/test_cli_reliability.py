@@ -175,6 +175,22 @@ def test_ray_addresses_are_parsed_or_refused() -> None:
         probe("head")
 
 
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--runner", "llvm", "--gpus", "2"], "--gpus is for --runner gpu, not --runner llvm"),
+    (["--runner", "llvm", "--ray-address", "10.0.0.1:6379"], "--ray-address is for --runner ray, not --runner llvm"),
+], ids=["gpus", "ray-address"])
+def test_a_flag_of_another_runner_is_refused(tmp_path, capsys, argv, match) -> None:
+    assert main([*LN, *argv, "--target", "llvm", "--db", str(tmp_path / "t.db")]) == 2
+    assert match in capsys.readouterr().err and not (tmp_path / "t.db").exists()
+
+
+def test_more_gpus_than_are_visible_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert main([*LN, "--gpus", "3", "--target", "h100", "--db", str(tmp_path / "t.db")]) == 2
+    assert "--runner gpu (the default) cannot measure on this machine: 3 GPUs asked for, 2 visible here (0, 1)" \
+        in capsys.readouterr().err
+
+
 def test_the_ray_timeout_must_be_positive(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main([*LN, "--runner", "ray", "--ray-timeout", "0"])

@@ -119,7 +119,7 @@ def test_a_strided_kernel_gives_its_map_the_stride_and_starts_at_stride_times_th
 def test_the_kernel_maps_the_image_in_im2col_mode() -> None:
     s = _conv_tma()
     p = s.warp_tile
-    assert p.tma and p.im2col("A") is not None and not p.im2col_why
+    assert p.hopper.tma and p.im2col("A") is not None and not p.im2col_why
     maps = tma_maps(s, p)
     assert maps["A__tmap"] == {"tensor": "X", "box": [64, 128, 1, 1], "swizzle": 128,
                                "im2col": {"lower": [-1, -1], "upper": [-1, -1]}}

@@ -50,7 +50,7 @@ def test_the_nchw_tile_is_gathered_element_by_element_never_by_tma() -> None:
     assert not gather_tile(nhwc, nhwc.producer("A"), "m", "k").scalar
     order = ranked(nchw, H200)
     tc = [s for s in order if s.warp_tile is not None]
-    assert tc and not any(s.warp_tile.tma for s in tc) and order[0].warp_tile is not None
+    assert tc and not any(s.warp_tile.hopper.tma for s in tc) and order[0].warp_tile is not None
     # the model charges every element's address: more than 8 times the integer work of 16-byte chunks
     prog = tc[0].warp_tile
     chunked = dataclasses.replace(prog, gathers=tuple(dataclasses.replace(t, scalar=False) for t in prog.gathers))

@@ -361,3 +361,35 @@ def test_cache_switch(monkeypatch: pytest.MonkeyPatch, value: str, enabled: bool
 def test_cache_enabled_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPACEFUSION_NO_CACHE", raising=False)
     assert cache_enabled()
+
+
+def test_a_file_two_hosts_tune_into_over_a_network_file_system_is_refused(tmp_path, monkeypatch) -> None:
+    """SQLite's locks do not hold between hosts on NFS and its kind: a tune of this host claiming in a file where
+    another host's tune holds live claims is refused with what to do instead, and nothing is written (the other
+    host's claims and records stay).  On a local file system the claims keep the two apart, as before."""
+    import search.database as dbmod
+
+    key = tuning_key(gemm(16, 16, 8), H100, "llvm")
+    path = tmp_path / "shared.db"
+    with TuningDatabase(path) as db:
+        db.add(key, sched(), MeasureResult(sched().key, "llvm", (3.0,)))
+        assert db.claim(key, ["s1", "s2"], "otherhost/4242/tok") == ["s1", "s2"]
+        mine = dbmod.claim_owner()
+        monkeypatch.setattr(dbmod, "filesystem_type", lambda p: "nfs4")
+        with pytest.raises(DatabaseError, match=r"shared.db: is on nfs4 and otherhost is tuning into it too; SQLite's "
+                                                r"locks do not hold between hosts there.*Nothing was written.*"
+                                                r"--runner ray --ray-address HEAD:PORT"):
+            db.claim(key, ["s2", "s3"], mine)
+        with sqlite3.connect(path) as c:
+            assert sorted(c.execute("SELECT schedule_key, owner FROM claims")) == [("s1", "otherhost/4242/tok"),
+                                                                                    ("s2", "otherhost/4242/tok")]
+        assert db.count(key) == 1
+        monkeypatch.setattr(dbmod, "filesystem_type", lambda p: "ext4")
+        assert db.claim(key, ["s2", "s3"], mine) == ["s3"]
+
+
+def test_the_file_system_of_a_path_is_read_from_the_mounts() -> None:
+    from search.database import filesystem_type
+
+    assert filesystem_type(Path("/proc/self")) == "proc"
+    assert filesystem_type(ROOT) not in (None, "proc")

@@ -140,25 +140,27 @@ def test_the_cuda_backend_leaves_depthwise_convs_to_cudnn_with_why(tmp_path) -> 
                                    (4, 30, 30, 48, 3, 2, 1, "silu", True, False),
                                    (2, 14, 14, 96, 5, 1, 2, "relu", False, False)])
 def test_depthwise_kernels_on_the_gpu_match_torch(shape, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first pick of each (its window's input staged with its halo in shared memory) against torch's fp32
-    depthwise convolution, on the GPU (TVM there: built in place)."""
+    """The first pick of each, and the best-ranked candidate that stages the window's input with its halo in
+    shared memory (which the first pick need not be: the ranking may prefer reading it from global at these
+    small sizes), against torch's fp32 depthwise convolution, on the GPU (TVM there: built in place)."""
     pytest.importorskip("cupy")
     pytest.importorskip("tvm")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from spacefusion.frontend.dynamo import first_pick
+    from spacefusion.frontend.schedules import ranked
     from spacefusion.runtime.gpu import load_kernel
 
     monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cubins"))
     n, h, w, c, k, s, p, act, bias, res = shape
     g = patterns.depthwise_conv2d(n, h, w, c, k, s, p, act, bias, res, "float16")
-    pick = first_pick(g)
-    assert dict(pick.memory)["X"] == "shared" or pick.tiles == {}, pick.memory
-    folder = build(pick, "cuda:sm_90a").save(tmp_path / "dw")
+    staged = next(x for x in ranked(g) if dict(x.memory)["X"] == "shared")
     x = random_inputs(g, seed=0)
-    got = load_kernel(folder)(**{name: torch.tensor(v, device="cuda").half() for name, v in x.items()})["Y"]
     want = _torch(x, k, s, p, act, bias, res)
-    np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=2e-2, atol=2e-2)
+    for i, pick in enumerate((first_pick(g), staged)):
+        folder = build(pick, "cuda:sm_90a").save(tmp_path / f"dw{i}")
+        got = load_kernel(folder)(**{name: torch.tensor(v, device="cuda").half() for name, v in x.items()})["Y"]
+        np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=2e-2, atol=2e-2, err_msg=str(pick.memory))
 
 
 @pytest.mark.cuda

@@ -127,7 +127,7 @@ def test_warp_tile_refusals_name_the_problem(kwargs, match) -> None:
 def test_split_groups_threads_rings_and_merge() -> None:
     s = _schedule("causal_split4")
     p = s.warp_tile
-    assert p.split == 4 and s.threads == 4 * 4 * 32  # 4 groups of 4 row warps
+    assert p.warp.split == 4 and s.threads == 4 * 4 * 32  # 4 groups of 4 row warps
     # each group its own K and V ring (2 stages of [32, 64+8]), then Q [64, 64+8]; the hand-over of
     # 3 groups: P_max, P_sum (2 rows a thread) and O (8 column tiles x 4) per thread, fp32, is smaller
     assert p.merge_floats() == 2 + 2 + 32
@@ -141,7 +141,7 @@ def test_slices_grid_workspace_and_merge() -> None:
     (scratch params), fences, counts itself done with atomicAdd and merges from L2 (__ldcg)."""
     s = _schedule("softmax_gemm_slices3")
     p = s.warp_tile
-    assert s.num_blocks == 4 * 3 and p.slices == 3 and p.threads == 64
+    assert s.num_blocks == 4 * 3 and p.warp.slices == 3 and p.threads == 64
     art = build(s, "cuda")
     params = {q["name"]: q for q in art.meta["params"]}
     assert params["sf_partials"] == {"name": "sf_partials", "shape": [12, p.merge_floats(), 64],
@@ -195,7 +195,7 @@ def test_split_and_slices_leave_every_groups_part_in_the_workspace() -> None:
 
 
 def test_slices_need_tensor_cores_and_steps() -> None:
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, slices=2)
     with pytest.raises(ScheduleError, match="at most the 2 steps"):
         schedule(softmax_gemm(128, 128, 64), tiles={"m": 32}, step=64, tensor_cores=True, slices=4)
@@ -204,7 +204,7 @@ def test_slices_need_tensor_cores_and_steps() -> None:
 def test_split_refusals() -> None:
     with pytest.raises(ScheduleError, match="split 3 must be"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, tensor_cores=True, split=3)
-    with pytest.raises(ScheduleError, match="split, slices, reload_a, early_scores, lazy_rescale, mma_row_sums, wg"):
+    with pytest.raises(ScheduleError, match="split set: .* apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, split=2)
 
 
@@ -214,7 +214,7 @@ def test_reload_a_keeps_q_in_shared_memory_and_frees_registers() -> None:
     s = _schedule("mt2_reload_d128")
     held = schedule(patterns.attention(1, 2, 128, 192, 128), tiles={"m": 128}, step=32, tensor_cores=True,
                     stages=2, warps=4)
-    assert s.warp_tile.reload_a and not held.warp_tile.reload_a and s.warp_tile.warp_mtiles == 2
+    assert s.warp_tile.warp.reload_a and not held.warp_tile.warp.reload_a and s.warp_tile.warp_mtiles == 2
     ring = 2 * 2 * (32 * (128 + 8)) * 2  # K and V, 2 stages of [32, 128+8] fp16
     q = 128 * (128 + 8) * 2
     assert block_resources(held).shared_bytes == block_resources(s).shared_bytes == ring + q
@@ -267,7 +267,7 @@ def test_early_scores_refusals() -> None:
         schedule(att, tiles={"m": 32}, step=32, tensor_cores=True, early_scores=True)
     with pytest.raises(ScheduleError, match=r"stages 2, split 2\)"):
         schedule(att, tiles={"m": 64}, step=32, tensor_cores=True, stages=2, split=2, early_scores=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(att, tiles={"m": 32}, step=32, early_scores=True)
 
 
@@ -313,7 +313,7 @@ def _check_knob(s: Schedule, plain: Schedule, knob: str, refusal: str) -> None:
     with pytest.raises(ScheduleError, match=refusal):
         schedule(patterns.gemm_epilogue(64, 64, 64, "sigmoid", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=32, tensor_cores=True, stages=2, **{knob: True})
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to tensor-core"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, **{knob: True})
 
 
@@ -378,7 +378,7 @@ def test_wgmma_reads_both_operands_from_swizzled_shared_tiles() -> None:
     assert "wgmma.wait_group.sync.aligned 1" in lag and "m64n256k16" in lag
     back = Schedule.from_json(s.to_json())
     assert back.wgmma and back.key == s.key and "wgmma" not in _schedule("gemm_sigmoid").to_dict()
-    assert s.warp_tile.wgmma and "wgmma" in s.to_dict() and "GEMMs on warpgroup MMA" in str(s)
+    assert s.warp_tile.hopper.wgmma and "wgmma" in s.to_dict() and "GEMMs on warpgroup MMA" in str(s)
 
 
 def test_wgmma_is_refused_for_a_target_without_it() -> None:
@@ -502,7 +502,8 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
     """The GEMM's 128 x 128 tile (16384 elements, 128 threads) is in the space, on warpgroup MMA
     where make_schedule takes it, and on mma.sync for a target without it (A100)."""
     from schedulers.hardware import A100, H100
-    from search.space import DEEP_PRODUCER_STAGES, GEMM_STAGES, PRODUCER_STAGES, SearchSpace
+    from schedulers.options import DEEP_PRODUCER_STAGES, GEMM_STAGES, PRODUCER_STAGES
+    from search.space import SearchSpace
 
     g = patterns.gemm_epilogue(1024, 1024, 256, "sigmoid", True, "float16")
     tiles = {(s.tiles["m"], s.tiles["n"], s.step, s.wgmma) for s in SearchSpace(g, H100).candidates()
@@ -532,7 +533,7 @@ def test_search_reaches_tensor_core_tiles_beyond_the_thread_limit_with_wgmma_on_
 def test_reload_a_refusals() -> None:
     with pytest.raises(ScheduleError, match="reload_a re-reads the A operand.*'softmax_gemm' has no such GEMM"):
         schedule(softmax_gemm(128, 256, 64), tiles={"m": 32}, step=64, tensor_cores=True, reload_a=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, reload_a=True)
 
 
@@ -558,7 +559,7 @@ def test_pipeline_knobs_on_a_wmma_only_gemm_are_refused() -> None:
 def test_float32_and_stages_without_tensor_cores_are_refused() -> None:
     with pytest.raises(ScheduleError, match="tensor cores take"):
         schedule(patterns.attention(1, 2, 64, 64, 64, dtype="float32"), tiles={"m": 32}, step=32, tensor_cores=True)
-    with pytest.raises(ScheduleError, match="lazy_rescale, mma_row_sums, wgmma and tma apply to"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.attention(1, 2, 64, 64, 64), tiles={"m": 32}, step=32, stages=2)
 
 
@@ -572,7 +573,8 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
         assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
         # ldmatrix only for a Q held in registers, a staged score tile (Softmax-GEMM's S) or the A tile of
         # the ss form's row states (a norm before the GEMM)
-        assert ("ldmatrix" in src) == ((p.gemm is not None and not p.reload_a) or (bool(p.tiles_in) and not p.wgmma_ss)
+        held_q = p.gemm is not None and not p.warp.reload_a
+        assert ("ldmatrix" in src) == (held_q or (bool(p.tiles_in) and not p.wgmma_ss)
                                        or (p.wgmma_ss and bool(p.row_states)))
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
@@ -869,7 +871,7 @@ def test_producer_warpgroup_feeds_attentions_k_v_ring() -> None:
     s = _schedule("causal_ws")
     p = s.warp_tile
     src = build(s, "cuda").source
-    assert p.producer and split_ring(p) and p.threads == 384 and s.num_blocks == 2 * 2
+    assert p.hopper.producer and split_ring(p) and p.threads == 384 and s.num_blocks == 2 * 2
     assert src.count("__syncthreads()") == 1 and "setmaxnreg.inc.sync.aligned.u32 232" in src
     assert src.count("tvm_builtin_ptx_mbarrier_init_init_shared_b64(") == 1 + 4 * s.stages  # (+ its definition)
     assert warp_tile_smem_bytes(s, p) % 8 == 0 and mbarrier_bytes(p) == 32 * s.stages
@@ -899,8 +901,9 @@ def test_warp_specialised_attention_registers_and_search() -> None:
     structure (8 warps, a 2-slot ring, no row sums on tensor cores) over long rows only, and its
     model puts LLaMA's steps of 128 before those of 64 (the measured order)."""
     from schedulers.hardware import H100
+    from schedulers.options import FA3_MIN_SERIAL
     from search.cost import estimate_us
-    from search.space import FA3_MIN_SERIAL, SearchSpace
+    from search.space import SearchSpace
 
     s = schedule(patterns.attention(1, 2, 256, 2048, 128), tiles={"m": 128}, step=128, tensor_cores=True, stages=2,
                  warps=8, reload_a=True, wgmma=True, tma=True, producer=True)
@@ -945,7 +948,7 @@ def test_fast_math_puts_tanh_and_the_logistic_on_tanh_approx() -> None:
     th = build(_schedule("gemm_tanh_pingpong_fast_math"), "cuda").source
     assert "tanh.approx.f32" in th and "tanhf(" not in th  # (the preamble names tanhf in a macro)
     assert "tanh and logistics on tanh.approx.f32" in str(_schedule("gemm_sigmoid_fast_math"))
-    with pytest.raises(ScheduleError, match="as do producer, persistent, pingpong and fast_math"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.gemm_epilogue(64, 64, 64, "tanh", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=64, fast_math=True)
 
@@ -955,8 +958,7 @@ def test_fast_math_puts_tanh_and_the_logistic_on_tanh_approx() -> None:
 def test_logistic_denominators_are_recognised(expr, z) -> None:
     import sympy as sp
 
-    from schedulers.temporal import parse
-    from smg.expr import logistic_arg
+    from smg.expr import logistic_arg, parse
 
     e = parse(expr)
     found = logistic_arg(e.base) if isinstance(e, sp.Pow) else logistic_arg(e)
@@ -976,7 +978,7 @@ def test_producer_and_persistent_refusals(kwargs, match) -> None:
     with pytest.raises(ScheduleError, match=match):
         schedule(patterns.gemm_epilogue(256, 256, 128, "relu", True, "float16"), tiles={"m": 128, "n": 128},
                  serial="k", step=64, tensor_cores=True, wgmma=True, **opts)
-    with pytest.raises(ScheduleError, match="as do producer, persistent, pingpong and fast_math"):
+    with pytest.raises(ScheduleError, match="apply to tensor-core warp-tile kernels"):
         schedule(patterns.gemm_epilogue(64, 64, 64, "relu", True, "float16"), tiles={"m": 64, "n": 64},
                  serial="k", step=64, persistent=2)
 

@@ -162,7 +162,7 @@ def test_the_checks_cache_tells_true_from_one(bad, code) -> None:
     """``split_knobs`` and ``check_values`` are cached by each value with its type, so a value equal to an
     accepted one but of another type (``True`` for lanes 1, ``1.0`` for a flag) is still refused, in either
     order, and numpy integers and 0/1 flags are still coerced as before."""
-    from schedulers.options import check_values
+    from schedulers.knobs import check_values
 
     name, value = next(iter(bad.items()))
     good = {name: 1 if KNOB_GROUP[name] == "simt" or name == "stages" else True}

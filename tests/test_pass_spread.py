@@ -25,7 +25,7 @@ CASES = [
     (64, 2560, 32, True, False, {"n": 1, "g": 2}, "c", 64, 128),
     (100, 256, 8, False, True, {"n": 1, "g": 1}, "s", 64, 32),
     (64, 640, 32, True, True, {"n": 2, "g": 2}, "s", 64, 128),
-    # wide lanes (``search.space.WIDE_LANES``): a row over 16 or 32 warps, whose results meet in shared memory
+    # wide lanes (``schedulers.options.WIDE_LANES``): a row over 16 or 32 warps, whose results meet in shared memory
     (256, 1280, 32, True, True, {"n": 1, "g": 1}, "s", 256, 1024),
     (100, 256, 8, True, False, {"n": 1, "g": 1}, "s", 64, 512),
 ]

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from schedulers.errors import ScheduleError
 from schedulers.interpreter import interpret
 from schedulers.schedule import make_schedule
-from schedulers.temporal import parse
 from smg import patterns as P
 from smg.errors import ShapeError, UnknownAxisError, UnknownOperatorError
+from smg.expr import parse
 from smg.ir import Kind
 from smg.ops import Builder
 from smg.reference import check_numerics, evaluate, random_inputs

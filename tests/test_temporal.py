@@ -15,8 +15,9 @@ from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
 from schedulers.errors import ScheduleError, TemporalSliceError
-from schedulers.temporal import TemporalPlan, UpdateFunction, parse, plan_temporal, run_chain
+from schedulers.temporal import TemporalPlan, UpdateFunction, plan_temporal, run_chain
 from smg import SMG, Builder
+from smg.expr import parse
 from smg.workloads import mha, simplified_mha, softmax_gemm
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,8 +47,8 @@ def test_a_producer_warpgroup_and_a_persistent_grid_run_faster() -> None:
 
 
 def test_fast_math_pays_one_sfu_op_per_sigmoid_or_tanh() -> None:
-    from schedulers.temporal import parse
     from search.warp_tile_cost import TANHF_OPS, _ops
+    from smg.expr import parse
 
     sig, th = parse("1/(1 + exp(-(Y + b)))"), parse("tanh(Y)")
     assert _ops([sig])[1] == 2 and _ops([sig], fast_math=True)[1] == 1

@@ -52,14 +52,15 @@ def test_the_corpus_covers_the_forms_the_search_offers() -> None:
     rows = _corpus()
     assert len(rows) >= 700 and len(_fitted()) >= 500
     progs = [s.warp_tile for s, *_ in rows]
-    assert sum(p.wgmma for p in progs) >= 300 and sum(not p.wgmma for p in progs) >= 300
+    assert sum(p.hopper.wgmma for p in progs) >= 300 and sum(not p.hopper.wgmma for p in progs) >= 300
     attention = [(s, p) for (s, *_), p in zip(rows, progs) if p.gemm is not None]
     for wgmma in (True, False):
         for reload in (True, False):
-            assert sum(p.wgmma == wgmma and p.reload_a == reload for _, p in attention) >= 50, (wgmma, reload)
+            got = sum(p.hopper.wgmma == wgmma and p.warp.reload_a == reload for _, p in attention)
+            assert got >= 50, (wgmma, reload)
     assert {s.smg.dim_sizes[p.gemm.k] for s, p in attention} >= {64, 80, 96, 112, 128, 256}
-    assert sum(p.producer for p in progs) >= 50 and sum(p.wgmma_ss for p in progs) >= 60
-    assert sum(not p.wgmma and p.gemm is None and not p.row_states for p in progs) >= 40  # GEMMs on mma.sync
+    assert sum(p.hopper.producer for p in progs) >= 50 and sum(p.wgmma_ss for p in progs) >= 60
+    assert sum(not p.hopper.wgmma and p.gemm is None and not p.row_states for p in progs) >= 40  # GEMMs on mma.sync
     assert sum(bool(p.tiles_in) and bool(p.row_states) for p in progs) >= 10  # softmax @ V
     assert all(row["registers"] <= MAX_REGISTERS and row["threads"] == s.threads for s, row, *_ in rows)
 
@@ -77,7 +78,8 @@ def test_the_estimate_is_within_its_stated_bounds_of_nvcc() -> None:
     assert np.abs(e).mean() <= 11.0 and abs(e.mean()) <= 4.0
     assert np.percentile(np.abs(e), 90) <= 24.0
     assert e.max() <= 40.0 and e.min() >= -100.0
-    forms = (("wgmma attention", lambda p: p.wgmma and not p.wgmma_ss, 7.0), ("wgmma GEMM", lambda p: p.wgmma_ss, 9.0))
+    forms = (("wgmma attention", lambda p: p.hopper.wgmma and not p.wgmma_ss, 7.0),
+             ("wgmma GEMM", lambda p: p.wgmma_ss, 9.0))
     for name, pick, bound in forms:
         sub = _errors([x for x in rows if pick(x[0].warp_tile)])
         print(f"{name}: {len(sub)} kernels, mean |err| {np.abs(sub).mean():.1f}, worst {sub.min():.0f} / "

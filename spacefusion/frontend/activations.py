@@ -19,6 +19,7 @@ import sympy as sp
 import torch
 from torch import fx
 
+from smg.expr import parse, symbol
 from smg.ops import UNARY
 from spacefusion.frontend.graph import activation_of, shape
 
@@ -31,7 +32,8 @@ _UNARY_FNS = {torch.tanh: sp.tanh, torch.exp: sp.exp, torch.sigmoid: lambda e: 1
               torch.erf: sp.erf, operator.neg: operator.neg, torch.neg: operator.neg}
 _UNARY_METHODS = {"tanh": sp.tanh, "exp": sp.exp, "sigmoid": lambda e: 1 / (1 + sp.exp(-e)), "erf": sp.erf,
                   "neg": operator.neg}
-_X = sp.Symbol("x")
+#: ``x`` as the SMG unaries' bodies read it (``smg.expr``: a real value), so the two compare as one function
+_X = symbol("x")
 #: sample points: both signs, the knee and the tails (a GELU and its tanh form differ by ~1e-3 near |x| = 2)
 _POINTS = np.array([-6.0, -3.0, -2.1, -1.3, -0.7, -0.2, 0.0, 0.15, 0.6, 1.1, 1.9, 2.6, 4.0, 7.0])
 
@@ -67,7 +69,7 @@ def _sympy_of(node: fx.Node, env: dict[fx.Node, sp.Expr]) -> sp.Expr | None:
 
 
 def _matches(expr: sp.Expr, name: str) -> bool:
-    want = sp.sympify(UNARY[name].format(x="x"))
+    want = parse(UNARY[name].format(x="x"))
     f, g = (sp.lambdify(_X, e, modules=[{"erf": np.vectorize(math.erf)}, "numpy"]) for e in (expr, want))
     with np.errstate(all="ignore"):
         a, b = np.broadcast_to(f(_POINTS), _POINTS.shape), np.broadcast_to(g(_POINTS), _POINTS.shape)

@@ -8,11 +8,12 @@ SMG content key once, so identical subgraphs across layers share one kernel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
@@ -140,6 +141,8 @@ def _stale(path: Path) -> bool:
         return True
 
 
+#: the folder of a kernel folder that keeps each family's ranked heads (``families``)
+FAMILIES = "families"
 #: the file of a kernel folder that says which machine its first picks, splits and layouts were ranked for
 HARDWARE_FILE = "hardware.json"
 #: ``CudaBackend``'s ``split_hw`` default: the machine the backend ranks for (``hardware``)
@@ -210,6 +213,20 @@ class CudaBackend(_Cached):
         # artefacts named by the schedule too (a tuning database's pick may change; a first pick may not)
         self.by_schedule = by_schedule
         self.stale_splits: dict[str, str] = {}  # SMG key -> why its exported split.json was not used
+        # first picks of a new set of sizes from the family's ranking (``families``): on for the
+        # specialisations of a graph with symbolic sizes (``sizes_per_call``), off for static graphs
+        self.transfer = False
+
+    @contextlib.contextmanager
+    def sizes_per_call(self) -> Iterator[None]:
+        """Inside, a first pick of an SMG whose family (its graph up to dim sizes) was ranked before comes
+        from that ranking (``families``): what a graph with symbolic sizes needs at each new size, which the
+        call waits for."""
+        was, self.transfer = self.transfer, True
+        try:
+            yield
+        finally:
+            self.transfer = was
 
     def artefact_dir(self, smg: SMG) -> Path:
         if self.by_schedule:
@@ -329,7 +346,7 @@ class CudaBackend(_Cached):
         if todo:
             self._record_hardware()  # before the workers: theirs would race to write it
         return export_many(self.folder, self.arch, self.schedule_for, self.by_schedule, list(todo.values()),
-                           split=(self.split_hw, self.split_kw), hardware=self.hardware)
+                           split=(self.split_hw, self.split_kw), hardware=self.hardware, transfer=self.transfer)
 
     def _missing(self, smg: SMG) -> list[SMG]:
         """The kernels ``compile`` would build for ``smg`` (its split's, or its own) that the folder lacks or
@@ -347,13 +364,17 @@ class CudaBackend(_Cached):
     def export(self, smg: SMG, cubin: bool = True) -> Path:
         """Write ``smg``'s kernel.cu + kernel.json (+ kernel.cubin where nvcc is and ``cubin``), and
         ``timing.json``: the seconds its schedule (the first pick's search), TVM's lowering and the save
-        (nvcc) took, what a cold compile's time is made of (``experiments/compile_time.py`` reads them), and
-        the machine its schedule was ranked for, with why (a default says so)."""
+        (nvcc) took, what a cold compile's time is made of (``experiments/compile_time.py`` reads them), the
+        machine its schedule was ranked for, with why (a default says so), and the sizes of the family ranking
+        its first pick came from (``families``; None: ranked in full)."""
         from spacefusion.api import build
+        from spacefusion.frontend import families
 
         self._record_hardware()
         t0 = time.perf_counter()
-        schedule = self.schedule_for(smg)
+        families.ORIGIN.pop(smg.key, None)
+        with families.transferring(self.folder / FAMILIES, self.transfer):
+            schedule = self.schedule_for(smg)
         t1 = time.perf_counter()
         art = build(schedule, f"cuda:{self.arch}")
         t2 = time.perf_counter()
@@ -361,7 +382,8 @@ class CudaBackend(_Cached):
         t3 = time.perf_counter()
         (path / "timing.json").write_text(json.dumps({"name": smg.name, "schedule_s": round(t1 - t0, 3),
                                                       "lower_s": round(t2 - t1, 3), "save_s": round(t3 - t2, 3),
-                                                      "ranked_for": self.hardware.to_dict()}))
+                                                      "ranked_for": self.hardware.to_dict(),
+                                                      "picked_from_sizes": families.ORIGIN.get(smg.key)}))
         return path
 
     def _compile(self, smg: SMG) -> Kernel:

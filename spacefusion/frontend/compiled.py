@@ -18,6 +18,7 @@ same layer at another batch, a shape seen before) come from the kernel cache.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -353,8 +354,10 @@ class PerShape:
         if len(self.compiled) >= MAX_SHAPES:
             report.skipped = f"more than {MAX_SHAPES} sets of sizes: torch runs the further ones (MAX_SHAPES)"
             return self.gm.forward
+        per_call = getattr(self.owner.kernels, "sizes_per_call", contextlib.nullcontext)
         try:
-            compiled = CompiledGraph(self.owner, concrete(self.gm, args), args, report, self.names)
+            with per_call():  # a CUDA backend's first picks come from the family's ranking (``families``)
+                compiled = CompiledGraph(self.owner, concrete(self.gm, args), args, report, self.names)
         except FrontendError as exc:
             report.skipped = str(exc)
             return self.gm.forward

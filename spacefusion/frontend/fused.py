@@ -18,6 +18,7 @@ from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
 from spacefusion.frontend.left_convs import CHANNELS_LAST, channels_last_left_convs
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Subgraph
+from spacefusion.frontend.scale_fold import fold_layer_scales
 from spacefusion.frontend.sequence import launches
 
 
@@ -320,6 +321,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     whose kernel cannot be built stays with torch, with the reason in the partition.  ``baked_weights``:
     the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too."""
     fold_bn_into_left_convs(cap.module)
+    fold_layer_scales(cap.module)
     be = get_backend(backend)
     part = partition(cap.module, getattr(be, "layout_of", None), getattr(be, "library_first", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}

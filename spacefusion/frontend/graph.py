@@ -167,6 +167,15 @@ def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
             return None
         n, k = _param_shape(gm, w)
         return Linear(node.args[0], w, b, k, n)
+    if is_function(node, MATMUL) and len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], fx.Node):
+        # x @ W.T (W [n, k], as nn.Linear stores it) or x @ W (W [k, n]) on a 2-D parameter: a linear, no bias
+        w, transposed = _weight_operand(node.args[1])
+        if w is None or len(_param_shape(gm, w)) != 2 or node.args[0].op == "get_attr":
+            return None
+        a, b = _param_shape(gm, w)
+        k, n = (b, a) if transposed else (a, b)
+        xs = shape(node.args[0])
+        return Linear(node.args[0], w, None, k, n, stored_kn=not transposed) if xs and xs[-1] == k else None
     if is_function(node, (torch.addmm,)) and len(node.args) == 3 and not node.kwargs:
         # GPT-2's Conv1D: addmm(bias, x[m, k], W[k, n]) = x @ W + bias
         b, x, w = (param_ref(a) if i != 1 else a for i, a in enumerate(node.args))
@@ -175,6 +184,29 @@ def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
         k, n = _param_shape(gm, w)
         return Linear(x, w, b, k, n, stored_kn=True) if _param_shape(gm, b) == (n,) else None
     return None
+
+
+#: a product the frontend reads as a linear where one side is a parameter (``linear_of``)
+MATMUL = (operator.matmul, torch.matmul, torch.mm)
+
+
+def _weight_operand(node: Any) -> tuple[str | None, bool]:
+    """(the parameter, whether it is read transposed) of ``W``, ``W.T``, ``W.t()``, ``W.transpose(0, 1)`` or
+    ``W.permute(1, 0)`` on a parameter ``W``; (None, False) for anything else."""
+    ref = param_ref(node)
+    if ref is not None:
+        return ref, False
+    if not isinstance(node, fx.Node) or node.kwargs or not node.args:
+        return None, False
+    w, rest = node.args[0], tuple(node.args[1:])
+    flips = (node.op == "call_function" and node.target is getattr and rest == ("T",)) \
+        or (node.op == "call_method" and node.target == "t" and not rest) \
+        or (is_function(node, (torch.t,)) and not rest) \
+        or ((node.op == "call_method" and node.target == "transpose" or is_function(node, (torch.transpose,)))
+            and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1))) \
+        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),), ([1, 0],)))
+    ref = param_ref(w)
+    return (ref, True) if flips and ref is not None else (None, False)
 
 
 def _pair(v: Any) -> Any:

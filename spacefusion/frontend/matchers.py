@@ -414,6 +414,9 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     act = _activation_after(node, ctx)
     out, name = (act.out, act.name) if act else (node, None)
     res = None if act else _residual_after(node, ctx)
+    back = None if act or res else _residual_through_permute(node, ctx)
+    if back is not None:
+        res = back[1], back[2]
     out = res[0] if res else out
     m = rows(xs)
     pro = ctx.prologue(lin.x)
@@ -427,12 +430,36 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
     ops = [_value("A", pro.x if pro else lin.x, (m, lin.k)), weight]
     if lin.bias:
         ops.append(_param("bias", lin.bias, (lin.n,)))
+    if back is not None:  # the residual and the sum in NCHW, channels-last: both bind as [m, n] views
+        ops.append(_value("R", res[1], (m, lin.n), permute=(0, 2, 3, 1)))
+        label = f"gemm{' + bias' if lin.bias else ''} + permute + add {m}x{lin.n}x{lin.k} {dt}"
+        b, h, w, n = shape(node)
+        result = Result("Y", res[0].name, shape(res[0]), permute=(0, 3, 1, 2), split=(b, h, w, n))
+        return Subgraph("gemm", label, (node.name, back[0].name, res[0].name), smg, tuple(ops), (result,))
     if res:
         ops.append(_value("R", res[1], (m, lin.n)))
     label = (f"{pro.label if pro else ''}gemm{' + bias' if lin.bias else ''}{f' + {name}' if act else ''}"
              f"{' + add' if res else ''} {m}x{lin.n}x{lin.k} {dt}")
     nodes = (node, *act.nodes) if act else (node, res[0]) if res else (node,)
     return _subgraph("norm_gemm" if pro else "gemm", label, nodes, smg, ops, {"Y": out})
+
+
+def _residual_through_permute(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(the permute, the add, the other operand) of ``linear(x).permute(0, 3, 1, 2) + r`` over images stored
+    channels-last (ConvNeXt's block: its MLP runs on [b, h, w, c], the block's input is NCHW): the sum's rows
+    are the GEMM's rows, so the add is its epilogue, the residual and the sum bound as [m, n] views (never a
+    copy: a residual not stored channels-last is left to torch's add)."""
+    from spacefusion.frontend.scale_fold import permute_of
+
+    p = single_user(node)
+    pv = permute_of(p) if p is not None else None
+    if pv is None or pv[1] != (0, 3, 1, 2) or len(shape(node) or ()) != 4 or not ctx.free(p):
+        return None
+    added = _add_after(p, ctx)
+    if added is None or added[0].name in ctx.norm_inputs or not contiguous_nhwc(added[1]) \
+            or not contiguous_nhwc(added[0]):
+        return None
+    return p, added[0], added[1]
 
 
 def _add_after(y: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node] | None:

@@ -59,10 +59,11 @@ def _export_one(job: Path) -> str:
     """Export the SMG of one job file (written by ``export_many``); its key."""
     from spacefusion.frontend.backends import CudaBackend
 
-    folder, arch, schedule_for, by_schedule, (split_hw, split_kw), hardware, smg = pickle.loads(job.read_bytes())
+    folder, arch, schedule_for, by_schedule, (split_hw, split_kw), hardware, transfer, smg = \
+        pickle.loads(job.read_bytes())
     backend = CudaBackend(folder, arch, schedule_for=schedule_for, build_missing=True, load=False,
                           by_schedule=by_schedule, split_hw=split_hw, hardware=hardware)
-    backend.split_kw = split_kw
+    backend.split_kw, backend.transfer = split_kw, transfer
     backend.export_all(smg)
     return smg.key
 
@@ -213,11 +214,13 @@ def close_pool() -> None:
 
 def export_many(folder: Path, arch: str, schedule_for: Callable[[Any], Any], by_schedule: bool,
                 smgs: Sequence[Any], workers: int | None = None,
-                split: tuple[Any, dict[str, int]] = (None, {}), hardware: Any = None) -> dict[str, str]:
+                split: tuple[Any, dict[str, int]] = (None, {}), hardware: Any = None,
+                transfer: bool = False) -> dict[str, str]:
     """Export the artefacts of ``smgs`` into ``folder`` on the pool's workers (``CudaBackend.export_all``: each
     SMG's split decided for ``split``'s machine and keywords, as the caller's backend would, for the caller's
     ``hardware`` (its ``HardwareChoice``, recorded in each ``timing.json``), then its
-    kernels); {SMG key: error} of those that failed.  Nothing happens with no SMG, fewer than two workers, or
+    kernels, first picks from a family's ranking where ``transfer``, as the caller's ``CudaBackend.transfer``);
+    {SMG key: error} of those that failed.  Nothing happens with no SMG, fewer than two workers, or
     a ``schedule_for`` that cannot be sent to a worker (a closure over a tuning database): the caller's serial
     path exports them."""
     workers = build_workers() if workers is None else workers
@@ -231,7 +234,8 @@ def export_many(folder: Path, arch: str, schedule_for: Callable[[Any], Any], by_
         jobs = []
         for i, smg in enumerate(smgs):  # the job files: transient messages to our own workers, never kept
             path = Path(tmp) / f"job{i}.pkl"
-            path.write_bytes(pickle.dumps((Path(folder), arch, schedule_for, by_schedule, split, hardware, smg)))
+            path.write_bytes(pickle.dumps((Path(folder), arch, schedule_for, by_schedule, split, hardware, transfer,
+                                           smg)))
             jobs.append(path)
         key_of = {str(p): smg.key for p, smg in zip(jobs, smgs)}
         done, failed = _pool().run(jobs, workers)

@@ -96,6 +96,26 @@ def ranked(smg: SMG, hw: HardwareModel | None = None, head: int | None = None) -
 ATTEMPTS = 5
 
 
+def _order(smg: SMG, hw: HardwareModel, attempts: int) -> list[Schedule]:
+    """``ranked``'s head, or inside ``families.transferring(folder, True)`` the head of the family's nearest
+    ranked sizes made again on ``smg`` (``families.ranked_from``) where the folder holds one; a full ranking
+    made inside a ``transferring`` scope keeps its head there for the family's next sizes."""
+    from spacefusion.frontend import families
+
+    where = families.scope()
+    if where is not None and where[1]:
+        entry = families.nearest(where[0], smg, hw)
+        if entry is not None:
+            order = families.ranked_from(entry, smg, hw)
+            if order:
+                families.ORIGIN[smg.key] = entry["sizes"]
+                return order
+    order = ranked(smg, hw, head=attempts)
+    if where is not None and order:
+        families.save(where[0], smg, hw, order)
+    return order
+
+
 def model_pick(smg: SMG, hw: HardwareModel | None = None, build: Callable[[Schedule], object] | None = None,
                attempts: int = ATTEMPTS) -> tuple[Schedule, int]:
     """The tuner's first pick for ``smg`` on ``hw`` (None: the GPU in hand's preset, else the reported
@@ -103,7 +123,7 @@ def model_pick(smg: SMG, hw: HardwareModel | None = None, build: Callable[[Sched
     with ``build``, the first of the best ``attempts`` that ``build`` accepts (a lowering that refuses a
     schedule moves on to the next, the error of the last is raised if none builds)."""
     hw = _ranking(hw)
-    order = ranked(smg, hw, head=attempts)
+    order = _order(smg, hw, attempts)
     if not order:
         raise ValueError(f"no schedule of {smg.name!r} fits {hw.name}")
     last: Exception | None = None

@@ -7,6 +7,7 @@ the total tuning time is printed at the end.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -85,10 +86,16 @@ def _tunable(sub: Subgraph) -> list[tuple[str, SMG]]:
 def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner | Callable[[SMG], Runner],
                     db: TuningDatabase | str | Path, *, hw: HardwareModel | None = None, target: str = "cuda:sm_90a",
                     trials: int = 32, batch: int = 16, workers: int = 2, seed: int = 0,
-                    progress: bool = True) -> TuningReport:
+                    progress: bool = True, jobs: int | None = None) -> TuningReport:
     """Tune each distinct subgraph of ``partitions`` on ``runner`` (``trials`` candidates each), all in ``db``,
     filed under ``hw`` (None: ``search.tuner.tuning_hardware``: the GPU in hand's preset, ``CPU_STAND_IN`` for
     llvm, else the logged default).
+
+    ``jobs`` SMGs are tuned at once, each in a thread with its own connection to ``db`` (None: as many as the
+    runner has workers, ``runner.parallelism`` once connected, else 1).  Why: between its batches a tune ranks,
+    refits and builds, and a runner with several GPUs would idle through that; SMGs tuned side by side keep
+    every worker busy, and their candidates share the runner's one queue.  The database's claims keep them
+    apart as they keep apart tunes of several processes; the report lists the SMGs in their order either way.
 
     ``runner`` may be a function of the SMG giving its runner: an ``OfflineBatchRunner`` needs a folder
     of its own per subgraph, whose batch is measured on the GPU machine and picked up by the next call."""
@@ -96,17 +103,27 @@ def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner 
     own = not isinstance(db, TuningDatabase)
     database = TuningDatabase(db) if own else db
     t0 = time.perf_counter()
-    tuned = []
+    if jobs is None:
+        jobs = _parallelism(runner)
+    if jobs < 1:
+        raise FrontendError(f"jobs must be at least 1, got {jobs}")
     try:
-        todo = _distinct(parts)
-        bar = tqdm(todo, desc="tuning subgraphs", unit="subgraph", disable=not progress)
-        for sub, uses in bar:
-            bar.set_postfix_str(sub.label[:48])
-            for label, smg in _tunable(sub):
-                run = runner if hasattr(runner, "measure") else runner(smg)
-                summary = tune(smg, run, hw=hw, target=target, db=database, trials=trials, batch=batch,
-                               workers=workers, seed=seed, progress=False)
-                tuned.append(TunedSubgraph(label, uses, summary))
+        todo: list[_Item] = [(label, smg, uses) for sub, uses in _distinct(parts) for label, smg in _tunable(sub)]
+        bar = tqdm(total=len(todo), desc="tuning subgraphs", unit="subgraph", disable=not progress)
+
+        def one(item: _Item, on: TuningDatabase) -> TunedSubgraph:
+            label, smg, uses = item
+            run = runner if hasattr(runner, "measure") else runner(smg)  # type: ignore[operator]
+            summary = tune(smg, run, hw=hw, target=target, db=on, trials=trials, batch=batch, workers=workers,
+                           seed=seed, progress=False)
+            bar.set_postfix_str(label[:48])
+            bar.update(1)
+            return TunedSubgraph(label, uses, summary)
+
+        if jobs == 1 or len(todo) < 2:
+            tuned = [one(item, database) for item in todo]
+        else:
+            tuned = _side_by_side(todo, one, database, jobs)
         bar.close()
     finally:
         if own:
@@ -115,6 +132,44 @@ def tune_partitions(partitions: Partition | Iterable[Partition], runner: Runner 
     if progress:
         print(f"total tuning time {report.wall_s:.1f} s for {len(tuned)} distinct subgraphs ({report.cached} cached)")
     return report
+
+
+def _parallelism(runner: object) -> int:
+    """How many candidates ``runner`` measures at once: a pool's workers (started here, so the count is known
+    before the first tune), 1 for anything else."""
+    connect = getattr(runner, "connect", None)
+    if not hasattr(runner, "parallelism") or not callable(connect):
+        return 1
+    connect()
+    return max(1, int(getattr(runner, "parallelism", 1) or 1))
+
+
+_Item = tuple[str, SMG, int]  # (label, SMG, uses)
+
+
+def _side_by_side(todo: list[_Item], one: Callable[[_Item, TuningDatabase], TunedSubgraph], database: TuningDatabase,
+                  jobs: int) -> list[TunedSubgraph]:
+    """``one`` over ``todo`` in ``jobs`` threads, each tune with a connection of its own to ``database``'s file
+    (an SQLite connection belongs to the thread that made it); the results in ``todo``'s order.  The first
+    failure is raised once the tunes already running have finished (their records are kept), and no new one
+    starts after it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    failed = threading.Event()
+
+    def run(item: _Item) -> TunedSubgraph | None:
+        if failed.is_set():
+            return None
+        try:
+            with TuningDatabase(database.path, readonly=database.readonly, lock_wait_s=database.lock_wait_s) as on:
+                return one(item, on)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=min(jobs, len(todo)), thread_name_prefix="sf-tune") as ex:
+        futures = [ex.submit(run, item) for item in todo]
+    return [r for r in (f.result() for f in futures) if r is not None]
 
 
 #: where ``tune_model`` measures: "gpu" (TVM and a GPU in this process, CUDA for sm_90a) or "llvm" (this CPU)
@@ -133,33 +188,52 @@ class _Collect(_Cached):
         return never
 
 
-def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str = "gpu", trials: int = 16,
-               workers: int = 2, progress: bool = True, **kwargs: Any) -> TuningReport:
+def tune_model(model: nn.Module, *args: Any, db: str | Path, runner: str | Runner = "gpu", trials: int = 16,
+               workers: int | None = None, progress: bool = True, gpus: int | None = None, jobs: int | None = None,
+               target: str | None = None, hw: HardwareModel | None = None, **kwargs: Any) -> TuningReport:
     """Capture ``model`` with TorchDynamo on the example inputs as ``spacefusion.compile`` would (nothing built;
     the model runs unfused once) and tune every distinct fused SMG into the database ``db``: ``trials``
-    candidates each, measured on ``runner`` ("gpu": TVM and the GPU in this process; "llvm": this CPU).
+    candidates each, measured on ``runner``: "gpu" (TVM here; every visible GPU of this host at once, one worker
+    each, or ``gpus`` of them: ``runners.gpu_runner``), "llvm" (this CPU), or a runner of your own (a
+    ``RayRunner`` on a cluster, with the ``target`` and ``hw`` its records are for; default CUDA for sm_90a under
+    ``search.tuner.tuning_hardware``'s preset).  ``jobs`` SMGs are tuned at once (``tune_partitions``: by default
+    as many as the runner has workers); ``workers`` processes build CUDA candidates (default: every CPU core).
     Then ``spacefusion.compile(model, db=db)`` builds each SMG's best; a database tuned before (this model or
     another sharing its SMGs) is reused, so a second call costs only the capture."""
-    if runner not in RUNNERS:
-        raise FrontendError(f"unknown tuning runner {runner!r}; known: {', '.join(RUNNERS)}")
+    if isinstance(runner, str) and runner not in RUNNERS:
+        raise FrontendError(f"unknown tuning runner {runner!r}; known: {', '.join(RUNNERS)}, or a Runner")
     if trials < 1:
         raise FrontendError(f"trials must be at least 1, got {trials}")
+    from spacefusion.runners import cpu_cores
+
+    own = isinstance(runner, str)
     if runner == "gpu":
-        from spacefusion.runners import LocalGPURunner, gpu_unavailable_reason
+        from spacefusion.runners import LocalGPURunner, gpu_runner, gpu_unavailable_reason
 
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise FrontendError(f"runner 'gpu' needs a CUDA GPU here ({reason}); tune with runner='llvm'")
         from spacefusion.frontend.dynamo import device_hardware
 
-        measure: Runner = LocalGPURunner()
-        hw = device_hardware()  # records under this GPU's preset, which compile(..., db=) reads first
-    else:
+        measure: Runner = gpu_runner(gpus=gpus)
+        if not isinstance(measure, LocalGPURunner):
+            measure.connect()  # type: ignore[attr-defined]  # a pool: its workers up before the capture
+        hw = hw or device_hardware()  # records under this GPU's preset, which compile(..., db=) reads first
+        target = target or RUNNERS["gpu"]
+    elif runner == "llvm":
         from spacefusion.runners import LLVMRunner
 
         measure, hw = LLVMRunner(), CPU_STAND_IN  # the CPU has no model: its records are filed under the stand-in
-    return tune_partitions(captured_partitions(model, *args, **kwargs), measure, db, hw=hw, target=RUNNERS[runner],
-                           trials=trials, workers=workers, progress=progress)
+        target = "llvm"
+    else:
+        measure, target = runner, target or RUNNERS["gpu"]  # type: ignore[assignment]
+    try:
+        return tune_partitions(captured_partitions(model, *args, **kwargs), measure, db, hw=hw, target=target,
+                               trials=trials, workers=workers or cpu_cores(), progress=progress, jobs=jobs)
+    finally:
+        close = getattr(measure, "close", None)
+        if own and callable(close):  # the workers this call started end with it
+            close()
 
 
 def captured_partitions(model: nn.Module, *args: Any, kinds: Iterable[str] | None = None,

@@ -347,9 +347,9 @@ def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
         from spacefusion.lower.mma import build_warp_tile
 
         mod = tvm.IRModule({"main": build_warp_tile(s)})
-        loads = "TMA (cp.async.bulk.tensor, mbarriers)" if s.warp_tile.tma else "cp.async"
+        loads = "TMA (cp.async.bulk.tensor, mbarriers)" if s.warp_tile.hopper.tma else "cp.async"
         what = (f"tensorcore-wgmma (warp-tile program: wgmma.mma_async on 128 B-swizzled tiles, {loads})"
-                if s.warp_tile.wgmma else "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
+                if s.warp_tile.hopper.wgmma else "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
         art = _compile_lowered(s, mod, arch, what)
         return CudaArtefact(art.source, art.meta | {"nvcc_flags": list(WARP_TILE_FLAGS)})
     from spacefusion.lower.tensorcore import build_tensorcore

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import sympy as sp
 from tvm import tirx
 
-from smg.expr import logistic_arg
+from smg.expr import Role, logistic_arg, parse
 
 F32 = "float32"
 
@@ -156,8 +155,7 @@ def tanh_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def to_tir_int(text: str, value: Callable[[str], tirx.PrimExpr]) -> tirx.PrimExpr:
     """An integer index expression (affine, with ``floor(e/c)``) as int32 TIR."""
-    names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text.replace("floor", " "))
-    e = sp.sympify(text, locals={n: sp.Symbol(n, integer=True) for n in names})
+    e = parse(text, Role.INDEX)
 
     def go(x: sp.Expr) -> tirx.PrimExpr:
         if x.is_Symbol:

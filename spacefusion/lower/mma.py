@@ -76,7 +76,7 @@ class Kernel:
                 with T.thread_binding(0, s.num_blocks, thread="blockIdx.x") as bid:
                     with T.thread_binding(0, p.threads, thread="threadIdx.x") as tid:
                         st.tid = tid
-                        if p.producer:
+                        if p.hopper.producer:
                             self.ws.kernel(bid)
                         else:
                             self.block.threads(tid)
@@ -91,47 +91,47 @@ class Kernel:
         p = st.p
         # cp.async groups per step: with early_scores the score tile's operands and the second GEMM's,
         # waited for one after the other (FlashAttention-2's order)
-        st.groups = 2 if p.early_scores else 1
+        st.groups = 2 if p.warp.early_scores else 1
         self.block.alloc()
-        if p.tma:
+        if p.hopper.tma:
             self.tma.init()
         if p.gemm is not None and p.gemm.kp != p.gemm.kd:  # K run as a multiple of 16: zeros past its end
-            for name in (p.gemm.a,) if p.tma else (p.gemm.a, p.gemm.b):
+            for name in (p.gemm.a,) if p.hopper.tma else (p.gemm.a, p.gemm.b):
                 ring.zero_columns(name, p.gemm.kd, p.gemm.kp)
         zero = tirx.const(0, I32)
         self.rows.init_states()
         qf = None
-        held = p.gemm is not None and not p.reload_a
+        held = p.gemm is not None and not p.warp.reload_a
         if p.gemm is not None:  # its load overlaps the ring's first tiles' (read into registers after
             g = p.gemm  # them or, with reload_a, every step)
             ring.copy_tile(g.a, zero, p.row, st.row0, g.k, zero, block=True)
             T.evaluate(T.ptx.cp.async_.commit_group())
         st.first, nsteps = self.block.step_range()
-        if p.slices > 1:  # this block's contiguous range of steps (empty outside a mask's bounds), which
+        if p.warp.slices > 1:  # this block's contiguous range of steps (empty outside a mask's bounds), which
             per = st.s.steps_per_block  # its warp groups (split) interleave
             nsteps = tirx.min(nsteps, st.slice * per + per)
             st.first = tirx.max(st.first, st.slice * per)
         iters = tirx.max(nsteps - st.first, 0)
-        if p.split > 1:  # every group runs the same iteration count (the block-wide barriers), idle past the end
-            iters = tirx.floordiv(iters + (p.split - 1), p.split)
+        if p.warp.split > 1:  # every group runs the same iteration count (the block-wide barriers), idle past the end
+            iters = tirx.floordiv(iters + (p.warp.split - 1), p.warp.split)
         # warpgroup MMA in a ring of 3+ leaves one step's wgmma group in flight while the next step
         # waits and loads: the load then reuses the slot of two steps back, one step less ahead
-        st.lag = 1 if p.wgmma_ss and p.stages >= 3 else 0
-        dist = p.stages - 1 - st.lag
+        st.lag = 1 if p.wgmma_ss and p.warp.stages >= 3 else 0
+        dist = p.warp.stages - 1 - st.lag
         for pre in range(dist):
             ring.issue_step(tirx.const(pre, I32), ring.step_of(tirx.const(pre, I32)) < nsteps)
-        if p.tma and p.gemm is not None and not held:  # the ring commits no cp.async group: wait for the A
+        if p.hopper.tma and p.gemm is not None and not held:  # the ring commits no cp.async group: wait for the A
             T.evaluate(T.ptx.cp.async_.wait_group(0))  # tile here, for the async proxy (wgmma) to read
             T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
             T.evaluate(T.tvm_storage_sync("shared"))
         if held:  # the A operand stays in registers for the whole loop; its group is the oldest
-            T.evaluate(T.ptx.cp.async_.wait_group(0 if p.tma else st.groups * (p.stages - 1)))
+            T.evaluate(T.ptx.cp.async_.wait_group(0 if p.hopper.tma else st.groups * (p.warp.stages - 1)))
             T.evaluate(T.tvm_storage_sync("shared"))
             qf = self.sync.a_fragments()
         with T.serial(0, iters) as j:
             ahead = j + dist
-            pred = ring.step_of(ahead) < nsteps if p.stages > 1 or p.split > 1 else None
-            if p.stages == 1:  # no ring: load, wait, compute, and every warp done before the next load
+            pred = ring.step_of(ahead) < nsteps if p.warp.stages > 1 or p.warp.split > 1 else None
+            if p.warp.stages == 1:  # no ring: load, wait, compute, and every warp done before the next load
                 ring.issue_step(ahead, pred)
                 ring.wait_tiles(j, 0)
                 T.evaluate(T.tvm_storage_sync("shared"))
@@ -145,18 +145,18 @@ class Kernel:
             st.t0 = ring.step_of(j) * p.step
             st.slot = ring.slot_for(j)
             with ExitStack() as busy:
-                if p.split > 1:
+                if p.warp.split > 1:
                     busy.enter_context(T.If(ring.step_of(j) < nsteps))
                     busy.enter_context(T.Then())
                 self.step.masked(qf)
-            if p.stages == 1:
+            if p.warp.stages == 1:
                 T.evaluate(T.tvm_storage_sync("shared"))
         if st.lag:  # the last steps' accumulators
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         T.evaluate(T.tvm_storage_sync("shared"))  # the merge's hand-over lies over the ring
-        if p.slices > 1:  # warp groups too (split) leave their parts in the workspace
+        if p.warp.slices > 1:  # warp groups too (split) leave their parts in the workspace
             self.epilogue.merge_slices()
-        elif p.split > 1:
+        elif p.warp.split > 1:
             self.epilogue.merge()
         else:
             self.epilogue.finalize()

@@ -48,8 +48,8 @@ class Block:
         threads that run the MMA (all of them, or those after a producer warpgroup)."""
         st, p = self.st, self.st.p
         group_threads = 32 * p.warps
-        st.gtid = t % group_threads if p.split > 1 else t
-        st.grp = t // group_threads if p.split > 1 else tirx.const(0, I32)
+        st.gtid = t % group_threads if p.warp.split > 1 else t
+        st.grp = t // group_threads if p.warp.split > 1 else tirx.const(0, I32)
         st.warp, st.lane = st.gtid // 32, t % 32
         st.g, st.t4 = st.lane // 4, st.lane % 4
 
@@ -64,8 +64,8 @@ class Block:
             rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
         rest = rest // grid[p.row]
         # then the slice: the row tiles of one slice read the same K/V steps together
-        st.slice = rest % p.slices
-        rest = rest // p.slices
+        st.slice = rest % p.warp.slices
+        rest = rest // p.warp.slices
         st.tile = rest * grid[p.row] + rb  # the row tile's index among all tiles
         outer = [d for d, _ in s.block if d != p.row]
         for d in reversed(outer):
@@ -87,21 +87,21 @@ class Block:
             if n in st.swizzled:  # the 128 B swizzle XORs address bits: its atoms start on 1 KB
                 end = -(-end // SWIZZLE_ATOM) * SWIZZLE_ATOM
             offs[n], end = end, end + sizes[n]
-        if p.producer:  # the output bands are staged beside the ring, which the loads refill meanwhile
+        if p.hopper.producer:  # the output bands are staged beside the ring, which the loads refill meanwhile
             st.stage_base, end = end, end + staged_elements(st.s, p)
         else:  # the output tiles reuse the ring after the loop
             st.stage_base, end = 0, max(end, staged_elements(st.s, p))
         # the slices' arrival flag is static shared memory, which puts the dynamic arena after it: then
         # the swizzled tiles move up to the next 1 KB of the shared window, found at run time
-        skewed = p.wgmma and p.slices > 1
+        skewed = p.hopper.wgmma and p.warp.slices > 1
         end += SWIZZLE_ATOM if skewed else 0
-        if p.tma:  # the ring's mbarriers (mbarrier_bytes), 8-byte aligned, past everything else (the skew too)
+        if p.hopper.tma:  # the ring's mbarriers (mbarrier_bytes), 8-byte aligned, past everything else (the skew too)
             st.mbar_base = -(-end // 4) * 4
             end = st.mbar_base + mbarrier_bytes(p) // 2
         arena = T.alloc_buffer((end,), st.half, scope="shared.dyn")
         st.arena = arena
         skew = tirx.const(0, I32)
-        if p.wgmma:  # the arena's shared-window address, for the wgmma descriptors
+        if p.hopper.wgmma:  # the arena's shared-window address, for the wgmma descriptors
             st.arena_addr = T.alloc_buffer((1,), "uint32", scope="local")
             T.buffer_store(st.arena_addr, tirx.call_extern("uint32", "__cvta_generic_to_shared",
                                                            arena.access_ptr("r")), [0])

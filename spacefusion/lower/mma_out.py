@@ -43,7 +43,7 @@ class Epilogue:
         st = self.st
         p, tg = st.p, 32 * st.p.warps
         regs, offset, nf = self._parts()
-        xchg = T.alloc_buffer(((p.split - 1) * nf * tg,), F32, scope="shared.dyn")
+        xchg = T.alloc_buffer(((p.warp.split - 1) * nf * tg,), F32, scope="shared.dyn")
         with T.If(st.grp > 0), T.Then():  # hand over: element f of group g at ((g-1)*nf + f)*tg + tid
             for name, b in regs:
                 for e in range(int(b.shape[0])):
@@ -55,7 +55,7 @@ class Epilogue:
                     return dict(regs)[name][e]
                 return xchg[((g - 1) * nf + offset[name] + e) * tg + st.gtid]
 
-            self._merged(p.split, src)
+            self._merged(p.warp.split, src)
             self.finalize()  # group 0 stores the outputs
 
     def merge_slices(self) -> None:
@@ -63,15 +63,23 @@ class Epilogue:
         itself done (atomicAdd after a fence); the last one reads all of them back (``__ldcg``: from
         L2, never a stale L1 line), merges them, resets the count for the next launch and stores.
         With warp groups (split) every group leaves its own part, and group 0 of the last block
-        merges the blocks' and groups' parts alike (no barrier sits in a group's branch)."""
+        merges the blocks' and groups' parts alike (no barrier sits in a group's branch).
+        With ``atomic_slices`` (states that are sums without a carry) every block and group adds its
+        part into the row tile's first with atomicAdd instead, and the last block reads that one part
+        and zeroes it for the next launch (the launcher zeroes the workspace once)."""
         st, p = self.st, self.st.p
         regs, offset, _ = self._parts()
         part, arrivals = st.glob[PARTIALS], st.glob[ARRIVALS]
-        parts = p.slices * p.split
-        mine = (st.tile * p.slices + st.slice) * p.split + st.grp
+        atomic = p.warp.atomic_slices
+        parts = p.warp.slices * p.warp.split
+        mine = st.tile * parts if atomic else (st.tile * p.warp.slices + st.slice) * p.warp.split + st.grp
         for name, b in regs:
             for e in range(int(b.shape[0])):
-                T.buffer_store(part, b[e], [mine, offset[name] + e, st.gtid])
+                at = [mine, offset[name] + e, st.gtid]
+                if atomic:
+                    T.evaluate(tirx.call_extern(F32, "atomicAdd", tirx.address_of(part[tuple(at)]), b[e]))
+                else:
+                    T.buffer_store(part, b[e], at)
         T.evaluate(tirx.call_extern("void", "__threadfence"))
         T.evaluate(T.tvm_storage_sync("shared"))
         done = T.alloc_buffer((1,), I32, scope="shared")
@@ -80,8 +88,8 @@ class Epilogue:
         T.evaluate(T.tvm_storage_sync("shared"))
         last = T.alloc_buffer((1,), I32, scope="local")  # a branch condition may not read shared memory
         T.buffer_store(last, done[0], [0])
-        with T.If(last[0] == p.slices - 1), T.Then(), ExitStack() as group0:
-            if p.split > 1:
+        with T.If(last[0] == p.warp.slices - 1), T.Then(), ExitStack() as group0:
+            if p.warp.split > 1:
                 group0.enter_context(T.If(st.grp == 0))
                 group0.enter_context(T.Then())
             T.evaluate(tirx.call_extern("void", "__threadfence"))
@@ -90,7 +98,11 @@ class Epilogue:
                 at = part[st.tile * parts + g, offset[name] + e, st.gtid]
                 return tirx.call_extern(F32, "__ldcg", tirx.address_of(at))
 
-            self._merged(parts, src)
+            self._merged(1 if atomic else parts, src)
+            if atomic:  # each thread zeroes the elements it read
+                for name, b in regs:
+                    for e in range(int(b.shape[0])):
+                        T.buffer_store(part, tirx.const(0.0, F32), [mine, offset[name] + e, st.gtid])
             with T.If(st.tid == 0), T.Then():
                 T.buffer_store(arrivals, tirx.const(0, I32), [st.tile])
             self.finalize()
@@ -171,7 +183,7 @@ class Epilogue:
                 continue
             gs = by_n[n]
             staged = staged_output(st.s, p, out)
-            if staged is not None and p.producer:  # by each MMA warpgroup alone, beside a producer
+            if staged is not None and p.hopper.producer:  # by each MMA warpgroup alone, beside a producer
                 self._store_bands(out, text, gs)
                 continue
             if staged is not None:

@@ -35,7 +35,7 @@ class Overlap:
 
     def phase(self, j: tirx.PrimExpr | int) -> tirx.PrimExpr | int:
         """The parity of the ring slot's barrier phase that step ``j`` completes."""
-        stages = self.st.p.stages
+        stages = self.st.p.warp.stages
         return (j // stages) % 2 if isinstance(j, int) else tirx.floordiv(j, stages) % 2
 
     def issue_previous_pv(self, last: bool = False) -> None:
@@ -46,7 +46,7 @@ class Overlap:
         (gs,) = p.gemm_states
         first = st.tid % 128 == 0
         if not self.peeled():
-            slot, prev = st.slot, (st.j + p.stages - 1) % p.stages
+            slot, prev = st.slot, (st.j + p.warp.stages - 1) % p.warp.stages
             T.evaluate(T.cuda.mbarrier_wait(self.tma.full_v(prev), self.phase(st.j - 1)))
             st.slot = prev
             self.wgmma.rs(st.acc[gs.update.state], st.pf_keep, gs, wait=False)
@@ -90,5 +90,5 @@ class Overlap:
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         with T.If(st.tid % 128 == 0):
             with T.Then():
-                prev = (st.j + p.stages - 1) % p.stages
+                prev = (st.j + p.warp.stages - 1) % p.warp.stages
                 T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self.tma.empty_v(prev)))

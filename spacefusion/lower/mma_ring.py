@@ -178,15 +178,15 @@ class Ring:
         """The serial step of this warp group's ``j``-th iteration (groups interleave steps; a
         slice's block starts at its first step)."""
         st = self.st
-        if st.p.split > 1:
-            return st.first + j * st.p.split + st.grp
+        if st.p.warp.split > 1:
+            return st.first + j * st.p.warp.split + st.grp
         return st.first + j
 
     def slot_for(self, j: tirx.PrimExpr) -> tirx.PrimExpr:
         """Ring slot of iteration ``j``: the group's own ``stages`` copies."""
         st, p = self.st, self.st.p
-        local = j % p.stages if p.stages > 1 else tirx.const(0, I32)
-        return st.grp * p.stages + local if p.split > 1 else local
+        local = j % p.warp.stages if p.warp.stages > 1 else tirx.const(0, I32)
+        return st.grp * p.warp.stages + local if p.warp.split > 1 else local
 
     def issue_step(self, j: tirx.PrimExpr, pred: tirx.PrimExpr | None) -> None:
         """cp.async the streamed tiles of this group's iteration ``j`` into its ring slot."""
@@ -194,7 +194,7 @@ class Ring:
         L = p.serial
         slot = self.slot_for(j)
         t0 = self.step_of(j) * p.step
-        if p.tma:
+        if p.hopper.tma:
             self.tma.step(slot, t0, pred)
             return
         if p.gemm is not None:
@@ -223,11 +223,11 @@ class Ring:
         cp.async groups but ``pending``, then (wgmma) a proxy fence, since wgmma reads through the async
         proxy what cp.async wrote through the generic one."""
         p = self.st.p
-        if p.tma:
-            T.evaluate(T.cuda.mbarrier_wait(self.tma.full(self.slot_for(j)), tirx.floordiv(j, p.stages) % 2))
+        if p.hopper.tma:
+            T.evaluate(T.cuda.mbarrier_wait(self.tma.full(self.slot_for(j)), tirx.floordiv(j, p.warp.stages) % 2))
             return
         T.evaluate(T.ptx.cp.async_.wait_group(pending))
-        if p.wgmma:
+        if p.hopper.wgmma:
             T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
 
 

@@ -14,8 +14,9 @@ from contextlib import ExitStack
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from schedulers.temporal import UpdateFunction, parse
+from schedulers.temporal import UpdateFunction
 from schedulers.warp_tile import GemmState, carry_factor
+from smg.expr import parse
 from spacefusion.lower.exprs import F32
 from spacefusion.lower.mma_overlap import Overlap
 from spacefusion.lower.mma_state import I32, NEG_INF, KernelState, f32, tree
@@ -143,7 +144,7 @@ class RowUpdate:
 
         if st.overlap:
             pass  # issued at the next step, behind its scores (or after the loop)
-        elif p.wgmma:
+        elif p.hopper.wgmma:
             self.wgmma.rs(acc, pf, gs)
         else:
             sync.pipelined(p.step // 16, gs.n_tile // 16 * 8, load_v, mma_v)

@@ -169,7 +169,7 @@ class KernelState:
     def mtile_row(self, mi: int) -> tirx.PrimExpr:
         """First row (in the block's tile) of this warp's 16-row mma tile ``mi``: the warp's own
         16 * mt rows, or with warpgroup MMA the warp's 16 rows of each of its warpgroup's 64-row halves."""
-        if self.p.wgmma:
+        if self.p.hopper.wgmma:
             return self.half_of(mi) * 64 + (self.warp % 4) * 16
         return self.warp * (16 * self.mt) + mi * 16
 

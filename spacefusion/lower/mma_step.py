@@ -93,7 +93,7 @@ class Step:
         for u in st.s.plan.states:
             if u.state in gemm_of:
                 if not waited:  # this step's second-GEMM operands: all groups but the next step's
-                    T.evaluate(T.ptx.cp.async_.wait_group(st.groups * (p.stages - 1)))
+                    T.evaluate(T.ptx.cp.async_.wait_group(st.groups * (p.warp.stages - 1)))
                     T.evaluate(T.tvm_storage_sync("shared"))
                     waited = True
                 self.rows.gemm_state(gemm_of[u.state])
@@ -148,7 +148,7 @@ class Step:
         def load_k(kt: int, kf: tirx.Buffer) -> None:
             for n2 in range(st.nt // 2):
                 sync.ldsm(kf, n2 * 8, g.b, base + sync.b_offset(stride, n2 * 16, kt * 16, g.b_trans), g.b_trans)
-            if p.reload_a:
+            if p.warp.reload_a:
                 astride = st.layout[g.a][2]
                 for mi in range(st.mt):
                     r0 = st.mtile_row(mi)
@@ -157,18 +157,18 @@ class Step:
         def mma_k(kt: int, kf: tirx.Buffer) -> None:
             for n2 in range(st.nt // 2):
                 for mi in range(st.mt):  # one B fragment feeds every row tile of the warp
-                    af, a = (kf, nb + mi * 8) if p.reload_a else (qf, mi * kd // 2 + kt * 8)
+                    af, a = (kf, nb + mi * 8) if p.warp.reload_a else (qf, mi * kd // 2 + kt * 8)
                     sync.mma(sacc, mi * n4 + (2 * n2) * 4, af, a, kf, n2 * 8)
                     sync.mma(sacc, mi * n4 + (2 * n2 + 1) * 4, af, a, kf, n2 * 8 + 4)
 
-        if p.wgmma:
+        if p.hopper.wgmma:
             if st.overlap:  # two MMA warpgroups take turns issuing their GEMMs (mma_overlap)
                 self.overlap.await_turn()
             self.wgmma.scores(sacc, qf, base, wait=not st.overlap)
             if st.overlap:  # the previous step's P @ V joins the tensor pipe behind the scores
                 self.overlap.issue_previous_pv()
         else:
-            sync.pipelined(kd // 16, nb + (st.mt * 8 if p.reload_a else 0), load_k, mma_k)
+            sync.pipelined(kd // 16, nb + (st.mt * 8 if p.warp.reload_a else 0), load_k, mma_k)
         return sacc
 
     def _staged_inputs(self) -> None:

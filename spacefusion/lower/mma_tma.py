@@ -32,19 +32,19 @@ class TmaRing:
     def empty(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
         """Address of the mbarrier by which the MMA warpgroups hand ring slot ``slot`` back to a
         producer warpgroup (after the slots' full barriers)."""
-        return self.full(self.st.p.stages + slot)
+        return self.full(self.st.p.warp.stages + slot)
 
     def full_v(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
         """With a split ring: the mbarrier counting slot ``slot``'s GEMM-state tiles (V) in."""
-        return self.full(2 * self.st.p.stages + slot)
+        return self.full(2 * self.st.p.warp.stages + slot)
 
     def empty_v(self, slot: tirx.PrimExpr | int) -> tirx.PrimExpr:
         """With a split ring: the mbarrier by which the MMA warpgroups hand slot ``slot``'s V back."""
-        return self.full(3 * self.st.p.stages + slot)
+        return self.full(3 * self.st.p.warp.stages + slot)
 
     def order(self, wg: tirx.PrimExpr | int) -> tirx.PrimExpr:
         """Address of the mbarrier that lets MMA warpgroup ``wg`` start its next main loop (pingpong)."""
-        return self.full(2 * self.st.p.stages + wg)
+        return self.full(2 * self.st.p.warp.stages + wg)
 
     def init(self) -> None:
         """One arrival (thread 0's expect_tx) per phase of every slot's mbarrier, and with a producer
@@ -52,14 +52,14 @@ class TmaRing:
         st, p = self.st, self.st.p
         with T.If(st.tid == 0):
             with T.Then():
-                for i in range(p.stages):
+                for i in range(p.warp.stages):
                     T.evaluate(T.ptx.mbarrier.init.shared.b64(self.full(i), T.uint32(1)))
-                    if p.producer:
+                    if p.hopper.producer:
                         T.evaluate(T.ptx.mbarrier.init.shared.b64(self.empty(i), T.uint32(p.warps // 4)))
                     if split_ring(p):
                         T.evaluate(T.ptx.mbarrier.init.shared.b64(self.full_v(i), T.uint32(1)))
                         T.evaluate(T.ptx.mbarrier.init.shared.b64(self.empty_v(i), T.uint32(p.warps // 4)))
-                for i in range(2 if p.pingpong else 0):
+                for i in range(2 if p.hopper.pingpong else 0):
                     T.evaluate(T.ptx.mbarrier.init.shared.b64(self.order(i), T.uint32(1)))
                 T.evaluate(T.ptx.fence.mbarrier_init.release.cluster())
         T.evaluate(T.tvm_storage_sync("shared"))

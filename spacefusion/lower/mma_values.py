@@ -16,8 +16,8 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from schedulers.errors import ScheduleError
-from schedulers.temporal import parse
 from schedulers.warp_tile import MMA_DTYPES, GemmState
+from smg.expr import parse
 from spacefusion.lower.exprs import F32, to_tir
 from spacefusion.lower.mma_state import KernelState, f32
 
@@ -44,7 +44,7 @@ class Values:
         e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
         return to_tir(e, load, exp2=True, fold_log2e=st.fold_log2e or (st.unmasked and st.fold_unmasked),
                       fast_div=stored in MMA_DTYPES,
-                      tanh=_tanh_approx if st.p.fast_math and stored in MMA_DTYPES else None,
+                      tanh=_tanh_approx if st.p.warp.fast_math and stored in MMA_DTYPES else None,
                       branch_free=stored in MMA_DTYPES)
 
     def inlined(self, text_or_expr) -> sp.Expr:

@@ -76,7 +76,7 @@ class Wgmma:
         p, g = st.p, st.p.gemm
         kd, n4 = g.kp, st.nt * 4  # K padded to 16 (zero columns in shared memory)
         op = self.op(p.step)
-        words = None if p.reload_a else self.words(qf, st.mt * kd // 2)
+        words = None if p.warp.reload_a else self.words(qf, st.mt * kd // 2)
         T.evaluate(T.ptx.wgmma.fence.sync.aligned())
         for kt in range(kd // 16):
             band, within = kt // 4, (kt % 4) * 16  # a 64-wide band of d, then 16 elements (32 B) into it

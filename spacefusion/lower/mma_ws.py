@@ -73,8 +73,8 @@ class WarpSpecialized:
         st, p = self.st, self.st.p
         mma_tid = st.tid - PRODUCER_THREADS
         group = 32 * p.warps  # the threads of one tile's MMA warpgroups
-        self.block.threads(mma_tid % group if p.pingpong else mma_tid)
-        st.mma_wg = mma_tid // group if p.pingpong else tirx.const(0, I32)  # whose tiles (pingpong)
+        self.block.threads(mma_tid % group if p.hopper.pingpong else mma_tid)
+        st.mma_wg = mma_tid // group if p.hopper.pingpong else tirx.const(0, I32)  # whose tiles (pingpong)
         self.block.alloc()
         self.tma.init()
         st.lag = 1  # one wgmma group in flight: a slot goes back one step after its wgmma is issued
@@ -97,7 +97,7 @@ class WarpSpecialized:
         ``num_blocks``-th tile from ``bid``), ``k`` counting the calls: all of the block's tiles, or
         with ``every`` 2 (pingpong) those of this MMA warpgroup, every other one."""
         st, s = self.st, self.st.s
-        if not st.p.persistent:
+        if not st.p.hopper.persistent:
             self.block.coords(bid)
             body(tirx.const(0, I32), tirx.const(0, I32))
             return
@@ -119,10 +119,10 @@ class WarpSpecialized:
         n = hi - lo
         with T.serial(0, n) as j:
             it = k * n + j  # the block's running step count: slot and phase continue across tiles
-            slot = it % p.stages
-            back = (tirx.floordiv(it, p.stages) + 1) % 2  # the slot's previous use (step it - stages): that phase
+            slot = it % p.warp.stages
+            back = (tirx.floordiv(it, p.warp.stages) + 1) % 2  # the slot's previous use (step it - stages): that phase
             for names, empty, full in self._ring_parts():
-                with T.If(it >= p.stages):
+                with T.If(it >= p.warp.stages):
                     with T.Then():
                         T.evaluate(T.cuda.mbarrier_wait(empty(slot), back))
                 self.tma.step(slot, (lo + j) * p.step, None, names, full(slot))
@@ -151,27 +151,28 @@ class WarpSpecialized:
         p, n = st.p, st.s.num_steps
         first = st.tid % 128 == 0  # one arrival per MMA warpgroup
         self.rows.init_states()  # accumulators at zero (and a norm's row statistics), per tile
-        if p.pingpong:  # the other warpgroup's main loops so far complete this barrier's phases
+        if p.hopper.pingpong:  # the other warpgroup's main loops so far complete this barrier's phases
             with T.If(k > 0):
                 with T.Then():
                     T.evaluate(T.cuda.mbarrier_wait(self.tma.order(st.mma_wg), (mine + 1 + st.mma_wg) % 2))
         with T.serial(0, n) as j:
             it = k * n + j
-            st.slot = it % p.stages
+            st.slot = it % p.warp.stages
             st.t0 = j * p.step
-            T.evaluate(T.cuda.mbarrier_wait(self.tma.full(st.slot), tirx.floordiv(it, p.stages) % 2))
+            T.evaluate(T.cuda.mbarrier_wait(self.tma.full(st.slot), tirx.floordiv(it, p.warp.stages) % 2))
             self.wgmma.step()
             if p.row_states:  # read from the slot beside its wgmmas, before the slot goes back (next step)
                 self.step.row_statistics()
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
             with T.If(tirx.all(j > 0, first)):
                 with T.Then():
-                    T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self.tma.empty((it + p.stages - 1) % p.stages)))
+                    prev = (it + p.warp.stages - 1) % p.warp.stages
+                    T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self.tma.empty(prev)))
         T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
         with T.If(first):
             with T.Then():
-                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self.tma.empty((k * n + n - 1) % p.stages)))
-                if p.pingpong:  # the other warpgroup's next main loop may start
+                T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self.tma.empty((k * n + n - 1) % p.warp.stages)))
+                if p.hopper.pingpong:  # the other warpgroup's next main loop may start
                     T.evaluate(T.ptx.mbarrier.arrive.shared.b64(self.tma.order(1 - st.mma_wg)))
         self.epilogue.finalize()
 
@@ -197,7 +198,7 @@ class WarpSpecialized:
         T.evaluate(T.ptx.cp.async_.wait_group(0))
         T.evaluate(T.ptx.fence.proxy.async_.shared__cta())  # wgmma reads Q through the async proxy
         T.evaluate(T.ptx.bar.sync(tirx.Cast("uint32", A_BARRIER), T.uint32(32 * p.warps)))
-        qf = None if p.reload_a else self.sync.a_fragments()
+        qf = None if p.warp.reload_a else self.sync.a_fragments()
         st.pf_keep = T.alloc_buffer((st.ns,), st.half, scope="local")  # P, until the next step
         st.lo, hi = self.block.step_range(scan=False)
         n = hi - st.lo
@@ -217,6 +218,6 @@ class WarpSpecialized:
     def _consumer_step(self, j: tirx.PrimExpr | int, qf: tirx.Buffer | None) -> None:
         """Step ``j`` of the MMA warpgroups: wait for its K, run it."""
         st, p = self.st, self.st.p
-        st.j, st.slot, st.t0 = j, j % p.stages, (st.lo + j) * p.step
+        st.j, st.slot, st.t0 = j, j % p.warp.stages, (st.lo + j) * p.step
         T.evaluate(T.cuda.mbarrier_wait(self.tma.full(st.slot), self.overlap.phase(j)))
         self.step.masked(qf)

@@ -25,8 +25,7 @@ from schedulers.errors import ScheduleError
 from schedulers.halo import halo_shape, window_box
 from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule, lane_spread
-from schedulers.temporal import parse
-from smg.expr import body_expr
+from smg.expr import body_expr, index_symbol, parse
 from smg.ir import Access, Op
 from spacefusion.lower import cluster
 from spacefusion.lower.exprs import F32, to_tir, to_tir_int
@@ -64,7 +63,7 @@ def signature(s: Schedule) -> KernelSignature:
         p = s.warp_tile
         tiles = s.num_tiles // s.slices
         # one part per block of a row tile and warp group of the block (split x slices)
-        ps += [(PARTIALS, (tiles * s.slices * p.split, p.merge_floats(), 32 * p.warps), "float32", "scratch"),
+        ps += [(PARTIALS, (tiles * s.slices * p.warp.split, p.merge_floats(), 32 * p.warps), "float32", "scratch"),
                (ARRIVALS, (tiles,), "int32", "scratch")]
     return KernelSignature(tuple(ps))
 
@@ -497,15 +496,13 @@ def _serial_offset(acc: Access, dims: tuple[str, ...], serial: str) -> int | Non
     """``c`` where ``acc`` reads its space's innermost dim at ``serial + c`` and at the iteration's own
     index along every other dim, else None: c != 0 along ``serial`` itself (a shift), any c along a dim of
     the space's own (a concatenation's part, whose first is read at ``serial - 0``)."""
-    import sympy as sp
-
     *outer, last = zip(acc.index, dims)
     if any(comp != d for comp, d in outer):
         return None
     comp, d = last
     if comp == d:
         return None
-    e = sp.sympify(comp, locals={serial: sp.Symbol(serial, integer=True)}) - sp.Symbol(serial, integer=True)
+    e = acc.exprs[-1] - index_symbol(serial)
     if not e.is_Integer or (int(e) == 0 and d == serial):
         return None
     return int(e)

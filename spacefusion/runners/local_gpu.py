@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from search.records import Builder, MeasureInput, MeasureResult
 from spacefusion.runners.builder import TVMBuilder
@@ -26,6 +26,15 @@ def gpu_unavailable_reason() -> str | None:
     except ImportError:
         return "cupy is not installed"
     return None
+
+
+class _Shipped:
+    """The target's kind without TVM (``TVMBuilder.target_kind`` imports it): a shipped artefact was built, for
+    its target, where TVM is."""
+
+    @staticmethod
+    def target_kind(target: str) -> str:
+        return "cuda" if target.startswith(("cuda", "sm_")) else "llvm"
 
 
 class LocalGPURunner:
@@ -65,21 +74,46 @@ class LocalGPURunner:
             return [self._one(inp, root) for inp in inputs]
 
     def _one(self, inp: MeasureInput, root: Path) -> MeasureResult:
-        import torch
-
-        meta: dict[str, Any] = {"runner": self.name, "seed": self.seed, "device": torch.cuda.get_device_name()}
-        got = prepare(inp, self.builder, "cuda", f"{self.name} runner measures CUDA targets", self._refs,
-                      self.seed, meta)
+        got = self._prepare(inp)
         if isinstance(got, MeasureResult):
             return got
-        x, ref = got
         t0 = time.perf_counter()
         try:
             folder = self.builder.build(inp.schedule, inp.target).save(
                 root / f"{inp.key}-{inp.target.replace(':', '_')}")
         except Exception as exc:
-            return fail(inp, f"build: {describe(exc)}", meta)
-        meta["build_s"] = round(time.perf_counter() - t0, 4)
+            return fail(inp, f"build: {describe(exc)}", got[2])
+        return self._checked_and_timed(inp, folder, got, round(time.perf_counter() - t0, 4))
+
+    def measure_built(self, inp: MeasureInput, folder: str | Path) -> MeasureResult:
+        """Check and time the artefact another process built for ``inp`` (saved in ``folder``: kernel.cu,
+        kernel.json, kernel.cubin where nvcc was), without building: how a pool's GPU worker measures what the
+        tuning host built and shipped (it needs no TVM).  As ``measure`` otherwise, environmental failures too."""
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            return unavailable(inp, f"no GPU: {reason}; {self.name} runner needs torch + cupy with a CUDA device",
+                               {"runner": self.name})
+        got = self._prepare(inp, cast(Builder, _Shipped()))
+        if isinstance(got, MeasureResult):
+            return got
+        return self._checked_and_timed(inp, Path(folder), got, None)
+
+    def _prepare(self, inp: MeasureInput,
+                 builder: Builder | None = None) -> tuple[Any, Any, dict[str, Any]] | MeasureResult:
+        import torch
+
+        meta: dict[str, Any] = {"runner": self.name, "seed": self.seed, "device": torch.cuda.get_device_name()}
+        got = prepare(inp, builder or self.builder, "cuda", f"{self.name} runner measures CUDA targets", self._refs,
+                      self.seed, meta)
+        if isinstance(got, MeasureResult):
+            return got
+        return got[0], got[1], meta
+
+    def _checked_and_timed(self, inp: MeasureInput, folder: Path, got: tuple[Any, Any, dict[str, Any]],
+                           build_s: float | None) -> MeasureResult:
+        x, ref, meta = got
+        if build_s is not None:
+            meta["build_s"] = build_s
         m = measure_artefact(folder, inp.schedule.smg, x, ref, warmup=self.warmup, iters=self.iters,
                              flush_l2=self.flush_l2, schedule_key=inp.key)
         meta.update(m.meta)

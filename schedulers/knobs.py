@@ -50,7 +50,8 @@ class Where(Protocol):
     num_sms: int  #: the hardware's SMs
     max_threads: int  #: the threads a block may have on the hardware
     widest_item: int  #: bytes of the graph's widest element type
-    one_reduction: bool  #: one reduction, or only GEMMs of the inputs (a plain or gated GEMM + epilogue)
+    one_reduction: bool  #: one reduction, or only GEMMs of the inputs (a plain or gated GEMM + epilogue, or one beside
+    #: a norm's row statistics: its prologue)
     running_max: bool  #: an op is a max reduction (a candidate reference for lazy_rescale)
     row_sum: bool  #: an op sums one computed tile over a dim (attention's row sum of P)
     gathers: bool  #: an op reads an input through an index expression (a convolution's im2col view)

@@ -88,6 +88,11 @@ def _analyse_spatial(smg: SMG) -> tuple[DimDecision, ...]:
             why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}, cheap to recompute per block "
                    f"({_upstream_work(smg, recompute)} elements of work, under 1/{CHEAP_RECOMPUTE} of the output)")
             decisions.append(DimDecision(dim, True, why, tuple(recompute)))
+        elif recompute and (gemms := _prologue_of(smg, dim, recompute)):
+            why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}, the prologue of "
+                   f"{', '.join(gemms)}: recomputed per block on the operand tile the GEMM re-reads there anyway "
+                   f"({_upstream_work(smg, recompute)} elements of work, under 1/{CHEAP_RECOMPUTE} of the GEMM's)")
+            decisions.append(DimDecision(dim, True, why, tuple(recompute)))
         elif recompute:
             why = (f"One-to-All along {dim} from intermediate {', '.join(recompute)}: every block "
                    f"would recompute it")
@@ -118,6 +123,22 @@ def _upstream_work(smg: SMG, spaces: list[str]) -> int:
         todo += [a.space for a in op.inputs]
     sizes = smg.dim_sizes
     return sum(math.prod(sizes[d] for d in smg.producer(s).iter_dims) for s in seen)
+
+
+def _prologue_of(smg: SMG, dim: str, spaces: list[str]) -> tuple[str, ...]:
+    """The GEMMs that ``spaces`` are the prologue of along ``dim`` (empty: they are not one): every op reading
+    one of them broadcast along ``dim`` is a sum over a dim the op does not keep (a GEMM whose output columns
+    ``dim`` indexes), and all that ``spaces`` depend on is under 1/``CHEAP_RECOMPUTE`` of those GEMMs' work.
+    A norm before a projection (``rmsnorm(X) @ W``): a block of output columns re-reads the rows of X that
+    the GEMM multiplies, and their statistics cost a few operations an element against ``dim``'s
+    multiply-adds.  An MLP's hidden tile or attention's scores are GEMMs of their own, never this cheap."""
+    readers = {op.out: op for op in smg.ops if dim in op.iter_dims
+               and any(a.space in spaces and dim not in a.dims_in(" ".join(a.index)) for a in op.inputs)}
+    if not readers or any(op.combiner != "sum" or not op.reduce for op in readers.values()):
+        return ()
+    sizes = smg.dim_sizes
+    work = sum(math.prod(sizes[d] for d in op.iter_dims) for op in readers.values())
+    return tuple(readers) if _upstream_work(smg, spaces) * CHEAP_RECOMPUTE <= work else ()
 
 
 def _cheap(smg: SMG, spaces: list[str]) -> bool:

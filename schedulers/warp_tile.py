@@ -72,6 +72,16 @@ class GemmState:
     factor: str
     n_tile: int  # columns per block: the tile when N is cut spatially (a GEMM's output columns), else all
     pad: int = 0  # of those, columns past an uncut N (40 -> 48): computed for the MMAs' n of 16, not stored
+    #: ``x`` is [.., N, .., L] with L contiguous (K-major: ``nn.Linear``'s weight [n, k] as stored), staged as
+    #: [n_tile, step] tiles: ldmatrix without ``.trans`` for mma.sync, wgmma's B without transposition
+    k_major: bool = False
+
+    def x_tile(self, step: int, wgmma: bool) -> tuple[int, int]:
+        """(rows, padded row length) of a ring slot's ``x`` tile: [step, n_tile] (N contiguous), or K-major
+        [n_tile, step]; rows padded by ``PAD`` for ldmatrix, or whole 128 B-swizzled bands for wgmma."""
+        if self.k_major:
+            return self.n_tile, padded_band(step) if wgmma else step + PAD
+        return step, padded_band(self.n_tile) if wgmma else self.n_tile + PAD
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,11 @@ class WarpTileProgram:
     @property
     def wgmma_ss(self) -> bool:
         """wgmma with both operands from shared memory: the plain GEMM (+ epilogue) form, or several
-        GEMM states over one staged A, each with its own B and accumulator (a gated GEMM)."""
-        return self.hopper.wgmma and self.gemm is None and not self.row_states and not self.score_ops
+        GEMM states over one staged A, each with its own B and accumulator (a gated GEMM).  Row states
+        may come with it where every GEMM state multiplies the staged A itself (``staged_factors``): a
+        norm's statistics of the rows the GEMM multiplies (``rmsnorm(X) @ W`` with the norm applied after
+        the loop), read from the same tile by ldmatrix while the step's wgmma runs."""
+        return self.hopper.wgmma and self.gemm is None and staged_factors(self.tiles_in, self.gemm_states)
 
     @property
     def warp_mtiles(self) -> int:
@@ -131,6 +144,51 @@ class WarpTileProgram:
     def merge_floats(self) -> int:
         """fp32 registers per thread that a warp group hands over when the groups merge."""
         return self.warp_mtiles * (2 * len(self.row_states) + sum(g.n_tile // 8 * 4 for g in self.gemm_states))
+
+
+def staged_factors(tiles_in: tuple[str, ...], gemm_states: tuple[GemmState, ...]) -> bool:
+    """Whether every GEMM state multiplies the one staged input itself, with no carry (``X @ W``: its
+    accumulators need nothing but that tile and ``x``, whatever row states run beside them)."""
+    return bool(gemm_states) and all(tiles_in == (g.factor,) and not g.update.carry for g in gemm_states)
+
+
+def gemm_with_statistics(smg, plan) -> bool:
+    """Whether every running state of ``plan`` is a GEMM of two inputs (its body their product, times a
+    constant, no carry) or a ``row_statistic``: a GEMM whose norm before it is applied after the loop
+    (``rmsnorm(X) @ W``: the sum of squares of X beside ``X @ W``), the ss form with row states."""
+    gemms = 0
+    for u in plan.states:
+        if u.combiner != "sum" or u.carry:
+            return False
+        _, rest = parse(u.body).as_coeff_Mul()
+        factors = sp.Mul.make_args(rest)
+        if len(factors) == 2 and all(f.is_Symbol and f.name in smg.inputs for f in factors):
+            gemms += 1
+        elif not row_statistic(smg, smg.producer(u.state)):
+            return False
+    return gemms > 0
+
+
+def row_statistic(smg, op) -> bool:
+    """Whether ``op`` sums an element-wise function of one graph input and nothing reduced (a norm's sum of
+    squares of X): beside a GEMM of that input it is a row state of the GEMM's own A tile (the ss form's
+    ``staged_factors``)."""
+    if op.combiner != "sum" or not op.reduce:
+        return False
+    seen, todo, found = set(), [a.space for a in op.inputs], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        up = smg.producer(name)
+        if up is None:
+            found.add(name)
+        elif up.reduce:
+            return False
+        else:
+            todo += [a.space for a in up.inputs]
+    return len(found) == 1
 
 
 def _dims_ok(dims: tuple[str, ...], allowed: set[str], last: str) -> bool:
@@ -277,11 +335,11 @@ def program_form(smg, plan, L: str) -> Rejection | None:
 def _may_be_gemm_state(smg, u: UpdateFunction, L: str) -> bool:
     """Whether some block could read state ``u`` as a GEMM state (``_gemm_state``'s checks that no block decides):
     a sum accumulator of its space over [.., R, N] (the row dim is in every state, N last) whose body has an
-    input factor over (L, N) with N last."""
+    input factor over (L, N) with N or L last (K-major: ``nn.Linear``'s weight [n, k])."""
     dims = smg.space(u.space or u.state).dims
     if u.combiner != "sum" or u.state != (u.space or u.state) or len(dims) < 2:
         return False
-    return any(smg.space(x.name).dims[-1] == dims[-1] and L in smg.space(x.name).dims
+    return any(smg.space(x.name).dims[-1] in (dims[-1], L) and L in smg.space(x.name).dims
                for x in _column_operands(smg, u.body, dims[-1]))
 
 
@@ -332,12 +390,14 @@ def warp_tile_program(s) -> WarpTileProgram:  # s: Schedule (import cycle)
     r, warps = program_checks(s.smg, s.plan, s.serial, s.block, s.step, s.warps, s.split, s.slices, s.wgmma,
                               s.early_scores)
     im2cols, im2col_why = _im2cols(s.smg, list(r.gathers), r.row)
+    # (wgmma's ss form issues no mma.sync on fragments of its factor: no P @ 1 there)
+    ss = s.wgmma and r.gemm is None and staged_factors(r.tiles_in, r.gemm_states)
     return WarpTileProgram(
         row=r.row, rows=r.rows, batch=r.batch, serial=s.serial, step=s.step, gemm=r.gemm, score_ops=r.score_ops,
         tiles_in=r.tiles_in, row_states=r.row_states, gemm_states=r.gemm_states, outputs=r.outs, warps=warps,
         warp=s.warp, hopper=s.hopper,
         lazy=tuple(lazy_references(s.plan).items()) if s.lazy_rescale else (),
-        row_sums=tuple(mma_row_sums(r.row_states, r.gemm_states).items()) if s.mma_row_sums else (),
+        row_sums=tuple(mma_row_sums(r.row_states, r.gemm_states).items()) if s.mma_row_sums and not ss else (),
         gathers=r.gathers, im2cols=im2cols, im2col_why=im2col_why)
 
 
@@ -381,7 +441,8 @@ def _check_wgmma(smg, step: int, split: int, early_scores: bool, r: _Reading, wa
     every accumulator at one element index, so they share the column dim and tile); otherwise
     (attention) each GEMM state's factor tile (P) stays in registers as the A operand and its ``x`` (V)
     is read from shared memory, and the score GEMM reads K from shared memory and Q from there
-    (reload_a) or from registers."""
+    (reload_a) or from registers.  Row states beside a plain GEMM (a norm's statistics of its A rows) keep
+    the ss form where every GEMM state multiplies the staged A itself (``staged_factors``)."""
     if warps not in (4, 8):
         raise ScheduleError(f"wgmma: one or two warpgroups (4 or 8 warps), each over its own 64-row halves; got "
                             f"{warps} warps", code="warp_tile.wgmma_warps")
@@ -389,7 +450,8 @@ def _check_wgmma(smg, step: int, split: int, early_scores: bool, r: _Reading, wa
     knobs = wgmma_knobs_refusal(split, early_scores)
     if knobs is not None:
         raise ScheduleError.rejected(knobs)
-    plain = gemm is None and not score_ops and not row_states
+    # a plain GEMM; or one whose rows' statistics run beside it, read from its staged A tile (a norm's prologue)
+    plain = gemm is None and (not score_ops and not row_states or staged_factors(tiles_in, gemm_states))
     for g in gemm_states:  # attention's V may end in a partial band (padded_band); a plain GEMM's B may not
         if (g.n_tile % 64 if plain else g.n_tile % 16) or g.n_tile > WGMMA_MAX_N:
             unit = "64 (128 B swizzle atoms)" if plain else "16"
@@ -436,14 +498,14 @@ def tile_columns(s, p: WarpTileProgram) -> dict[str, int]:
     sizes = s.smg.dim_sizes
     cols: dict[str, int] = {}
     if p.wgmma_ss:
-        return {p.tiles_in[0]: p.step} | {g.x: g.n_tile for g in p.gemm_states}
+        return {p.tiles_in[0]: p.step} | {g.x: p.step if g.k_major else g.n_tile for g in p.gemm_states}
     if p.gemm is not None:
         cols[p.gemm.a] = sizes[p.gemm.k]
         cols[p.gemm.b] = p.step if p.gemm.b_trans else sizes[p.gemm.k]
     for n in p.tiles_in:
         cols[n] = p.step
     for g in p.gemm_states:
-        cols.setdefault(g.x, g.n_tile)
+        cols.setdefault(g.x, p.step if g.k_major else g.n_tile)
     return cols
 
 
@@ -583,16 +645,20 @@ def _gemm_state(smg, u: UpdateFunction, dims: tuple[str, ...], row: str, L: str,
         raise ScheduleError(f"state {u.state!r}: the factor of {x.name!r} depends on {n!r}",
                             code="warp_tile.gemm_state_factor")
     xd = smg.space(x.name).dims
-    if xd[-1] != n or L not in xd or set(xd) - set(batch) - {L, n}:  # L anywhere: a bshd V is [b, L, h, n]
-        raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, .., {n}] ({n} last, the others "
-                            f"batch dims {batch})", code="warp_tile.gemm_state_operand")
+    k_major = xd[-1] == L  # [.., N, .., L]: nn.Linear's weight [n, k] as stored
+    if xd[-1] not in (n, L) or {L, n} - set(xd) or set(xd) - set(batch) - {L, n}:  # a bshd V is [b, L, h, n]
+        raise ScheduleError(f"GEMM operand {x.name!r} {xd} must be [.., {L}, .., {n}] or [.., {n}, .., {L}] ({n} "
+                            f"or {L} last, the others batch dims {batch})", code="warp_tile.gemm_state_operand")
+    if k_major and smg.dim_sizes[L] % 8:
+        raise ScheduleError(f"{L!r} = {smg.dim_sizes[L]} must be a multiple of 8 when {x.name!r} {xd} ends in it "
+                            f"(16-byte chunks along its rows)", code="warp_tile.serial_not_multiple")
     n_tile = col_cut.get(n, smg.dim_sizes[n])
     pad = 8 if n not in col_cut and n_tile % 16 and n_tile % 8 == 0 else 0  # a head dim of 40: 48 columns,
     n_tile += pad  # the last 8 not stored; their loads are clamped and land only in those columns
     if n_tile % 16 or smg.dim_sizes[n] % 8:
         raise ScheduleError(f"GEMM dim {n!r}: {n_tile} columns per block must be a multiple of 16 "
                             f"(and {n!r} = {smg.dim_sizes[n]} of 8)", code="warp_tile.gemm_columns")
-    return GemmState(u, x.name, n, factor, n_tile, pad)
+    return GemmState(u, x.name, n, factor, n_tile, pad, k_major)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -629,7 +695,7 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     ring = p.warp.stages * p.warp.split
     if p.wgmma_ss:  # 128 B-swizzled 1 KB atoms, read by wgmma: no padding; a slot holds A's [rows, 64]
         # band and each GEMM state's [64, n_tile] B tile (gated GEMMs: X, Wg's and Wu's)
-        return {p.tiles_in[0]: (ring, p.rows, p.step)} | {g.x: (ring, p.step, g.n_tile) for g in p.gemm_states}
+        return {p.tiles_in[0]: (ring, p.rows, p.step)} | {g.x: (ring, *g.x_tile(p.step, True)) for g in p.gemm_states}
     if p.gemm is not None:  # read by wgmma (swizzled): whole bands, unpadded
         kp = p.gemm.kp
         out[p.gemm.a] = (1, p.rows, padded_band(kp) if p.hopper.wgmma and p.warp.reload_a else kp + PAD)
@@ -638,7 +704,7 @@ def smem_layout(s, p: WarpTileProgram) -> dict[str, tuple[int, int, int]]:
     for n in p.tiles_in:  # swizzled for TMA (bands of 64 columns), else rows padded for ldmatrix
         out[n] = (ring, p.rows, p.step + (0 if p.hopper.tma else PAD))
     for g in p.gemm_states:  # read by wgmma (P @ V with P in registers): swizzled, whole bands, unpadded
-        out.setdefault(g.x, (ring, p.step, padded_band(g.n_tile) if p.hopper.wgmma else g.n_tile + PAD))
+        out.setdefault(g.x, (ring, *g.x_tile(p.step, p.hopper.wgmma)))
     return out
 
 
@@ -756,8 +822,9 @@ def warp_tile_registers(s, p: WarpTileProgram) -> int:
     count's on 487 of the 534 (399 before); ``tests/test_warp_tile_registers.py`` holds the bounds."""
     mt = p.warp_mtiles
     acc = mt * sum(g.n_tile // 2 for g in p.gemm_states)
-    if p.wgmma_ss:
-        return WGMMA_SS_BASE_REGS + acc + WGMMA_STATE_REGS * (len(p.gemm_states) - 1)
+    if p.wgmma_ss:  # row states beside it: A's fragments of the step and two rows per 16-row tile each
+        rows = mt * (p.step // 4) + 2 * mt * len(p.row_states) if p.row_states else 0
+        return WGMMA_SS_BASE_REGS + acc + WGMMA_STATE_REGS * (len(p.gemm_states) - 1) + rows
     base = WGMMA_BASE_REGS if p.hopper.wgmma else MMA_SYNC_BASE_REGS + (EARLY_SCORES_REGS if p.warp.early_scores else 0)
     if not p.row_states and not p.score_ops:  # a plain GEMM (+ epilogue) on mma.sync
         return base + acc + mt * min(p.step // 4, 8)
@@ -996,8 +1063,9 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
             spec = {"lower": lower, "upper": upper} | ({"stride": [im.stride] * 2} if im.stride > 1 else {})
             maps[f"{n}__tmap"] = {"tensor": im.src, "box": [64, p.rows, 1, 1], "swizzle": 128, "im2col": spec}
             continue
-        spec = {"tensor": n, "box": [64, p.rows if n in p.tiles_in else p.step]
-                + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128}
+        kx = k_major_x(p, n)
+        rows = p.rows if n in p.tiles_in else kx.n_tile if kx is not None else p.step
+        spec = {"tensor": n, "box": [64, rows] + [1] * (len(s.smg.space(n).dims) - 2), "swizzle": 128}
         dims = s.smg.space(n).dims
         order = [dims.index(d) for d in tma_dims(s.smg, p, n)]
         if order != list(range(len(dims)))[::-1]:  # not plain innermost-first (bshd): the launcher needs it
@@ -1008,13 +1076,21 @@ def tma_maps(s, p: WarpTileProgram) -> dict[str, dict]:
 
 def tma_dims(smg, p: WarpTileProgram, n: str) -> tuple[str, ...]:
     """The dims of TMA-loaded tile ``n`` in its tensor map's order: the contiguous column dim, the
-    tile's row dim (the row dim R for an input on the score plane, else the serial dim), then the
-    others innermost first.  A tensor map takes each dim's own stride, so the row dim may lie anywhere
+    tile's row dim (the row dim R for an input on the score plane, a K-major ``x``'s column dim N, else
+    the serial dim), then the others innermost first.  A tensor map takes each dim's own stride, so the
+    row dim may lie anywhere
     in memory (a bshd K [b, L, h, d] is mapped as (d, L, h, b)) while the box and the kernel's
     coordinates keep the order (cols, rows, batch...)."""
     dims = smg.space(n).dims
-    rows = p.row if n in p.tiles_in else p.serial
+    kx = k_major_x(p, n)
+    rows = p.row if n in p.tiles_in else kx.n if kx is not None else p.serial
     return (dims[-1], rows, *(d for d in reversed(dims[:-1]) if d != rows))
+
+
+def k_major_x(p: WarpTileProgram, name: str) -> GemmState | None:
+    """The GEMM state whose ``x`` is ``name`` staged K-major ([n_tile, step] tiles: ``nn.Linear``'s weight
+    as stored), else None."""
+    return next((g for g in p.gemm_states if g.x == name and g.k_major), None)
 
 
 def tma_streamed(p: WarpTileProgram) -> tuple[str, ...]:

@@ -48,7 +48,7 @@ from schedulers.schedule import Schedule, blocking, make_schedule
 from schedulers.spatial import analyse_spatial, elementwise_serial
 from schedulers.temporal import plan_temporal
 from schedulers.tensorcore_fit import plan_refusal
-from schedulers.warp_tile import program_checks, program_form
+from schedulers.warp_tile import gemm_with_statistics, program_checks, program_form
 from search.walk import SIMT_WALK, TENSOR_CORE_WALK, walk
 from smg.fold import fold_dims, foldable
 from smg.ir import SMG
@@ -327,7 +327,8 @@ class SearchSpace:
         reductions = [op for op in self.smg.ops if op.reduce]
         return len(reductions) == 1 or bool(reductions) and all(
             op.combiner == "sum" and len(op.inputs) == 2 and all(a.space in self.smg.inputs for a in op.inputs)
-            for op in reductions)
+            for op in reductions) or any(  # or a GEMM beside a norm's row statistics (its prologue)
+            gemm_with_statistics(self.smg, plan_temporal(self.smg, s)) for s in self.serials)
 
     @cached_property
     def gathers(self) -> bool:

@@ -197,9 +197,9 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
                 if not (p.gemm and n == p.gemm.a)}
     fill = sum(r * w * 2 for r, w in streamed.values())
     halves = max(1, rows // 64)
-    if p.wgmma_ss:  # the A tile once, the B tile by each 64-row half
+    if p.wgmma_ss:  # the A tile once, the B tile by each 64-row half (and A again by ldmatrix for row states)
         a_fill = rows * step * 2
-        reads = a_fill + halves * (fill - a_fill)
+        reads = a_fill * (2 if p.row_states else 1) + halves * (fill - a_fill)
     elif p.hopper.wgmma:  # each 64-row half reads the whole K and V tiles; Q once with reload_a
         reads = halves * fill + (rows * kd * 2 if p.warp.reload_a else 0)
     else:  # ldmatrix: every warp reads the whole streamed tiles; A's fragments again with reload_a
@@ -229,6 +229,7 @@ def step_cost(s: Schedule, hw: HardwareModel) -> StepCost:
              + out_elems * 2 * 2 / smem_rate + out_elems * 2 / l2_rate)
     # FlashAttention-3's overlap (lower/mma_overlap.py): lost to mma.sync row sums, which stall the async wgmma pipe
     overlapped = p.hopper.producer and p.gemm is not None and not p.row_sums
+    overlapped = overlapped or (p.wgmma_ss and bool(p.row_states))  # a norm's statistics beside the async wgmmas
     return StepCost(tensor_s, sfu_s, simt_s, smem_s, l2_s, latency, fixed, overlapped)
 
 

@@ -57,8 +57,30 @@ def _b_dims(k: int, n: int, b_layout: str) -> dict[str, int]:
     return {"k": k, "n": n} if b_layout == "kn" else {"n": n, "k": k}
 
 
+#: norms a GEMM may take as its prologue (``gemm_epilogue(..., norm=...)``)
+PROLOGUE_NORMS = ("none", "rmsnorm", "layernorm")
+
+
+def norm_prologue(g: Builder, a, norm: str, weight: bool = False, eps: float | None = None):
+    """``norm(A)`` over k (its own weight ``Gn[k]`` and, for LayerNorm, bias ``Bn[k]`` with ``weight``), the
+    GEMM's A operand; ``A`` unchanged for ``"none"``.  Without its weight, a norm's affine part is the caller's
+    to fold into B (``nn.Linear(RMSNorm(x))``: ``W * g`` once): every GEMM state then multiplies the staged A
+    itself and the norm is the rows' statistics, applied after the loop (``warp_tile.staged_factors``)."""
+    if norm not in PROLOGUE_NORMS:
+        raise UnknownOperatorError(f"unknown prologue norm {norm!r}; known: {', '.join(PROLOGUE_NORMS)}")
+    if norm == "none":
+        return a
+    k = g.dims["k"]
+    w = g.input("Gn", {"k": k}) if weight else None
+    if norm == "rmsnorm":
+        return g.rmsnorm(a, "k", w, eps=1e-6 if eps is None else eps, name="An")
+    b = g.input("Bn", {"k": k}) if weight else None
+    return g.layernorm(a, "k", w, b, eps=1e-5 if eps is None else eps, name="An")
+
+
 def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = True,
-                  dtype: str = "float32", b_layout: str = "kn", stack: int = 0, residual: bool = False) -> SMG:
+                  dtype: str = "float32", b_layout: str = "kn", stack: int = 0, residual: bool = False,
+                  norm: str = "none", norm_weight: bool = False, eps: float | None = None) -> SMG:
     """``Y = act(A @ B + bias (+ R))``; ``act`` is any unary operator or ``"none"``; ``b_layout`` "nk" stores
     B as [n, k] (``Y = A @ Bw.T``, an ``nn.Linear`` weight as it is); ``residual`` adds ``R[m, n]`` (a
     transformer block's ``ff(x) + x`` where no norm follows to take the add).
@@ -67,14 +89,19 @@ def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = Tru
     one GEMM whose B stacks the weights along t ([t, k, n]; "nk": [t, n, k]) and whose output is [t, m, n],
     so each ``Y[i]`` is a contiguous [m, n] slice a consumer binds without a copy.  A is broadcast
     (One-to-All) along t, which the spatial slicer cuts: one batch dim of a warp-tile GEMM.  Unlike
-    ``horizontal_gemms`` (one output per GEMM), the t GEMMs share one output space, hence one epilogue."""
+    ``horizontal_gemms`` (one output per GEMM), the t GEMMs share one output space, hence one epilogue.
+
+    ``norm`` "rmsnorm" / "layernorm": the GEMM of ``norm(A)`` (``norm_prologue``; ``norm_weight``: with the
+    norm's own weight ``Gn``), the norm before a projection fused as its prologue."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
     if residual and stack:
         raise ShapeError("a residual add takes one GEMM's output, not a stack of them")
     t = {"t": stack} if stack else {}
-    g = Builder(f"{'stacked_' if stack else ''}gemm_{act}{'_res' if residual else ''}", dtype)
+    pre = "" if norm == "none" else f"{norm}{'_w' if norm_weight else ''}_"
+    g = Builder(f"{pre}{'stacked_' if stack else ''}gemm_{act}{'_res' if residual else ''}", dtype)
     a, b = g.input("A", {"m": m, "k": k}), g.input("Bw", t | _b_dims(k, n, b_layout))
+    a = norm_prologue(g, a, norm, norm_weight, eps)
     y = g.matmul(a, b, reduce="k", name="C" if bias or residual or act != "none" else "Y",
                  order=("t", "m", "n") if stack else None)
     if bias:

@@ -69,12 +69,15 @@ def test_llama_prefill_gated_mlp_gqa_and_rope(kv_heads: int) -> None:
     m = LlamaModel(LlamaConfig.tiny(layers=LAYERS, kv_heads=kv_heads))
     p = _partition(m, *m.example_inputs(1, 16))
     c = p.counts()
-    # Q, K and V share the input norm's output: one stacked GEMM (GQA: Q alone, K and V stacked)
-    assert (c["attention"], c["gated_gemm"], c["stacked_gemm"]) == (LAYERS, LAYERS, LAYERS)
-    assert c["gemm"] == (2 if kv_heads == 4 else 3) * LAYERS
-    stacked = next(s for s in p.subgraphs if s.kind == "stacked_gemm")
+    # Q, K and V share the input norm's output: one stacked GEMM (GQA: Q alone, K and V stacked), each with the
+    # norm as its prologue, as the gated MLP input's; o_proj and down_proj take the residual adds (the last
+    # down_proj's goes to the final norm, read by no linear)
+    assert (c["attention"], c["norm_gated_gemm"], c["norm_stacked_gemm"]) == (LAYERS, LAYERS, LAYERS)
+    assert c["gemm"] == 2 * LAYERS and c["norm_gemm"] == (0 if kv_heads == 4 else LAYERS)
+    stacked = next(s for s in p.subgraphs if s.kind == "norm_stacked_gemm")
     assert stacked.smg.shape("Y")[0] == (3 if kv_heads == 4 else 2)
-    assert (c["norm"], c["residual_norm"]) == (1, 2 * LAYERS)
+    assert (c["norm"], c["residual_norm"]) == (0, 1)
+    assert sum(s.label.startswith("gemm + add") for s in p.subgraphs) == 2 * LAYERS - 1
     att = next(s for s in p.subgraphs if s.kind == "attention").smg
     assert dict(att.attrs)["causal"] == "True" and dict(att.attrs)["kv_heads"] == str(kv_heads)
     # RoPE's outputs keep split_heads' strides: Q, K, V are read where they lie, as [b, s, h, d] (GQA's Q
@@ -182,13 +185,21 @@ def test_real_configs() -> None:
 @pytest.mark.parametrize(("seq", "past", "layout"), [(16, 0, ("k", "n")), (1, 8, ("n", "k"))])
 def test_decoding_gemms_read_the_weights_as_stored(seq: int, past: int, layout: tuple[str, str]) -> None:
     """Prefill (16 rows) streams B = W.T [k, n] for tensor cores; a decoding step (1 row, a GEMV) reads W as
-    ``nn.Linear`` stores it, [n, k]: no transposed copy, and its lanes read rows along k."""
+    ``nn.Linear`` stores it, [n, k]: no transposed copy, and its lanes read rows along k.  A GEMM taking its
+    norm as a prologue reads W [n, k] at any length (the norm's weight folded in: a copy either way; the
+    tensor cores read it K-major)."""
     m = LlamaModel(LlamaConfig.tiny(kv_heads=2), seed=1)
     p = _partition(m, *m.example_inputs(1, seq, past=past))
-    weights = {(s.kind, op.space): (s.smg.space(op.space).dims, op.transpose) for s in p.subgraphs
-               for op in s.operands if op.source == "param" and s.kind in ("gemm", "gated_gemm", "stacked_gemm")}
-    assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("gated_gemm", "Wu"), ("stacked_gemm", "Bw")} <= set(weights)
-    assert all(dims[-2:] == layout and transpose == (layout == ("k", "n")) for dims, transpose in weights.values())
+    kinds = ("gemm", "gated_gemm", "stacked_gemm", "norm_gemm", "norm_gated_gemm", "norm_stacked_gemm")
+    weights = {(s.kind, op.space): (s.smg.space(op.space).dims, op.transpose, op.fold_norm) for s in p.subgraphs
+               for op in s.operands if op.source == "param" and s.kind in kinds and op.space.startswith(("B", "W"))}
+    assert {("gemm", "Bw"), ("norm_gemm", "Bw"), ("norm_gated_gemm", "Wg"), ("norm_gated_gemm", "Wu"),
+            ("norm_stacked_gemm", "Bw")} <= set(weights)
+    for (kind, _), (dims, transpose, fold) in weights.items():
+        prologue = kind.startswith("norm_")
+        assert dims[-2:] == (("n", "k") if prologue else layout)
+        assert transpose == (not prologue and layout == ("k", "n"))
+        assert (fold is not None) == prologue
     fused = fuse(m, *m.example_inputs(1, seq, past=past), backend="reference")
     with torch.no_grad():
         want, got = m(*m.example_inputs(1, seq, past=past)), fused(*m.example_inputs(1, seq, past=past))

@@ -571,12 +571,16 @@ def test_warp_tile_cuda_uses_mma_ldmatrix_cp_async(name, tmp_path) -> None:
     if s.wgmma:  # every GEMM on the warpgroup MMA; ldmatrix only for a Q held in registers
         p = s.warp_tile
         assert "wgmma.mma_async.sync.aligned" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" not in src
-        # ldmatrix only for a Q held in registers or a staged score tile (Softmax-GEMM's S)
+        # ldmatrix only for a Q held in registers, a staged score tile (Softmax-GEMM's S) or the A tile of
+        # the ss form's row states (a norm before the GEMM)
         held_q = p.gemm is not None and not p.warp.reload_a
-        assert ("ldmatrix" in src) == (held_q or (bool(p.tiles_in) and not p.wgmma_ss))
+        assert ("ldmatrix" in src) == (held_q or (bool(p.tiles_in) and not p.wgmma_ss)
+                                       or (p.wgmma_ss and bool(p.row_states)))
     else:
         assert "mma.sync.aligned.m16n8k16.row.col.f32" in src and "ldmatrix.sync.aligned.m8n8.x4" in src
-        assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == bool(s.warp_tile.gemm_states)
+        # x [L, n] is transposed by ldmatrix; a K-major x [n, L] (nn.Linear's weight as stored) is not
+        trans = any(not g.k_major for g in s.warp_tile.gemm_states)
+        assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in src) == trans
     if s.tma:  # the ring by TMA (the A tile and B's bands), waited for on mbarriers
         assert re.search(r"cp\.async\.bulk\.tensor\.[24]d", src) and "mbarrier.try_wait.parity" in src
     else:

@@ -20,6 +20,7 @@ from schedulers.hardware import A100, H100, H200, NPU, V100, HardwareModel
 from schedulers.schedule import make_schedule
 from search.space import SearchSpace
 from smg import patterns, workloads
+from smg.ops import Builder
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("smg", "schedulers", "search", "spacefusion", "experiments")
@@ -141,7 +142,11 @@ def test_a_graph_without_a_tensor_core_form_is_told_once_and_gets_no_tensor_core
 
 
 def test_a_gemm_without_a_warp_tile_program_gets_only_gemm_epilogue_knob_sets() -> None:
-    g = patterns.gemm_epilogue(96, 128, 64, "gelu", True, "float16", b_layout="nk")  # B [n, k]: no wgmma/mma.sync
+    """``gelu(A @ v)`` with v [k]: its state has no column dim, so no warp-tile GEMM state (B [n, k] was the
+    example here until K-major operands became warp-tile GEMM states: ``test_k_major.py``)."""
+    b = Builder("gemv_gelu", "float16")
+    a, v = b.input("A", {"m": 96, "k": 64}), b.input("v", {"k": 64})
+    g = b.build(b.unary("gelu", b.matmul(a, v, reduce="k", name="C"), name="Y"))
     space = SearchSpace(g, H100)
     cands = space.candidates()
     assert any(s.tensor_cores for s in cands)  # TVM's WMMA tensorizer takes it

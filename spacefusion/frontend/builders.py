@@ -16,14 +16,15 @@ from spacefusion.frontend.guard import Guard, clamped, guarded
 
 
 def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32", b_layout: str = "kn",
-               bias: bool = False) -> SMG:
+               bias: bool = False, norm: str = "none", eps: float | None = None) -> SMG:
     """``Y = act(X @ Wg) * (X @ Wu)`` (LLaMA's ``act_fn(gate_proj(x)) * up_proj(x)``), X[m, k], W*[k, n]
     (``b_layout`` "nk": W*[n, k], the linears' weights as stored); ``bias``: ``act(X @ Wg + bg) * (X @ Wu +
-    bu)`` (GEGLU: diffusers' one projection to 2n columns, chunked into its halves)."""
+    bu)`` (GEGLU: diffusers' one projection to 2n columns, chunked into its halves); ``norm``: of
+    ``norm(X)``, the norm without its weight (``patterns.norm_prologue``: folded into Wg and Wu)."""
     if act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
-    g = Builder(f"gated_gemm_{act}{'_bias' if bias else ''}", dtype)
-    x = g.input("X", {"m": m, "k": k})
+    g = Builder(f"{'' if norm == 'none' else norm + '_'}gated_gemm_{act}{'_bias' if bias else ''}", dtype)
+    x = patterns.norm_prologue(g, g.input("X", {"m": m, "k": k}), norm, eps=eps)
     dims = patterns._b_dims(k, n, b_layout)
     gate = g.matmul(x, g.input("Wg", dims), reduce="k", name="G")
     up = g.matmul(x, g.input("Wu", dims), reduce="k", name="U")

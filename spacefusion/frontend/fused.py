@@ -39,6 +39,7 @@ class FusedKernel(nn.Module):
                 ts = [t[op.rows[0]:op.rows[1]] for t in ts] if op.rows else ts
                 ts = [t.reshape(t.shape[0], -1).t() if op.transpose else t for t in ts]
                 t = torch.stack(ts) if op.stack else ts[0]
+                t = _fold_norm(root, t, op.fold_norm) if op.fold_norm else t
                 self.register_buffer(op.space, t.contiguous().reshape(op.shape), persistent=False)
 
         self._fast: Any = None
@@ -108,6 +109,14 @@ class FusedKernel(nn.Module):
             return tuple(out[j] if w else _view(out[j], r.permute, r.shape, r.index, r.split) for j, r, w in ready)
 
         return lean
+
+
+def _fold_norm(root: nn.Module, w: torch.Tensor, fold: tuple[str, float]) -> torch.Tensor:
+    """A linear weight [.., n, k] times its norm's ``offset + g[k]`` (in float32, then back to its dtype): the
+    norm's affine part folded into the GEMM that takes the norm as its prologue."""
+    ref, offset = fold
+    g = _attr(root, ref).detach().float() + offset
+    return (w.float() * g).to(w.dtype)
 
 
 def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:

@@ -56,6 +56,7 @@ from spacefusion.frontend.graph import (
 from spacefusion.frontend.guard import clamp_of, guard_of, guarded
 from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
+from spacefusion.frontend.prologue import Prologue, prologues
 from spacefusion.frontend.records import Operand, Result, Subgraph
 from spacefusion.frontend.rope import rope_of
 
@@ -90,9 +91,20 @@ class Context:
 
     @cached_property
     def norm_inputs(self) -> set[str]:
-        """The values a LayerNorm/RMSNorm normalises: an add among them is ``match_norm``'s to fuse."""
-        found = (norm_of(n, self.gm) for n in self.gm.graph.nodes if n.op.startswith("call_"))
+        """The values a LayerNorm/RMSNorm normalises: an add among them is ``match_norm``'s to fuse (not a
+        prologue's: the linear before it takes that add)."""
+        found = (norm_of(n, self.gm) for n in self.gm.graph.nodes
+                 if n.op.startswith("call_") and n.name not in self.prologues)
         return {nm.x.name for nm in found if nm is not None and isinstance(nm.x, fx.Node)}
+
+    @cached_property
+    def prologues(self) -> dict[str, Prologue]:
+        """The norms the linears reading them take as their GEMMs' prologue (``frontend.prologue``)."""
+        return prologues(self.gm)
+
+    def prologue(self, x: object) -> Prologue | None:
+        """The prologue a linear of ``x`` takes: ``x`` is such a norm's output."""
+        return self.prologues.get(x.name) if isinstance(x, fx.Node) else None
 
 
 def _value(space: str, node: fx.Node, shp: tuple[int, ...], permute: tuple[int, ...] | None = None) -> Operand:
@@ -364,20 +376,30 @@ def match_gated_gemm(node: fx.Node, ctx: Context) -> Subgraph | None:
     if gu is None or not ctx.free(*gu.nodes) or dtype(node) is None:
         return None
     m, n, k, dt = rows(shape(gu.x)), gu.n, gu.gate.k, dtype(node)
-    smg = _build(ctx, node, lambda: builders.gated_gemm(m, n, k, gu.act, dt, b_layout(m), bias=gu.bias))
+    pro = ctx.prologue(gu.x)
+    nk = b_layout(m) == "nk" or pro is not None  # a prologue's weights are folded copies as stored
+    smg = _build(ctx, node, lambda: builders.gated_gemm(m, n, k, gu.act, dt, "nk" if nk else "kn", bias=gu.bias,
+                                                        norm=pro.kind if pro else "none",
+                                                        eps=pro.eps if pro else None))
     if smg is None:
         return None
-    nk = b_layout(m) == "nk"
     w_shape = (n, k) if nk else (k, n)
-    ops = [_value("X", gu.x, (m, k)),
-           Operand("Wg", "param", gu.gate.weight, w_shape, transpose=not nk, rows=gu.gate_rows),
-           Operand("Wu", "param", gu.up.weight, w_shape, transpose=not nk, rows=gu.up_rows)]
+    fold = _fold(pro)
+    ops = [_value("X", pro.x if pro else gu.x, (m, k)),
+           Operand("Wg", "param", gu.gate.weight, w_shape, transpose=not nk, rows=gu.gate_rows, fold_norm=fold),
+           Operand("Wu", "param", gu.up.weight, w_shape, transpose=not nk, rows=gu.up_rows, fold_norm=fold)]
     if gu.bias:
         ops += [Operand("bg", "param", gu.gate.bias, (n,), rows=gu.gate_rows),
                 Operand("bu", "param", gu.up.bias, (n,), rows=gu.up_rows)]
     form = f"{gu.act}(X@Wg + bg)*(X@Wu + bu)" if gu.bias else f"{gu.act}(X@Wg)*(X@Wu)"
-    label = f"gated gemm {form}{' (one chunked linear)' if gu.gate_rows else ''} {m}x{n}x{k} {dt}"
-    return _subgraph("gated_gemm", label, gu.nodes, smg, ops, {"Y": node})
+    label = f"{pro.label if pro else ''}gated gemm {form}{' (one chunked linear)' if gu.gate_rows else ''} " \
+            f"{m}x{n}x{k} {dt}"
+    return _subgraph("norm_gated_gemm" if pro else "gated_gemm", label, gu.nodes, smg, ops, {"Y": node})
+
+
+def _fold(pro: Prologue | None) -> tuple[str, float] | None:
+    """How a linear weight takes its prologue norm's weight (``Operand.fold_norm``); None without one."""
+    return (pro.weight, pro.offset) if pro is not None and pro.weight is not None else None
 
 
 def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -398,11 +420,15 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
         res = back[1], back[2]
     out = res[0] if res else out
     m = rows(xs)
-    smg = _build(ctx, node, lambda: patterns.gemm_epilogue(m, lin.n, lin.k, name or "none", lin.bias is not None,
-                                                           dtype=dt, b_layout=b_layout(m), residual=res is not None))
+    pro = ctx.prologue(lin.x)
+    smg = _build(ctx, node, lambda: patterns.gemm_epilogue(
+        m, lin.n, lin.k, name or "none", lin.bias is not None, dtype=dt, b_layout="nk" if pro else b_layout(m),
+        residual=res is not None, norm=pro.kind if pro else "none", eps=pro.eps if pro else None))
     if smg is None:
         return None
-    ops = [_value("A", lin.x, (m, lin.k)), _weight("Bw", lin.weight, m, lin.k, lin.n, lin.stored_kn)]
+    weight = (Operand("Bw", "param", lin.weight, (lin.n, lin.k), fold_norm=_fold(pro)) if pro
+              else _weight("Bw", lin.weight, m, lin.k, lin.n, lin.stored_kn))
+    ops = [_value("A", pro.x if pro else lin.x, (m, lin.k)), weight]
     if lin.bias:
         ops.append(_param("bias", lin.bias, (lin.n,)))
     if back is not None:  # the residual and the sum in NCHW, channels-last: both bind as [m, n] views
@@ -413,10 +439,10 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
         return Subgraph("gemm", label, (node.name, back[0].name, res[0].name), smg, tuple(ops), (result,))
     if res:
         ops.append(_value("R", res[1], (m, lin.n)))
-    label = (f"gemm{' + bias' if lin.bias else ''}{f' + {name}' if act else ''}{' + add' if res else ''} "
-             f"{m}x{lin.n}x{lin.k} {dt}")
+    label = (f"{pro.label if pro else ''}gemm{' + bias' if lin.bias else ''}{f' + {name}' if act else ''}"
+             f"{' + add' if res else ''} {m}x{lin.n}x{lin.k} {dt}")
     nodes = (node, *act.nodes) if act else (node, res[0]) if res else (node,)
-    return _subgraph("gemm", label, nodes, smg, ops, {"Y": out})
+    return _subgraph("norm_gemm" if pro else "gemm", label, nodes, smg, ops, {"Y": out})
 
 
 def _residual_through_permute(node: fx.Node, ctx: Context) -> tuple[fx.Node, fx.Node, fx.Node] | None:
@@ -914,22 +940,25 @@ def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
     if len(group) < 2:
         return None
     (k, n, bias, stored_kn, act, dt), t, m = key, len(group), rows(shape(first.x))
+    pro = ctx.prologue(first.x)
+    nk = b_layout(m) == "nk" or pro is not None  # a prologue's weights are folded copies as stored
     smg = _build(ctx, group[0][0],
-                 lambda: patterns.gemm_epilogue(m, n, k, act or "none", bias, dt, b_layout(m), stack=t))
+                 lambda: patterns.gemm_epilogue(m, n, k, act or "none", bias, dt, "nk" if nk else "kn", stack=t,
+                                                norm=pro.kind if pro else "none", eps=pro.eps if pro else None))
     if smg is None:
         return None
-    nk = b_layout(m) == "nk"
     lins = [lin for _, lin in group]
-    ops = [_value("A", first.x, (m, k)),
+    ops = [_value("A", pro.x if pro else first.x, (m, k)),
            Operand("Bw", "param", lins[0].weight, (t, n, k) if nk else (t, k, n), nk == stored_kn,
-                   stack=tuple(lin.weight for lin in lins))]
+                   stack=tuple(lin.weight for lin in lins), fold_norm=_fold(pro))]
     if bias:
         ops.append(Operand("bias", "param", lins[0].bias, (t, n), stack=tuple(lin.bias for lin in lins)))
     outs = [single_user(u) if act else u for u, _ in group]
     results = tuple(Result("Y", o.name, shape(o), index=i) for i, o in enumerate(outs))
     nodes = [u.name for u, _ in group] + ([o.name for o in outs] if act else [])
-    label = f"{t} stacked gemms{' + bias' if bias else ''}{f' + {act}' if act else ''} {m}x{n}x{k} {dt}"
-    return Subgraph("stacked_gemm", label, tuple(nodes), smg, tuple(ops), results)
+    label = (f"{pro.label if pro else ''}{t} stacked gemms{' + bias' if bias else ''}{f' + {act}' if act else ''} "
+             f"{m}x{n}x{k} {dt}")
+    return Subgraph("norm_stacked_gemm" if pro else "stacked_gemm", label, tuple(nodes), smg, tuple(ops), results)
 
 
 def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
@@ -937,6 +966,10 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     is fused too (``residual_norm``), and the sum is a second output where something else reads it."""
     nm = norm_of(node, ctx.gm)
     if nm is None or not ctx.free(node, *nm.inner):
+        return None
+    if node.name in ctx.prologues:  # each linear reading it recomputes it from its input
+        ctx.refuse(node, f"an {nm.kind} read only by linears: the prologue of their GEMMs, each normalising the "
+                         f"rows it multiplies (gone once they are fused)")
         return None
     xs, dt = shape(nm.x), dtype(node)
     if nm.dims != 1 or nm.weight is None or (nm.kind == "layernorm" and nm.bias is None) or xs is None or dt is None:

@@ -46,6 +46,9 @@ class Operand:
     #: a "param" read as these rows [start, stop) of its first dim (before any transpose): one half of a
     #: chunked projection's weight or bias (GEGLU's gate and value halves of one linear)
     rows: tuple[int, int] | None = None
+    #: (the norm's weight, its offset): a linear weight [.., n, k] multiplied by ``offset + w[k]`` once, its
+    #: norm taken as the GEMM's prologue (``frontend.prologue``)
+    fold_norm: tuple[str, float] | None = None
 
 
 @dataclass(frozen=True)

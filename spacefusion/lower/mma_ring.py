@@ -211,8 +211,11 @@ class Ring:
         if st.groups == 2:  # the score tile's operands land first: it starts while the rest arrive
             T.evaluate(T.ptx.cp.async_.commit_group())
         for x in dict.fromkeys(gs.x for gs in p.gemm_states):
-            n = next(gs.n for gs in p.gemm_states if gs.x == x)
-            self.copy_tile(x, slot, L, t0, n, st.col0(n), pred)
+            gs = next(gs for gs in p.gemm_states if gs.x == x)
+            if gs.k_major:  # [n_tile, step]: rows along N, 16-byte chunks along L
+                self.copy_tile(x, slot, gs.n, st.col0(gs.n), L, t0, pred)
+            else:
+                self.copy_tile(x, slot, L, t0, gs.n, st.col0(gs.n), pred)
         T.evaluate(T.ptx.cp.async_.commit_group())
 
     def wait_tiles(self, j: tirx.PrimExpr, pending: int) -> None:

@@ -129,9 +129,11 @@ class RowUpdate:
         per = (gs.n_tile // 8) * 4
         sync = self.sync
 
+        trans = not gs.k_major  # x [step, n_tile] is transposed by ldmatrix; a K-major [n_tile, step] is not
+
         def load_v(kt: int, vf: tirx.Buffer) -> None:
             for n2 in range(gs.n_tile // 16):
-                sync.ldsm(vf, n2 * 8, gs.x, base + sync.b_offset(stride, n2 * 16, kt * 16, True), True)
+                sync.ldsm(vf, n2 * 8, gs.x, base + sync.b_offset(stride, n2 * 16, kt * 16, trans), trans)
 
         def mma_v(kt: int, vf: tirx.Buffer) -> None:
             for n2 in range(gs.n_tile // 16):

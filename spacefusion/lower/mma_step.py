@@ -80,9 +80,36 @@ class Step:
     def run(self, qf: tirx.Buffer | None) -> None:
         """The step: its score tile (``qf``: A's fragments when held in registers), score ops, updates."""
         st, p = self.st, self.st.p
-        if p.wgmma_ss:
-            self.wgmma.step()
+        if p.wgmma_ss:  # both operands from shared memory; row states read A's tile while the wgmmas run
+            self.wgmma.step(wait=not st.lag and not p.row_states)
+            if p.row_states:
+                self.row_statistics()
+                if not st.lag:  # the slot's wgmmas done before the next step's barrier frees it
+                    T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
             return
+        self._score_tile(qf)
+        gemm_of = {gs.update.state: gs for gs in p.gemm_states}
+        waited = st.groups == 1
+        for u in st.s.plan.states:
+            if u.state in gemm_of:
+                if not waited:  # this step's second-GEMM operands: all groups but the next step's
+                    T.evaluate(T.ptx.cp.async_.wait_group(st.groups * (p.warp.stages - 1)))
+                    T.evaluate(T.tvm_storage_sync("shared"))
+                    waited = True
+                self.rows.gemm_state(gemm_of[u.state])
+            else:
+                self.rows.row_state(u)
+
+    def row_statistics(self) -> None:
+        """The row states of wgmma's ss form from the step's staged A tile (its GEMM states need nothing
+        but the tile: ``warp_tile.staged_factors``), issued after the step's wgmmas, which run meanwhile."""
+        self._score_tile(None)
+        for u in self.st.p.row_states:
+            self.rows.row_state(u)
+
+    def _score_tile(self, qf: tirx.Buffer | None) -> None:
+        """The step's score tile, staged inputs' fragments and score ops, and the row states' old values."""
+        st, p = self.st, self.st.p
         st.cache = {}
         st.score = {}
         st.tin = {}
@@ -103,17 +130,6 @@ class Step:
         for u in p.row_states:
             for h in range(2 * st.mt):
                 T.buffer_store(st.rs_old[u.state], st.rs[u.state][h], [h])
-        gemm_of = {gs.update.state: gs for gs in p.gemm_states}
-        waited = st.groups == 1
-        for u in st.s.plan.states:
-            if u.state in gemm_of:
-                if not waited:  # this step's second-GEMM operands: all groups but the next step's
-                    T.evaluate(T.ptx.cp.async_.wait_group(st.groups * (p.warp.stages - 1)))
-                    T.evaluate(T.tvm_storage_sync("shared"))
-                    waited = True
-                self.rows.gemm_state(gemm_of[u.state])
-            else:
-                self.rows.row_state(u)
 
     def _scores(self, qf: tirx.Buffer | None) -> tirx.Buffer:
         """The score GEMM ``A @ B^T`` of this step into fresh fp32 fragments."""

@@ -70,13 +70,15 @@ class TmaRing:
         """Thread 0 loads the ring's tiles of the step at ``t0`` by TMA into ``slot``, in 64-column
         swizzled bands, their bytes counted by the slot's mbarrier: inputs on the score plane (a plain
         GEMM's A, Softmax-GEMM's S) as [rows, 64] bands along L, the score GEMM's B (K) and the GEMM
-        states' ``x`` (V, a plain GEMM's B) as [step, 64] bands along their columns, at this block's
-        (batch, head) coordinates; rows and columns past the ends arrive as zeros and count too."""
+        states' ``x`` (V, a plain GEMM's B) as [step, 64] bands along their columns (a K-major ``x``,
+        ``nn.Linear``'s weight [n, k], as [n_tile, 64] bands along L), at this block's (batch, head)
+        coordinates; rows and columns past the ends arrive as zeros and count too."""
         st, p = self.st, self.st.p
         cond = st.tid == 0 if pred is None else tirx.all(st.tid == 0, pred)
         names = tma_streamed(p) if names is None else names  # (a split ring loads K and V apart)
         nbytes = sum(st.layout[n][1] * st.layout[n][2] * 2 for n in names)
         cols0 = {g.x: st.col0(g.n) for g in p.gemm_states}
+        kmajor = {g.x for g in p.gemm_states if g.k_major}
         with T.If(cond):
             with T.Then():
                 bar = self.full(slot) if bar is None else bar
@@ -93,6 +95,8 @@ class TmaRing:
                         dst = st.arena.ptr_to([st.slot_tile(n, slot) + band * rows * 64])
                         if n in p.tiles_in:  # [rows, step] of the score plane: the band runs along L
                             c0, c1 = t0 + band * 64, st.row0
+                        elif n in kmajor:  # a K-major x [n_tile, step]: the band runs along L too
+                            c0, c1 = t0 + band * 64, cols0[n]
                         else:  # [step, cols]: the band runs along the tile's columns
                             c0, c1 = cols0.get(n, tirx.const(0, I32)) + band * 64, t0
                         T.evaluate(op(dst, st.glob[f"{n}__tmap"].data, c0, c1, *outer, bar))

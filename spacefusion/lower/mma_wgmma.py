@@ -23,7 +23,7 @@ class Wgmma:
     def __init__(self, st: KernelState) -> None:
         self.st = st
 
-    def step(self) -> None:
+    def step(self, wait: bool | None = None) -> None:
         """``acc += A @ B`` of every GEMM state for this step on warpgroup MMA: per k16 slice, GEMM
         state and 64-row half one ``wgmma.mma_async.m64nNk16`` reading both tiles from their 128 B-swizzled
         layouts in shared memory (A K-major, B N-contiguous and transposed by the instruction), then one
@@ -43,9 +43,11 @@ class Wgmma:
                 for h in range(st.mt):  # this warpgroup's 64-row halves
                     # A [r, 64 k] K-major: a 64-row half is 8 atoms on; the k16 slice 32 B into the rows
                     adesc = self.k_desc(a_tile + st.half_of(h) * 8 * SWIZZLE_ATOM + kt * 16)
-                    T.evaluate(op(*[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0, 1))
-        # with a lag, waited for at the top of the step after next, before its slot is reloaded
-        self.commit(wait=not st.lag)
+                    T.evaluate(op(*[acc[h * per + i] for i in range(per)], adesc, bdesc, T.ptx.pred(1), 1, 1, 0,
+                                  0 if gs.k_major else 1))
+        # with a lag, waited for at the top of the step after next, before its slot is reloaded (``wait``
+        # False: by the caller, after the row states that read A's tile beside the wgmmas)
+        self.commit(wait=not st.lag if wait is None else wait)
 
     def rs(self, acc: tirx.Buffer, pf: tirx.Buffer, gs: GemmState, wait: bool = True) -> None:
         """``acc += P @ x`` on warpgroup MMA with P in registers: per k16 slice and 64-row half of
@@ -63,7 +65,7 @@ class Wgmma:
             for mi in range(st.mt):
                 a = (mi * n4 + kt * 8) // 2
                 T.evaluate(op(*[acc[mi * per + i] for i in range(per)], *[words[a + w] for w in range(4)], bdesc,
-                              T.ptx.pred(1), 1, 1, 1))
+                              T.ptx.pred(1), 1, 1, 0 if gs.k_major else 1))
         self.commit(wait=wait)
 
     def scores(self, sacc: tirx.Buffer, qf: tirx.Buffer | None, base: tirx.PrimExpr, wait: bool = True) -> None:
@@ -114,8 +116,12 @@ class Wgmma:
     def mn_desc(self, gs: GemmState, kt: int) -> tirx.PrimExpr:
         """Descriptor of k16 slice ``kt`` of a GEMM state's swizzled ``x`` tile [k, n], N-contiguous
         (transposed by the instruction): 2 atoms down per slice, 64-column bands step * 128 B apart
-        (LBO), 8-row atoms 1 KB apart (SBO)."""
+        (LBO), 8-row atoms 1 KB apart (SBO).  A K-major tile [n, k] (``nn.Linear``'s weight) is read as
+        the score GEMM's K is: 64-wide bands of k, each ``n_tile / 8`` atoms, the slice 32 B into its band."""
         tile = self.st.slot_tile(gs.x, self.st.slot)
+        if gs.k_major:
+            band, within = kt // 4, (kt % 4) * 16
+            return self.k_desc(tile + band * (gs.n_tile // 8) * SWIZZLE_ATOM + within)
         return self.desc(tile + kt * 2 * SWIZZLE_ATOM, lbo=self.st.p.step * 128, sbo=2 * SWIZZLE_ATOM)
 
     def k_desc(self, elem: tirx.PrimExpr) -> tirx.PrimExpr:

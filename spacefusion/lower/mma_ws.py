@@ -36,7 +36,7 @@ from spacefusion.lower.mma_out import Epilogue
 from spacefusion.lower.mma_overlap import TURN_BARRIER, Overlap
 from spacefusion.lower.mma_ring import Ring
 from spacefusion.lower.mma_rows import RowUpdate
-from spacefusion.lower.mma_state import I32, KernelState, f32
+from spacefusion.lower.mma_state import I32, KernelState
 from spacefusion.lower.mma_step import Step
 from spacefusion.lower.mma_sync import MmaSync
 from spacefusion.lower.mma_tma import TmaRing
@@ -150,9 +150,7 @@ class WarpSpecialized:
             return
         p, n = st.p, st.s.num_steps
         first = st.tid % 128 == 0  # one arrival per MMA warpgroup
-        for buf in st.acc.values():
-            for i in range(int(buf.shape[0])):
-                T.buffer_store(buf, f32(0.0), [i])
+        self.rows.init_states()  # accumulators at zero (and a norm's row statistics), per tile
         if p.hopper.pingpong:  # the other warpgroup's main loops so far complete this barrier's phases
             with T.If(k > 0):
                 with T.Then():
@@ -163,6 +161,8 @@ class WarpSpecialized:
             st.t0 = j * p.step
             T.evaluate(T.cuda.mbarrier_wait(self.tma.full(st.slot), tirx.floordiv(it, p.warp.stages) % 2))
             self.wgmma.step()
+            if p.row_states:  # read from the slot beside its wgmmas, before the slot goes back (next step)
+                self.step.row_statistics()
             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(1))
             with T.If(tirx.all(j > 0, first)):
                 with T.Then():

@@ -40,7 +40,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+#: memcheck, initcheck and synccheck end with ``ERROR SUMMARY: N errors``; racecheck with ``RACECHECK SUMMARY:
+#: H hazards displayed (E errors, W warnings)``, whose errors are the count kept
+SUMMARY = re.compile(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)")
+
+
+def _errors(text: str) -> int | None:
+    """The last summary's error count in a sanitizer's output; None where it printed none (not clean)."""
+    found = SUMMARY.findall(text)
+    return int(next(n for n in found[-1] if n)) if found else None
 
 
 def one(model_name: str, calls: int, batch: int | None = None) -> dict[str, Any]:
@@ -104,10 +112,9 @@ def per_kernel(prefix: list[str], cache: Path, timeout: float) -> dict[str, Any]
         except subprocess.TimeoutExpired:
             rows[art.parent.name] = {"timed_out_s": timeout}
             continue
-        found = SUMMARY.findall(out.stdout + out.stderr)
         rows[art.parent.name] = {"wall_s": round(time.perf_counter() - t, 1), "returncode": out.returncode,
                                  "result": _last_json(out.stdout),
-                                 "sanitizer_errors": int(found[-1]) if found else None,
+                                 "sanitizer_errors": _errors(out.stdout + out.stderr),
                                  "reports": [ln for ln in (out.stdout + out.stderr).splitlines()
                                              if ln.startswith("=========")][:20]}
     return rows
@@ -132,9 +139,8 @@ def _spawn(prefix: list[str], model_name: str, calls: int, env: dict[str, str], 
                                                                       re.M)), "head": text[:3000]}
     row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t, 1), "returncode": out.returncode,
                            "result": _last_json(out.stdout)}
-    found = SUMMARY.findall(out.stdout + out.stderr)
     if prefix:
-        row["sanitizer_errors"] = int(found[-1]) if found else None
+        row["sanitizer_errors"] = _errors(out.stdout + out.stderr)
         reports = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("=========")]
         row["reports"] = reports[:60]
     if out.returncode != 0 and row["result"] is None:

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import spacefusion  # noqa: E402
 from spacefusion.frontend import fuse  # noqa: E402
+from spacefusion.frontend.prologue import PROLOGUE_MIN_ROWS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +79,7 @@ def test_a_norm_read_by_anything_but_linears_stays_a_kernel_of_its_own() -> None
 
 def test_an_nn_rmsnorm_before_two_linears_folds_its_weight_into_both() -> None:
     """``nn.RMSNorm`` read by two linears of different widths: two GEMMs, each reading x and W * g as stored
-    ([n, k]: no transpose), the norm's own nodes gone; a decoding row (m = 1, a GEMV) too."""
+    ([n, k]: no transpose), the norm's own nodes gone; from ``PROLOGUE_MIN_ROWS`` rows on, not below."""
     class Block(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -93,9 +94,15 @@ def test_an_nn_rmsnorm_before_two_linears_folds_its_weight_into_both() -> None:
     m = Block().eval()
     with torch.no_grad():
         m.norm.weight.mul_(torch.linspace(0.5, 1.5, 64))
-    for rows in (32, 1):
+    for rows in (32, 16, 15, 1):
         x = torch.randn(rows, 64)
         fused = fuse(m, x, backend="llvm")
+        if rows < PROLOGUE_MIN_ROWS:  # a decoding step's GEMVs: the norm is a kernel of its own
+            assert "norm_gemm" not in fused.partition.counts(), fused.partition
+            assert fused.partition.counts()["norm"] == 1, fused.partition
+            for got, want in zip(fused(x), m(x)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            continue
         assert fused.partition.counts() == {"norm_gemm": 2}, fused.partition
         for sub in fused.partition.subgraphs:
             (w,) = [op for op in sub.operands if op.space == "Bw"]

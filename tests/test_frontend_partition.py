@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spacefusion.frontend import capture, fuse, partition
+from spacefusion.frontend.prologue import PROLOGUE_MIN_ROWS
 from spacefusion.frontend.reasons import CONCAT, GATHER, LAYOUT, ROPE, ROPE_TABLES
 from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
 
@@ -185,16 +186,20 @@ def test_real_configs() -> None:
 @pytest.mark.parametrize(("seq", "past", "layout"), [(16, 0, ("k", "n")), (1, 8, ("n", "k"))])
 def test_decoding_gemms_read_the_weights_as_stored(seq: int, past: int, layout: tuple[str, str]) -> None:
     """Prefill (16 rows) streams B = W.T [k, n] for tensor cores; a decoding step (1 row, a GEMV) reads W as
-    ``nn.Linear`` stores it, [n, k]: no transposed copy, and its lanes read rows along k.  A GEMM taking its
-    norm as a prologue reads W [n, k] at any length (the norm's weight folded in: a copy either way; the
-    tensor cores read it K-major)."""
+    ``nn.Linear`` stores it, [n, k]: no transposed copy, and its lanes read rows along k.  A prefill GEMM
+    taking its norm as a prologue reads W [n, k] (the norm's weight folded in: a copy either way; the tensor
+    cores read it K-major); a decoding step takes no prologue (``prologue.PROLOGUE_MIN_ROWS``)."""
     m = LlamaModel(LlamaConfig.tiny(kv_heads=2), seed=1)
     p = _partition(m, *m.example_inputs(1, seq, past=past))
     kinds = ("gemm", "gated_gemm", "stacked_gemm", "norm_gemm", "norm_gated_gemm", "norm_stacked_gemm")
     weights = {(s.kind, op.space): (s.smg.space(op.space).dims, op.transpose, op.fold_norm) for s in p.subgraphs
                for op in s.operands if op.source == "param" and s.kind in kinds and op.space.startswith(("B", "W"))}
-    assert {("gemm", "Bw"), ("norm_gemm", "Bw"), ("norm_gated_gemm", "Wg"), ("norm_gated_gemm", "Wu"),
-            ("norm_stacked_gemm", "Bw")} <= set(weights)
+    prologues = {("norm_gemm", "Bw"), ("norm_gated_gemm", "Wg"), ("norm_gated_gemm", "Wu"), ("norm_stacked_gemm", "Bw")}
+    if seq >= PROLOGUE_MIN_ROWS:
+        assert {("gemm", "Bw"), *prologues} <= set(weights)
+    else:
+        assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("stacked_gemm", "Bw")} <= set(weights)
+        assert not prologues & set(weights)
     for (kind, _), (dims, transpose, fold) in weights.items():
         prologue = kind.startswith("norm_")
         assert dims[-2:] == (("n", "k") if prologue else layout)

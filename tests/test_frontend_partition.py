@@ -71,14 +71,15 @@ def test_llama_prefill_gated_mlp_gqa_and_rope(kv_heads: int) -> None:
     p = _partition(m, *m.example_inputs(1, 16))
     c = p.counts()
     # Q, K and V share the input norm's output: one stacked GEMM (GQA: Q alone, K and V stacked), each with the
-    # norm as its prologue, as the gated MLP input's; o_proj and down_proj take the residual adds (the last
-    # down_proj's goes to the final norm, read by no linear)
-    assert (c["attention"], c["norm_gated_gemm"], c["norm_stacked_gemm"]) == (LAYERS, LAYERS, LAYERS)
+    # norm as its prologue; the gated MLP reads its norm's output (no prologue for a gated pair:
+    # ``prologue.py``), so o_proj's residual add goes to that norm's kernel and down_proj takes the next
+    # layer's (the last down_proj's goes to the final norm, read by no linear)
+    assert (c["attention"], c["gated_gemm"], c["norm_stacked_gemm"]) == (LAYERS, LAYERS, LAYERS)
     assert c["gemm"] == 2 * LAYERS and c["norm_gemm"] == (0 if kv_heads == 4 else LAYERS)
     stacked = next(s for s in p.subgraphs if s.kind == "norm_stacked_gemm")
     assert stacked.smg.shape("Y")[0] == (3 if kv_heads == 4 else 2)
-    assert (c["norm"], c["residual_norm"]) == (0, 1)
-    assert sum(s.label.startswith("gemm + add") for s in p.subgraphs) == 2 * LAYERS - 1
+    assert (c["norm"], c["residual_norm"], c["norm_gated_gemm"]) == (0, 1 + LAYERS, 0)
+    assert sum(s.label.startswith("gemm + add") for s in p.subgraphs) == LAYERS - 1  # the down_projs but the last
     att = next(s for s in p.subgraphs if s.kind == "attention").smg
     assert dict(att.attrs)["causal"] == "True" and dict(att.attrs)["kv_heads"] == str(kv_heads)
     # RoPE's outputs keep split_heads' strides: Q, K, V are read where they lie, as [b, s, h, d] (GQA's Q
@@ -194,9 +195,9 @@ def test_decoding_gemms_read_the_weights_as_stored(seq: int, past: int, layout: 
     kinds = ("gemm", "gated_gemm", "stacked_gemm", "norm_gemm", "norm_gated_gemm", "norm_stacked_gemm")
     weights = {(s.kind, op.space): (s.smg.space(op.space).dims, op.transpose, op.fold_norm) for s in p.subgraphs
                for op in s.operands if op.source == "param" and s.kind in kinds and op.space.startswith(("B", "W"))}
-    prologues = {("norm_gemm", "Bw"), ("norm_gated_gemm", "Wg"), ("norm_gated_gemm", "Wu"), ("norm_stacked_gemm", "Bw")}
+    prologues = {("norm_gemm", "Bw"), ("norm_stacked_gemm", "Bw")}
     if seq >= PROLOGUE_MIN_ROWS:
-        assert {("gemm", "Bw"), *prologues} <= set(weights)
+        assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("gated_gemm", "Wu"), *prologues} <= set(weights)
     else:
         assert {("gemm", "Bw"), ("gated_gemm", "Wg"), ("stacked_gemm", "Bw")} <= set(weights)
         assert not prologues & set(weights)

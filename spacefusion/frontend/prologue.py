@@ -19,6 +19,13 @@ so the prologue saves next to nothing, and on the H100 it cost much more than th
 one token: the gate/up GEMV with the norm as its prologue 283 us a call, the plain GEMV after the norm's own
 kernel 62 us; the stacked q/k/v 57 us against 44), a SIMT GEMV with the row statistics recomputed per block
 being ranked no better than a plain one.
+
+Nor is it taken by a gated GEMM's pair of linears (``act(x @ Wg) * (x @ Wu)``, LLaMA's gate/up): on the H100
+LLaMA-2-7B's 2048x11008x4096 gated GEMM with the norm as its prologue ran 947 us a call against 517 without
+(its first pick, a persistent wgmma kernel, estimated 525 us: the model does not see what costs it the
+difference), which undid the rest of the prologues' gain (the 4-layer prefill 7718 us against 6307).  The
+q/k/v projections keep it (the stacked GEMM 285 us against 279; Qwen2's and LLaMA's plain GEMMs 1.05-1.08x
+torch's norm + cuBLAS in ``experiments/results/norm_gemm_h100.json``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from spacefusion.frontend.gated import gated_of
 from spacefusion.frontend.graph import ADD, dtype, is_function, linear_of, norm_of, rows, shape, single_user
 from spacefusion.frontend.guard import clamp_of, guard_of
 
@@ -64,6 +72,8 @@ def prologues(gm: fx.GraphModule) -> dict[str, Prologue]:
         lins = [linear_of(u, gm) for u in node.users]
         if not all(lin is not None and lin.x is node and not lin.stored_kn for lin in lins):
             continue
+        if any(_gated(u, gm) for u in node.users):
+            continue
         if guard_of(nm.x) is not None or clamp_of(nm.x) is not None or not _sum_written_elsewhere(nm.x, gm):
             continue
         out[node.name] = Prologue(nm.kind, nm.x, nm.weight, nm.offset, float(nm.eps),
@@ -77,3 +87,10 @@ def _sum_written_elsewhere(x: fx.Node, gm: fx.GraphModule) -> bool:
     if not is_function(x, ADD) or len(x.args) != 2 or x.kwargs:
         return True
     return any(isinstance(a, fx.Node) and linear_of(a, gm) is not None and single_user(a) is x for a in x.args)
+
+
+def _gated(lin: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether the linear ``lin`` is one of a gated GEMM's pair: its output, or its activation's, is a factor
+    of a gated product (``gated.gated_of``)."""
+    seen = [lin, *(u for u in lin.users if len(u.args) >= 1 and u.args[0] is lin)]
+    return any(gated_of(w, gm) is not None for v in seen for w in v.users)

@@ -58,18 +58,19 @@ def backward_passes(bw: Backward) -> tuple[Pass, ...]:
                 lacks = sorted(d for d in common if d not in g.space(op.out).dims and d not in reduced)
                 if lacks and op.out not in pre:
                     pre.append(op.out)
-    derivation = (("derivation", "\n".join(bw.derivation)),)
-    passes = []
+    plan = []
     for p in pre:
-        ops = _needed(g, [p], set(pre) - {p})
-        sm = sub_smg(g, ops, f"{g.name}_{p}")
-        sm = SMG(sm.name, sm.dims, sm.spaces, sm.ops, (p,), derivation)
-        passes.append(Pass(p, sm, f"{p} is read by every block along a dim it lacks: computed once, first"))
+        plan.append((p, _needed(g, [p], set(pre) - {p}), (p,),
+                     f"{p} is read by every block along a dim it lacks: computed once, first"))
     for key, outs in groups.items():
-        ops = _needed(g, outs, set(pre))
-        sm = sub_smg(g, ops, f"{g.name}_{'_'.join(outs)}")
-        sm = SMG(sm.name, sm.dims, sm.spaces, sm.ops, tuple(outs), derivation)
         why = (f"{', '.join(outs)} reduce over {', '.join(key)}: running states of a serial walk over it"
                if not key[0].startswith("=") else f"{outs[0]} reduces nothing: its row reductions inside")
-        passes.append(Pass("_".join(outs), sm, why))
+        plan.append(("_".join(outs), _needed(g, outs, set(pre)), tuple(outs), why))
+    kernels = ["kernels (schedulers.passes), in launch order:"]
+    kernels += [f"  {name}: {why}" for name, _, _, why in plan]
+    derivation = (("derivation", "\n".join((*bw.derivation, *kernels))),)
+    passes = []
+    for name, ops, outs, why in plan:
+        sm = sub_smg(g, ops, f"{g.name}_{name}")
+        passes.append(Pass(name, SMG(sm.name, sm.dims, sm.spaces, sm.ops, outs, derivation), why))
     return tuple(passes)

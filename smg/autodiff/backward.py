@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import sympy as sp
@@ -250,11 +251,16 @@ def _emit(fwd: SMG, nodes: dict[str, Node], grads: list[str], space_dims: dict[s
         spaces[name] = DataSpace(name, node.dims, fwd.space(name).dtype if name in {s.name for s in fwd.spaces}
                                  else dtype)
         ops.append(Op("backward" if name not in recompute else "recompute", name, node.dims,
-                      tuple(Access(r, space_dims.get(r) or spaces[r].dims) for r in reads), str(node.body),
+                      tuple(Access(r, space_dims.get(r) or spaces[r].dims) for r in reads), _text(node.body),
                       node.reduce, "sum" if node.reduce else "none"))
     used = {d for s in spaces.values() for d in s.dims} | {d for op in ops for d in op.iter_dims}
     return SMG(name=f"{fwd.name}_backward", dims=tuple(Dim(d.name, d.size) for d in fwd.dims if d.name in used),
                spaces=tuple(spaces.values()), ops=tuple(ops), outputs=tuple(grads))
+
+
+def _text(expr: sp.Expr) -> str:
+    """A body's text: sympy's constants as numbers (the body parser reads ``pi`` as a name)."""
+    return str(expr.xreplace({sp.pi: sp.Float(math.pi, 17), sp.E: sp.Float(math.e, 17)}))
 
 
 def _with_saved(fwd: SMG, saved_ops: list[Op], saved: tuple[str, ...]) -> SMG:

@@ -41,6 +41,8 @@ def in_terms_of_output(op: Op, space: str, d: sp.Expr) -> sp.Expr:
         return d
     if sp.simplify(d - op.expr) == 0:
         return y
+    if sum(1 for t in sp.preorder_traversal(op.expr) if t == x) != 1:
+        return d  # an inverse by sympy's solve only where x occurs once (a chain of invertible steps)
     yp = sp.Dummy("y", positive=True)
     try:
         sols = sp.solve(sp.Eq(yp, op.expr), x)

@@ -133,3 +133,26 @@ def test_the_docs_show_the_printout_as_printed() -> None:
     printed = str(schedule(backward_passes(bw)[-1].smg, tiles={"l": 64}, step=32)).splitlines()[1:]
     documented = blocks(ROOT / "docs" / "backward.md", "text")[0].strip("\n").splitlines()[1:]
     assert documented == printed
+
+
+def test_a_learned_bias_gets_its_gradient() -> None:
+    """A score mod's input that requires grad (an additive bias over [h, m, l]): dBias = sum_b dS, a pass of
+    its own (it reduces over the batch), against float64 torch autograd."""
+    torch = pytest.importorskip("torch")
+    from smg.patterns import ScoreMod
+
+    g = attention(2, 2, 6, 7, 4, dtype="float32", causal=True,
+                  mods=(ScoreMod("{s} + Bias", (("Bias", ("h", "m", "l")),)),))
+    bw = derive_backward(g)
+    assert [p.name for p in backward_passes(bw)] == ["Delta", "dQ", "dK_dV", "dBias"]
+    rng = np.random.default_rng(3)
+    x = {n: rng.standard_normal(g.shape(n)).astype(np.float32) for n in g.inputs}
+    do = rng.standard_normal(g.shape("O")).astype(np.float32)
+    got = run_backward_llvm(bw, x, {"dO": do})
+    t = {n: torch.tensor(v, dtype=torch.float64, requires_grad=True) for n, v in x.items()}
+    mask = torch.ones(6, 7, dtype=torch.bool).tril()
+    s = (t["Q"] @ t["K"].transpose(-1, -2)) * 0.5 + t["Bias"]
+    o = torch.softmax(s.masked_fill(~mask, -float("inf")), -1) @ t["V"]
+    o.backward(torch.tensor(do, dtype=torch.float64))
+    for n in ("Q", "K", "V", "Bias"):
+        assert rel_err(got[f"d{n}"], t[n].grad.numpy()) < 2e-5, n

@@ -11,7 +11,7 @@ import sympy as sp
 from smg.autodiff import rewrite as rw
 from smg.autodiff.sweep import Node, reverse_sweep
 from smg.errors import BackwardError
-from smg.expr import symbol
+from smg.expr import parse, symbol
 from smg.hashing import text_key
 from smg.ir import SMG, Access, DataSpace, Dim, Op
 
@@ -191,7 +191,7 @@ def derive_backward(fwd: SMG, wrt: tuple[str, ...] | None = None) -> Backward:
 def _solved(saved_ops: list[Op]) -> dict[str, sp.Expr]:
     out = {}
     for op in saved_ops:
-        c = sp.sympify(op.body, locals={a.space: symbol(a.space) for a in op.inputs})
+        c = parse(op.body)
         for a in op.inputs:
             sol = sp.solve(sp.Eq(symbol(op.out), c), symbol(a.space))
             if len(sol) == 1:

@@ -28,6 +28,10 @@ def schedule_summary(s: Schedule) -> str:
             lines.append(f"      broadcast postposition: factor {u.postponed} applied after the loop")
     for out, expr in s.plan.finalize:
         lines.append(f"  finalize: {out} = {expr}")
+    derivation = dict(s.smg.attrs).get("derivation")
+    if derivation:  # a pass of a derived backward (``smg.autodiff``, ``schedulers.passes``)
+        lines.append("  backward derivation (smg.autodiff):")
+        lines.extend(f"    {line}" for line in derivation.splitlines())
     lines.append("  memory levels: " + ", ".join(f"{n}:{lvl}" for n, lvl in s.memory))
     if s.warp_tile is not None:
         lines.append("  tensor cores: " + warp_tile_summary(s))

@@ -18,6 +18,7 @@ this yields FlashAttention's online softmax; nothing here names softmax.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,6 +32,8 @@ from smg.expr import body_expr, parse, symbol  # parse: also read from here by s
 from smg.ir import SMG
 
 _TRANSCENDENTAL = (sp.exp, sp.log, sp.sin, sp.cos, sp.tanh, sp.erf)
+#: lambdify's modules for the checks: numpy has no erf (a GELU inside a state's body, a derived backward's dW2)
+_MODULES = [{"erf": np.vectorize(math.erf, otypes=[float])}, "numpy"]
 
 
 def old(name: str) -> str:
@@ -214,7 +217,7 @@ def _samples(exprs: list[sp.Expr], syms: list[sp.Symbol], pts: np.ndarray) -> np
     """Values of ``exprs`` at the points ``pts`` (one row per point)."""
     cols = []
     for e in exprs:
-        f = sp.lambdify(syms, e, modules="numpy")
+        f = sp.lambdify(syms, e, modules=_MODULES)
         cols.append(np.broadcast_to(np.asarray(f(*pts.T), dtype=np.float64), (len(pts),)))
     return np.stack(cols, axis=1) if cols else np.zeros((len(pts), 0))
 
@@ -464,5 +467,5 @@ def run_chain(plan: TemporalPlan, data: dict[str, np.ndarray], steps: list[int])
 def _lambda(text: str):
     expr = parse(text)
     names = sorted(s.name for s in expr.free_symbols)
-    f = sp.lambdify([symbol(n) for n in names], expr, modules="numpy")
+    f = sp.lambdify([symbol(n) for n in names], expr, modules=_MODULES)
     return lambda env: f(*(env[n] for n in names))

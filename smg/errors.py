@@ -36,3 +36,9 @@ class BadNameError(SpaceFusionError, ValueError):
     """A space or dim name the SMG cannot use: not an ASCII identifier, reserved, or already taken.  Space
     and dim names become CUDA parameter and variable names and artefact param names, so they are ASCII;
     a graph's own name may be any text (its kernel symbol is made ASCII, ``spacefusion.lower.build``)."""
+
+
+class BackwardError(SpaceFusionError, ValueError):
+    """The backward of a forward SMG cannot be derived (``smg.autodiff``): the message names the op, the
+    space it reads and the mapping or function at fault (a max that is no stabiliser, a gathered or windowed
+    access, a body with no derivative)."""

@@ -163,7 +163,7 @@ CASES: dict[str, Case] = {c.name: c for c in (
 def schedule_summary(s: Any) -> dict[str, Any]:
     """The knobs that tell candidates apart, and the warp-tile program in words (the full schedule is in
     the candidate's schedule.json)."""
-    from schedulers.printing import warp_tile_summary
+    from spacefusion.api import warp_tile_summary
 
     d = s.to_dict()
     keep = ("step", "tensor_cores", "stages", "warps", "split", "slices", "reload_a", "early_scores",
@@ -181,7 +181,7 @@ def schedule_summary(s: Any) -> dict[str, Any]:
 
 def build_smg(case: Case) -> Any:
     """The case's attention SMG."""
-    from smg import patterns
+    from spacefusion.api import patterns
 
     mods = tuple(patterns.ScoreMod(body, inputs, zero_v=zero) for body, inputs, zero in case.mods())
     return patterns.attention(case.batch, case.heads, case.seq_q, case.seq_kv, case.head_dim, causal=case.causal,
@@ -200,14 +200,11 @@ def export_case(art: Path, case: Case, candidates: int, max_tries: int) -> dict[
     ``art/<case>/<rank>``; the case's manifest entry."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.api import build
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, build, candidates, estimate
 
     t0 = time.perf_counter()
     g = build_smg(case)
-    order = ranked(g, H100)
+    order = candidates(g, H100)
     rank_s = time.perf_counter() - t0
     print(f"{case.name}: {len(order)} ranked candidates in {rank_s:.1f} s", flush=True)
     shutil.rmtree(art / case.name, ignore_errors=True)  # no stale candidates of an earlier export
@@ -218,7 +215,7 @@ def export_case(art: Path, case: Case, candidates: int, max_tries: int) -> dict[
             break
         folder = art / case.name / str(rank)
         row: dict[str, Any] = {"rank": rank, "folder": f"{case.name}/{rank}", "schedule_key": s.key,
-                               "smg_key": s.smg.key, "estimate_us": round(estimate_us(s, H100), 2)}
+                               "smg_key": s.smg.key, "estimate_us": round(estimate(s, H100), 2)}
         t = time.perf_counter()
         try:
             row["summary"] = schedule_summary(s)

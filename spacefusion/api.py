@@ -106,12 +106,14 @@ def schedule(smg: SMG, tiles: dict[str, int] | None = None, serial: str | None =
 
 def candidates(graph: SMG, hw: HardwareModel | None = None, head: int | None = None) -> list[Schedule]:
     """``graph``'s candidate schedules in the order the tuner's first round measures them (the analytical
-    model's estimates for ``hw``, ties broken by the committed prior; None: this GPU's preset), the first
-    ``head`` only if given. A new list each call; the schedules are immutable
+    model's estimates for ``hw``, ties broken by the committed prior; None: this GPU's preset); with ``head``
+    (1 or more), the first ``head`` of that same order, computed faster (candidates that cannot reach the head
+    are not enumerated). A new list each call; the schedules are immutable
     (``spacefusion.frontend.schedules.ranked``)."""
     from spacefusion.frontend.schedules import ranked
 
-    return ranked(graph, hw, head)
+    order = ranked(graph, hw, head)
+    return order if head is None else order[:head]
 
 
 def estimate(s: Schedule, hw: HardwareModel) -> float:

@@ -200,11 +200,12 @@ def export_case(art: Path, case: Case, candidates: int, max_tries: int) -> dict[
     ``art/<case>/<rank>``; the case's manifest entry."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from spacefusion.api import H100, build, candidates, estimate
+    from spacefusion.api import H100, build, estimate
+    from spacefusion.api import candidates as ranked  # ``candidates`` is this function's count
 
     t0 = time.perf_counter()
     g = build_smg(case)
-    order = candidates(g, H100)
+    order = ranked(g, H100)
     rank_s = time.perf_counter() - t0
     print(f"{case.name}: {len(order)} ranked candidates in {rank_s:.1f} s", flush=True)
     shutil.rmtree(art / case.name, ignore_errors=True)  # no stale candidates of an earlier export

@@ -42,16 +42,14 @@ REPEAT = 20
 
 def variants(g: tuple) -> list[tuple[str, list[Any]]]:
     """(name, schedules run in order) of ``g``: its split's first picks, and the cluster forms."""
-    from schedulers.hardware import H200
-    from schedulers.schedule import make_schedule
     from schedulers.split import decide_split
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H200, candidates, make_schedule
 
     smg = _smg(g)
     out = []
     split = decide_split(smg, H200, one_kernel_max_row=0)
     if not isinstance(split, str):
-        out.append(("split", [ranked(k)[0] for k in split.kernels]))
+        out.append(("split", [candidates(k)[0] for k in split.kernels]))
     pixels = smg.dim_sizes["s"]
     for cluster, lanes in VARIANTS:
         s = make_schedule(smg, tiles={"n": 1, "g": 1}, serial="s", step=pixels, lanes=lanes, cluster=cluster)
@@ -84,7 +82,7 @@ def export(art: Path, only: int | None, every: bool = False) -> None:
 def _inputs(g: tuple, seed: int = 0) -> dict[str, Any]:
     import numpy as np
 
-    from smg.reference import random_inputs
+    from spacefusion.api import random_inputs
 
     xs = random_inputs(_smg(g), seed=seed)
     xs["X"] = (xs["X"].astype(np.float32) * 2 + 0.5).astype(np.float16)  # a mean away from 0
@@ -159,8 +157,8 @@ def run(art: Path, out: Path, iters: int) -> int:
     import torch
     import torch.nn.functional as F
 
-    from smg.reference import check_numerics, evaluate
-    from spacefusion.runtime.gpu import CudaKernel
+    from spacefusion.api import check_numerics, evaluate
+    from spacefusion.runtime import CudaKernel
 
     manifest = json.loads((art / "manifest.json").read_text())
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")

@@ -74,7 +74,7 @@ def _dynamo_times() -> dict[str, float]:
 def _exports(since: float) -> list[dict[str, Any]]:
     """The kernels this process's compile exported (their ``timing.json``, newest run only), slowest first:
     what a cold compile's critical path is made of."""
-    from spacefusion.frontend.dynamo import device_hardware, kernel_cache
+    from spacefusion.api import device_hardware, kernel_cache
 
     start = time.time() - (time.perf_counter() - since)
     folder = kernel_cache(device_hardware())  # the GPU's own folder of the cache

@@ -101,7 +101,7 @@ def by_parity(c: Chain) -> bool:
 
 def smg_of(c: Chain) -> Any:
     """The chain's SMG as the frontend builds it."""
-    from smg import patterns
+    from spacefusion.api import patterns
 
     if by_parity(c):
         return patterns.upsample_conv2d(c.n, c.h, c.w, c.c, c.co, c.kernel, c.pad, c.act, bias=True,

@@ -25,7 +25,7 @@ FORMAT = "spacefusion-conv-layouts/1"
 
 
 def hardware_of(device: str) -> Any:
-    from schedulers.hardware import H100, H200
+    from spacefusion.api import H100, H200
 
     for hw in (H200, H100):
         if hw.name in device:

@@ -28,15 +28,12 @@ BLOCKS = ((32, 4, 8), (32, 8, 4), (32, 2, 8), (32, 4, 4), (96, 2, 4), (64, 2, 8)
 
 
 def build(art: Path) -> int:
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from smg import patterns
+    from spacefusion.api import H100, candidates, estimate, patterns
     from spacefusion.api import build as build_kernel
-    from spacefusion.frontend import schedules
 
     n, h, c, k, s, p = (SHAPE[x] for x in ("n", "h", "c", "k", "stride", "pad"))
     g = patterns.depthwise_conv2d(n, h, h, c, k, s, p, "none", True, False, "float16")
-    order = schedules.ranked(g, H100)
+    order = candidates(g, H100)
     picked = {"first_pick": order[0]}
     for blk in BLOCKS:
         match = [x for x in order if (x.tiles.get("c"), x.tiles.get("p"), x.tiles.get("q")) == blk
@@ -45,9 +42,9 @@ def build(art: Path) -> int:
             picked["c{}p{}q{}".format(*blk)] = match[0]
     for tag, sch in picked.items():
         folder = build_kernel(sch, "cuda:sm_90a").save(art / tag)
-        (folder / "shape.json").write_text(json.dumps(SHAPE | {"estimate_us": estimate_us(sch, H100),
+        (folder / "shape.json").write_text(json.dumps(SHAPE | {"estimate_us": estimate(sch, H100),
                                                                 "block": dict(sch.block)}))
-        print(tag, dict(sch.block), f"{estimate_us(sch, H100):.1f} us estimated", flush=True)
+        print(tag, dict(sch.block), f"{estimate(sch, H100):.1f} us estimated", flush=True)
     return 0
 
 
@@ -74,7 +71,7 @@ def _one(folder: Path, iters: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from spacefusion.runtime.gpu import load_kernel
+    from spacefusion.runtime import load_kernel
 
     meta = json.loads((folder / "shape.json").read_text())
     n, h, c, k, s, p = (meta[x] for x in ("n", "h", "c", "k", "stride", "pad"))

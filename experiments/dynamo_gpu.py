@@ -229,7 +229,7 @@ def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[
     """Each model's first picks, ranked for the first of ``hardware`` (None: this GPU's preset, else the H100,
     reported), as CUDA artefacts; with ``db``, its best schedules measured on the first of ``hardware`` with a
     record of them."""
-    from spacefusion.frontend.dynamo import export_cuda
+    from spacefusion.api import export_cuda
 
     for name in names:
         torch._dynamo.reset()
@@ -250,9 +250,8 @@ def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int
     candidates each, checked, then timed with L2 flushed (``LocalGPURunner``), on every visible GPU at once (one
     worker each, several SMGs side by side: ``runners.gpu_runner``), or ``gpus`` of them.  ``export --db`` then
     builds the best of each where TVM is."""
-    from spacefusion.frontend.dynamo import device_hardware
-    from spacefusion.frontend.tune import captured_partitions, tune_partitions
-    from spacefusion.runners import gpu_runner
+    from spacefusion.api import device_hardware
+    from spacefusion.tuning import captured_partitions, gpu_runner, tune_partitions
 
     parts = []
     for name in names:
@@ -299,7 +298,7 @@ def host_cost_us(compiled: Any, calls: int = 2000) -> dict[str, Any]:
     import cProfile
     import pstats
 
-    from spacefusion.frontend.fused import FusedKernel
+    from spacefusion.api import FusedKernel
 
     report = compiled.spacefusion
     mods = [m for c in report.compiled for m in c.fused.graph_module.modules()
@@ -392,9 +391,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
     from gpu_runtime import runtime_module
 
     import spacefusion
-    from spacefusion.frontend import CudaBackend
-    from spacefusion.frontend.backends import recorded_hardware
-    from spacefusion.frontend.dynamo import device_hardware, first_pick_for
+    from spacefusion.api import CudaBackend, device_hardware, first_pick_for, recorded_hardware
 
     time_cuda = runtime_module("timing").time_cuda
     # the machine the folder's kernels were ranked for (an export's), else this GPU's: one folder, one machine
@@ -402,7 +399,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
     hw = recorded[0] if recorded is not None else device_hardware()
     db = None
     if tune_trials:
-        from search.database import TuningDatabase
+        from spacefusion.tuning import TuningDatabase
 
         db = TuningDatabase(db_path or art / "tuning.db")
     torch._dynamo.config.cache_size_limit = 64  # four compiled systems of one model: never fall back to eager
@@ -426,9 +423,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             nog = spacefusion.compile(model, target=backend, mode="max-autotune-no-cudagraphs")
             systems["spacefusion"] = nog
             if tune_trials:  # every distinct SMG measured on this GPU; the best of each built apart
-                from spacefusion.frontend.dynamo import device_hardware
-                from spacefusion.frontend.tune import tune_partitions
-                from spacefusion.runners import LocalGPURunner
+                from spacefusion.api import device_hardware
+                from spacefusion.tuning import LocalGPURunner, tune_partitions
 
                 t = time.perf_counter()
                 report = tune_partitions(sf.spacefusion.partitions, LocalGPURunner(), db, hw=device_hardware(),

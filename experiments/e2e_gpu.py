@@ -71,11 +71,8 @@ def build(art: Path, model_name: str, batch: int, seq: int, layers: int | None, 
     subgraphs it has; the others get the model's first pick."""
     import torch
 
-    from schedulers.hardware import H100
-    from search.database import TuningDatabase, tuning_key
-    from spacefusion.frontend import CudaBackend, capture, partition
-    from spacefusion.frontend.schedules import model_pick
-    from spacefusion.lower.build import COMPILE_FLAGS
+    from spacefusion.api import COMPILE_FLAGS, H100, CudaBackend, capture, model_pick, partition
+    from spacefusion.tuning import TuningDatabase, tuning_key
 
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -125,7 +122,7 @@ def _traffic(s: Any) -> dict[str, int]:
 
     import numpy as np
 
-    from schedulers.traffic import traffic
+    from spacefusion.api import traffic
 
     t, g = traffic(s), s.smg
     once = sum(math.prod(g.shape(n)) * np.dtype(g.space(n).dtype).itemsize for n in (*g.inputs, *g.outputs))
@@ -174,7 +171,7 @@ def run(art: Path, out_path: Path, warmup: int, iters: int, repeats: int, use_co
     import torch
     from gpu_runtime import runtime_module
 
-    from spacefusion.frontend import CudaBackend, fuse
+    from spacefusion.api import CudaBackend, fuse
 
     timing = runtime_module("timing")
     if not (art / "manifest.json").is_file():

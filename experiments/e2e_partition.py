@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from spacefusion.frontend import capture, partition
+from spacefusion.api import capture, partition
 from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
 
 

@@ -110,7 +110,7 @@ def systems_of(sub: Any, gm: Any, kernel: Any, use_compile: bool) -> tuple[dict[
     """name -> callable on the subgraph's outside values, for every system measured."""
     import torch
 
-    from spacefusion.frontend.fused import FusedKernel
+    from spacefusion.api import FusedKernel
 
     mod, ins = cut(gm, sub)
     fk = FusedKernel(sub, kernel, gm)
@@ -144,7 +144,7 @@ def _setup(art: Path) -> tuple[Any, Any, tuple, Any]:
     from e2e_gpu import FORMAT as E2E
     from e2e_gpu import _half, make_model
 
-    from spacefusion.frontend import capture, partition
+    from spacefusion.api import capture, partition
 
     man = json.loads((art / "manifest.json").read_text())
     if man.get("format") != E2E:
@@ -161,7 +161,7 @@ def _prepared(art: Path, use_compile: bool) -> tuple[dict[str, Any], list[dict[s
     """The manifest and, per distinct subgraph, its systems and inputs (checked against eager)."""
     import torch
 
-    from spacefusion.frontend import CudaBackend
+    from spacefusion.api import CudaBackend
 
     man, gm, args, part = _setup(art)
     backend = CudaBackend(art / "kernels")

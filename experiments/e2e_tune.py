@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 
-from schedulers.hardware import get_hardware
-from spacefusion import runners
-from spacefusion.frontend import capture, partition
-from spacefusion.frontend.tune import tune_partitions
+from spacefusion.api import capture, get_hardware, partition
 from spacefusion.models import BertConfig, BertModel, LlamaConfig, LlamaModel, ViTConfig, ViTModel
+from spacefusion.tuning import LLVMRunner, OfflineBatchRunner, tune_partitions
 
 MODELS = {
     "bert128": (BertModel, BertConfig, lambda m, b: m.example_inputs(b, 128)),
@@ -65,10 +63,10 @@ def main() -> None:
             parts.append(part)
     print(f"captured and partitioned {len(parts)} models in {time.perf_counter() - t0:.1f} s")
     if args.runner == "llvm":
-        report = tune_partitions(parts, runners.LLVMRunner(), args.db, target="llvm", trials=args.trials)
+        report = tune_partitions(parts, LLVMRunner(), args.db, target="llvm", trials=args.trials)
     else:
         out = Path(args.out)
-        report = tune_partitions(parts, lambda smg: runners.OfflineBatchRunner(out / smg.key[:16]), args.db,
+        report = tune_partitions(parts, lambda smg: OfflineBatchRunner(out / smg.key[:16]), args.db,
                                  hw=get_hardware("H100"), target="cuda:sm_90a", trials=args.trials,
                                  batch=args.trials)
     print(report)

@@ -35,7 +35,7 @@ def smgs_at(length: int) -> list[Any]:
     import torch
     import transformers
 
-    from spacefusion.frontend.tune import captured_partitions
+    from spacefusion.tuning import captured_partitions
 
     torch._dynamo.reset()
     with torch.device("meta"):
@@ -56,10 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("family_picks.json"))
     args = ap.parse_args(argv)
 
-    from schedulers.hardware import get_hardware
-    from search.cost import estimate_us
+    from spacefusion.api import estimate, get_hardware, model_pick
     from spacefusion.frontend import families
-    from spacefusion.frontend.schedules import model_pick
 
     hw = get_hardware(args.hardware)
     folder = Path(tempfile.mkdtemp(prefix="sf-families-"))
@@ -81,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 got = model_pick(smg, hw)[0]
                 got_s = time.perf_counter() - t
-            est_full, est_got = estimate_us(full, hw), estimate_us(got, hw)
+            est_full, est_got = estimate(full, hw), estimate(got, hw)
             rows.append({"length": length, "name": smg.name, "sizes": smg.dim_sizes,
                          "picked_from_sizes": families.ORIGIN.get(smg.key), "full_s": round(full_s, 3),
                          "transfer_s": round(got_s, 3), "full_us": est_full, "transfer_us": est_got,

@@ -17,11 +17,8 @@ def build_round(smg: Any, folder: Path, trials: int, workers: int, extra: dict[s
     """Tune ``smg`` with ``OfflineBatchRunner(folder)`` and a fresh database. The manifest's candidate 0 is the
     model's first pick and the rest are the round's further picks and explorations. ``extra`` is merged into
     the manifest, which is written back and returned."""
-    from schedulers.hardware import H100
-    from schedulers.schedule import Schedule
-    from search.cost import estimate_us
-    from search.tuner import tune
-    from spacefusion.runners import OfflineBatchRunner
+    from spacefusion.api import H100, Schedule, estimate
+    from spacefusion.tuning import OfflineBatchRunner, tune
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -29,7 +26,7 @@ def build_round(smg: Any, folder: Path, trials: int, workers: int, extra: dict[s
                        batch=trials, workers=workers, progress=False)
     manifest = json.loads((folder / "manifest.json").read_text())
     for c in manifest["candidates"]:
-        c["estimate_us"] = round(estimate_us(Schedule.from_json(json.dumps(c["schedule"])), H100), 2)
+        c["estimate_us"] = round(estimate(Schedule.from_json(json.dumps(c["schedule"])), H100), 2)
     manifest.update(extra, space=str(summary.space), search_s=round(time.perf_counter() - t0, 2))
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest

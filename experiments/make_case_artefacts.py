@@ -21,8 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv: list[str] | None = None) -> int:
     from experiments.mma_cases import CASES, _schedule
-    from smg.reference_torch import save_smg
-    from spacefusion.api import build
+    from spacefusion.api import build, save_smg
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)

@@ -19,10 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schedulers.schedule import make_schedule  # noqa: E402
-from smg import patterns as P  # noqa: E402
-from smg import workloads as W  # noqa: E402
-from spacefusion.api import build  # noqa: E402
+from spacefusion.api import (
+    build,  # noqa: E402
+    make_schedule,
+)
+from spacefusion.api import patterns as P
+from spacefusion.api import workloads as W
 
 H = "float16"
 #: name -> (graph, tiles, step, recompute); the issue's realistic shapes

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_harness_artefacts import SCHEDULES, lower_to  # noqa: E402
 
-from schedulers.schedule import make_schedule  # noqa: E402
+from spacefusion.api import make_schedule
 
 TILE_DIMS = ("m", "n")
 OPTIONS = ("stages", "warps", "lanes", "vector", "slices", "split", "reload_a", "early_scores", "lazy_rescale",

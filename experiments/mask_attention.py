@@ -163,7 +163,7 @@ CASES: dict[str, Case] = {c.name: c for c in (
 def schedule_summary(s: Any) -> dict[str, Any]:
     """The knobs that tell candidates apart, and the warp-tile program in words (the full schedule is in
     the candidate's schedule.json)."""
-    from schedulers.printing import warp_tile_summary
+    from spacefusion.api import warp_tile_summary
 
     d = s.to_dict()
     keep = ("step", "tensor_cores", "stages", "warps", "split", "slices", "reload_a", "early_scores",
@@ -181,7 +181,7 @@ def schedule_summary(s: Any) -> dict[str, Any]:
 
 def build_smg(case: Case) -> Any:
     """The case's attention SMG."""
-    from smg import patterns
+    from spacefusion.api import patterns
 
     mods = tuple(patterns.ScoreMod(body, inputs, zero_v=zero) for body, inputs, zero in case.mods())
     return patterns.attention(case.batch, case.heads, case.seq_q, case.seq_kv, case.head_dim, causal=case.causal,
@@ -200,10 +200,8 @@ def export_case(art: Path, case: Case, candidates: int, max_tries: int) -> dict[
     ``art/<case>/<rank>``; the case's manifest entry."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.api import build
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, build, estimate
+    from spacefusion.api import candidates as ranked  # ``candidates`` is this function's count
 
     t0 = time.perf_counter()
     g = build_smg(case)
@@ -218,7 +216,7 @@ def export_case(art: Path, case: Case, candidates: int, max_tries: int) -> dict[
             break
         folder = art / case.name / str(rank)
         row: dict[str, Any] = {"rank": rank, "folder": f"{case.name}/{rank}", "schedule_key": s.key,
-                               "smg_key": s.smg.key, "estimate_us": round(estimate_us(s, H100), 2)}
+                               "smg_key": s.smg.key, "estimate_us": round(estimate(s, H100), 2)}
         t = time.perf_counter()
         try:
             row["summary"] = schedule_summary(s)

@@ -7,12 +7,8 @@ the tests import it from here.
 
 from __future__ import annotations
 
-from schedulers.schedule import Schedule
-from smg import patterns
 from smg.fold import fold_dims
-from smg.workloads import softmax_gemm
-from spacefusion.api import schedule
-from spacefusion.frontend.builders import gated_gemm
+from spacefusion.api import Schedule, gated_gemm, patterns, schedule, workloads
 
 MASK_PADDING = patterns.ScoreMod("Piecewise(({s}, Mask > 0.5), (-1e30, True))", (("Mask", ("b", "l")),),
                                 zero_v="Mask")
@@ -29,17 +25,17 @@ CASES = {
     "causal": (lambda: patterns.attention(1, 2, 100, 100, 64, causal=True), {"m": 32}, 16, 1),
     "gqa_d80": (lambda: patterns.attention(1, 8, 50, 60, 80, kv_heads=2), {"m": 16}, 16, 2),
     "bf16": (lambda: patterns.attention(1, 4, 128, 128, 64, dtype="bfloat16"), {"m": 64}, 64, 3),
-    "softmax_gemm": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2),
+    "softmax_gemm": (lambda: workloads.softmax_gemm(100, 136, 32), {"m": 32}, 32, 2),
     "gemm_sigmoid": (lambda: patterns.gemm_epilogue(200, 200, 96, "sigmoid", True, "float16"),
                      {"m": 64, "n": 64}, 32, 2),
     # warp groups splitting the serial steps, merged through the derived carries
     "causal_split4": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2, {"split": 4}),
     "mt2_split2": (lambda: patterns.attention(1, 2, 128, 256, 64), {"m": 128}, 32, 2, {"split": 2, "warps": 4}),
-    "softmax_gemm_split4": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"split": 4}),
+    "softmax_gemm_split4": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"split": 4}),
     # blocks slicing the serial steps, the last of a row tile merging from the global workspace
     "causal_slices4": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2,
                        {"slices": 4}),
-    "softmax_gemm_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"slices": 3}),
+    "softmax_gemm_slices3": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 32}, 32, 2, {"slices": 3}),
     "decode_slices8": (lambda: patterns.attention(1, 4, 16, 1024, 128), {"m": 16}, 64, 2, {"slices": 8}),
     # Q re-read from shared memory every step: two 16-row tiles per warp at d = 128; with a mask and tails
     "mt2_reload_d128": (lambda: patterns.attention(1, 2, 128, 192, 128), {"m": 128}, 32, 2,
@@ -49,19 +45,19 @@ CASES = {
     # K waited for apart from V (two cp.async groups per step); with tails and a 3-stage ring
     "causal_early": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 32}, 32, 3,
                      {"early_scores": True}),
-    "softmax_gemm_early": (lambda: softmax_gemm(100, 136, 32), {"m": 32}, 32, 2, {"early_scores": True}),
+    "softmax_gemm_early": (lambda: workloads.softmax_gemm(100, 136, 32), {"m": 32}, 32, 2, {"early_scores": True}),
     # the row max kept as a reference while within ln 256 (no rescale that step); split merges too
     "causal_lazy": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 64}, 32, 2,
                     {"warps": 2, "reload_a": True, "lazy_rescale": True}),
-    "softmax_gemm_lazy_split2": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
+    "softmax_gemm_lazy_split2": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
                                  {"split": 2, "lazy_rescale": True}),
     # the row sum of P as P @ 1 on tensor cores: with a mask and tails, two tiles per warp, slices
     "causal_rowsums": (lambda: patterns.attention(1, 2, 100, 120, 64, causal=True), {"m": 64}, 32, 2,
                        {"warps": 2, "reload_a": True, "lazy_rescale": True, "mma_row_sums": True}),
-    "softmax_gemm_rowsums_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
+    "softmax_gemm_rowsums_slices3": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
                                      {"slices": 3, "mma_row_sums": True}),
     # warp groups inside blocks that slice the steps: every group's part goes to the workspace
-    "softmax_gemm_split2_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
+    "softmax_gemm_split2_slices3": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 32}, 32, 2,
                                     {"split": 2, "slices": 3, "lazy_rescale": True, "mma_row_sums": True}),
     "causal_split2_slices2": (lambda: patterns.attention(1, 2, 200, 200, 64, causal=True), {"m": 64}, 32, 2,
                               {"split": 2, "slices": 2}),
@@ -101,7 +97,7 @@ CASES = {
     "attention_wgmma_tma": (lambda: patterns.attention(2, 3, 70, 90, 64), {"m": 64}, 32, 3,
                             {"mma_row_sums": True, "wgmma": True, "tma": True}),
     # Softmax-GEMM's S by TMA into swizzled bands that ldmatrix reads through the XOR; tails, slices
-    "softmax_gemm_wgmma_tma_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 64}, 64, 3,
+    "softmax_gemm_wgmma_tma_slices3": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 64}, 64, 3,
                                        {"slices": 3, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True,
                                         "tma": True}),
     # attention's P @ V on warpgroup MMA, P in registers: tails; causal, two 64-row halves, d = 128
@@ -143,7 +139,7 @@ CASES = {
     # with slices: the arrival flag's static shared memory moves the arena, the swizzled tiles skew to 1 KB
     "decode_wgmma_slices4": (lambda: patterns.attention(1, 4, 70, 1000, 128), {"m": 64}, 64, 3,
                              {"slices": 4, "mma_row_sums": True, "wgmma": True}),
-    "softmax_gemm_wgmma_slices3": (lambda: softmax_gemm(100, 296, 64), {"m": 64}, 32, 2,
+    "softmax_gemm_wgmma_slices3": (lambda: workloads.softmax_gemm(100, 296, 64), {"m": 64}, 32, 2,
                                    {"slices": 3, "lazy_rescale": True, "mma_row_sums": True, "wgmma": True}),
     # GQA decoding: the query group as the rows of one padded 16-row tile, folded into m (smg.fold) or as
     # the row dim r itself; slices of the KV steps; two queries per head on a padded warpgroup (wgmma)

@@ -237,8 +237,7 @@ def profile_model(arts: list[Path], name: str, out_path: Path, compile_torch: bo
     from dynamo_gpu import _last_hidden, build, float_inputs
 
     import spacefusion
-    from spacefusion.frontend import CudaBackend
-    from spacefusion.frontend.dynamo import first_pick
+    from spacefusion.api import CudaBackend, first_pick
 
     torch._dynamo.config.cache_size_limit = 64
     model, x = build(name, "cuda")

@@ -39,7 +39,7 @@ FORMAT = "spacefusion-multi-gpu-tune/1"
 
 
 def _llvm_runner() -> Any:
-    from spacefusion.runners import LLVMRunner
+    from spacefusion.tuning import LLVMRunner
 
     return LLVMRunner(repeats=3)
 
@@ -92,7 +92,7 @@ def capture(models: list[str]) -> list[Any]:
     import torch
     from dynamo_gpu import build
 
-    from spacefusion.frontend.tune import captured_partitions
+    from spacefusion.tuning import captured_partitions
 
     parts = []
     for name in models:
@@ -105,8 +105,7 @@ def capture(models: list[str]) -> list[Any]:
 def toy_partitions() -> list[Any]:
     """The ``--cpu`` comparison's model: a Linear + GELU + LayerNorm block's two SMGs (a GEMM with its epilogue,
     the LayerNorm), as one partition (built directly: nothing to capture)."""
-    from smg import patterns
-    from spacefusion.frontend.records import Partition, Subgraph
+    from spacefusion.api import Partition, Subgraph, patterns
 
     smgs = [patterns.gemm_epilogue(32, 128, 64, "gelu", True), patterns.layernorm(32, 128)]
     return [Partition(tuple(Subgraph("toy", g.name, (), g, (), ()) for g in smgs), ())]
@@ -115,19 +114,17 @@ def toy_partitions() -> list[Any]:
 def one_run(parts: list[Any], n: int, cpu: bool, db: Path, trials: int, batch: int, workers: int,
             engine: str) -> dict[str, Any]:
     """Tune ``parts`` from the empty database ``db`` on ``n`` GPUs (or ``n`` llvm worker processes)."""
-    from search.database import TuningDatabase
-    from spacefusion.frontend.tune import tune_partitions
-    from spacefusion.runners import ProcessRunner, gpu_runner
+    from spacefusion.tuning import ProcessRunner, TuningDatabase, gpu_runner, tune_partitions
 
     if cpu:
-        from schedulers.hardware import CPU_STAND_IN
+        from spacefusion.api import CPU_STAND_IN
 
         runner: Any = ProcessRunner(workers=n, inner=CPU_INNER)
         hw, target = CPU_STAND_IN, "llvm"
     else:
         import torch
 
-        from spacefusion.frontend.dynamo import device_hardware
+        from spacefusion.api import device_hardware
 
         runner = gpu_runner(gpus=n, engine=engine)
         major, minor = torch.cuda.get_device_capability()
@@ -200,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, default=None, help="keep the tuning databases in this folder")
     ap.add_argument("--out", type=Path, required=True, help="the results JSON")
     a = ap.parse_args(argv)
-    from spacefusion.runners import cpu_cores, visible_gpus
+    from spacefusion.tuning import cpu_cores, visible_gpus
 
     cpu = a.cpu is not None
     if cpu:

@@ -53,7 +53,7 @@ FLUSH = "read"
 
 def smg_of(key: str, weight: bool = False) -> Any:
     """The fused SMG of a shape: the norm's weight folded into W (the frontend's), or kept apart."""
-    from smg import patterns
+    from spacefusion.api import patterns
 
     m, k, n, eps = SHAPES[key]
     return patterns.gemm_epilogue(m, n, k, "none", False, DTYPE, "nk", norm="rmsnorm", norm_weight=weight, eps=eps)
@@ -61,8 +61,8 @@ def smg_of(key: str, weight: bool = False) -> Any:
 
 def candidates(key: str) -> list[tuple[str, Any]]:
     """(label, schedule): the first distinct picks of the folded form, then the first pick of the other."""
-    from schedulers.hardware import H100
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100
+    from spacefusion.api import candidates as ranked
 
     out: list[tuple[str, Any]] = []
     seen: set[tuple] = set()
@@ -80,8 +80,7 @@ def candidates(key: str) -> list[tuple[str, Any]]:
 def build(art: Path, keys: list[str]) -> int:
     from unseen_shapes import _knobs
 
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
+    from spacefusion.api import H100, estimate
     from spacefusion.api import build as lower
 
     for key in keys:
@@ -90,7 +89,7 @@ def build(art: Path, keys: list[str]) -> int:
         rows = []
         for label, s in candidates(key):
             sched = json.loads(s.to_json())
-            row: dict[str, Any] = {"label": label, "schedule_key": s.key, "estimate_us": round(estimate_us(s, H100), 2),
+            row: dict[str, Any] = {"label": label, "schedule_key": s.key, "estimate_us": round(estimate(s, H100), 2),
                                    "blocks": s.num_blocks, "threads": s.threads, "artefact": label,
                                    "weight_apart": label == "weight_apart", "knobs": _knobs(sched)}
             try:

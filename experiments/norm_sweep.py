@@ -63,10 +63,8 @@ def _signature(s: Any) -> tuple:
 
 def candidates(key: str) -> list[tuple[str, Any]]:
     """(label, schedule) of one shape: the model's first distinct picks, then the comparison points."""
-    from schedulers.hardware import H100
-    from schedulers.schedule import make_schedule
-    from spacefusion.frontend import builders
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, builders, make_schedule
+    from spacefusion.api import candidates as ranked
 
     g = builders.norm(*SHAPES[key])
     n = g.dim_sizes["n"]
@@ -100,10 +98,9 @@ def candidates(key: str) -> list[tuple[str, Any]]:
 def build(art: Path, keys: list[str]) -> int:
     from unseen_shapes import _knobs
 
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
+    from spacefusion.api import H100, estimate
     from spacefusion.api import build as lower
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import candidates as ranked
 
     for key in keys:
         t0 = time.perf_counter()
@@ -113,7 +110,7 @@ def build(art: Path, keys: list[str]) -> int:
         rows = []
         for label, s in cands:
             row: dict[str, Any] = {"label": label, "rank": order.get(s.key), "schedule_key": s.key,
-                                   "estimate_us": round(estimate_us(s, H100), 2), "blocks": s.num_blocks,
+                                   "estimate_us": round(estimate(s, H100), 2), "blocks": s.num_blocks,
                                    "threads": s.threads, "artefact": label}
             sched = json.loads(s.to_json())
             row["knobs"] = _knobs(sched) | {"levels": {m: lvl for m, lvl in s.memory if m in s.smg.inputs}}

@@ -243,7 +243,7 @@ def build_from_smg(art: Any, seed: int, use_compile: bool) -> Case:
     GEMM over k = 4096 of unit inputs reaches 1e5)."""
     import torch
 
-    from smg.reference_torch import SMG_FILE, evaluate_torch, input_scales, load_smg
+    from spacefusion.api import SMG_FILE, evaluate_torch, input_scales, load_smg
 
     smg = load_smg(art.folder)
     if smg is None:

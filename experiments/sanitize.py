@@ -86,7 +86,7 @@ def launch_one(folder: Path) -> dict[str, Any]:
     scaled by 0.5 for floating point, zeros for integers), then synchronize."""
     import torch
 
-    from spacefusion.runtime.gpu import load_kernel, torch_dtype
+    from spacefusion.runtime import load_kernel, torch_dtype
 
     kernel = load_kernel(folder)
     gen = torch.Generator(device="cuda").manual_seed(0)

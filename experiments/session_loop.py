@@ -58,8 +58,7 @@ def ids(length: int, device: str) -> torch.Tensor:
 
 
 def export(art: Path) -> int:
-    from spacefusion.frontend.backends import CudaBackend
-    from spacefusion.frontend.dynamo import SpaceFusionBackend, first_pick
+    from spacefusion.api import CudaBackend, SpaceFusionBackend, first_pick
 
     torch._dynamo.reset()
     model = build("meta")
@@ -109,8 +108,7 @@ SYSTEMS = ("eager", "torch.compile", "reduce-overhead", "spacefusion")
 def run(art: Path | None, out_path: Path, passes: int, loops: list[str] | None = None,
         systems: list[str] | None = None) -> int:
     """Every system over every loop; ``art`` None: spacefusion builds its kernels here (TVM on this machine)."""
-    from spacefusion.frontend.backends import CudaBackend
-    from spacefusion.frontend.dynamo import SpaceFusionBackend
+    from spacefusion.api import CudaBackend, SpaceFusionBackend
 
     model = build("cuda")
     ref_model = build("cuda").float()

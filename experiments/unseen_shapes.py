@@ -113,7 +113,7 @@ SETS = {"train": tuple(s.key for s in SHAPES), "validation": tuple(s.key for s i
 
 
 def smg_of(s: Shape) -> Any:
-    from smg import patterns
+    from spacefusion.api import patterns
 
     return patterns.attention(s.b, s.hq, s.m, s.l, s.d, kv_heads=s.hkv, causal=s.causal, dtype="float16")
 
@@ -302,11 +302,8 @@ def records(art: Path, results: Path, out: Path) -> int:
     """The round's measurements as tuning records (``spacefusion-records/1``, as
     ``experiments/tuning/h100_records.json``): each timed candidate's full schedule from its manifest,
     its median and check, under the workload's tuning key, for the learned models to train on."""
-    from schedulers.hardware import H100
-    from search.database import tuning_key
-    from search.records import MeasureResult
-    from search.tuner import _flags
-    from spacefusion.runners import TVMBuilder
+    from spacefusion.api import H100
+    from spacefusion.tuning import MeasureResult, TVMBuilder, tuning_flags, tuning_key
 
     data = json.loads(results.read_text())
     rows_out = []
@@ -314,7 +311,7 @@ def records(art: Path, results: Path, out: Path) -> int:
         k = e["shape"]["key"]
         scheds = {c["schedule_key"]: c["schedule"] for c in json.loads((art / k / "manifest.json").read_text())
                   ["candidates"]}
-        key = tuning_key(smg_of(BY_KEY[k]), H100, "cuda:sm_90a", _flags(TVMBuilder(), False))
+        key = tuning_key(smg_of(BY_KEY[k]), H100, "cuda:sm_90a", tuning_flags(TVMBuilder(), False))
         for r in e["rows"]:
             if r["system"] != "spacefusion" or r.get("status") != "ok":
                 continue

@@ -6,6 +6,9 @@ of part B is allowed when B is A itself or in ``ALLOWED[A]``, and never when (A,
 never-pair outranks an allowed arrow). Third-party heavy dependencies may be imported only by the modules
 that ``HEAVY`` names (by prefix, the longest wins), at module level ("any") or inside functions only
 ("lazy"). ``EXCEPTIONS`` lists single imports allowed against the rules above, each with its reason.
+``experiments/`` imports library code through ``PUBLIC_API`` only (a public module, or a name one of them offers
+that is not a module of its own); ``EXPERIMENT_INTERNALS`` lists the internal studies' other imports, each with
+its reason (an entry covers the module it names and the modules under it).
 The GPU runtime's closure (its modules, every repo module they import, lazily or not, and everything
 those import at module level) must not reach ``RUNTIME_FORBIDDEN``.
 """
@@ -90,3 +93,45 @@ RUNTIME_FORBIDDEN = ("tvm", "tvm_ffi", "islpy", "xgboost")
 
 #: (importing module, imported module) -> why it stands against the rules
 EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+#: the public API: what ``experiments/`` (and a user's script) imports of the library; each is import-light
+#: (names resolve on first use) and documented in docs/architecture.md, "The public API"
+PUBLIC_API = (
+    "spacefusion",  # the package: build, schedule, compile, report, workloads, ...
+    "spacefusion.api",  # hardware, graphs, schedules, candidates, estimate, first picks, build/export/load, frontend
+    "spacefusion.tuning",  # tune, tune_with and its parts, the database and records, runners, prior, metrics
+    "spacefusion.runtime",  # the GPU runtime's face: artefacts, load_kernel, CudaKernel, time_cuda (no TVM)
+    "spacefusion.models",  # the model zoo (BERT, LLaMA, ViT in plain PyTorch)
+)
+
+#: (experiment module, internal library module or prefix) -> why that study may import it
+EXPERIMENT_INTERNALS: dict[tuple[str, str], str] = {
+    ("experiments.mma_cases", "smg.fold"):
+        "the lowering's MMA cases fold dims by hand (fold_dims) to build the exact graphs the MMA tests probe",
+    ("experiments.cluster_groupnorm", "schedulers.split"):
+        "studies the GroupNorm split rule itself: decide_split and ONE_KERNEL_MAX_ROW against measurements",
+    ("experiments.tuning.unet_groupnorms", "schedulers.split"):
+        "measures both sides of the split rule's decision (decide_split) for the UNet's GroupNorms",
+    ("experiments.conv_chains", "smg.ops"):
+        "checks the upsample-fold matrix (upsample_fold) a fused upsample+conv chain merges its weights with",
+    ("experiments.conv_chains", "spacefusion.frontend.matchers"):
+        "compares its chain rule with the frontend matcher's own (by_parity)",
+    ("experiments.conv_layouts", "spacefusion.frontend.layouts"):
+        "studies the frontend's layout rule (choose_layout, NCHW_MARGIN) against measured NHWC/NCHW kernels",
+    ("experiments.family_picks", "spacefusion.frontend.families"):
+        "studies the family transfer of first picks (transferring, ORIGIN, NEAR) against ranking in full",
+    ("experiments.dynamo_gpu", "spacefusion.frontend.partition"):
+        "an in-run A/B of one matcher: swaps the partitioner's MATCHERS tuple for the run (_without_matcher)",
+    ("experiments.dynamo_gpu", "spacefusion.frontend.matchers"):
+        "an in-run A/B of one matcher: looks the matcher up in matchers.MATCHERS (_without_matcher)",
+    ("experiments.tuning.register_corpus", "schedulers.warp_tile"):
+        "measures register caps up to the warp-specialised consumer's CONSUMER_REGS (setmaxnreg)",
+    ("experiments.tuning.simt_pick_eval", "search.cost"):
+        "re-ranks with one constant of the cost model patched (STEP_LATENCY_S): a study of that constant",
+    ("experiments.harness", "schedulers.hardware"):
+        "the GPU-side harness reads the hardware model (from_device, the presets) by a stdlib-only import that "
+        "loads nothing else of the library (test_harness checks sys.modules)",
+    ("experiments.gpu_runtime", "smg.tolerance"):
+        "GPU-side helper that must load nothing of spacefusion but the runtime (test_mask_attention_script checks "
+        "sys.modules; spacefusion.api would be loaded); smg.tolerance is numpy-only",
+}

@@ -150,6 +150,35 @@ def violations(sources: dict[str, Source]) -> list[str]:
     return bad
 
 
+_LIBRARY = ("smg", "schedulers", "search", "spacefusion.lower", "spacefusion.runtime", "spacefusion.frontend",
+            "spacefusion.runners", "spacefusion.models", "spacefusion")
+
+
+def api_bypasses(sources: dict[str, Source]) -> list[str]:
+    """Each import of library code by ``experiments/`` that is not through ``R.PUBLIC_API`` nor declared in
+    ``R.EXPERIMENT_INTERNALS``. ``from a import b`` is judged by ``a.b``: public when ``a.b`` is a public module
+    or ``a`` is one and ``b`` is a name it offers, not a module of its own (``from spacefusion.runtime import
+    gpu`` reaches an internal module)."""
+    bad: list[str] = []
+    for mod, src in sorted(sources.items()):
+        if part_of(mod) != "experiments":
+            continue
+        imps = imports(mod, src)
+        for imp in imps:
+            if part_of(imp.module) not in _LIBRARY:
+                continue
+            if any(o.line == imp.line and o.module.startswith(imp.module + ".") for o in imps):
+                continue  # ``from a import b, c``: judged by a.b and a.c
+            parent = imp.module.rpartition(".")[0]
+            if imp.module in R.PUBLIC_API or (parent in R.PUBLIC_API and imp.module not in sources):
+                continue
+            if any(m == mod and _match(imp.module, (p,)) for m, p in R.EXPERIMENT_INTERNALS):
+                continue
+            bad.append(f"{src.path}:{imp.line} ({mod}) imports {imp.module}: not the public API "
+                       f"({', '.join(R.PUBLIC_API)}) nor in EXPERIMENT_INTERNALS")
+    return bad
+
+
 def _known(module: str, sources: dict[str, Source]) -> list[str]:
     """The repo modules that importing ``module`` runs: its packages' ``__init__`` first, then itself."""
     parts = module.split(".")
@@ -204,6 +233,40 @@ def test_every_import_follows_the_layer_rules() -> None:
     assert violations(repo_sources()) == []
 
 
+def test_experiments_use_the_public_api() -> None:
+    assert api_bypasses(repo_sources()) == []
+
+
+def test_the_public_api_and_allow_list_are_consistent() -> None:
+    """Every public module and allow-listed one exists, every allow-list entry is used (none stale) and names
+    an internal module (a public one needs no entry), and each has its reason."""
+    sources = repo_sources()
+    assert all(m in sources for m in R.PUBLIC_API)
+    used = {(mod, i.module) for mod, src in sources.items() if part_of(mod) == "experiments"
+            for i in imports(mod, src)}
+    for (mod, prefix), why in R.EXPERIMENT_INTERNALS.items():
+        assert mod in sources and any(m in sources for m in (prefix, prefix.rpartition(".")[0])), (mod, prefix)
+        assert prefix not in R.PUBLIC_API and why.strip(), (mod, prefix)
+        assert any(m == mod and _match(i, (prefix,)) for m, i in used), f"stale allow-list entry {mod} -> {prefix}"
+
+
+def test_the_public_api_resolves_every_name() -> None:
+    """What the public modules offer resolves (no stale entry in their lazy tables), and importing them loads
+    nothing heavy: the names resolve on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, spacefusion, spacefusion.api, spacefusion.runtime\n"
+            "heavy = sorted(m for m in ('tvm', 'islpy', 'xgboost', 'torch', 'schedulers', 'search')\n"
+            "               if m in sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "import spacefusion.api as a, spacefusion.tuning as t\n"
+            "for m in (a, t):\n"
+            "    for n in m.__all__: getattr(m, n)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_the_gpu_runtime_never_reaches_the_compilers_dependencies() -> None:
     assert runtime_reaches(repo_sources()) == []
 
@@ -254,6 +317,48 @@ def test_a_planted_violation_is_caught(name: str) -> None:
     sources[mod] = Source(src.text + "\n" + line, src.is_package, src.path)
     bad = violations(sources)
     assert any(expect in b and src.path in b for b in bad), bad
+
+
+API_PLANTS = {
+    "an internal module, module level": ("experiments.e2e_partition", "from schedulers.hardware import H100\n",
+                                         "schedulers.hardware"),
+    "an internal module, lazily": ("experiments.norm_sweep", "def f():\n    from search.cost import estimate_us\n",
+                                   "search.cost"),
+    "a plain import of an internal module": ("experiments.e2e_gpu", "import search.records\n", "search.records"),
+    "a submodule through a public package": ("experiments.sanitize", "from spacefusion.runtime import gpu\n",
+                                             "spacefusion.runtime.gpu"),
+    "the frontend package (not public)": ("experiments.e2e_tune", "from spacefusion.frontend import capture\n",
+                                          "spacefusion.frontend.capture"),
+    "a dynamic import": ("experiments.tuning.records_db",
+                         "import importlib\nimportlib.import_module('schedulers.schedule')\n", "schedulers.schedule"),
+    "an allow-listed module from another script": ("experiments.norm_gemm",
+                                                   "from schedulers.split import decide_split\n", "schedulers.split"),
+    "the lowering": ("experiments.tuning.register_corpus", "from spacefusion.lower.build import build_cuda\n",
+                     "spacefusion.lower.build"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(API_PLANTS))
+def test_a_planted_api_bypass_is_caught(name: str) -> None:
+    mod, line, expect = API_PLANTS[name]
+    sources = repo_sources()
+    src = sources[mod]
+    sources[mod] = Source(src.text + "\n" + line, src.is_package, src.path)
+    bad = api_bypasses(sources)
+    assert any(f"imports {expect}" in b and src.path in b for b in bad), bad
+
+
+def test_public_imports_pass() -> None:
+    """The checker is not merely noisy: public imports planted the same way raise nothing."""
+    sources = repo_sources()
+    for mod, line in (("experiments.harness", "from spacefusion.api import candidates, estimate, hardware\n"),
+                      ("experiments.sanitize", "from spacefusion.runtime import load_kernel\nimport spacefusion\n"),
+                      ("experiments.e2e_tune", "def f():\n    from spacefusion.tuning import TuningDatabase\n"),
+                      ("experiments.e2e_gpu", "from spacefusion.models import BertConfig\n"),
+                      ("experiments.mma_cases", "from smg.fold import fold_dims\n")):  # allow-listed there
+        src = sources[mod]
+        sources[mod] = Source(src.text + "\n" + line, src.is_package, src.path)
+    assert api_bypasses(sources) == []
 
 
 def test_the_runtime_reaching_islpy_through_smg_is_caught() -> None:

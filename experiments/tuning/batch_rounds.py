@@ -22,17 +22,15 @@ def first_and_families(smg: Any, top: int, per: int, family: Callable[[Any], tup
     """(why, schedule): the tuner's first ``top`` (``ranked``), then the analytical model's best of each
     ``family`` not yet held, in estimate order (``say(family)`` the why), up to ``per`` in all: one run
     shows which family the first round should have measured."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, candidates, estimate
 
-    order = ranked(smg)
+    order = candidates(smg)
     out = [(f"rank {i}", s) for i, s in enumerate(order[:top])]
     seen = {family(s) for _, s in out}
     best: dict[tuple, Any] = {}
     for s in order[top:]:
         best.setdefault(family(s), s)
-    for fam, s in sorted(best.items(), key=lambda kv: estimate_us(kv[1], H100)):
+    for fam, s in sorted(best.items(), key=lambda kv: estimate(kv[1], H100)):
         if len(out) >= per:
             break
         if fam not in seen:
@@ -87,8 +85,8 @@ def add_to_db(art: Path, whole: dict[str, Any], db: Path, baseline_key: str) -> 
     import shutil
     import tempfile
 
-    from schedulers.hardware import preset_of_device
-    from spacefusion.runners.offline import MANIFEST_FILE, RESULTS_FILE, import_offline
+    from spacefusion.api import preset_of_device
+    from spacefusion.tuning import MANIFEST_FILE, RESULTS_FILE, import_offline
 
     hw = preset_of_device(str(whole.get("device", "")))
     if hw is None:

@@ -36,7 +36,7 @@ GRIDS: dict[str, dict[str, list[int]]] = {
 def build(out: Path, per: int, seed: int) -> None:
     from make_sweep_artefacts import variant
 
-    from schedulers.errors import ScheduleError
+    from spacefusion.api import ScheduleError
     from spacefusion.api import build as build_kernel
 
     rng = random.Random(seed)

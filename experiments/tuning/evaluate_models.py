@@ -21,11 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from schedulers.hardware import H100  # noqa: E402
-from search.cost import estimate_us  # noqa: E402
-from search.database import TuningDatabase  # noqa: E402
-from search.learned import LearnedCostModel  # noqa: E402
-from search.metrics import spearman, top1_slowdown  # noqa: E402
+from spacefusion.api import H100, estimate
+from spacefusion.tuning import LearnedCostModel, TuningDatabase, spearman, top1_slowdown
 
 
 def quality(pred, meas) -> dict[str, float]:
@@ -49,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             meas = [r.median_us for r in res]
             half = len(recs) // 2
             row = {"records": len(recs), "ok": sum(r.ok for r in res), "best_us": min(meas),
-                   "analytical_all": quality([estimate_us(s, H100) for s in scheds], meas)}
+                   "analytical_all": quality([estimate(s, H100) for s in scheds], meas)}
             for train, test, label in ((slice(0, half), slice(half, None), "learned_r1_to_r2"),
                                        (slice(half, None), slice(0, half), "learned_r2_to_r1")):
                 m = LearnedCostModel(H100)

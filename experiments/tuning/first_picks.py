@@ -102,16 +102,14 @@ def rounds(art: Path | None) -> Iterator[Round]:
 
 
 def first_picks(art: Path | None) -> list[dict]:
-    from schedulers.hardware import H100
-    from schedulers.schedule import Schedule
-    from search.cost import estimate_us
-    from search.prior import first_round_order, load_prior
+    from spacefusion.api import H100, Schedule, estimate
+    from spacefusion.tuning import first_round_order, load_prior
 
     prior = load_prior(H100)
     out = []
     for name, scheds, med, committed in rounds(art):
         cands = {k: Schedule.from_json(json.dumps(d)) for k, d in scheds.items()}
-        est = {k: estimate_us(s, H100) for k, s in cands.items()}
+        est = {k: estimate(s, H100) for k, s in cands.items()}
         first = first_round_order(cands, est, prior)[0]
         out.append({"round": name, "first": first, "first_us": med.get(first),
                     "committed_us": med.get(committed) if committed else None, "best_us": min(med.values()),

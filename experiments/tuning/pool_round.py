@@ -37,7 +37,7 @@ def _label(p: tuple) -> str:
 
 
 def _smg(p: tuple):
-    from smg import patterns
+    from spacefusion.api import patterns
 
     b, c, hw, k, s, pad, _ = p
     return patterns.max_pool2d(b, hw, hw, c, k, s, pad, "relu", True, "float16")
@@ -45,9 +45,8 @@ def _smg(p: tuple):
 
 def candidates(smg, top: int) -> list[tuple[str, Any]]:
     """(why, schedule): the tuner's first ``top``, then whole channel rows per block, one thread per output."""
-    from schedulers.errors import ScheduleError
-    from schedulers.schedule import make_schedule
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import ScheduleError, make_schedule
+    from spacefusion.api import candidates as ranked
 
     out = [(f"rank {i}", s) for i, s in enumerate(ranked(smg)[:top])]
     c = smg.dim_sizes["c"]
@@ -63,8 +62,7 @@ def candidates(smg, top: int) -> list[tuple[str, Any]]:
 
 
 def export(art: Path, top: int) -> None:
-    from search.records import MeasureInput
-    from spacefusion.runners.offline import export_batch
+    from spacefusion.tuning import MeasureInput, export_batch
 
     inputs, labels = [], []
     for p in POOLS:
@@ -85,7 +83,7 @@ def torch_times(iters: int) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from spacefusion.runtime.timing import time_cuda  # the GPU runtime: no TVM
+    from spacefusion.runtime import time_cuda  # the GPU runtime: no TVM
 
     out = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -114,7 +112,7 @@ def run(art: Path, out: Path, iters: int) -> int:
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
     from batch_rounds import keep_round, load_round
 
-    from search.records import MeasureResult
+    from spacefusion.tuning import MeasureResult
 
     labels, whole = load_round(art, results)
     res = [MeasureResult.from_dict(r) for r in whole["results"]]

@@ -37,13 +37,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from schedulers.hardware import HardwareModel, preset_of_device  # noqa: E402
-from schedulers.schedule import Schedule  # noqa: E402
-from search.database import TuningDatabase, tuning_key  # noqa: E402
-from search.prior import read_json  # noqa: E402
-from search.records import MeasureResult  # noqa: E402
-from spacefusion.runners.offline import MANIFEST_FILE, MANIFEST_FORMAT, RESULTS_FILE, import_offline  # noqa: E402
-from spacefusion.runtime.batch import RESULTS_FORMAT  # noqa: E402
+from spacefusion.api import HardwareModel, Schedule, preset_of_device  # noqa: E402
+from spacefusion.tuning import (  # noqa: E402
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    RESULTS_FILE,
+    RESULTS_FORMAT,
+    MeasureResult,
+    TuningDatabase,
+    import_offline,
+    read_json,
+    tuning_key,
+)
 
 RECORDS_FORMAT = "spacefusion-records/1"
 #: the target ``frontend.dynamo.export_cuda`` looks records up for
@@ -101,7 +106,7 @@ def key_report(db: Path, files: Sequence[Path]) -> dict[str, int]:
     (the stored ``tuning_key`` is not the key recomputed now), of which ``stored_smg_key`` name the SMG's
     content key; ``failed`` (an error, not a time: kept so it is not measured again, never picked);
     ``not_found_by_export``: successful records the export's lookup does not see in ``db``."""
-    from spacefusion.lower.build import COMPILE_FLAGS
+    from spacefusion.api import COMPILE_FLAGS
 
     out: Counter[str] = Counter()
     with TuningDatabase(db, readonly=True) as database:

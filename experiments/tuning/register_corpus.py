@@ -60,7 +60,7 @@ def _schedules_in(x: Any) -> Iterator[dict[str, Any]]:
 
 def found_schedules(roots: Iterable[Path]) -> dict[str, tuple[dict[str, Any], str]]:
     """Tensor-core schedules with a warp-tile program in the JSON files under ``roots``: key -> (JSON, file)."""
-    from schedulers.schedule import Schedule
+    from spacefusion.api import Schedule
 
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for root in roots:
@@ -91,10 +91,8 @@ def extra_schedules() -> dict[str, tuple[dict[str, Any], str]]:
     and 256 with every knob value, causal and not, and GEMMs with an epilogue on both MMA forms."""
     import numpy as np
 
-    from schedulers.hardware import H100
-    from search.space import SearchSpace
-    from smg import patterns
-    from spacefusion.frontend.builders import gated_gemm
+    from spacefusion.api import H100, gated_gemm, patterns
+    from spacefusion.tuning import SearchSpace
 
     workloads = [
         patterns.attention(4, 16, 512, 512, 64, dtype="float16"),
@@ -118,7 +116,7 @@ def extra_schedules() -> dict[str, tuple[dict[str, Any], str]]:
 
 def _ptxas(source: str, flags: tuple[str, ...]) -> tuple[int, int]:
     """(registers, spill store bytes) of the one kernel in ``source``."""
-    from spacefusion.runtime.gpu import find_nvcc
+    from spacefusion.runtime import find_nvcc
 
     nvcc = find_nvcc() or "nvcc"
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,11 +159,10 @@ def consumer_registers(source: str, flags: tuple[str, ...], threads: int) -> int
 def _measure(item: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any] | str]:
     key, d = item
     try:
-        from schedulers.schedule import Schedule
-        from spacefusion.lower.build import build_cuda
+        from spacefusion.api import Schedule, build
 
         s = Schedule.from_json(json.dumps(d))
-        art = build_cuda(s, ARCH)
+        art = build(s, f"cuda:{ARCH}")
         flags = tuple(art.meta.get("nvcc_flags", ()))
         regs, stores = _ptxas(art.source, flags)
         row = {"registers": regs, "spill_bytes": stores, "threads": s.threads,
@@ -195,7 +192,7 @@ def unpack(d: dict[str, Any], parts: dict[str, Any]) -> dict[str, Any]:
 
 def load(path: Path = OUT) -> list[tuple[Any, dict[str, Any]]]:
     """(Schedule, row) of every corpus kernel: the row's ``registers`` and ``spill_bytes`` are ptxas's."""
-    from schedulers.schedule import Schedule
+    from spacefusion.api import Schedule
 
     data = json.loads(Path(path).read_text())
     return [(Schedule.from_json(json.dumps(unpack(r["schedule"], data["parts"]))), r) for r in data["rows"]]
@@ -244,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _nvcc() -> str:
-    from spacefusion.runtime.gpu import find_nvcc
+    from spacefusion.runtime import find_nvcc
 
     return find_nvcc() or "nvcc"
 

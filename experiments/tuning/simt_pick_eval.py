@@ -27,8 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 def groups() -> dict[tuple[str, str], list[tuple]]:
     """(file, SMG key) -> [(schedule, best measured us, hardware)] of the CUDA-core records."""
-    from schedulers.hardware import H100, H200
-    from schedulers.schedule import Schedule
+    from spacefusion.api import H100, H200, Schedule
 
     folder = ROOT / "experiments" / "tuning"
     files = sorted({*folder.glob("unet_*.json*"), *folder.glob("*records*.json*")})

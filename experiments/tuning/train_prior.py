@@ -46,7 +46,7 @@ MIN_GROUP = 4
 
 
 def _load(hw: Any, files: tuple[Path, ...]) -> tuple[list[Any], list[Any], list[str]]:
-    from search.prior import read_records
+    from spacefusion.tuning import read_records
 
     scheds, res, groups = [], [], []
     for f in files:
@@ -79,18 +79,14 @@ def _kind(group: str) -> str:
 def evaluate(hw: Any, files: tuple[Path, ...]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Leave-one-out: the summary and one row per judged shape (see the module docstring), held out one shape
     at a time and, stricter, one workload kind at a time (every shape of it)."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from search.features import feature_matrix
-    from search.learned import LearnedCostModel
-    from search.metrics import spearman
-    from search.prior import first_round_order, load_prior
+    from spacefusion.api import H100, estimate
+    from spacefusion.tuning import LearnedCostModel, feature_matrix, first_round_order, load_prior, spearman
 
     scheds, res, groups = _load(hw, files)
     med = np.array([r.median_us if r.ok else np.inf for r in res])
     X = feature_matrix(scheds, hw)  # what the machine's own prior scores
     X_h100 = feature_matrix(scheds, H100)  # what the H100's prior scores where it stands in (its own numbers)
-    est = np.array([estimate_us(s, hw) for s in scheds])
+    est = np.array([estimate(s, hw) for s in scheds])
     h100 = load_prior(H100)
     rows = []
     models: dict[tuple[str, str], Any] = {}
@@ -145,8 +141,8 @@ def evaluate(hw: Any, files: tuple[Path, ...]) -> tuple[dict[str, Any], list[dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from schedulers.hardware import get_hardware
-    from search.prior import prior_path, train_prior
+    from spacefusion.api import get_hardware
+    from spacefusion.tuning import prior_path, train_prior
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hw", choices=sorted(FILES), default="h100")

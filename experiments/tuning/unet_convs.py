@@ -76,7 +76,7 @@ def _label(c: tuple) -> str:
 
 
 def _smg(c: tuple):
-    from smg import patterns
+    from spacefusion.api import patterns
 
     b, hw, ci, co, k, res = c[:6]
     return patterns.conv2d(b, hw, hw, ci, co, k, _stride(c), k // 2, residual=res, dtype="float16")
@@ -91,11 +91,11 @@ def pick(smg, top: int, per: int) -> list[tuple[str, Any]]:
     not yet held, in estimate order, up to ``per`` in all, then the first pick's deeper rings."""
     from batch_rounds import first_and_families
 
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import candidates
 
     got = first_and_families(smg, top, per, _family,
                              lambda fam: f"family slices {fam[0]} tma {fam[1]} producer {fam[2]} deep {fam[3]}")
-    return got + deeper(ranked(smg)[0])
+    return got + deeper(candidates(smg)[0])
 
 
 def by_tile(smg, held: list[tuple[str, Any]], limit: int) -> list[tuple[str, Any]]:
@@ -103,16 +103,14 @@ def by_tile(smg, held: list[tuple[str, Any]], limit: int) -> list[tuple[str, Any
     estimate order, at most ``limit``.  Its estimates of the 16x16x1280 conv's tiles lie within 41-44 us
     (64x128 to 192x128), and the rounds measured 128x192, cuDNN's tile there, only on 16 slices: this puts
     each shape's best form in the batch."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, candidates, estimate
 
     shapes = {tuple(s.block) for _, s in held}
     best: dict[tuple, Any] = {}
-    for s in ranked(smg):
+    for s in candidates(smg):
         if s.tensor_cores and tuple(s.block) not in shapes:
             best.setdefault(tuple(s.block), s)
-    chosen = sorted(best.values(), key=lambda s: estimate_us(s, H100))[:limit]
+    chosen = sorted(best.values(), key=lambda s: estimate(s, H100))[:limit]
     return [(f"tile {'x'.join(str(v) for _, v in s.block)}", s) for s in chosen]
 
 
@@ -121,25 +119,21 @@ def by_tile_slices(smg, held: list[tuple[str, Any]], limit: int, min_rows: int =
     not among ``held``, in estimate order, at most ``limit``.  In torch.compile's graph cuDNN ran the 16x16
     1280-channel convs in 33.8 µs a call (`model_profile_unet_h100.json`) against our 44; the rounds
     measured its 128x192 tile only with 16 slices: this puts 128-row tiles' fewer-slice forms in a batch."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, candidates, estimate
 
     have = {s.key for _, s in held}
     best: dict[tuple, Any] = {}
-    for s in ranked(smg):
+    for s in candidates(smg):
         if s.tensor_cores and s.tma and s.block[0][1] >= min_rows and s.key not in have:
             best.setdefault((tuple(s.block), s.slices, bool(s.producer)), s)
-    chosen = sorted(best.values(), key=lambda s: estimate_us(s, H100))[:limit]
+    chosen = sorted(best.values(), key=lambda s: estimate(s, H100))[:limit]
     return [(f"tile {'x'.join(str(v) for _, v in s.block)} slices {s.slices}", s) for s in chosen]
 
 
 def deeper(s) -> list[tuple[str, Any]]:
     """The first pick with a deeper ring (4 and 6 stages), which the space offers a sliced block only up to
     3 of: a slice's few steps each wait for a load issued only ``stages - 1`` steps before."""
-    from schedulers.errors import ScheduleError
-    from schedulers.options import non_defaults
-    from schedulers.schedule import make_schedule
+    from spacefusion.api import ScheduleError, make_schedule, non_defaults
 
     out = []
     for stages in (4, 6):
@@ -157,8 +151,7 @@ def deeper(s) -> list[tuple[str, Any]]:
 
 
 def export(art: Path, top: int, per: int, tiles: int = 0, convs: str = "small", wide: int = 0) -> None:
-    from search.records import MeasureInput
-    from spacefusion.runners.offline import export_batch
+    from spacefusion.tuning import MeasureInput, export_batch
 
     inputs, labels = [], []
     for c in SETS[convs]:
@@ -183,7 +176,7 @@ def cudnn_times(iters: int, convs: list[tuple]) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from spacefusion.runtime.timing import time_cuda  # the GPU runtime: no TVM
+    from spacefusion.runtime import time_cuda  # the GPU runtime: no TVM
 
     torch.backends.cudnn.benchmark = True
     out = []
@@ -223,7 +216,7 @@ def run(art: Path, out: Path, iters: int) -> int:
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
     from batch_rounds import keep_round, load_round
 
-    from search.records import MeasureResult
+    from spacefusion.tuning import MeasureResult
 
     labels, whole = load_round(art, results)
     res = [MeasureResult.from_dict(r) for r in whole["results"]]

@@ -43,7 +43,7 @@ def workloads(groups: list[str]) -> list[tuple[Any, int, str]]:
     import torch
     from dynamo_gpu import build
 
-    from spacefusion.frontend.tune import captured_partitions
+    from spacefusion.tuning import captured_partitions
 
     kinds = [k for g in groups for k in KINDS[g]]
     torch._dynamo.reset()
@@ -88,9 +88,7 @@ def variants(s: Any, limit: int, vary: dict[str, tuple] | None = None, nearest: 
     bests, which differ from the first pick in several knobs at once."""
     import itertools
 
-    from schedulers.errors import ScheduleError
-    from schedulers.options import non_defaults
-    from schedulers.schedule import make_schedule
+    from spacefusion.api import ScheduleError, make_schedule, non_defaults
 
     vary = VARY if vary is None else vary
     base = {**non_defaults(s.warp), **non_defaults(s.hopper)}
@@ -120,11 +118,8 @@ def export(art: Path, groups: list[str], top: int, per: int, vary: int = 0, only
            around: Path | None = None, hardware: tuple[str, ...] = ("H200", "H100")) -> None:
     """The batch: per SMG ``candidates``, then up to ``vary`` knob variants of its first pick, or with
     ``around`` (a tuning database) of its best record there (``hardware`` in order), nearest first."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from search.records import MeasureInput
-    from spacefusion.frontend.dynamo import tuned
-    from spacefusion.runners.offline import export_batch
+    from spacefusion.api import H100, estimate
+    from spacefusion.tuning import MeasureInput, export_batch, tuned
 
     best_of = tuned(around, "cuda:sm_90a", lambda _: None, hardware) if around is not None else None
     inputs, labels = [], []
@@ -144,7 +139,7 @@ def export(art: Path, groups: list[str], top: int, per: int, vary: int = 0, only
         for why, s in got:
             inputs.append(MeasureInput(s, "cuda:sm_90a"))
             labels.append({"smg": label, "calls": calls, "why": why, "workload_key": smg.key,
-                           "schedule_key": s.key, "estimate_us": round(estimate_us(s, H100), 2),
+                           "schedule_key": s.key, "estimate_us": round(estimate(s, H100), 2),
                            "block": [list(t) for t in s.block], "slices": s.slices, "stages": s.stages,
                            "producer": bool(s.producer), "tensor_cores": bool(s.tensor_cores)})
         print(f"{label}: {len(got)} candidates", flush=True)
@@ -165,7 +160,7 @@ def run(art: Path, out: Path, iters: int) -> int:
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
     from batch_rounds import keep_round, load_round
 
-    from search.records import MeasureResult
+    from spacefusion.tuning import MeasureResult
 
     labels, whole = load_round(art, results)
     res = [MeasureResult.from_dict(r) for r in whole["results"]]

@@ -53,7 +53,7 @@ def _label(g: tuple) -> str:
 
 
 def _smg(g: tuple):
-    from smg import patterns
+    from spacefusion.api import patterns
 
     c, hw, silu, add, eps, _ = g
     return patterns.group_norm(BATCH, hw * hw, GROUPS, c, "silu" if silu else "none", True, "float16", eps,
@@ -69,16 +69,14 @@ def pick(smg, top: int, per: int) -> list[tuple[str, Any]]:
     a step's positions, before lanes could spread over the other reduced dims too); then the best-estimated
     of each (lanes, vector) not yet held, then of each (lanes, vector, threads), in estimate order, up to
     ``per`` in all."""
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import H100, candidates, estimate
 
-    order = ranked(smg)
+    order = candidates(smg)
     out = [(f"rank {i}", s) for i, s in enumerate(order[:top])]
     prev = next((s for s in order if s.lanes <= s.step), None)
     if prev is not None and all(prev.key != s.key for _, s in out):
         out.append(("first pick of the previous space", prev))
-    est = {s.key: estimate_us(s, H100) for s in order[top:]}
+    est = {s.key: estimate(s, H100) for s in order[top:]}
     for width in (2, 3):
         seen = {_family(s)[:width] for _, s in out}
         for s in sorted(order[top:], key=lambda s: est[s.key]):
@@ -96,11 +94,11 @@ def by_step(smg, held: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     steps (its reads are the same), while each step boundary runs the derived carries and the auxiliary
     accumulators again; the first pick of the ``X + E`` partial moved from 2 steps to 16 with the tile
     computed once (5.0 -> 7.7 us a call in the UNet's graph on the H200)."""
-    from spacefusion.frontend.schedules import ranked
+    from spacefusion.api import candidates
 
     seen = {s.step for _, s in held}
     out = []
-    for s in ranked(smg):
+    for s in candidates(smg):
         if s.step not in seen:
             seen.add(s.step)
             out.append((f"first of step {s.step}", s))
@@ -110,8 +108,8 @@ def by_step(smg, held: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 def kernels(g: tuple, whole: bool = False) -> list[tuple[str, Any]]:
     """(part, SMG) of ``g``'s split: partial, stats, apply; with ``whole`` (or where it is not split) the
     unsplit GroupNorm as one kernel."""
-    from schedulers.hardware import H100
     from schedulers.split import decide_split
+    from spacefusion.api import H100
 
     split = decide_split(_smg(g), H100)
     if whole or isinstance(split, str):
@@ -122,10 +120,8 @@ def kernels(g: tuple, whole: bool = False) -> list[tuple[str, Any]]:
 
 def export(art: Path, top: int, per: int, whole: bool = False, max_hw: int = 64, steps: bool = False,
            add_only: bool = False) -> None:
-    from schedulers.hardware import H100
-    from search.cost import estimate_us
-    from search.records import MeasureInput
-    from spacefusion.runners.offline import export_batch
+    from spacefusion.api import H100, estimate
+    from spacefusion.tuning import MeasureInput, export_batch
 
     if steps and whole:
         raise SystemExit("--steps measures the split's partial kernels, which --whole leaves out: pass one of them")
@@ -146,7 +142,7 @@ def export(art: Path, top: int, per: int, whole: bool = False, max_hw: int = 64,
                 inputs.append(MeasureInput(s, "cuda:sm_90a", producer))
                 labels.append({"gn": list(g[:5]), "calls": g[5], "part": part, "why": why, "workload_key": k.key,
                                "schedule_key": s.key, "lanes": s.lanes, "vector": s.vector, "threads": s.threads,
-                               "blocks": s.num_blocks, "step": s.step, "estimate_us": round(estimate_us(s, H100), 3)})
+                               "blocks": s.num_blocks, "step": s.step, "estimate_us": round(estimate(s, H100), 3)})
         print(_label(g), flush=True)
     export_batch(inputs, art)
     (art / "labels.json").write_text(json.dumps(labels, indent=1) + "\n")
@@ -160,7 +156,7 @@ def torch_times(iters: int) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from spacefusion.runtime.timing import time_cuda  # the GPU runtime: no TVM
+    from spacefusion.runtime import time_cuda  # the GPU runtime: no TVM
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
@@ -205,7 +201,7 @@ def summarize(labels: list[dict], results: list[Any]) -> dict[tuple, dict[str, d
 def table(art: Path, results: Path, records: Path | None, db: Path | None) -> None:
     from batch_rounds import keep_round, load_round
 
-    from search.records import MeasureResult
+    from spacefusion.tuning import MeasureResult
 
     labels, whole = load_round(art, results)
     res = [MeasureResult.from_dict(r) for r in whole["results"]]

@@ -29,21 +29,20 @@ SHAPES = [("VAE", 1, 64, 512, 512), ("VAE", 1, 128, 512, 512), ("VAE", 1, 256, 2
 
 
 def _smgs(batch: int, size: int, c: int, co: int):
-    from smg import patterns
+    from spacefusion.api import patterns
 
     return {"parity": patterns.upsample_conv2d(batch, size, size, c, co, 3, 1, dtype="float16"),
             "plain": patterns.conv2d(batch, size, size, c, co, 3, 1, 1, upsample=2, dtype="float16")}
 
 
 def export(art: Path, top: int) -> None:
-    from search.records import MeasureInput
-    from spacefusion.frontend.schedules import ranked
-    from spacefusion.runners.offline import export_batch
+    from spacefusion.api import candidates
+    from spacefusion.tuning import MeasureInput, export_batch
 
     inputs, labels = [], []
     for model, b, size, c, co in SHAPES:
         for form, g in _smgs(b, size, c, co).items():
-            for rank, s in enumerate(ranked(g)[:top]):
+            for rank, s in enumerate(candidates(g)[:top]):
                 inputs.append(MeasureInput(s, "cuda:sm_90a"))
                 labels.append({"model": model, "shape": [b, size, c, co], "form": form, "rank": rank,
                                "workload_key": g.key, "schedule_key": s.key})
@@ -54,7 +53,7 @@ def export(art: Path, top: int) -> None:
 
 def table(art: Path, results: Path, records: Path | None) -> None:
     labels = json.loads((art / "labels.json").read_text())
-    from search.records import MeasureResult
+    from spacefusion.tuning import MeasureResult
 
     whole = json.loads(results.read_text())
     raw = whole["results"]

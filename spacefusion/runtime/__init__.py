@@ -19,6 +19,8 @@ _LAZY = {
     "KernelCompileError": ".gpu",
     "KernelLaunchError": ".gpu",
     "load_kernel": ".gpu",
+    "find_nvcc": ".gpu",
+    "torch_dtype": ".gpu",
     "TimingResult": ".timing",
     "time_cuda": ".timing",
 }

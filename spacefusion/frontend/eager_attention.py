@@ -145,7 +145,8 @@ def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     (b, h, m, d), (_, _, l, dk) = sq, sk
     if dk != d or sv[3] != d or h % hk:
-        ctx.refuse(node, f"attention written in ops with head dims q {d}, k {dk}, v {sv[3]}: the pattern takes one")
+        ctx.refuse(node, "attention.head_dims",
+                   f"attention written in ops with head dims q {d}, k {dk}, v {sv[3]}: the pattern takes one")
         return None
     mods: tuple[patterns.ScoreMod, ...] = ()
     extra = []

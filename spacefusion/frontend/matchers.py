@@ -58,6 +58,7 @@ from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.prologue import Prologue, prologues
 from spacefusion.frontend.records import Operand, Result, Subgraph
+from spacefusion.frontend.refusals import Refusal, refusal
 from spacefusion.frontend.rope import rope_of
 
 #: how a partition decides a convolution's image layout: the backend's ``layout_of``, which an export records
@@ -77,7 +78,7 @@ def default_layout_of(nchw: SMG, nhwc: SMG) -> LayoutChoice:
 class Context:
     gm: fx.GraphModule
     claimed: set[str] = field(default_factory=set)
-    refused: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, Refusal] = field(default_factory=dict)
     layout_of: LayoutOf = default_layout_of
     layouts: dict[str, str] = field(default_factory=dict)  # chosen conv SMG key -> why that layout
     #: forms the backend leaves to torch's library kernels, with why (``CudaBackend.library_first``)
@@ -86,8 +87,10 @@ class Context:
     def free(self, *nodes: fx.Node) -> bool:
         return all(n.name not in self.claimed for n in nodes)
 
-    def refuse(self, node: fx.Node, reason: str) -> None:
-        self.refused.setdefault(node.name, reason)
+    def refuse(self, node: fx.Node, code: str, sentence: str) -> None:
+        """Record why ``node`` is left to torch (the first reason given stands): a code declared in
+        ``refusals.CODES`` and the sentence the report gives."""
+        self.refused.setdefault(node.name, refusal(code, sentence))
 
     @cached_property
     def norm_inputs(self) -> set[str]:
@@ -125,7 +128,7 @@ def _build(ctx: Context, node: fx.Node, make: Callable[[], SMG]) -> SMG | None:
     try:
         return make()
     except SpaceFusionError as exc:
-        ctx.refuse(node, f"its SMG cannot be built: {exc}")
+        ctx.refuse(node, "build.smg", f"its SMG cannot be built: {exc}")
         return None
 
 
@@ -178,16 +181,17 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     q, k, v = a["query"], a["key"], a["value"]
     sq, sk, sv = shape(q), shape(k), shape(v)
     if a.get("dropout_p", 0.0):
-        ctx.refuse(node, "attention with dropout: random, not an index expression")
+        ctx.refuse(node, "attention.dropout", "attention with dropout: random, not an index expression")
         return None
     if not (sq and sk and sv) or not len(sq) == len(sk) == len(sv) == 4:
-        ctx.refuse(node, "attention on tensors that are not [batch, heads, seq, head_dim]")
+        ctx.refuse(node, "attention.rank", "attention on tensors that are not [batch, heads, seq, head_dim]")
         return None
     (b, h, m, d), (_, hk, l, dk), dv = sq, sk, sv[3]
     dt = dtype(q)
     if dk != d or dv != d or dt is None:
-        ctx.refuse(node, f"attention with head dims q {d}, k {dk}, v {dv} and dtype {q.meta['tensor_meta'].dtype}: "
-                         f"the pattern takes one head dim and float32/float16/bfloat16")
+        ctx.refuse(node, "attention.head_dims",
+                   f"attention with head dims q {d}, k {dk}, v {dv} and dtype {q.meta['tensor_meta'].dtype}: "
+                   f"the pattern takes one head dim and float32/float16/bfloat16")
         return None
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
     mods, extra = (), []
@@ -220,7 +224,7 @@ def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, i
         return (*kept, (*taken, mask))
     got = _index_mask(mask, want, kv_heads, dt) or _mask_mod(mask, want, kv_heads, dt)
     if isinstance(got, str):
-        ctx.refuse(node, got)
+        ctx.refuse(node, "attention.mask", got)
         return None
     return (*got, taken)
 
@@ -410,7 +414,7 @@ def match_linear(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     xs, dt = shape(lin.x), dtype(node)
     if xs is None or dt is None:
-        ctx.refuse(node, f"linear on a non-float or unshaped input ({node.meta.get('tensor_meta')})")
+        ctx.refuse(node, "linear.input", f"linear on a non-float or unshaped input ({node.meta.get('tensor_meta')})")
         return None
     act = _activation_after(node, ctx)
     out, name = (act.out, act.name) if act else (node, None)
@@ -490,12 +494,14 @@ def match_patch_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     xs, dt = shape(pc.x), dtype(node)
     if xs is None or dt is None or len(xs) != 4:
-        ctx.refuse(node, f"patch conv on a non-float or non-4D input ({node.meta.get('tensor_meta')})")
+        ctx.refuse(node, "patch_conv.input",
+                   f"patch conv on a non-float or non-4D input ({node.meta.get('tensor_meta')})")
         return None
     b, c, h, w = xs
     if h % pc.kh or w % pc.kw:
-        ctx.refuse(node, f"a {h}x{w} image is not a whole number of {pc.kh}x{pc.kw} patches (the conv drops the "
-                         f"rest; the patch GEMM reads whole patches)")
+        ctx.refuse(node, "patch_conv.remainder",
+                   f"a {h}x{w} image is not a whole number of {pc.kh}x{pc.kw} patches (the conv drops the "
+                   f"rest; the patch GEMM reads whole patches)")
         return None
     nh, nw = h // pc.kh, w // pc.kw
     m, k, n = b * nh * nw, c * pc.kh * pc.kw, pc.cout
@@ -639,7 +645,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
         return _depthwise(node, cv, ctx)
     why = conv_refusal(cv, shape(x), dt)
     if why is not None:
-        ctx.refuse(node, why)
+        ctx.refuse(node, "conv.form", why)
         return None
     taken: list[fx.Node] = []
     up, factor = nearest_upsample_of(x, ctx.gm) or (None, 1)
@@ -648,7 +654,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
         if apart is None:
             taken, x = [x], up
         else:
-            ctx.refuse(x, apart)
+            ctx.refuse(x, "conv.upsample_apart", apart)
             factor = 1
     else:
         factor = 1
@@ -704,12 +710,13 @@ def _conv1d(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     is then a packed [n, L', d] view."""
     x, dt = cv.x, dtype(node)
     if cv.groups > 1 and cv.groups == cv.c == cv.cout:
-        ctx.refuse(node, f"a depthwise 1-D convolution (groups {cv.groups}): the depthwise pattern's window is "
-                         f"square (2-D); torch runs it")
+        ctx.refuse(node, "conv1d.depthwise",
+                   f"a depthwise 1-D convolution (groups {cv.groups}): the depthwise pattern's window is "
+                   f"square (2-D); torch runs it")
         return None
     why = conv_refusal(cv, shape(x), dt)
     if why is not None:
-        ctx.refuse(node, why)
+        ctx.refuse(node, "conv.form", why)
         return None
     n, c, length = shape(x)
     y, bn, res, act, taken = _conv_epilogue(node, ctx)
@@ -766,9 +773,12 @@ def _depthwise(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     channels-last and a per-channel filter summed over the taps, on CUDA cores, with what follows it as in
     ``match_conv`` (an inference BatchNorm folded into the filter and bias, a residual add, an activation)."""
     x, dt = cv.x, dtype(node)
-    why = ctx.library.get("dwconv") or depthwise_refusal(cv, shape(x), dt)
+    if ctx.library.get("dwconv"):
+        ctx.refuse(node, "library.first", ctx.library["dwconv"])
+        return None
+    why = depthwise_refusal(cv, shape(x), dt)
     if why is not None:
-        ctx.refuse(node, why)
+        ctx.refuse(node, "dwconv.form", why)
         return None
     n, c, h, w = shape(x)
     y, bn, res, act, taken = _conv_epilogue(node, ctx)
@@ -802,12 +812,13 @@ def match_max_pool(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     mp = max_pool_of(node, ctx.gm)
     if mp is None:
-        ctx.refuse(node, "a max pool with dilation, ceil mode, indices or a non-square window: the SMG's pooling "
-                         "view takes a square window with one stride and one padding")
+        ctx.refuse(node, "max_pool.form",
+                   "a max pool with dilation, ceil mode, indices or a non-square window: the SMG's pooling "
+                   "view takes a square window with one stride and one padding")
         return None
     xs, dt = shape(mp.x), dtype(node)
     if xs is None or len(xs) != 4 or dt not in ("float16", "bfloat16", "float32"):
-        ctx.refuse(node, f"a max pool of a non-float or non-image input (shape {xs}, dtype {dt})")
+        ctx.refuse(node, "max_pool.input", f"a max pool of a non-float or non-image input (shape {xs}, dtype {dt})")
         return None
     n, c, h, w = xs
     x, taken, act, bias = mp.x, [node], "none", None
@@ -850,8 +861,9 @@ def match_group_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     xs, dt = shape(gn.x), dtype(node)
     if xs is None or len(xs) not in (3, 4) or dt is None or (gn.weight is None) != (gn.bias is None):
-        ctx.refuse(node, f"GroupNorm of a {xs} input, weight {gn.weight}, bias {gn.bias}: the pattern takes a 3-d or "
-                         "4-d image with both or neither of the affine parameters")
+        ctx.refuse(node, "group_norm.form",
+                   f"GroupNorm of a {xs} input, weight {gn.weight}, bias {gn.bias}: the pattern takes a 3-d or "
+                   "4-d image with both or neither of the affine parameters")
         return None
     n, c, h, w = xs if len(xs) == 4 else (*xs, 1)  # [n, c, L] (an attention block's flattened image) as L x 1
     nchw = (0, 3, 1, 2) if len(xs) == 4 else (0, 2, 1)
@@ -968,13 +980,15 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     if nm is None or not ctx.free(node, *nm.inner):
         return None
     if node.name in ctx.prologues:  # each linear reading it recomputes it from its input
-        ctx.refuse(node, f"an {nm.kind} read only by linears: the prologue of their GEMMs, each normalising the "
-                         f"rows it multiplies (gone once they are fused)")
+        ctx.refuse(node, "norm.prologue",
+                   f"an {nm.kind} read only by linears: the prologue of their GEMMs, each normalising the "
+                   f"rows it multiplies (gone once they are fused)")
         return None
     xs, dt = shape(nm.x), dtype(node)
     if nm.dims != 1 or nm.weight is None or (nm.kind == "layernorm" and nm.bias is None) or xs is None or dt is None:
-        ctx.refuse(node, f"{nm.kind} over {nm.dims} dims, weight {nm.weight}, bias {nm.bias}: the patterns "
-                         f"normalise the last dim with an affine weight (and LayerNorm bias)")
+        ctx.refuse(node, "norm.form",
+                   f"{nm.kind} over {nm.dims} dims, weight {nm.weight}, bias {nm.bias}: the patterns "
+                   f"normalise the last dim with an affine weight (and LayerNorm bias)")
         return None
     x = nm.x
     guard = guard_of(x) if isinstance(x, fx.Node) else None
@@ -1065,7 +1079,7 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
     if r is None:
         return None
     if isinstance(r, str):
-        ctx.refuse(node, r)
+        ctx.refuse(node, "rope.form", r)
         return None
     if not ctx.free(*r.nodes):
         return None
@@ -1073,7 +1087,7 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
     bound = _rope_input(r.x, r.nodes, ctx)
     # the output must lie as the kernel writes it: later matchers bound its readers by its recorded strides
     if bound is None or not (heads_interleaved(node) if bound[2] == "bshd" else contiguous(node)):
-        ctx.refuse(node, f"RoPE on a value strided {r.x.meta['tensor_meta'].stride} giving "
+        ctx.refuse(node, "rope.strided", f"RoPE on a value strided {r.x.meta['tensor_meta'].stride} giving "
                          f"{node.meta['tensor_meta'].stride}: the pattern binds packed [b, h, s, d] or [b, s, h, d] "
                          f"memory without a copy")
         return None
@@ -1110,9 +1124,10 @@ def match_concat(node: fx.Node, ctx: Context) -> Subgraph | None:
     ok = all(isinstance(p, fx.Node) and shape(p) is not None and len(shape(p)) == 4 and shape(p)[0] == n
              and shape(p)[2:] == (h, w) and shape(p)[1] > 0 and dtype(p) == dt for p in parts)
     if not ok or dt is None:
-        ctx.refuse(node, f"a concatenation of {[shape(p) if isinstance(p, fx.Node) else p for p in parts]} "
-                         f"({dt}) along the channels: the pattern takes two or more non-empty images of one "
-                         "dtype and size")
+        ctx.refuse(node, "concat.parts",
+                   f"a concatenation of {[shape(p) if isinstance(p, fx.Node) else p for p in parts]} "
+                   f"({dt}) along the channels: the pattern takes two or more non-empty images of one "
+                   "dtype and size")
         return None
     chans = tuple(shape(p)[1] for p in parts)
     smg = _build(ctx, node, lambda: patterns.concat(n, h * w, chans, dt))
@@ -1122,9 +1137,3 @@ def match_concat(node: fx.Node, ctx: Context) -> Subgraph | None:
     res = Result("Y", node.name, out, permute=(0, 3, 1, 2), split=(n, h, w, sum(chans)))
     label = f"concat {' + '.join(map(str, chans))} {n}x{h}x{w} {dt}"
     return Subgraph("concat", label, (node.name,), smg, ops, (res,))
-
-
-#: in priority order: a node taken by an earlier matcher is not offered to later ones
-MATCHERS: tuple[Callable[[fx.Node, Context], Subgraph | None], ...] = (
-    match_attention, match_gated_gemm, match_stacked_linears, match_linear, match_conv, match_patch_conv, match_norm,
-    match_group_norm, match_max_pool, match_rope, match_concat, match_guard)

@@ -7,6 +7,8 @@ import operator
 import torch
 from torch import fx, nn
 
+from spacefusion.frontend.refusals import Refusal
+
 LAYOUT_METHODS = frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten", "contiguous",
                             "expand", "unsqueeze", "squeeze", "chunk", "split", "narrow", "t"})
 SHAPE_QUERIES = frozenset({"size", "dim", "shape"})
@@ -99,51 +101,57 @@ def _in_rope(node: fx.Node) -> bool:
 
 
 def reason(node: fx.Node, gm: fx.GraphModule) -> str:
-    """The reason ``node`` (a call the matchers did not take) runs in torch.  RoPE's ops left over are the
-    tables' (the rotary module's) and, where the rope matcher did not take a RoPE, its compute ops; its
-    views (the tables' ``unsqueeze(1)``, shared by a layer's two RoPEs) are layout ops like any other."""
+    """The sentence of ``classify``."""
+    return classify(node, gm).sentence
+
+
+def classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:
+    """Why ``node`` (a call the patterns did not take) runs in torch: its kind's code and sentence.  RoPE's
+    ops left over are the tables' (the rotary module's) and, where the rope pattern did not take a RoPE, its
+    compute ops; its views (the tables' ``unsqueeze(1)``, shared by a layer's two RoPEs) are layout ops like
+    any other."""
     name = _short(node)
     if name.startswith("_assert"):
-        return GUARD
+        return Refusal("left.guard", GUARD)
     if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
-        return SHAPE
+        return Refusal("left.shape", SHAPE)
     if _in_rotary_module(node):
-        return ROPE_TABLES
+        return Refusal("left.rope_tables", ROPE_TABLES)
     if _in_rope(node) and name not in LAYOUT_METHODS and node.target is not operator.getitem:
-        return ROPE
+        return Refusal("left.rope", ROPE)
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if isinstance(mod, nn.Embedding):
-            return GATHER
+            return Refusal("left.gather", GATHER)
         if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
-            return conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups, spatial=len(mod.kernel_size))
+            return Refusal("left.conv", conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups,
+                                                    spatial=len(mod.kernel_size)))
         if isinstance(mod, nn.Dropout | nn.Identity):
-            return "identity at inference"
-        return "no SMG pattern covers this module"
+            return Refusal("left.identity", "identity at inference")
+        return Refusal("left.module", "no SMG pattern covers this module")
     if node.target is operator.getitem:
-        return LAYOUT
+        return Refusal("left.layout", LAYOUT)
     if node.target in CONV_FUNCTIONS:
         a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
         spatial = 3 if node.target in CONV3D else 1 if node.target in CONV1D else 2
-        return conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1),
-                           a.get("weight"), a.get("bias"), spatial)
+        return Refusal("left.conv", conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
+                                                a.get("groups", 1), a.get("weight"), a.get("bias"), spatial))
     if node.target in LINEAR_FUNCTIONS:
         w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
         kind = weight_kind(w)
         if kind in ("input", "computed"):
-            return (f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}, "
-                    f"not a parameter the backend lifted: the GEMM patterns lay their weight out once at build "
-                    f"time; torch runs it")
+            return Refusal("left.linear_weight",
+                           f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}"
+                           f", not a parameter the backend lifted: the GEMM patterns lay their weight out once at "
+                           f"build time; torch runs it")
     if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
-        return GATHER
-    if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
-        return SHAPE
+        return Refusal("left.gather", GATHER)
     if name in LAYOUT_METHODS:
-        return LAYOUT
+        return Refusal("left.layout", LAYOUT)
     if node.target in (torch.cat, torch.stack) or name in ("cat", "stack"):
-        return CONCAT
+        return Refusal("left.concat", CONCAT)
     if name in ("arange", "zeros", "ones", "full", "empty"):
-        return CREATION
+        return Refusal("left.creation", CREATION)
     if name in ELEMENTWISE:
-        return ELEMENT
-    return "no SMG pattern covers this op"
+        return Refusal("left.elementwise", ELEMENT)
+    return Refusal("left.no_pattern", "no SMG pattern covers this op")

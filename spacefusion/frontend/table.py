@@ -1,0 +1,71 @@
+"""The patterns the partition matches, as a declared table: one ``Row`` per pattern, in priority order.
+
+A row names its pattern, the canonical ops (``frontend.canon``) its anchor node may be, a guard on that
+node's canonical call (a cheap predicate; None: any call of those ops), its builder (``(node, Context) ->
+Subgraph | None``: the pattern read around the anchor and its SMG built, None where it is not there) and the
+refusal codes (``frontend.refusals``) that builder may record.  ``partition.partition`` walks ``ROWS`` in order
+over the graph: a node is offered to a row only where its canonical op is one of the row's anchors and the
+guard holds, and a node an earlier row took is offered to no later one.
+
+This table is the one place patterns are listed.  A new op is one row here and one builder (its own module,
+or beside its family's in ``matchers``), plus any refusal codes it declares in ``refusals.CODES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import fx
+
+from spacefusion.frontend import matchers as m
+from spacefusion.frontend.canon import Call
+from spacefusion.frontend.eager_attention import match_eager_attention
+from spacefusion.frontend.records import Subgraph
+
+Build = Callable[[fx.Node, m.Context], Subgraph | None]
+
+#: codes any builder may record (its SMG raised; ``_build``), and the partition for a builder that crashed
+COMMON = ("build.smg", "build.crashed")
+LINEAR_OPS = frozenset({"linear", "matmul", "mm", "addmm"})
+CASTS = frozenset({"to", "float", "half", "bfloat16", "type_as"})
+
+
+@dataclass(frozen=True)
+class Row:
+    """One pattern: ``name``, the canonical ops it anchors on, its ``guard``, its ``build`` and its refusal
+    ``codes``."""
+
+    name: str
+    anchors: frozenset[str]
+    build: Build
+    codes: tuple[str, ...] = ()
+    guard: Callable[[Call], bool] | None = None
+
+    def offered(self, call: Call | None) -> bool:
+        """Whether a node of canonical ``call`` is this row's to try."""
+        return call is not None and call.op in self.anchors and (self.guard is None or self.guard(call))
+
+
+def _ops(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+#: in priority order: a node taken by an earlier row is not offered to later ones
+ROWS: tuple[Row, ...] = (
+    Row("eager_attention", _ops("matmul"), match_eager_attention, ("attention.head_dims", "attention.mask")),
+    Row("attention", _ops("scaled_dot_product_attention"), m.match_attention,
+        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
+    Row("gated_gemm", _ops("mul"), m.match_gated_gemm),
+    Row("stacked_linears", LINEAR_OPS, m.match_stacked_linears),
+    Row("linear", LINEAR_OPS, m.match_linear, ("linear.input",)),
+    Row("conv", _ops("conv1d", "conv2d"), m.match_conv,
+        ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
+    Row("patch_conv", _ops("conv2d"), m.match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),
+    Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, m.match_norm, ("norm.prologue", "norm.form")),
+    Row("group_norm", _ops("group_norm"), m.match_group_norm, ("group_norm.form",)),
+    Row("max_pool", _ops("max_pool2d"), m.match_max_pool, ("max_pool.form", "max_pool.input")),
+    Row("rope", _ops("add"), m.match_rope, ("rope.form", "rope.strided")),
+    Row("concat", _ops("cat"), m.match_concat, ("concat.parts",)),
+    Row("guard", _ops("clamp"), m.match_guard),
+)

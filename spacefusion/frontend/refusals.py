@@ -19,11 +19,12 @@ CODES: dict[str, str] = {
     "build.smg": "the pattern matched but its SMG builder raised (a size or form the IR refuses)",
     "build.crashed": "a pattern's builder raised an unexpected error on the node (a bug, reported, never a crash)",
     "library.first": "the backend leaves this form to torch's library kernel (``CudaBackend.library_first``)",
-    # attention (SDPA, written out)
+    # attention (SDPA, written out, ALiBi)
     "attention.dropout": "attention with dropout: random, not an index expression",
     "attention.rank": "attention on tensors that are not [batch, heads, seq, head_dim]",
     "attention.head_dims": "attention with unequal head dims or an unsupported dtype",
     "attention.mask": "an attention mask the score mods cannot express",
+    "alibi.form": "an ALiBi ``baddbmm`` attention whose bias, shapes or coefficients the pattern does not take",
     # GEMMs
     "linear.input": "a linear of a non-float or unshaped input",
     "patch_conv.input": "a patch convolution of a non-float or non-4-D input",

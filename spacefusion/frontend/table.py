@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from spacefusion.frontend import matchers as m
+from spacefusion.frontend.alibi import match_alibi_attention
 from spacefusion.frontend.canon import Call
 from spacefusion.frontend.eager_attention import match_eager_attention
 from spacefusion.frontend.records import Subgraph
@@ -54,6 +55,7 @@ def _ops(*names: str) -> frozenset[str]:
 #: in priority order: a node taken by an earlier row is not offered to later ones
 ROWS: tuple[Row, ...] = (
     Row("eager_attention", _ops("matmul"), match_eager_attention, ("attention.head_dims", "attention.mask")),
+    Row("alibi_attention", _ops("bmm"), match_alibi_attention, ("alibi.form", "attention.mask")),
     Row("attention", _ops("scaled_dot_product_attention"), m.match_attention,
         ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
     Row("gated_gemm", _ops("mul"), m.match_gated_gemm),

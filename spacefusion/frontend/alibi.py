@@ -20,9 +20,10 @@ from typing import Any
 from torch import fx
 
 from smg import patterns
+from spacefusion.frontend.attention import MASKED, attention_subgraph, mask_mods
 from spacefusion.frontend.canon import Call, canonical
 from spacefusion.frontend.graph import DTYPES, dtype, permutation, shape, single_user
-from spacefusion.frontend.matchers import MASKED, Context, attention_subgraph, mask_mods
+from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.records import Operand, Subgraph
 
 RESHAPES = ("view", "reshape")

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from smg import patterns
+from spacefusion.frontend.attention import attention_subgraph, mask_mods
 from spacefusion.frontend.graph import MUL, dtype, is_function, shape, single_user
-from spacefusion.frontend.matchers import Context, attention_subgraph, mask_mods
+from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.records import Subgraph
 
 MATMUL = (torch.matmul, operator.matmul)

@@ -7,6 +7,7 @@ import operator
 import torch
 from torch import fx, nn
 
+from spacefusion.frontend.canon import Param, canonical
 from spacefusion.frontend.refusals import Refusal
 
 LAYOUT_METHODS = frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten", "contiguous",
@@ -30,11 +31,7 @@ GUARD = "trace guard on an argument specialised to None: no compute"
 ELEMENT = "element-wise op with no fusable producer or consumer pattern next to it: torch runs it"
 
 
-CONV_FUNCTIONS = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d,
-                  torch.conv1d, torch.conv2d, torch.conv3d)
-CONV1D = (torch.nn.functional.conv1d, torch.conv1d)
-CONV3D = (torch.nn.functional.conv3d, torch.conv3d)
-LINEAR_FUNCTIONS = (torch.nn.functional.linear, torch._C._nn.linear)
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
 def _all_one(v: object) -> bool:
@@ -119,26 +116,25 @@ def classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:
         return Refusal("left.rope_tables", ROPE_TABLES)
     if _in_rope(node) and name not in LAYOUT_METHODS and node.target is not operator.getitem:
         return Refusal("left.rope", ROPE)
+    call = canonical(node, gm)
+    if call is not None and call.op in ("conv1d", "conv2d", "conv3d"):
+        a = call.bind(CONV_ARGS)
+        w, b = a.get("weight"), a.get("bias")
+        if isinstance(w, Param):  # a module's own parameters: no graph value whose kind to say
+            w = b = None
+        return Refusal("left.conv", conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
+                                                a.get("groups", 1), w, b, int(call.op[4])))
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if isinstance(mod, nn.Embedding):
             return Refusal("left.gather", GATHER)
-        if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
-            return Refusal("left.conv", conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups,
-                                                    spatial=len(mod.kernel_size)))
         if isinstance(mod, nn.Dropout | nn.Identity):
             return Refusal("left.identity", "identity at inference")
         return Refusal("left.module", "no SMG pattern covers this module")
     if node.target is operator.getitem:
         return Refusal("left.layout", LAYOUT)
-    if node.target in CONV_FUNCTIONS:
-        a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
-        spatial = 3 if node.target in CONV3D else 1 if node.target in CONV1D else 2
-        return Refusal("left.conv", conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
-                                                a.get("groups", 1), a.get("weight"), a.get("bias"), spatial))
-    if node.target in LINEAR_FUNCTIONS:
-        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        kind = weight_kind(w)
+    if call is not None and call.op == "linear":
+        kind = weight_kind(call.arg(1, "weight"))
         if kind in ("input", "computed"):
             return Refusal("left.linear_weight",
                            f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}"

@@ -94,7 +94,7 @@ BY_KEY = {c.key: c for c in CHAINS}
 
 def by_parity(c: Chain) -> bool:
     """Whether the frontend computes this chain's conv by output parity (its rule, asked)."""
-    from spacefusion.frontend.matchers import by_parity as frontend_rule
+    from spacefusion.frontend.convs import by_parity as frontend_rule
 
     return frontend_rule(c.n * c.h, c.w, c.kernel, c.stride, c.pad, c.upsample)
 

@@ -506,21 +506,21 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
 
 @contextlib.contextmanager
 def _without_matcher(name: str):
-    """The partitioner without the matcher ``name`` (``match_concat``): an in-run A/B of one pattern, whose
-    nodes then run as Dynamo captured them."""
+    """The partitioner without the pattern ``name`` (a row of ``frontend.table``, by its name or its builder's:
+    ``concat`` / ``match_concat``): an in-run A/B of one pattern, whose nodes then run as Dynamo captured them."""
     import spacefusion.frontend.partition  # noqa: F401 (the module: the package exports a function of its name)
-    from spacefusion.frontend import matchers
+    from spacefusion.frontend.table import ROWS
 
     partition = sys.modules["spacefusion.frontend.partition"]
-    known = {m.__name__: m for m in matchers.MATCHERS}
+    known = {r.name: r for r in ROWS} | {r.build.__name__: r for r in ROWS}
     if name not in known:
-        raise SystemExit(f"--without {name}: not a matcher; known: {', '.join(known)}")
-    saved = partition.MATCHERS
-    partition.MATCHERS = tuple(m for m in saved if m.__name__ != name)
+        raise SystemExit(f"--without {name}: not a pattern; known: {', '.join(r.name for r in ROWS)}")
+    saved = partition.ROWS
+    partition.ROWS = tuple(r for r in saved if r is not known[name])
     try:
         yield
     finally:
-        partition.MATCHERS = saved
+        partition.ROWS = saved
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """An fp16 clamp after a residual add (Whisper's, and other HF encoders': ``clamp(h, -(finfo.max - 1000),
 finfo.max - 1000)``) fused into the next norm's kernel with the add (``builders.norm(clamp=...)``,
-``matchers._clamped_sum``), checked against numpy / torch."""
+``norms._clamped_sum``), checked against numpy / torch."""
 
 from __future__ import annotations
 

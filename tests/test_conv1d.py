@@ -1,6 +1,6 @@
 """1-D convolutions (Whisper's encoder, Wav2Vec2's feature encoder, time-series models) as the 2-D implicit GEMM
 over an image one row high (``patterns.conv1d``: kernel (1, k), padding (0, p)) and through the frontend
-(``matchers._conv1d``), each checked against torch's own ``conv1d``; the real ``transformers`` encoders fused
+(``convs._conv1d``), each checked against torch's own ``conv1d``; the real ``transformers`` encoders fused
 and checked against eager."""
 
 from __future__ import annotations

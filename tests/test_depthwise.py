@@ -1,7 +1,7 @@
 """Depthwise convolutions (groups = channels: MobileNet, EfficientNet, ConvNeXt) as an SMG
 (``patterns.depthwise_conv2d``: a per-channel filter times the image read through the window, summed over the
 taps) and
-through the frontend (``matchers._depthwise``), each checked against torch's own convolution."""
+through the frontend (``convs._depthwise``), each checked against torch's own convolution."""
 
 from __future__ import annotations
 

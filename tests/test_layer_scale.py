@@ -1,6 +1,6 @@
 """A per-channel scale after a linear folded into its weight (``frontend.scale_fold``: ConvNeXt's layer scale,
 ViT LayerScale), and the residual add after the permute back to NCHW taken by the GEMM's epilogue where the
-images are channels-last (``matchers._residual_through_permute``).  Each against eager."""
+images are channels-last (``gemms._residual_through_permute``).  Each against eager."""
 
 from __future__ import annotations
 

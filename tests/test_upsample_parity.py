@@ -174,7 +174,7 @@ def test_the_measured_parity_convs_beat_the_upsampled_read_where_the_frontend_ta
     """The committed H100 batch: every kernel passed its check, and the frontend's rule (``PARITY_MIN_ROWS``)
     takes the parity form exactly where its first pick was faster than the upsampled read's."""
     from search.records import MeasureResult
-    from spacefusion.frontend.matchers import by_parity
+    from spacefusion.frontend.convs import by_parity
 
     data = json.loads((ROOT / "experiments/tuning/upsample_parity_h100.json").read_text())
     assert data["device"].startswith("NVIDIA H100")
@@ -194,8 +194,8 @@ def test_a_small_upsampled_image_runs_apart() -> None:
     im2col (SD 1.5's UNet's 8x8 1280-channel upsampler, where the window read measured 2x the plain conv). The
     16x16 one, a parity conv, a stride, or channels TMA cannot band keep the fused read; the rule needs no cost
     model, so the GPU machine partitions alike."""
+    from spacefusion.frontend.convs import upsample_apart
     from spacefusion.frontend.graph import Conv
-    from spacefusion.frontend.matchers import upsample_apart
 
     def conv(c: int, stride: int = 1) -> Conv:
         return Conv(None, "w", "b", c, 3, 3, c, (stride, stride), (1, 1), (1, 1), 1)
@@ -211,9 +211,9 @@ def test_a_small_upsampled_image_runs_apart() -> None:
 def test_an_upsampling_run_apart_is_left_to_torch_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the rule says apart: torch upsamples (the reason in the report) and the conv reads the result as a
     plain image; the output is eager's."""
-    from spacefusion.frontend import matchers
+    from spacefusion.frontend import convs
 
-    monkeypatch.setattr(matchers, "upsample_apart", lambda *a: "apart, as the rule says")
+    monkeypatch.setattr(convs, "upsample_apart", lambda *a: "apart, as the rule says")
     compiled, sub = _compiled_upconv(2, 6)
     assert "upsample" not in sub.label and sub.smg.dim_sizes["m"] == 1 * 4 * 12, sub.label
     assert "apart, as the rule says" in str(compiled.spacefusion.partitions[0])

@@ -55,7 +55,7 @@ WIDE_REST = [(2, 8, 1280, 1280, 3, True, 7), (2, 8, 1280, 1280, 3, False, 4), (2
 LARGE = [(2, 64, 320, 320, 3, True, 5), (2, 64, 320, 320, 3, False, 2), (2, 64, 640, 320, 3, False, 2),
          (2, 64, 960, 320, 3, False, 1)]
 #: the 2x1280x16x16 -> 32x32 upsampled conv's plain form (torch writing the upsampled image apart): its window
-#: read took 129 us in the graph (`matchers.APART_MAX_PIXELS` keeps it there), the plain form was not measured
+#: read took 129 us in the graph (`convs.APART_MAX_PIXELS` keeps it there), the plain form was not measured
 APART32 = [(2, 32, 1280, 1280, 3, False, 1)]
 SETS = {"small": CONVS, "apart32": APART32, "strided": STRIDED, "large": LARGE, "wide16": WIDE16,
         "wide_rest": WIDE_REST}

@@ -1,6 +1,6 @@
 """An inference BatchNorm after a convolution that torch keeps, folded into that convolution's weight and bias.
 
-``match_conv`` folds a BatchNorm into the implicit GEMM it builds.  A convolution it refuses (ResNet's RGB stem:
+``convs.match_conv`` folds a BatchNorm into the implicit GEMM it builds.  A convolution it refuses (ResNet's RGB stem:
 3 input channels) stays with cuDNN, and its BatchNorm used to stay with torch as a kernel of its own (67 us for
 ResNet-50's stem at batch 32 on the H100, as much as the conv).  Folded here, torch runs one conv with a bias,
 and the ReLU and max pool after it become one fused kernel (``match_max_pool``), which also takes the shift
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+from spacefusion.frontend.convs import conv_refusal
 from spacefusion.frontend.graph import (
     activation_of,
     batchnorm_of,
@@ -27,7 +28,6 @@ from spacefusion.frontend.graph import (
     shape,
     single_user,
 )
-from spacefusion.frontend.matchers import conv_refusal
 
 #: the meta key of a conv node that carries a folded BatchNorm: what was folded where (the partition report says it)
 BN_FOLDED = "sf_bn_folded"

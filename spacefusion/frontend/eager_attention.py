@@ -17,23 +17,14 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import fx
 
 from smg import patterns
-from spacefusion.frontend.graph import MUL, dtype, is_function, shape, single_user
-from spacefusion.frontend.matchers import Context, attention_subgraph, mask_mods
+from spacefusion.frontend.attention import attention_subgraph, mask_mods
+from spacefusion.frontend.canon import is_op
+from spacefusion.frontend.graph import dtype, shape, single_user
+from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.records import Subgraph
-
-MATMUL = (torch.matmul, operator.matmul)
-DIV = (operator.truediv, torch.div)
-SOFTMAX = (F.softmax, torch.softmax)
-DROPOUT = (F.dropout,)
-
-
-def _method(node: Any, *names: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
 
 
 def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -47,7 +38,7 @@ def _number(x: Any) -> float | None:
 def _repeated(x: fx.Node) -> tuple[fx.Node, int] | None:
     """(K, kv heads) where ``x`` is ``repeat_kv(K)``:
     ``K[:, :, None].expand(b, hk, r, s, d).reshape(b, hk * r, s, d)``."""
-    if not _method(x, "reshape", "view") or not _method(x.args[0], "expand"):
+    if not is_op(x, "reshape", "view") or not is_op(x.args[0], "expand"):
         return None
     unsq = x.args[0].args[0]
     if not (isinstance(unsq, fx.Node) and unsq.op == "call_function" and unsq.target is operator.getitem):
@@ -65,31 +56,31 @@ def _scores(s: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node, float | None, 
     """(chain nodes, Q, K^T node, scale, soft-cap, additive mask) of the scores ``s`` as written above."""
     chain: list[fx.Node] = []
     mask = cap = scale = None
-    if is_function(s, (operator.add, torch.add)) and len(s.args) == 2:
+    if is_op(s, "add") and len(s.args) == 2:
         a, b = s.args
         for x, m in ((a, b), (b, a)):
-            if isinstance(x, fx.Node) and isinstance(m, fx.Node) and (is_function(x, MUL) or is_function(x, MATMUL)):
+            if isinstance(x, fx.Node) and isinstance(m, fx.Node) and is_op(x, "mul", "matmul"):
                 chain.append(s)
                 s, mask = x, m
                 break
         else:
             return None
-    if is_function(s, MUL) and len(s.args) == 2:  # tanh(s / cap) * cap
+    if is_op(s, "mul") and len(s.args) == 2:  # tanh(s / cap) * cap
         t, c = s.args
         if isinstance(c, fx.Node):
             t, c = c, t
-        if _number(c) is not None and isinstance(t, fx.Node) and (_method(t, "tanh") or is_function(t, (torch.tanh,))):
+        if _number(c) is not None and isinstance(t, fx.Node) and is_op(t, "tanh"):
             d = t.args[0]
-            if is_function(d, DIV) and _number(d.args[1]) == _number(c):
+            if is_op(d, "div") and _number(d.args[1]) == _number(c):
                 chain += [s, t, d]
                 s, cap = d.args[0], _number(c)
-    if is_function(s, MUL) and len(s.args) == 2:  # matmul * scaling
+    if is_op(s, "mul") and len(s.args) == 2:  # matmul * scaling
         mm, k = s.args if isinstance(s.args[0], fx.Node) else s.args[::-1]
         if _number(k) is None:
             return None
         chain.append(s)
         s, scale = mm, _number(k)
-    if not is_function(s, MATMUL):
+    if not is_op(s, "matmul"):
         return None
     chain.append(s)
     q, kt = s.args
@@ -98,7 +89,7 @@ def _scores(s: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node, float | None, 
 
 def _key(kt: Any) -> fx.Node | None:
     """K of ``K.transpose(2, 3)`` (or ``(-2, -1)``) on a 4-d K."""
-    if not _method(kt, "transpose") or len(kt.args) != 3 or shape(kt.args[0]) is None:
+    if not is_op(kt, "transpose") or len(kt.args) != 3 or shape(kt.args[0]) is None:
         return None
     dims = {d % 4 for d in kt.args[1:]}
     return kt.args[0] if dims == {2, 3} and len(shape(kt.args[0])) == 4 else None
@@ -106,19 +97,19 @@ def _key(kt: Any) -> fx.Node | None:
 
 def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``torch.matmul(softmax(scores), V)`` as written above -> ``patterns.attention``."""
-    if not is_function(node, MATMUL) or len(node.args) != 2:
+    if not is_op(node, "matmul") or len(node.args) != 2:
         return None
     p, v = node.args
     chain: list[fx.Node] = [node]
-    if is_function(p, DROPOUT):
+    if is_op(p, "dropout"):
         if _arg(p, 1, "p", 0.5) and _arg(p, 2, "training", True):
             return None
         chain.append(p)
         p = p.args[0]
-    if _method(p, "to", "type_as") and isinstance(p.args[0], fx.Node):
+    if is_op(p, "to", "type_as") and isinstance(p.args[0], fx.Node):
         chain.append(p)
         p = p.args[0]
-    if not (is_function(p, SOFTMAX) or _method(p, "softmax")) or _arg(p, 1, "dim") not in (-1, 3):
+    if not is_op(p, "softmax") or _arg(p, 1, "dim") not in (-1, 3):
         return None
     chain.append(p)
     got = _scores(p.args[0])
@@ -145,7 +136,8 @@ def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     (b, h, m, d), (_, _, l, dk) = sq, sk
     if dk != d or sv[3] != d or h % hk:
-        ctx.refuse(node, f"attention written in ops with head dims q {d}, k {dk}, v {sv[3]}: the pattern takes one")
+        ctx.refuse(node, "attention.head_dims",
+                   f"attention written in ops with head dims q {d}, k {dk}, v {sv[3]}: the pattern takes one")
         return None
     mods: tuple[patterns.ScoreMod, ...] = ()
     extra = []

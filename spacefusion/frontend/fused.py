@@ -337,7 +337,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
                 continue
             except Exception as exc:  # a schedule or build failure leaves the subgraph to torch, reported
                 why = f"kernel build failed: {type(exc).__name__}: {_short(str(exc))}"
-        left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})") for n in sub.nodes]
+        left += [LeftOp(n, sub.label, f"fused {sub.kind} not built ({why})", "left.kernel_build") for n in sub.nodes]
     relaid = channels_last_left_convs(cap.module, kept)
     left = [dataclasses.replace(op, reason=f"{op.reason} ({CHANNELS_LAST})") if op.node in relaid else op
             for op in left]
@@ -345,8 +345,8 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
         n.meta[ORIGIN] = n.name
     module = rewrite(cap.module, kernels)
     dead, folded = set(remove_dead(module)), set(fold_constants(module, weights=baked_weights))
-    left = [dataclasses.replace(op, reason=DEAD) if op.node in dead else
-            dataclasses.replace(op, reason=FOLDED) if op.node in folded else op for op in left]
+    left = [dataclasses.replace(op, reason=DEAD, code="left.dead") if op.node in dead else
+            dataclasses.replace(op, reason=FOLDED, code="left.folded") if op.node in folded else op for op in left]
     splits = getattr(be, "splits", {})
     said = {s.key: f"as {launches(be.compile(s.smg))} kernels: {splits[s.key]}" for s in kept
             if s.key in splits and hasattr(be.compile(s.smg), "split")}

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
+
+from spacefusion.frontend.canon import Param, canonical, is_op, op_of
 
 #: torch dtypes the SMG patterns take, by their SMG (numpy / TVM) spelling
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -69,14 +71,10 @@ def permutation(node: Any, rank: int | None = None) -> tuple[fx.Node, tuple[int,
     """(input, dims) where ``node`` only reorders its input's dims: ``permute`` (method or function),
     ``transpose(a, b)`` (method or function), ``t()`` / ``torch.t`` / ``.T`` of a 2-d tensor; the dims
     normalised to ``0..rank-1`` (``rank``: the input's, read from its shape where not given).  None otherwise."""
-    if not isinstance(node, fx.Node) or node.kwargs or not node.args or not isinstance(node.args[0], fx.Node):
+    c = canonical(node)
+    if c is None or c.kwargs or not c.args or not isinstance(c.args[0], fx.Node):
         return None
-    src, rest = node.args[0], tuple(node.args[1:])
-    name = node.target if node.op == "call_method" else None
-    if node.op == "call_function":
-        name = {torch.transpose: "transpose", torch.permute: "permute", torch.t: "t"}.get(node.target)
-        if node.target is getattr and rest == ("T",):
-            name, rest = "t", ()
+    src, rest, name = c.args[0], tuple(c.args[1:]), c.op
     if rank is None:
         rank = len(shape(src)) if shape(src) is not None else None
     if name not in ("permute", "transpose", "t") or rank is None:
@@ -147,7 +145,10 @@ def single_user(node: fx.Node) -> fx.Node | None:
 
 
 def param_ref(node: Any) -> str | None:
-    """The qualified name of a parameter read by a ``get_attr`` node (None otherwise)."""
+    """The qualified name of a parameter read by a ``get_attr`` node or named by a module's ``canon.Param``
+    (None otherwise)."""
+    if isinstance(node, Param):
+        return node.ref
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
@@ -173,29 +174,31 @@ def _param_shape(gm: fx.GraphModule, ref: str) -> tuple[int, ...]:
 
 
 def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
-    if node.op == "call_module" and isinstance(mod := gm.get_submodule(node.target), nn.Linear):
-        bias = f"{node.target}.bias" if mod.bias is not None else None
-        return Linear(node.args[0], f"{node.target}.weight", bias, mod.in_features, mod.out_features)
-    if is_function(node, (F.linear, torch._C._nn.linear)):
-        w = param_ref(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
-        b_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    """The linear at ``node``: ``linear(x, W, b)`` on parameters, ``x @ W.T`` / ``x @ W`` on a 2-D parameter,
+    ``addmm(b, x, W)`` (GPT-2's Conv1D), in any spelling (``canon``)."""
+    c = canonical(node, gm)
+    if c is None:
+        return None
+    if c.op == "linear":
+        w = param_ref(c.arg(1, "weight"))
+        b_node = c.arg(2, "bias")
         b = param_ref(b_node)
         if w is None or (b_node is not None and b is None):
             return None
         n, k = _param_shape(gm, w)
-        return Linear(node.args[0], w, b, k, n)
-    if is_function(node, MATMUL) and len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], fx.Node):
+        return Linear(c.args[0], w, b, k, n)
+    if c.op in MATMUL and len(c.args) == 2 and not c.kwargs and isinstance(c.args[0], fx.Node):
         # x @ W.T (W [n, k], as nn.Linear stores it) or x @ W (W [k, n]) on a 2-D parameter: a linear, no bias
-        w, transposed = _weight_operand(node.args[1])
-        if w is None or len(_param_shape(gm, w)) != 2 or node.args[0].op == "get_attr":
+        w, transposed = _weight_operand(c.args[1])
+        if w is None or len(_param_shape(gm, w)) != 2 or c.args[0].op == "get_attr":
             return None
         a, b = _param_shape(gm, w)
         k, n = (b, a) if transposed else (a, b)
-        xs = shape(node.args[0])
-        return Linear(node.args[0], w, None, k, n, stored_kn=not transposed) if xs and xs[-1] == k else None
-    if is_function(node, (torch.addmm,)) and len(node.args) == 3 and not node.kwargs:
+        xs = shape(c.args[0])
+        return Linear(c.args[0], w, None, k, n, stored_kn=not transposed) if xs and xs[-1] == k else None
+    if c.op == "addmm" and len(c.args) == 3 and not c.kwargs:
         # GPT-2's Conv1D: addmm(bias, x[m, k], W[k, n]) = x @ W + bias
-        b, x, w = (param_ref(a) if i != 1 else a for i, a in enumerate(node.args))
+        b, x, w = (param_ref(a) if i != 1 else a for i, a in enumerate(c.args))
         if b is None or w is None or not isinstance(x, fx.Node) or len(_param_shape(gm, w)) != 2:
             return None
         k, n = _param_shape(gm, w)
@@ -204,7 +207,7 @@ def linear_of(node: fx.Node, gm: fx.GraphModule) -> Linear | None:
 
 
 #: a product the frontend reads as a linear where one side is a parameter (``linear_of``)
-MATMUL = (operator.matmul, torch.matmul, torch.mm)
+MATMUL = ("matmul", "mm")
 
 
 def _weight_operand(node: Any) -> tuple[str | None, bool]:
@@ -245,8 +248,6 @@ class Conv:
 
 
 CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-CONV2D = (torch.conv2d, F.conv2d)  # Dynamo inlines nn.Conv2d into this call
-CONV1D = (torch.conv1d, F.conv1d)
 
 
 def _one(v: Any) -> Any:
@@ -271,33 +272,22 @@ def _row(v: Any, first: int, kernel: int | None = None) -> Any:
 def conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
     """The convolution at ``node`` on parameters (its weight and any bias ``get_attr`` nodes), 2-D or 1-D; None
     where it is not one (a weight computed in the graph, a 3-D conv)."""
-    if is_function(node, CONV2D + CONV1D):
-        a = dict(zip(CONV_ARGS, node.args)) | node.kwargs
-        w, b_node = param_ref(a.get("weight")), a.get("bias")
-        b = param_ref(b_node)
-        if w is None or (b_node is not None and b is None) or not isinstance(a["input"], fx.Node):
-            return None
-        groups = a.get("groups", 1)
-        if node.target in CONV1D:
-            cout, cg, k = _param_shape(gm, w)
-            return Conv(a["input"], w, b, cg * groups, 1, k, cout, _row(a.get("stride", 1), 1),
-                        _row(a.get("padding", 0), 0, k), _row(a.get("dilation", 1), 1), groups, dims=1)
-        cout, cg, kh, kw = _param_shape(gm, w)
-        return Conv(a["input"], w, b, cg * groups, kh, kw, cout, _pair(a.get("stride", 1)),
-                    _pair(a.get("padding", 0)), _pair(a.get("dilation", 1)), groups)
-    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.Conv2d | nn.Conv1d):
+    c = canonical(node, gm)
+    if c is None or c.op not in ("conv1d", "conv2d"):
         return None
-    if not isinstance(node.args[0], fx.Node):
+    a = c.bind(CONV_ARGS)
+    w, b_node = param_ref(a.get("weight")), a.get("bias")
+    b = param_ref(b_node)
+    if w is None or (b_node is not None and b is None) or not isinstance(a.get("input"), fx.Node):
         return None
-    bias = f"{node.target}.bias" if mod.bias is not None else None
-    if isinstance(mod, nn.Conv1d):
-        return Conv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, 1, mod.kernel_size[0],
-                    mod.out_channels, _row(mod.stride, 1), _row(mod.padding, 0, mod.kernel_size[0]),
-                    _row(mod.dilation, 1), mod.groups,
-                    mod.padding_mode, dims=1)
-    (kh, kw) = mod.kernel_size
-    return Conv(node.args[0], f"{node.target}.weight", bias, mod.in_channels, kh, kw, mod.out_channels,
-                tuple(mod.stride), _pair(mod.padding), tuple(mod.dilation), mod.groups, mod.padding_mode)
+    groups, mode = a.get("groups", 1), a.get("padding_mode", "zeros")
+    if c.op == "conv1d":
+        cout, cg, k = _param_shape(gm, w)
+        return Conv(a["input"], w, b, cg * groups, 1, k, cout, _row(a.get("stride", 1), 1),
+                    _row(a.get("padding", 0), 0, k), _row(a.get("dilation", 1), 1), groups, mode, dims=1)
+    cout, cg, kh, kw = _param_shape(gm, w)
+    return Conv(a["input"], w, b, cg * groups, kh, kw, cout, _pair(a.get("stride", 1)), _pair(a.get("padding", 0)),
+                _pair(a.get("dilation", 1)), groups, mode)
 
 
 def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
@@ -325,23 +315,17 @@ class BatchNorm:
 
 
 def batchnorm_of(node: fx.Node, gm: fx.GraphModule) -> BatchNorm | None:
-    if is_function(node, (F.batch_norm, torch.batch_norm)):
-        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-        a = dict(zip(names, node.args)) | node.kwargs
-        refs = [param_ref(a.get(n)) for n in ("running_mean", "running_var", "weight", "bias")]
-        if a.get("training", False) or refs[0] is None or refs[1] is None or not isinstance(a["input"], fx.Node):
-            return None
-        if (a.get("weight") is not None and refs[2] is None) or (a.get("bias") is not None and refs[3] is None):
-            return None
-        return BatchNorm(a["input"], refs[0], refs[1], refs[2], refs[3], float(a.get("eps", 1e-5)))
-    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target),
-                                                  nn.BatchNorm2d | nn.BatchNorm1d):
+    c = canonical(node, gm)
+    if c is None or c.op != "batch_norm":
         return None
-    if mod.training or mod.running_mean is None or not isinstance(node.args[0], fx.Node):
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+    a = c.bind(names)
+    refs = [param_ref(a.get(n)) for n in ("running_mean", "running_var", "weight", "bias")]
+    if a.get("training", False) or refs[0] is None or refs[1] is None or not isinstance(a["input"], fx.Node):
         return None
-    t = node.target
-    return BatchNorm(node.args[0], f"{t}.running_mean", f"{t}.running_var", f"{t}.weight" if mod.affine else None,
-                     f"{t}.bias" if mod.affine else None, float(mod.eps))
+    if (a.get("weight") is not None and refs[2] is None) or (a.get("bias") is not None and refs[3] is None):
+        return None
+    return BatchNorm(a["input"], refs[0], refs[1], refs[2], refs[3], float(a.get("eps", 1e-5)))
 
 
 @dataclass(frozen=True)
@@ -355,25 +339,16 @@ class MaxPool:
     pad: int
 
 
-_MAX_POOLS = (F.max_pool2d, torch.max_pool2d)
-
-
 def is_max_pool(node: fx.Node, gm: fx.GraphModule) -> bool:
     """``node`` calls a max pool (2-d), supported or not."""
-    return is_function(node, _MAX_POOLS) or (node.op == "call_module"
-                                             and isinstance(gm.get_submodule(node.target), nn.MaxPool2d))
+    return op_of(node, gm) == "max_pool2d"
 
 
 def max_pool_of(node: fx.Node, gm: fx.GraphModule) -> MaxPool | None:
-    if is_function(node, _MAX_POOLS):
-        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-        a = dict(zip(names, node.args)) | node.kwargs
-    elif node.op == "call_module" and isinstance(mod := gm.get_submodule(node.target), nn.MaxPool2d):
-        a = {"input": node.args[0] if node.args else None, "kernel_size": mod.kernel_size, "stride": mod.stride,
-             "padding": mod.padding, "dilation": mod.dilation, "ceil_mode": mod.ceil_mode,
-             "return_indices": mod.return_indices}
-    else:
+    c = canonical(node, gm)
+    if c is None or c.op != "max_pool2d":
         return None
+    a = c.bind(("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"))
     k, s, p, d = (_pair(v) for v in (a.get("kernel_size"), a.get("stride") or a.get("kernel_size"),
                                      a.get("padding", 0), a.get("dilation", 1)))
     if not isinstance(a.get("input"), fx.Node) or a.get("ceil_mode") or a.get("return_indices") or d != (1, 1):
@@ -395,30 +370,25 @@ class GroupNorm:
 
 
 def groupnorm_of(node: fx.Node, gm: fx.GraphModule) -> GroupNorm | None:
-    if is_function(node, (F.group_norm, torch.group_norm)):
-        a = dict(zip(("input", "num_groups", "weight", "bias", "eps"), node.args)) | node.kwargs
-        w, b = param_ref(a.get("weight")), param_ref(a.get("bias"))
-        if not isinstance(a.get("input"), fx.Node) or not isinstance(a.get("num_groups"), int):
-            return None
-        if (a.get("weight") is not None and w is None) or (a.get("bias") is not None and b is None):
-            return None
-        return GroupNorm(a["input"], a["num_groups"], w, b, float(a.get("eps", 1e-5)))
-    if node.op != "call_module" or not isinstance(mod := gm.get_submodule(node.target), nn.GroupNorm):
+    c = canonical(node, gm)
+    if c is None or c.op != "group_norm":
         return None
-    t = node.target
-    return GroupNorm(node.args[0], mod.num_groups, f"{t}.weight" if mod.affine else None,
-                     f"{t}.bias" if mod.affine else None, float(mod.eps))
+    a = c.bind(("input", "num_groups", "weight", "bias", "eps"))
+    w, b = param_ref(a.get("weight")), param_ref(a.get("bias"))
+    if not isinstance(a.get("input"), fx.Node) or not isinstance(a.get("num_groups"), int):
+        return None
+    if (a.get("weight") is not None and w is None) or (a.get("bias") is not None and b is None):
+        return None
+    return GroupNorm(a["input"], a["num_groups"], w, b, float(a.get("eps", 1e-5)))
 
 
 def nearest_upsample_of(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
     """(input, factor) of a whole-number nearest upsampling (``F.interpolate`` / ``nn.Upsample``)."""
-    if is_function(node, (F.interpolate,)):
-        a = dict(zip(("input", "size", "scale_factor", "mode"), node.args)) | node.kwargs
-        x, f = a.get("input"), a.get("scale_factor")
-    elif node.op == "call_module" and isinstance(mod := gm.get_submodule(node.target), nn.Upsample):
-        a, x, f = {"mode": mod.mode, "size": mod.size}, node.args[0], mod.scale_factor
-    else:
+    c = canonical(node, gm)
+    if c is None or c.op != "interpolate":
         return None
+    a = c.bind(("input", "size", "scale_factor", "mode"))
+    x, f = a.get("input"), a.get("scale_factor")
     f = f[0] if isinstance(f, tuple | list) and len(set(f)) == 1 else f
     if a.get("mode", "nearest") != "nearest" or a.get("size") is not None or not isinstance(x, fx.Node) \
             or not isinstance(f, int | float) or f != int(f) or f < 2:
@@ -426,52 +396,24 @@ def nearest_upsample_of(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, int
     return x, int(f)
 
 
-_ACT_FUNCTIONS = {F.gelu: "gelu", torch._C._nn.gelu: "gelu", torch.tanh: "tanh", F.silu: "silu", F.relu: "relu",
-                  torch.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.tanh: "tanh"}
-_ACT_METHODS = {"tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu"}
-_ACT_MODULES = {nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu", nn.ReLU: "relu", nn.Sigmoid: "sigmoid"}
-
-
-_HARDTANH = (F.hardtanh, torch._C._nn.hardtanh, F.relu6, torch.nn.functional.hardtanh_)
-
-
-def _is_relu6(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """``node`` clamps its one input to [0, 6]: ``F.relu6``, ``F.hardtanh(x, 0, 6)``, ``nn.ReLU6`` or
-    ``nn.Hardtanh(0, 6)`` (in place or not: the matchers take a node only where its input has no other
-    reader)."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        return isinstance(mod, nn.Hardtanh) and (mod.min_val, mod.max_val) == (0.0, 6.0)
-    if node.op != "call_function" or node.target not in _HARDTANH:
-        return False
-    if node.target is F.relu6:
-        return True
-    args = list(node.args[1:3])
-    lo = args[0] if args else node.kwargs.get("min_val", -1.0)
-    hi = args[1] if len(args) > 1 else node.kwargs.get("max_val", 1.0)
-    return (lo, hi) == (0.0, 6.0)
+#: canonical ops that are one SMG unary of their one input, as that unary
+_ACTIVATIONS = {"tanh": "tanh", "silu": "silu", "relu": "relu", "sigmoid": "sigmoid"}
 
 
 def activation_of(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """The SMG unary (``smg.ops.UNARY``) that ``node`` applies to its one input, or None.
 
     GELU's exact (erf) form is ``gelu``, its tanh approximation ``gelu_tanh``: different functions.  A
-    ``hardtanh`` clamping to [0, 6] (``nn.ReLU6``: MobileNet's, which Dynamo records as ``F.hardtanh``) is
-    ``relu6``; other bounds are no SMG unary."""
-    if _is_relu6(node, gm):
-        return "relu6"
-    if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
-        if node.target in (F.gelu, torch._C._nn.gelu):
-            approx = node.args[1] if len(node.args) > 1 else node.kwargs.get("approximate", "none")
-            return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
-        return _ACT_FUNCTIONS[node.target]
-    if node.op == "call_method" and node.target in _ACT_METHODS:
-        return _ACT_METHODS[node.target]
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        act = _ACT_MODULES.get(type(mod))
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(mod.approximate) if act == "gelu" else act
-    return None
+    ``hardtanh`` clamping to [0, 6] (``nn.ReLU6``, ``F.relu6``: MobileNet's, which Dynamo records as
+    ``F.hardtanh``) is ``relu6``; other bounds are no SMG unary."""
+    c = canonical(node, gm)
+    if c is None:
+        return None
+    if c.op == "hardtanh":
+        return "relu6" if (c.arg(1, "min_val", -1.0), c.arg(2, "max_val", 1.0)) == (0.0, 6.0) else None
+    if c.op == "gelu":
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(c.arg(1, "approximate", "none"))
+    return _ACTIVATIONS.get(c.op)
 
 
 @dataclass(frozen=True)
@@ -489,26 +431,19 @@ class Norm:
 
 
 def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        if isinstance(mod, nn.LayerNorm):
-            w = f"{node.target}.weight" if mod.weight is not None else None
-            b = f"{node.target}.bias" if mod.bias is not None else None
-            return Norm("layernorm", node.args[0], w, b, mod.eps, len(mod.normalized_shape))
-        if isinstance(mod, nn.RMSNorm):
-            w = f"{node.target}.weight" if mod.weight is not None else None
-            eps = mod.eps if mod.eps is not None else torch.finfo(torch.float32).eps
-            return Norm("rmsnorm", node.args[0], w, None, eps, len(mod.normalized_shape))
-        return None
-    if is_function(node, (F.layer_norm,)):
-        a = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), node.args)) | node.kwargs
+    """The LayerNorm / RMSNorm at ``node``: a call of one (any spelling), or an RMSNorm written in ops."""
+    c = canonical(node, gm)
+    if c is not None and c.op == "layer_norm":
+        a = c.bind(("input", "normalized_shape", "weight", "bias", "eps"))
         return Norm("layernorm", a["input"], param_ref(a.get("weight")), param_ref(a.get("bias")),
                     a.get("eps", 1e-5), len(a["normalized_shape"]))
-    if is_function(node, (F.rms_norm,)):
-        a = dict(zip(("input", "normalized_shape", "weight", "eps"), node.args)) | node.kwargs
+    if c is not None and c.op == "rms_norm":
+        a = c.bind(("input", "normalized_shape", "weight", "eps"))
         eps = a.get("eps")
         return Norm("rmsnorm", a["input"], param_ref(a.get("weight")), None,
                     eps if eps is not None else torch.finfo(torch.float32).eps, len(a["normalized_shape"]))
+    if node.op == "call_module":
+        return None
     if is_function(node, MUL):
         if len(node.users) == 1 and _cast_of(next(iter(node.users))) is node:
             return None  # the cast after it is the norm's end (Gemma's ``(x * w).type_as(x)``): matched there
@@ -537,11 +472,6 @@ def _uncast(node: Any) -> Any:
     return _cast_of(node) or node
 
 
-def _method_or_function(node: Any, name: str, fns: tuple[Any, ...]) -> bool:
-    return isinstance(node, fx.Node) and (node.op == "call_method" and node.target == name
-                                          or node.op == "call_function" and node.target in fns)
-
-
 def _written_rms_norm(node: fx.Node) -> Norm | None:
     """HF's RMSNorm written in ops (LLaMA's, Mistral's, T5's LayerNorm):
     ``w * (x * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``, the casts optional,
@@ -556,12 +486,12 @@ def _written_rms_norm(node: fx.Node) -> Norm | None:
         if not is_function(h, MUL) or len(h.args) != 2:
             continue
         for xb, r in (h.args, h.args[::-1]):
-            if not _method_or_function(r, "rsqrt", (torch.rsqrt,)) or not is_function(r.args[0], ADD):
+            if not is_op(r, "rsqrt") or not is_function(r.args[0], ADD):
                 continue
             var, eps = r.args[0].args if len(r.args[0].args) == 2 else (None, None)
             if isinstance(var, float | int) and isinstance(eps, fx.Node):
                 var, eps = eps, var
-            if not isinstance(eps, float | int) or not _method_or_function(var, "mean", (torch.mean,)):
+            if not isinstance(eps, float | int) or not is_op(var, "mean"):
                 continue
             margs = dict(zip(("dim", "keepdim"), var.args[1:])) | dict(var.kwargs)
             dim, keep = margs.get("dim"), margs.get("keepdim", False)
@@ -570,7 +500,7 @@ def _written_rms_norm(node: fx.Node) -> Norm | None:
             if dim not in (-1,) and not (isinstance(dim, int) and shape(sq) and dim == len(shape(sq)) - 1) \
                     or not keep:
                 continue
-            if not _method_or_function(sq, "pow", (torch.pow,)) or len(sq.args) != 2 or sq.args[1] != 2:
+            if not is_op(sq, "pow") or len(sq.args) != 2 or sq.args[1] != 2:
                 continue
             x = _uncast(sq.args[0])
             if _uncast(xb) is not x or not isinstance(x, fx.Node):

@@ -1,6 +1,6 @@
 """A convolution left to torch whose output fused kernels read channels-last runs channels-last itself.
 
-An NCHW model's RGB stem stays with cuDNN (three input channels: ``matchers.conv_refusal``), and the fused
+An NCHW model's RGB stem stays with cuDNN (three input channels: ``convs.conv_refusal``), and the fused
 kernels after it bind images channels-last.  Left as it is, cuDNN converts the NCHW image to NHWC, convolves,
 converts its output back to NCHW, and the next kernel's binding copies that to NHWC again: on the H200,
 ResNet-50 at batch 32 spent 70.8 + 48.9 + 115.8 us on the three (``experiments/results/

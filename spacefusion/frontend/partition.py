@@ -7,44 +7,52 @@ from collections.abc import Mapping
 from torch import fx
 
 from spacefusion.frontend.bn_fold import BN_FOLDED
-from spacefusion.frontend.eager_attention import match_eager_attention
+from spacefusion.frontend.canon import canonical
 from spacefusion.frontend.graph import call_name
-from spacefusion.frontend.matchers import MATCHERS, Context, LayoutOf, default_layout_of
-from spacefusion.frontend.reasons import reason
+from spacefusion.frontend.matchers import Context, LayoutOf, default_layout_of
+from spacefusion.frontend.reasons import classify
 from spacefusion.frontend.records import LeftOp, Partition, Subgraph
+from spacefusion.frontend.refusals import Refusal
+from spacefusion.frontend.table import ROWS
 
 
 def partition(gm: fx.GraphModule, layout_of: LayoutOf | None = None,
               library: Mapping[str, str] | None = None) -> Partition:
-    """Run the matchers in priority order over the graph (each node joins at most one subgraph); every
-    other call node is left to torch, with the reason a matcher refused it or the reason for its kind.
-    A matcher that fails unexpectedly leaves its node to torch with the error: never a crash.
+    """Walk the pattern table (``table.ROWS``) in priority order over the graph, each row offered the nodes
+    whose canonical op (``canon``) it anchors on (each node joins at most one subgraph); every other call
+    node is left to torch, with the refusal (code and sentence) a builder recorded or its kind's.
+    A builder that fails unexpectedly leaves its node to torch with the error: never a crash.
     ``layout_of`` decides a convolution's image layout (a backend's, which an export records); ``library``
     names the forms the backend leaves to torch's library kernels, each with why (the reason reported)."""
     ctx = Context(gm, layout_of=layout_of or default_layout_of, library=dict(library or {}))
     found: list[Subgraph] = []
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    for matcher in (match_eager_attention, *MATCHERS):
+    canon = {n.name: canonical(n, gm) for n in calls}  # each op in its one spelling, read once
+    for row in ROWS:
         for node in calls:
-            if node.name in ctx.claimed:
+            if node.name in ctx.claimed or not row.offered(canon[node.name]):
                 continue
             try:
-                sub = matcher(node, ctx)
-            except Exception as exc:  # an op a matcher did not foresee: left to torch, reported
-                ctx.refuse(node, f"{matcher.__name__} failed on it: {type(exc).__name__}: {exc}")
+                sub = row.build(node, ctx)
+            except Exception as exc:  # an op a builder did not foresee: left to torch, reported
+                ctx.refuse(node, "build.crashed", f"{row.build.__name__} failed on it: {type(exc).__name__}: {exc}")
                 continue
             if sub is not None:
                 found.append(sub)
                 ctx.claimed.update(sub.nodes)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     found.sort(key=lambda s: max(order[n] for n in s.nodes))
-    left = tuple(LeftOp(n.name, call_name(n, gm), (ctx.refused.get(n.name) or _reason(n, gm)) + (
-        f" ({n.meta[BN_FOLDED]})" if n.meta.get(BN_FOLDED) else "")) for n in calls if n.name not in ctx.claimed)
-    return Partition(tuple(found), left, layouts=tuple(ctx.layouts.items()))
+    left = []
+    for n in calls:
+        if n.name not in ctx.claimed:
+            why = ctx.refused.get(n.name) or _classify(n, gm)
+            folded = f" ({n.meta[BN_FOLDED]})" if n.meta.get(BN_FOLDED) else ""
+            left.append(LeftOp(n.name, call_name(n, gm), why.sentence + folded, why.code))
+    return Partition(tuple(found), tuple(left), layouts=tuple(ctx.layouts.items()))
 
 
-def _reason(node: fx.Node, gm: fx.GraphModule) -> str:
+def _classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:
     try:
-        return reason(node, gm)
+        return classify(node, gm)
     except Exception as exc:  # the report must not be what crashes
-        return f"unclassified op ({type(exc).__name__}: {exc})"
+        return Refusal("left.unclassified", f"unclassified op ({type(exc).__name__}: {exc})")

@@ -3,7 +3,7 @@
 The split's chunks are strided views of one [m, t * n] output: an attention reading them would copy each
 (its spaces are packed).  Written as ``t`` projections on the weight's column slices (cut once, kept as
 constants of the graph) each chunk is a packed tensor of its own, the ``t`` projections of one input stack
-into one GEMM (``matchers.match_stacked_linears``, whose output slices are contiguous), and the attention
+into one GEMM (``gemms.match_stacked_linears``, whose output slices are contiguous), and the attention
 binds the [b, s, h, d] views of them as they lie.  The same arithmetic: each output column is the same dot
 product of the same row and weight column.
 """

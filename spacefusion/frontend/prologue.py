@@ -12,7 +12,7 @@ Taken where every reader of the norm is a linear of its output (a norm read by a
 anyway: nothing to save), the norm is an RMSNorm (a LayerNorm's bias term does not separate from its
 statistics: ``warp_tile.gemm_with_statistics``), and its input is not a residual sum that only the norm's own
 kernel could write: a ``residual + linear(..)`` is taken by that linear's epilogue instead
-(``matchers._residual_after``), which writes the sum the norm's GEMMs and the next residual read.
+(``gemms._residual_after``), which writes the sum the norm's GEMMs and the next residual read.
 
 Not taken below ``PROLOGUE_MIN_ROWS`` rows (a decoding step's GEMVs): there the normalised rows are a few KB,
 so the prologue saves next to nothing, and on the H100 it cost much more than that (LLaMA-2-7B's decode step,

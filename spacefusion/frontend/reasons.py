@@ -7,6 +7,9 @@ import operator
 import torch
 from torch import fx, nn
 
+from spacefusion.frontend.canon import Param, canonical
+from spacefusion.frontend.refusals import Refusal
+
 LAYOUT_METHODS = frozenset({"view", "reshape", "transpose", "permute", "flatten", "unflatten", "contiguous",
                             "expand", "unsqueeze", "squeeze", "chunk", "split", "narrow", "t"})
 SHAPE_QUERIES = frozenset({"size", "dim", "shape"})
@@ -28,11 +31,7 @@ GUARD = "trace guard on an argument specialised to None: no compute"
 ELEMENT = "element-wise op with no fusable producer or consumer pattern next to it: torch runs it"
 
 
-CONV_FUNCTIONS = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d,
-                  torch.conv1d, torch.conv2d, torch.conv3d)
-CONV1D = (torch.nn.functional.conv1d, torch.conv1d)
-CONV3D = (torch.nn.functional.conv3d, torch.conv3d)
-LINEAR_FUNCTIONS = (torch.nn.functional.linear, torch._C._nn.linear)
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
 def _all_one(v: object) -> bool:
@@ -99,51 +98,56 @@ def _in_rope(node: fx.Node) -> bool:
 
 
 def reason(node: fx.Node, gm: fx.GraphModule) -> str:
-    """The reason ``node`` (a call the matchers did not take) runs in torch.  RoPE's ops left over are the
-    tables' (the rotary module's) and, where the rope matcher did not take a RoPE, its compute ops; its
-    views (the tables' ``unsqueeze(1)``, shared by a layer's two RoPEs) are layout ops like any other."""
+    """The sentence of ``classify``."""
+    return classify(node, gm).sentence
+
+
+def classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:
+    """Why ``node`` (a call the patterns did not take) runs in torch: its kind's code and sentence.  RoPE's
+    ops left over are the tables' (the rotary module's) and, where the rope pattern did not take a RoPE, its
+    compute ops; its views (the tables' ``unsqueeze(1)``, shared by a layer's two RoPEs) are layout ops like
+    any other."""
     name = _short(node)
     if name.startswith("_assert"):
-        return GUARD
+        return Refusal("left.guard", GUARD)
     if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
-        return SHAPE
+        return Refusal("left.shape", SHAPE)
     if _in_rotary_module(node):
-        return ROPE_TABLES
+        return Refusal("left.rope_tables", ROPE_TABLES)
     if _in_rope(node) and name not in LAYOUT_METHODS and node.target is not operator.getitem:
-        return ROPE
+        return Refusal("left.rope", ROPE)
+    call = canonical(node, gm)
+    if call is not None and call.op in ("conv1d", "conv2d", "conv3d"):
+        a = call.bind(CONV_ARGS)
+        w, b = a.get("weight"), a.get("bias")
+        if isinstance(w, Param):  # a module's own parameters: no graph value whose kind to say
+            w = b = None
+        return Refusal("left.conv", conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
+                                                a.get("groups", 1), w, b, int(call.op[4])))
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if isinstance(mod, nn.Embedding):
-            return GATHER
-        if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
-            return conv_reason(mod.stride, mod.padding, mod.dilation, mod.groups, spatial=len(mod.kernel_size))
+            return Refusal("left.gather", GATHER)
         if isinstance(mod, nn.Dropout | nn.Identity):
-            return "identity at inference"
-        return "no SMG pattern covers this module"
+            return Refusal("left.identity", "identity at inference")
+        return Refusal("left.module", "no SMG pattern covers this module")
     if node.target is operator.getitem:
-        return LAYOUT
-    if node.target in CONV_FUNCTIONS:
-        a = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "groups"), node.args)) | node.kwargs
-        spatial = 3 if node.target in CONV3D else 1 if node.target in CONV1D else 2
-        return conv_reason(a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1),
-                           a.get("weight"), a.get("bias"), spatial)
-    if node.target in LINEAR_FUNCTIONS:
-        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        kind = weight_kind(w)
+        return Refusal("left.layout", LAYOUT)
+    if call is not None and call.op == "linear":
+        kind = weight_kind(call.arg(1, "weight"))
         if kind in ("input", "computed"):
-            return (f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}, "
-                    f"not a parameter the backend lifted: the GEMM patterns lay their weight out once at build "
-                    f"time; torch runs it")
+            return Refusal("left.linear_weight",
+                           f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}"
+                           f", not a parameter the backend lifted: the GEMM patterns lay their weight out once at "
+                           f"build time; torch runs it")
     if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
-        return GATHER
-    if name in SHAPE_QUERIES or node.op == "call_function" and node.target is getattr:
-        return SHAPE
+        return Refusal("left.gather", GATHER)
     if name in LAYOUT_METHODS:
-        return LAYOUT
+        return Refusal("left.layout", LAYOUT)
     if node.target in (torch.cat, torch.stack) or name in ("cat", "stack"):
-        return CONCAT
+        return Refusal("left.concat", CONCAT)
     if name in ("arange", "zeros", "ones", "full", "empty"):
-        return CREATION
+        return Refusal("left.creation", CREATION)
     if name in ELEMENTWISE:
-        return ELEMENT
-    return "no SMG pattern covers this op"
+        return Refusal("left.elementwise", ELEMENT)
+    return Refusal("left.no_pattern", "no SMG pattern covers this op")

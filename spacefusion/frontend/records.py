@@ -99,6 +99,8 @@ class LeftOp:
     node: str
     op: str
     reason: str
+    #: the reason's code (``frontend.refusals.CODES``): what the report counts
+    code: str = "left.no_pattern"
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,10 @@ class Partition:
     def left_reasons(self) -> Counter[str]:
         return Counter(op.reason for op in self.left)
 
+    def left_codes(self) -> Counter[str]:
+        """The ops left to torch counted by their refusal code (``frontend.refusals``)."""
+        return Counter(op.code for op in self.left)
+
     def summary(self) -> str:
         lines = [f"{len(self.subgraphs)} fused subgraphs ({len(self.distinct)} distinct SMGs), "
                  f"{len(self.left)} ops left to torch"]
@@ -142,7 +148,10 @@ class Partition:
                 lines.append(title)
             for reason, n in rows:
                 ops = sorted({op.op for op in self.left if op.reason == reason})
-                lines.append(f"  {n:3d} x {', '.join(ops)}: {reason}")
+                codes = sorted({op.code for op in self.left if op.reason == reason})
+                lines.append(f"  {n:3d} x {', '.join(ops)}: {reason} [{', '.join(codes)}]")
+        if self.left:
+            lines.append("by code: " + ", ".join(f"{c} {n}" for c, n in sorted(self.left_codes().items())))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -6,7 +6,8 @@ HF writes it (``apply_rotary_pos_emb``) as ``cos_u, sin_u = cos.unsqueeze(1), si
 conservative: those nodes in that structure, the halves of the last dim, the halves concatenated
 as (-x2, x1), the tables unsqueezed at dim 1, one dtype throughout.  A graph that has the shape of it (a sum
 of two products, one of them over a concatenation of a chunk's halves) but differs in a detail gets the
-difference as its reason; anything else is not RoPE (None).
+difference as its reason; anything else is not RoPE (None).  ``match_rope`` is the rope row's builder
+(``frontend.table``): the RoPE found as ``patterns.rope``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from spacefusion.frontend.graph import ADD, MUL, dtype, is_function, shape
+from smg import patterns
+from spacefusion.frontend.attention import TO_BSHD, _heads_split
+from spacefusion.frontend.graph import ADD, MUL, contiguous, dtype, heads_interleaved, is_function, shape
+from spacefusion.frontend.matchers import Context, _build, _value
+from spacefusion.frontend.records import Result, Subgraph
 
 NEG = (operator.neg, torch.neg)
 
@@ -159,3 +164,59 @@ def rope_of(node: fx.Node) -> Rope | str | None:
         return "RoPE's intermediate values are read outside it: fused, they would not exist"
     halves = (chunk, g0, g1) if chunk is not None else (g0, g1)
     return Rope(x, cos, sin, (plain_mul, *halves, neg, cat, rot_mul, node), (cos_u, sin_u))
+
+
+def _rope_input(x: fx.Node, inside: tuple[fx.Node, ...], ctx: Context
+                ) -> tuple[fx.Node, tuple[int, ...] | None, str, tuple[fx.Node, ...]] | None:
+    """(the node X is bound to, the permutation it is read through, the layout, nodes taken with it) for
+    RoPE's input ``x`` [b, h, s, d]: HF's split_heads view of a packed [b, s, h, d] projection (the
+    transpose is taken in and X is the projection), a value lying as [b, s, h, d] (read through
+    ``TO_BSHD``), or a packed [b, h, s, d] value (bhsd).  None: strided otherwise (a copy to bind)."""
+    src = _heads_split(x, inside, ctx)
+    if src is not None:
+        return src, None, "bshd", (x,)
+    if heads_interleaved(x):
+        return x, TO_BSHD, "bshd", ()
+    if contiguous(x):
+        return x, None, "bhsd", ()
+    return None
+
+
+def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """HF's rotate-half RoPE ``x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)`` (``frontend.rope``)
+    -> ``patterns.rope``: element-wise, rotate-half as two shifts along the head dim.
+
+    On split_heads' [b, h, s, d] views (LLaMA's Q and K) the SMG's X and Y are [b, s, h, d], the memory the
+    projection wrote, and Y goes back to the graph as a [b, h, s, d] view of it (``Result.permute``): the
+    strides torch gives RoPE's output, which the attention after it binds as bshd without a copy.  The
+    cos/sin tables are graph values shared by every layer, broadcast over the heads (and the batch where
+    they are one table)."""
+    r = rope_of(node)
+    if r is None:
+        return None
+    if isinstance(r, str):
+        ctx.refuse(node, "rope.form", r)
+        return None
+    if not ctx.free(*r.nodes):
+        return None
+    (b, h, s, d), dt = shape(r.x), dtype(node)
+    bound = _rope_input(r.x, r.nodes, ctx)
+    # the output must lie as the kernel writes it: later matchers bound its readers by its recorded strides
+    if bound is None or not (heads_interleaved(node) if bound[2] == "bshd" else contiguous(node)):
+        ctx.refuse(node, "rope.strided", f"RoPE on a value strided {r.x.meta['tensor_meta'].stride} giving "
+                         f"{node.meta['tensor_meta'].stride}: the pattern binds packed [b, h, s, d] or [b, s, h, d] "
+                         f"memory without a copy")
+        return None
+    src, permute, layout, taken = bound
+    tables = "shared" if shape(r.cos)[0] == 1 else "per_batch"
+    smg = _build(ctx, node, lambda: patterns.rope(b, s, h, d, tables, dt, layout))
+    if smg is None:
+        return None
+    ops = [_value("X", src, smg.shape("X"), permute), _value("Cos", r.cos, smg.shape("Cos")),
+           _value("Sin", r.sin, smg.shape("Sin"))]
+    inside = (*taken, *r.nodes)
+    unsq = tuple(u for u in dict.fromkeys(r.unsqueezes) if ctx.free(u) and set(u.users) <= set(inside))
+    nodes = (*unsq, *inside)
+    out = Result("Y", node.name, shape(node), TO_BSHD if layout == "bshd" else None)
+    label = f"rope b{b} h{h} s{s} d{d} {dt}{' bshd' if layout == 'bshd' else ''}"
+    return Subgraph("rope", label, tuple(n.name for n in nodes), smg, tuple(ops), (out,))

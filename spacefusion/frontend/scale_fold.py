@@ -3,7 +3,7 @@ that linear's weight and bias.
 
 ``gamma * linear(x)`` with ``gamma`` a parameter that scales each output feature is ``x @ (gamma * W).T + gamma *
 b``: a linear of its own, whose GEMM then takes what follows it (a residual add, through the permute back to
-NCHW: ``matchers.match_linear``).  Left as it was, the scale was an element-wise kernel of torch's over the
+NCHW: ``gemms.match_linear``).  Left as it was, the scale was an element-wise kernel of torch's over the
 whole activation, in every block (ConvNeXt-T: 18 of them, each reading and writing 2-19 MB at batch 32), and it
 stood between the GEMM and the residual add, so that add was a second one.  The folded weights are computed
 in float32 and stored in the weight's dtype, as a BatchNorm folded into a convolution is (``bn_fold``); a weight

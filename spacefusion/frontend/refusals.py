@@ -1,0 +1,85 @@
+"""Why an op is left to torch, as a code plus a sentence: the codes are declared here, once.
+
+A pattern that recognises a node but cannot fuse it records a ``Refusal`` (``matchers.Context.refuse``); an
+op no pattern recognised gets its kind's code from ``reasons.classify``.  The partition report counts the ops
+left to torch by code (``records.Partition.left_codes``); the sentence says what of this op the pattern could
+not take, and stays word for word what it was before codes (tests and users grep it).
+
+Contract: a code is ``<pattern or "left">.<what>`` and is in ``CODES``; ``refusal`` raises ``KeyError`` for an
+undeclared one, so a new refusal is declared here before it is recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: every refusal code, with what it means
+CODES: dict[str, str] = {
+    # any pattern
+    "build.smg": "the pattern matched but its SMG builder raised (a size or form the IR refuses)",
+    "build.crashed": "a pattern's builder raised an unexpected error on the node (a bug, reported, never a crash)",
+    "library.first": "the backend leaves this form to torch's library kernel (``CudaBackend.library_first``)",
+    # attention (SDPA, written out, ALiBi)
+    "attention.dropout": "attention with dropout: random, not an index expression",
+    "attention.rank": "attention on tensors that are not [batch, heads, seq, head_dim]",
+    "attention.head_dims": "attention with unequal head dims or an unsupported dtype",
+    "attention.mask": "an attention mask the score mods cannot express",
+    "alibi.form": "an ALiBi ``baddbmm`` attention whose bias, shapes or coefficients the pattern does not take",
+    # GEMMs
+    "linear.input": "a linear of a non-float or unshaped input",
+    "patch_conv.input": "a patch convolution of a non-float or non-4-D input",
+    "patch_conv.remainder": "an image that is not a whole number of patches",
+    # convolutions and pools
+    "conv.form": "a convolution the implicit GEMM does not take (groups, dilation, kernel shape, channels, dtype)",
+    "conv.upsample_apart": "an upsampling the conv after it does not take in (run apart)",
+    "conv1d.depthwise": "a depthwise 1-D convolution (the depthwise window is 2-D)",
+    "dwconv.form": "a depthwise convolution the depthwise pattern does not take",
+    "max_pool.form": "a max pool with dilation, ceil mode, indices or a non-square window",
+    "max_pool.input": "a max pool of a non-float or non-image input",
+    # norms
+    "norm.prologue": "a norm read only by linears: their GEMMs' prologue",
+    "norm.form": "a norm over several dims or without its affine parameters",
+    "group_norm.form": "a GroupNorm of an unsupported rank or with one affine parameter",
+    # element-wise patterns
+    "rope.form": "a rotate-half RoPE in all but a detail",
+    "rope.strided": "RoPE on a value strided so that it cannot be bound without a copy",
+    "concat.parts": "a concatenation along the channels of parts the pattern does not take",
+    # ops no pattern recognised (``reasons.classify``)
+    "left.guard": "a trace guard: no compute",
+    "left.shape": "a shape or device query: no compute",
+    "left.layout": "a layout op (view, permute, index): kernels bind views of its input",
+    "left.rope_tables": "RoPE's cos/sin tables",
+    "left.rope": "RoPE not in HF's rotate-half form",
+    "left.gather": "a data-dependent gather",
+    "left.conv": "a convolution no pattern took (with what of it the patterns cannot express)",
+    "left.identity": "an identity at inference",
+    "left.module": "a module no pattern covers",
+    "left.linear_weight": "a linear whose weight is not a parameter the backend lifted",
+    "left.concat": "a concatenation or stack",
+    "left.creation": "tensor creation: no input to fuse with",
+    "left.elementwise": "an element-wise op with no fusable neighbour",
+    "left.no_pattern": "an op no pattern covers",
+    "left.unclassified": "an op whose classification failed",
+    "left.kernel_build": "a fused subgraph whose kernel could not be built",
+    "left.dead": "unused once the kernels took its readers: removed (not run per call)",
+    "left.folded": "reads no input: evaluated once at compile time (not run per call)",
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a node is left to torch: a declared ``code`` and the ``sentence`` the report gives."""
+
+    code: str
+    sentence: str
+
+
+def known(code: str) -> bool:
+    return code in CODES
+
+
+def refusal(code: str, sentence: str) -> Refusal:
+    """A ``Refusal``; ``KeyError`` where ``code`` is not declared in ``CODES``."""
+    if code not in CODES:
+        raise KeyError(f"undeclared refusal code {code!r}: declare it in spacefusion.frontend.refusals.CODES")
+    return Refusal(code, sentence)

@@ -1,0 +1,85 @@
+"""The patterns the partition matches, as a declared table: one ``Row`` per pattern, in priority order.
+
+A row names its pattern, the canonical ops (``frontend.canon``) its anchor node may be, a guard on that
+node's canonical call (a cheap predicate; None: any call of those ops), its builder (``(node, Context) ->
+Subgraph | None``: the pattern read around the anchor and its SMG built, None where it is not there) and the
+refusal codes (``frontend.refusals``) that builder may record.  ``partition.partition`` walks ``ROWS`` in order
+over the graph: a node is offered to a row only where its canonical op is one of the row's anchors and the
+guard holds, and a node an earlier row took is offered to no later one.
+
+This table is the one place patterns are listed.  A new op is one row here and one builder (its own module,
+or beside its family's: ``attention``, ``gemms``, ``convs``, ``norms``, ``rope``, ``concat``), plus any
+refusal codes it records, declared in ``refusals.CODES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import fx
+
+from spacefusion.frontend.alibi import match_alibi_attention
+from spacefusion.frontend.attention import match_attention
+from spacefusion.frontend.canon import Call
+from spacefusion.frontend.concat import match_concat
+from spacefusion.frontend.convs import match_conv, match_max_pool
+from spacefusion.frontend.eager_attention import match_eager_attention
+from spacefusion.frontend.gemms import match_gated_gemm, match_linear, match_patch_conv, match_stacked_linears
+from spacefusion.frontend.matchers import Context
+from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
+from spacefusion.frontend.records import Subgraph
+from spacefusion.frontend.rope import match_rope
+
+Build = Callable[[fx.Node, Context], Subgraph | None]
+
+#: codes any builder may record (its SMG raised; ``_build``), and the partition for a builder that crashed
+COMMON = ("build.smg", "build.crashed")
+LINEAR_OPS = frozenset({"linear", "matmul", "mm", "addmm"})
+CASTS = frozenset({"to", "float", "half", "bfloat16", "type_as"})
+
+
+@dataclass(frozen=True)
+class Row:
+    """One pattern: ``name``, the canonical ops it anchors on, its ``guard``, its ``build`` and its refusal
+    ``codes``."""
+
+    name: str
+    anchors: frozenset[str]
+    build: Build
+    codes: tuple[str, ...] = ()
+    guard: Callable[[Call], bool] | None = None
+
+    def offered(self, call: Call | None) -> bool:
+        """Whether a node of canonical ``call`` is this row's to try."""
+        return call is not None and call.op in self.anchors and (self.guard is None or self.guard(call))
+
+
+def _ops(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+def _along_channels(c: Call) -> bool:
+    """A concatenation along dim 1 of 4-d images (-3): the only one ``match_concat`` builds."""
+    return c.arg(1, "dim", 0) in (1, -3)
+
+
+#: in priority order: a node taken by an earlier row is not offered to later ones
+ROWS: tuple[Row, ...] = (
+    Row("eager_attention", _ops("matmul"), match_eager_attention, ("attention.head_dims", "attention.mask")),
+    Row("alibi_attention", _ops("bmm"), match_alibi_attention, ("alibi.form", "attention.mask")),
+    Row("attention", _ops("scaled_dot_product_attention"), match_attention,
+        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
+    Row("gated_gemm", _ops("mul"), match_gated_gemm),
+    Row("stacked_linears", LINEAR_OPS, match_stacked_linears),
+    Row("linear", LINEAR_OPS, match_linear, ("linear.input",)),
+    Row("conv", _ops("conv1d", "conv2d"), match_conv,
+        ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
+    Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),
+    Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_norm, ("norm.prologue", "norm.form")),
+    Row("group_norm", _ops("group_norm"), match_group_norm, ("group_norm.form",)),
+    Row("max_pool", _ops("max_pool2d"), match_max_pool, ("max_pool.form", "max_pool.input")),
+    Row("rope", _ops("add"), match_rope, ("rope.form", "rope.strided")),
+    Row("concat", _ops("cat"), match_concat, ("concat.parts",), guard=_along_channels),
+    Row("guard", _ops("clamp"), match_guard),
+)

@@ -114,16 +114,16 @@ EXPERIMENT_INTERNALS: dict[tuple[str, str], str] = {
         "measures both sides of the split rule's decision (decide_split) for the UNet's GroupNorms",
     ("experiments.conv_chains", "smg.ops"):
         "checks the upsample-fold matrix (upsample_fold) a fused upsample+conv chain merges its weights with",
-    ("experiments.conv_chains", "spacefusion.frontend.matchers"):
-        "compares its chain rule with the frontend matcher's own (by_parity)",
+    ("experiments.conv_chains", "spacefusion.frontend.convs"):
+        "compares its chain rule with the frontend's convolution builder's own (by_parity)",
     ("experiments.conv_layouts", "spacefusion.frontend.layouts"):
         "studies the frontend's layout rule (choose_layout, NCHW_MARGIN) against measured NHWC/NCHW kernels",
     ("experiments.family_picks", "spacefusion.frontend.families"):
         "studies the family transfer of first picks (transferring, ORIGIN, NEAR) against ranking in full",
     ("experiments.dynamo_gpu", "spacefusion.frontend.partition"):
-        "an in-run A/B of one matcher: swaps the partitioner's MATCHERS tuple for the run (_without_matcher)",
-    ("experiments.dynamo_gpu", "spacefusion.frontend.matchers"):
-        "an in-run A/B of one matcher: looks the matcher up in matchers.MATCHERS (_without_matcher)",
+        "an in-run A/B of one pattern: swaps the partitioner's ROWS for the run (_without_matcher)",
+    ("experiments.dynamo_gpu", "spacefusion.frontend.table"):
+        "an in-run A/B of one pattern: looks the row up in the pattern table's ROWS (_without_matcher)",
     ("experiments.tuning.register_corpus", "schedulers.warp_tile"):
         "measures register caps up to the warp-specialised consumer's CONSUMER_REGS (setmaxnreg)",
     ("experiments.tuning.simt_pick_eval", "search.cost"):

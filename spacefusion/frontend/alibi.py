@@ -14,13 +14,12 @@ SDPA's ``attn_mask``).  The row anchors on the ``bmm`` (the subgraph's output) a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from torch import fx
 
 from smg import patterns
-from spacefusion.frontend.attention import MASKED, attention_subgraph, mask_mods
+from spacefusion.frontend.attention import attention_subgraph, mask_mods
 from spacefusion.frontend.canon import Call, canonical
 from spacefusion.frontend.graph import DTYPES, dtype, permutation, shape, single_user
 from spacefusion.frontend.matchers import Context
@@ -104,16 +103,6 @@ def _bias(alibi: Any, b: int, h: int, m: int, l: int, beta: float, dt: str
     return patterns.ScoreMod(body, (("Alibi", dims),)), Operand("Alibi", "value", alibi.name, shp, cast=cast)
 
 
-def _finite(mod: patterns.ScoreMod) -> patterns.ScoreMod:
-    """An added float mask (``{s} + Mask``) with its masked scores set to ``MASKED``: HF fills them with
-    ``finfo.min``, and a query row masked everywhere (a padding token under left padding) then overflows the
-    CPU kernel's online softmax to NaN (``-3.4e38`` scaled by log2(e)); at ``MASKED`` its scores stay equal,
-    so the row is the mean of V, as eager's uniform softmax makes it."""
-    if mod.body != "{s} + Mask":
-        return mod
-    return dataclasses.replace(mod, body=f"Piecewise(({{s}} + Mask, Mask > {MASKED!r}), ({MASKED!r}, True))")
-
-
 def match_alibi_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``bmm(softmax(baddbmm(alibi, Q3, K3^T, beta, alpha).view(b, h, m, l) [+ mask]).view(...), V3)`` ->
     ``patterns.attention`` with the ALiBi bias (and the mask) as score mods; None where ``node`` is not that."""
@@ -153,7 +142,7 @@ def match_alibi_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         if got_mask is None:
             return None
         causal, extra, taken = got_mask[0], [*extra, *got_mask[2]], got_mask[3]
-        mods = (*mods, *(_finite(mod) for mod in got_mask[1]))
+        mods = (*mods, *got_mask[1])  # an added float mask's masked scores are finite (attention.finite_mask)
     inner = [*chain, *links]
     # the [b * h, ...] copies are not needed where only this attention reads them (K's only through its transpose)
     folds = [x for x in (q3, v3, kt3) if single_user(x) is not None]

@@ -190,8 +190,12 @@ class ScoreMod:
 
 def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv_heads: int | None = None,
               causal: bool = False, dtype: str = "float16", scale: float | None = None,
-              layout: str = "bhsd", mods: tuple[ScoreMod, ...] = ()) -> SMG:
+              layout: str = "bhsd", mods: tuple[ScoreMod, ...] = (), save_lse: bool = False) -> SMG:
     """``softmax(Q K^T * scale [+ causal mask]) V`` with optional grouped-query heads.
+
+    ``save_lse=True`` gives the forward a training step runs: the same graph with the statistics its backward
+    reads as extra outputs, as ``smg.autodiff.derive_backward`` derives them (the row logsumexp ``LSE``);
+    without it the graph, and its content key, are what they were.
 
     Grouped-query attention is a broadcast, not a gather: the query heads are
     (kv head ``hk``, member ``r``) and K/V lack ``r`` (One-to-All), so
@@ -246,7 +250,12 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
         attrs += (("layout", layout),)
     if mods:
         attrs += (("mods", repr([(m.body, m.inputs, m.zero_v) for m in mods])),)
-    return dataclasses.replace(g.build(o), attrs=attrs)
+    fwd = dataclasses.replace(g.build(o), attrs=attrs)
+    if not save_lse:
+        return fwd
+    from smg.autodiff import derive_backward  # the derivation needs sympy's calculus: only when asked
+
+    return derive_backward(fwd).forward
 
 
 #: RoPE's cos/sin tables: one per position shared by the batch ([s, d]), or one per sequence ([b, s, d])

@@ -156,3 +156,24 @@ def test_a_learned_bias_gets_its_gradient() -> None:
     o.backward(torch.tensor(do, dtype=torch.float64))
     for n in ("Q", "K", "V", "Bias"):
         assert rel_err(got[f"d{n}"], t[n].grad.numpy()) < 2e-5, n
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_save_lse_is_the_derived_forward(causal: bool) -> None:
+    """``attention(..., save_lse=True)`` is the forward ``derive_backward`` asks for, its LSE the rows'
+    logsumexp of the scaled (masked) scores (the reference evaluator against numpy); without the flag the
+    graph and its key are unchanged."""
+    from smg.reference import evaluate, random_inputs
+
+    plain = attention(1, 2, 12, 12, 8, causal=causal, dtype="float32")
+    saving = attention(1, 2, 12, 12, 8, causal=causal, dtype="float32", save_lse=True)
+    assert saving.key == derive_backward(plain).forward.key and saving.outputs == ("O", "LSE")
+    assert attention(1, 2, 12, 12, 8, causal=causal, dtype="float32").key == plain.key
+    x = random_inputs(saving, seed=3)
+    got = evaluate(saving, x)
+    s = np.einsum("bhmd,bhld->bhml", x["Q"].astype(np.float64), x["K"].astype(np.float64)) / math.sqrt(8)
+    if causal:
+        s = np.where(np.tril(np.ones((12, 12), dtype=bool)), s, -np.inf)
+    want = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    np.testing.assert_allclose(got["LSE"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["O"], evaluate(plain, x)["O"], rtol=1e-6, atol=1e-6)

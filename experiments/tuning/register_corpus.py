@@ -114,6 +114,46 @@ def extra_schedules() -> dict[str, tuple[dict[str, Any], str]]:
     return out
 
 
+#: the CUDA-core corpus's file (``--simt``): ``resources.simt_registers`` is checked on it
+SIMT_OUT = ROOT / "experiments" / "tuning" / "simt_register_corpus.json"
+
+
+def simt_schedules(per_workload: int = 28, top: int = 8) -> dict[str, tuple[dict[str, Any], str]]:
+    """CUDA-core candidates of the workloads that run on CUDA cores: decode GEMVs (plain, gated, with the
+    RMSNorm prologue; W stored [n, k] as ``nn.Linear`` keeps it), row norms, softmax and decode attention.
+    Of each, the ``top`` the analytical model ranks first (the kernels a first pick would run) and a seeded
+    sample of the rest (every vector width, lane count and step the space holds)."""
+    import numpy as np
+
+    from spacefusion.api import H100, estimate, gated_gemm, patterns
+    from spacefusion.tuning import SearchSpace
+
+    workloads = [
+        patterns.gemm_epilogue(1, 4096, 4096, "none", bias=False, dtype="float16", b_layout="nk"),
+        patterns.gemm_epilogue(8, 4864, 896, "none", bias=False, dtype="float16", b_layout="nk"),
+        patterns.gemm_epilogue(1, 4096, 11008, "none", bias=False, dtype="float16", b_layout="nk", residual=True),
+        gated_gemm(1, 11008, 4096, "silu", "float16", "nk", bias=False),
+        gated_gemm(4, 4864, 896, "silu", "float16", "nk", bias=False),
+        patterns.gemm_epilogue(1, 4096, 4096, "none", bias=False, dtype="float16", b_layout="nk", norm="rmsnorm",
+                               norm_weight=True, eps=1e-6),
+        patterns.rmsnorm(2048, 4096, dtype="float16"),
+        patterns.layernorm(1024, 768, dtype="float16"),
+        patterns.softmax(1024, 2048, dtype="float16"),
+        patterns.attention(1, 32, 1, 2048, 128, kv_heads=8, dtype="float16"),
+    ]
+    out: dict[str, tuple[dict[str, Any], str]] = {}
+    rng = np.random.default_rng(0)
+    for g in workloads:
+        cands = [s for s in SearchSpace(g, H100).candidates() if not s.tensor_cores]
+        order = sorted(range(len(cands)), key=lambda i: estimate(cands[i], H100))
+        rest = order[top:]
+        take = order[:top] + [rest[i] for i in sorted(rng.choice(len(rest), size=min(per_workload, len(rest)),
+                                                                  replace=False))]
+        for i in take:
+            out.setdefault(cands[i].key, (cands[i].to_dict(), f"search space of {g.name} {g.dim_sizes}"))
+    return out
+
+
 def _ptxas(source: str, flags: tuple[str, ...]) -> tuple[int, int]:
     """(registers, spill store bytes) of the one kernel in ``source``."""
     from spacefusion.runtime import find_nvcc
@@ -198,13 +238,14 @@ def load(path: Path = OUT) -> list[tuple[Any, dict[str, Any]]]:
     return [(Schedule.from_json(json.dumps(unpack(r["schedule"], data["parts"]))), r) for r in data["rows"]]
 
 
-def write(path: Path, measured: list[tuple[dict[str, Any], str, dict[str, Any]]], failed: dict[str, str]) -> None:
+def write(path: Path, measured: list[tuple[dict[str, Any], str, dict[str, Any]]], failed: dict[str, str],
+          command: str = "experiments .art") -> None:
     """The corpus file: one row a line, (schedule JSON, where found, ptxas's report) each."""
     parts: dict[str, Any] = {}
     rows = [{"from": where, **r, "schedule": pack(d, parts)} for d, where, r in measured]
     nvcc = subprocess.run([_nvcc(), "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     head = {"format": FORMAT, "nvcc": nvcc,
-            "how": f"python experiments/tuning/register_corpus.py experiments .art: nvcc -cubin -arch={ARCH} -O3 "
+            "how": f"python experiments/tuning/register_corpus.py {command}: nvcc -cubin -arch={ARCH} -O3 "
                    f"and the kernel's nvcc_flags, registers per thread and spill store bytes from -Xptxas -v",
             "created": time.strftime("%Y-%m-%d"), "failed": failed}
     lines = [json.dumps(head)[:-1] + ', "rows": [']
@@ -219,13 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-extra", action="store_true", help="only the schedules found under the roots")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--simt", action="store_true",
+                    help=f"the CUDA-core corpus instead (search-space candidates only; default --out {SIMT_OUT.name})")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    found = found_schedules(args.roots)
-    if not args.no_extra:
+    if args.simt:
+        found = simt_schedules()
+        args.out = SIMT_OUT if args.out == OUT else args.out
+    else:
+        found = found_schedules(args.roots)
+    if not args.no_extra and not args.simt:
         for k, v in extra_schedules().items():
             found.setdefault(k, v)
-    print(f"{len(found)} warp-tile schedules", flush=True)
+    print(f"{len(found)} {'CUDA-core' if args.simt else 'warp-tile'} schedules", flush=True)
     with ProcessPoolExecutor(args.workers) as ex:
         got = dict(ex.map(_measure, [(k, d) for k, (d, _) in found.items()], chunksize=4))
     measured, failed = [], {}
@@ -234,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             failed[k] = got[k]
         else:
             measured.append((d, where, got[k]))
-    write(args.out, measured, failed)
+    write(args.out, measured, failed, "--simt" if args.simt else "experiments .art")
     print(f"{len(measured)} kernels ({len(failed)} failed to build) written to {args.out} in "
           f"{time.perf_counter() - t0:.0f} s")
     return 0

@@ -49,8 +49,9 @@ def test_bloom_alibi_attention_is_fused_and_matches_eager(target: str) -> None:
 def test_bloom_with_left_padding_reads_the_per_row_alibi(target: str) -> None:
     """With a padding mask BLOOM builds its ALiBi per batch row from the mask's cumsum ([b * h, 1, l]): bound
     as an input.  Left padding masks every key of the padding tokens' query rows with ``finfo.min``, which
-    overflowed the llvm kernel's online softmax to NaN: the row's masked scores are ``MASKED`` instead
-    (``alibi._finite``), the mean of V as in eager, so every row matches, the padding tokens' too."""
+    overflowed the llvm kernel's online softmax to NaN: the kernels' running max now starts at -inf
+    (``spacefusion.lower.exprs.MAX_IDENTITY``, issue 59), so such a row is the mean of V as in eager and
+    every row matches, the padding tokens' too."""
     model = _bloom(2)
     ids = torch.randint(0, 100, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)

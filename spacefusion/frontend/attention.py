@@ -120,19 +120,10 @@ def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, i
     if isinstance(got, str):
         ctx.refuse(node, "attention.mask", got)
         return None
-    return (got[0], tuple(finite_mask(mod) for mod in got[1]), got[2], taken)
-
-
-def finite_mask(mod: patterns.ScoreMod) -> patterns.ScoreMod:
-    """An added float mask (``{s} + Mask``) with its masked scores set to ``MASKED``.  HF fills them with
-    ``finfo.min``; a query row masked everywhere (a padding token's under left padding) then overflowed the
-    CPU kernel's online softmax to NaN (``-3.4e38`` scaled by log2(e) is -inf, and -inf - -inf is NaN): a
-    left-padded LLaMA with eager attention gave NaN in every row on llvm.  At ``MASKED`` the row's scores
-    stay equal, so it is the mean of V, as eager's uniform softmax makes it; a score above ``MASKED`` is
-    unchanged.  Other mods are returned as they are."""
-    if mod.body != "{s} + Mask":
-        return mod
-    return dataclasses.replace(mod, body=f"Piecewise(({{s}} + Mask, Mask > {MASKED!r}), ({MASKED!r}, True))")
+    # an added float mask is added as it is: a query row it masks everywhere (HF's finfo.min under left
+    # padding) is the mean of V, as eager's, and a row of -inf 0, as SDPA's, in every kernel (issue 59:
+    # ``spacefusion.lower.exprs.MAX_IDENTITY``), so no finite stand-in is needed here
+    return (got[0], got[1], got[2], taken)
 
 
 def _kept_bias(ctx: Context, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str

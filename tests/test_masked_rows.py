@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from schedulers.interpreter import interpret
 from smg import patterns
 from smg.ops import Builder
 from smg.reference import evaluate, random_inputs
@@ -110,7 +111,7 @@ def test_left_padding_matches_torch_in_every_row(fill: str, causal: bool, target
        first=st.integers(0, L - 1), fill=st.sampled_from(sorted(FILLS)))
 def test_any_rows_masked_match_sdpa(rows: list[tuple[int, int]], first: int, fill: str) -> None:
     """Whichever rows are masked everywhere (and keys ``< first`` masked in every row: whole leading steps),
-    llvm and the reference give SDPA's answer, NaN nowhere."""
+    llvm, the reference and the schedule interpreter give SDPA's answer, NaN nowhere."""
     g = _graph()
     mask = np.zeros((B, M, L))
     mask[:, :, :first] = FILLS[fill]
@@ -118,7 +119,7 @@ def test_any_rows_masked_match_sdpa(rows: list[tuple[int, int]], first: int, fil
         mask[b, m] = FILLS[fill]
     x = _inputs(g, mask)
     want = _torch(x, sdpa=True)
-    for got in (_llvm(g)(x)["O"], evaluate(g, x)["O"]):
+    for got in (_llvm(g)(x)["O"], evaluate(g, x)["O"], interpret(schedule(g, step=4), x)["O"]):
         assert not np.isnan(got).any()
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 

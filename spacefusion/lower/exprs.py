@@ -44,12 +44,6 @@ def nonzero_sum(v: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Select(v == _const(0.0), _const(1.0), v)
 
 
-def exp_sums(states) -> frozenset[str]:
-    """The sum states (``schedulers.temporal.UpdateFunction``) whose every term is an exponential: the
-    softmax denominators a finalize or second pass divides by (``nonzero_sum``)."""
-    return frozenset(u.state for u in states if u.combiner == "sum" and isinstance(parse(u.body), sp.exp))
-
-
 def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
            fold_log2e: bool = False, fast_div: bool = False,
            tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None, branch_free: bool = False,

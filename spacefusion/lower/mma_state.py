@@ -22,6 +22,7 @@ import sympy as sp
 from tvm import tirx
 
 from schedulers.schedule import Schedule
+from schedulers.temporal import exp_sums
 from schedulers.warp_tile import (
     Bound,
     ColumnMask,
@@ -35,7 +36,7 @@ from schedulers.warp_tile import (
 )
 from smg.expr import body_expr
 from smg.ir import SMG
-from spacefusion.lower.exprs import F32, MAX_IDENTITY, exp_sums
+from spacefusion.lower.exprs import F32, MAX_IDENTITY
 
 #: a row max's identity (``exprs.MAX_IDENTITY``: -inf, no longer a finite stand-in above float32's lowest)
 NEG_INF = MAX_IDENTITY

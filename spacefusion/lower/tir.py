@@ -25,10 +25,11 @@ from schedulers.errors import ScheduleError
 from schedulers.halo import halo_shape, window_box
 from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule, lane_spread
+from schedulers.temporal import exp_sums
 from smg.expr import body_expr, index_symbol, parse
 from smg.ir import Access, Op
 from spacefusion.lower import cluster
-from spacefusion.lower.exprs import F32, MAX_IDENTITY, exp_sums, subtracted_max, to_tir, to_tir_int
+from spacefusion.lower.exprs import F32, MAX_IDENTITY, subtracted_max, to_tir, to_tir_int
 from spacefusion.lower.mma_state import tree
 
 #: the storage dtypes whose rounding is coarse enough for the fast exp and division (``_Kernel.expr``)

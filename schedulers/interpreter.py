@@ -15,7 +15,7 @@ import numpy as np
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
-from schedulers.temporal import new, old
+from schedulers.temporal import exp_sums, new, old
 from smg.expr import parse
 from smg.ir import Access, Op
 from smg.reference import evaluate_op
@@ -64,6 +64,8 @@ def interpret(s: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
     carry_ops = {u.state: _op(s, u.state, _dims_of(s, u.state), u.carry) for u in plan.states if u.carry}
     fin_ops = {o: _op(s, o, smg.space(o).dims, e) for o, e in plan.finalize}
     starts = [range(0, sizes[d], t) for d, t in s.block]
+    maxima = {u.state for u in plan.states if u.combiner == "max"}
+    sums = exp_sums(plan.states)
 
     def step_env(ranges: dict[str, slice], t0: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         rng = {**ranges, s.serial: slice(t0, min(t0 + s.step, sizes[s.serial]))}
@@ -84,24 +86,32 @@ def interpret(s: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
             env, ext = step_env(ranges, t0)
             prev = dict(state)
             for u in plan.states:
-                env.update(state)
+                env.update(_subtracted(state, maxima))
                 env.update({old(k): v for k, v in prev.items()})
-                env.update({new(k): v for k, v in state.items()})
+                env.update({new(k): v for k, v in _subtracted(state, maxima).items()})
                 part = evaluate_op(body_ops[u.state], env, ext, _starts({**ranges, s.serial: slice(t0, None)}))
                 if u.combiner == "max":
                     state[u.state] = np.maximum(state[u.state], part)
                 else:
                     carried = evaluate_op(carry_ops[u.state], env, ext) if u.carry else state[u.state]
                     state[u.state] = carried + part
+        # the kernels' rules for a row of nothing but -inf: a sum of exponentials divides as 1 where it is 0
+        final = {k: np.where(v == 0.0, 1.0, v) if k in sums else v for k, v in state.items()}
         for o, op in fin_ops.items():  # finalize reads accumulators (postponed factors included)
             dims = smg.space(o).dims
             if o not in plan.second_pass:
                 outs[o][tuple(ranges.get(d, slice(None)) for d in dims)] = evaluate_op(
-                    op, once | state, block_ext, _starts(ranges))
+                    op, once | final, block_ext, _starts(ranges))
                 continue
             for t0 in range(0, sizes[s.serial], s.step):  # second pass: the reductions are final now
                 env, ext = step_env(ranges, t0)
-                env.update(state)
+                env.update(_subtracted(final, maxima))
                 rng = {**ranges, s.serial: slice(t0, min(t0 + s.step, sizes[s.serial]))}
                 outs[o][tuple(rng.get(d, slice(None)) for d in dims)] = evaluate_op(op, env, ext, _starts(rng))
     return outs
+
+
+def _subtracted(state: dict[str, np.ndarray], maxima: set[str]) -> dict[str, np.ndarray]:
+    """``state`` with each running max read as the kernels' updates read it: 0 where it is still -inf
+    (FlashAttention-2's guard, ``spacefusion.lower.exprs.subtracted_max``): no ``-inf - -inf``."""
+    return {k: np.where(v == -np.inf, 0.0, v) if k in maxima else v for k, v in state.items()}

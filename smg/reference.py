@@ -130,8 +130,39 @@ def evaluate_op(op: Op, env: Mapping[str, np.ndarray], sizes: Mapping[str, int] 
     return np.array(val)
 
 
+def guarded_reads(smg: SMG, op: Op) -> dict[str, str]:
+    """The reads of ``op`` that follow FlashAttention's (and torch SDPA's) rules for a row whose every value
+    is -inf, as the kernels do (``spacefusion.lower.exprs``), by input space: ``"max"``, a max reduction
+    ``M`` of a space that ``op`` reads too (softmax's ``x - M``), read as 0 where it is -inf (there
+    ``-inf - -inf`` is NaN, and every ``x`` is -inf: ``x - 0`` is -inf); ``"sum"``, a sum of exponentials that
+    ``op`` divides by, read as 1 where it is 0 (every term was ``exp(-inf)``: what it divides is 0 too).
+    Such a row's softmax is then 0, SDPA's value, where an IEEE evaluation gives 0 / 0; no other value
+    changes (each rule replaces only what made a NaN)."""
+    out: dict[str, str] = {}
+    expr = body_expr(op)
+    read = {a.space for a in op.inputs}
+    for a in op.inputs:
+        prod = smg.producer(a.space)
+        if prod is None or not prod.reduce:
+            continue
+        if prod.combiner == "max" and any(b.space in read for b in prod.inputs):
+            out[a.space] = "max"
+        elif prod.combiner == "sum" and len(prod.inputs) == 1:
+            term = smg.producer(prod.inputs[0].space)
+            sym = symbol(a.space)
+            divides = any(p.base == sym and p.exp.is_negative for p in expr.atoms(sp.Pow))
+            if term is not None and not term.reduce and isinstance(body_expr(term), sp.exp) and divides:
+                out[a.space] = "sum"
+    return out
+
+
+def _guarded(x: np.ndarray, rule: str) -> np.ndarray:
+    return np.where(x == -np.inf, 0.0, x) if rule == "max" else np.where(x == 0.0, 1.0, x)
+
+
 def evaluate(smg: SMG, inputs: Mapping[str, np.ndarray], keep: bool = False) -> dict[str, np.ndarray]:
-    """Run every op of ``smg`` unfused, in float64.  Returns outputs (or all spaces)."""
+    """Run every op of ``smg`` unfused, in float64.  Returns outputs (or all spaces).  A row whose every
+    value is -inf has softmax 0 (``guarded_reads``), as the kernels give it."""
     env: dict[str, np.ndarray] = {}
     for name in smg.inputs:
         if name not in inputs:
@@ -142,7 +173,9 @@ def evaluate(smg: SMG, inputs: Mapping[str, np.ndarray], keep: bool = False) -> 
             raise ShapeError(f"input {name!r} has shape {arr.shape}, graph {smg.name!r} expects {want}")
         env[name] = arr
     for op in smg.ops:
-        env[op.out] = evaluate_op(op, env, smg.dim_sizes)
+        rules = guarded_reads(smg, op)
+        reads = {**env, **{n: _guarded(env[n], r) for n, r in rules.items()}} if rules else env
+        env[op.out] = evaluate_op(op, reads, smg.dim_sizes)
     return env if keep else {o: env[o] for o in smg.outputs}
 
 

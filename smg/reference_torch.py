@@ -64,10 +64,20 @@ def input_scales(smg: SMG) -> dict[str, float]:
 
 
 def evaluate_torch(smg: SMG, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Every op of ``smg`` unfused on torch tensors, in the inputs' dtype and device; the outputs."""
+    """Every op of ``smg`` unfused on torch tensors, in the inputs' dtype and device; the outputs.  A row
+    whose every value is -inf has softmax 0 (``smg.reference.guarded_reads``), as the kernels give it."""
+    import torch
+
+    from smg.reference import guarded_reads
+
     env = dict(inputs)
     for op in smg.ops:
-        env[op.out] = _evaluate_op(op, env, smg.dim_sizes)
+        rules = guarded_reads(smg, op)
+        reads = env if not rules else {**env, **{
+            n: torch.where(env[n] == (-math.inf if r == "max" else 0.0),
+                           torch.zeros_like(env[n]) if r == "max" else torch.ones_like(env[n]), env[n])
+            for n, r in rules.items()}}
+        env[op.out] = _evaluate_op(op, reads, smg.dim_sizes)
     return {o: env[o] for o in smg.outputs}
 
 

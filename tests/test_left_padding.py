@@ -1,8 +1,9 @@
 """A left-padded batch through written-out (eager) attention: HF adds a float mask filled with ``finfo.min``,
 so a padding token's query row is masked at every key.  The fused attention's online softmax overflowed on
-such a row (``-3.4e38`` scaled by log2(e)) and the llvm kernel gave NaN in every row of the batch; the mask's
-masked scores are now finite (``attention.finite_mask``) and every row, the padding tokens' included,
-matches eager."""
+such a row (its running max started at -3e38, above ``finfo.min``, so every exponential underflowed and the
+row was 0 / 0) and the llvm kernel gave NaN in every row of the batch.  The kernels' running max now starts at
+-inf (``spacefusion.lower.exprs.MAX_IDENTITY``; ``tests/test_masked_rows.py`` for any graph), the mask is
+added as it is, and every row, the padding tokens' included, matches eager."""
 
 from __future__ import annotations
 

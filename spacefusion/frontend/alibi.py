@@ -142,7 +142,7 @@ def match_alibi_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         if got_mask is None:
             return None
         causal, extra, taken = got_mask[0], [*extra, *got_mask[2]], got_mask[3]
-        mods = (*mods, *got_mask[1])  # an added float mask's masked scores are finite (attention.finite_mask)
+        mods = (*mods, *got_mask[1])  # a masked row is right in every kernel (lower.exprs.MAX_IDENTITY)
     inner = [*chain, *links]
     # the [b * h, ...] copies are not needed where only this attention reads them (K's only through its transpose)
     folds = [x for x in (q3, v3, kt3) if single_user(x) is not None]

@@ -4,6 +4,7 @@ as score mods (``mask_mods``) and its subgraph over [b, h, s, d] or HF's split_h
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import sympy as sp
 import torch
@@ -120,19 +121,10 @@ def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, i
     if isinstance(got, str):
         ctx.refuse(node, "attention.mask", got)
         return None
-    return (got[0], tuple(finite_mask(mod) for mod in got[1]), got[2], taken)
-
-
-def finite_mask(mod: patterns.ScoreMod) -> patterns.ScoreMod:
-    """An added float mask (``{s} + Mask``) with its masked scores set to ``MASKED``.  HF fills them with
-    ``finfo.min``; a query row masked everywhere (a padding token's under left padding) then overflowed the
-    CPU kernel's online softmax to NaN (``-3.4e38`` scaled by log2(e) is -inf, and -inf - -inf is NaN): a
-    left-padded LLaMA with eager attention gave NaN in every row on llvm.  At ``MASKED`` the row's scores
-    stay equal, so it is the mean of V, as eager's uniform softmax makes it; a score above ``MASKED`` is
-    unchanged.  Other mods are returned as they are."""
-    if mod.body != "{s} + Mask":
-        return mod
-    return dataclasses.replace(mod, body=f"Piecewise(({{s}} + Mask, Mask > {MASKED!r}), ({MASKED!r}, True))")
+    # an added float mask is added as it is: a query row it masks everywhere (HF's finfo.min under left
+    # padding) is the mean of V, as eager's, and a row of -inf 0, as SDPA's, in every kernel (issue 59:
+    # ``spacefusion.lower.exprs.MAX_IDENTITY``), so no finite stand-in is needed here
+    return (got[0], got[1], got[2], taken)
 
 
 def _kept_bias(ctx: Context, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
@@ -223,12 +215,11 @@ def _index_mask(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt
     return False, (mod,), [Operand("Keep", "value", me.padding.name, (want[0], want[3]), cast=dt)]
 
 
-def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
-              ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | str:
-    """SDPA's ``attn_mask`` as a score mod over an input ``Mask`` with the mask's own dims: those of
-    [b, heads, m, l] it has (size > 1, not a stride-0 broadcast; the query heads as GQA's (h, r)).  A boolean
-    mask keeps the scores where it is true (``MASKED`` elsewhere), bound as 0/1 in the scores' dtype; a float
-    one is added.  A reason (str) where the mask cannot be an input of that kind."""
+def _mask_dims(mask: object, want: tuple[int, int, int, int], kv_heads: int
+               ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], object] | str:
+    """(dims, shape, the broadcast dims a binding selects away, tensor_meta) of a mask read as an input with
+    its own dims: those of [b, heads, m, l] it has (size > 1, not a stride-0 broadcast; the query heads as
+    GQA's (h, r)); a reason (str) where it cannot be read so."""
     ms = shape(mask)
     meta = mask.meta.get("tensor_meta") if isinstance(mask, fx.Node) else None
     if ms is None or meta is None or len(ms) > 4:
@@ -246,6 +237,18 @@ def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: 
     select = tuple(i - pad for i in range(pad, 4) if full[i] > 1 and strides[i] == 0)
     dims = tuple(n for i in kept for n in names[i])
     shp = tuple(n for i in kept for n in sizes[i])
+    return dims, shp, select, meta
+
+
+def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+              ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | str:
+    """SDPA's ``attn_mask`` as a score mod over an input ``Mask`` with the mask's own dims (``_mask_dims``).
+    A boolean mask keeps the scores where it is true (``MASKED`` elsewhere), bound as 0/1 in the scores'
+    dtype; a float one is added.  A reason (str) where the mask cannot be an input of that kind."""
+    got = _mask_dims(mask, want, kv_heads)
+    if isinstance(got, str):
+        return got
+    dims, shp, select, meta = got
     zero_v = None
     if meta.dtype == torch.bool:
         if set(dims) - {"b", "l"}:
@@ -259,3 +262,30 @@ def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: 
         return f"attention with an attn_mask of dtype {meta.dtype}: the score mods take bool or float masks"
     return False, (patterns.ScoreMod(body, (("Mask", dims),), zero_v=zero_v),), [
         Operand("Mask", "value", mask.name, shp, select=select, cast=cast)]
+
+
+#: -inf in an op body: bodies hold numbers, not named constants (``smg.expr.check_body``), and this one is
+#: -inf in every float the kernels and the references evaluate it in (sympy keeps it as a finite big float,
+#: below any mask fill the analyses compare with)
+MINUS_INF = "-1e400"
+
+
+def fill_mod(mask: object, fill: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+             ) -> tuple[patterns.ScoreMod, Operand] | str:
+    """torch's ``scores.masked_fill(mask, fill)`` (MPT's mask) as a score mod: ``fill`` where the boolean
+    ``mask`` is true, the score elsewhere, over an input ``Fill`` with the mask's own dims (``_mask_dims``),
+    bound as 0/1 in the scores' dtype.  Exact, a query row filled everywhere included: its scores all equal
+    ``fill`` (HF's ``finfo.min``), the mean of V as in eager; a -inf ``fill`` gives such a row 0, SDPA's
+    value (eager's is NaN).  A reason (str) where the fill is not a number below +inf or the mask not a
+    boolean tensor that broadcasts to the scores."""
+    if not isinstance(fill, int | float) or isinstance(fill, bool) or math.isnan(fill) or fill == math.inf:
+        return f"masked_fill of the scores with {fill!r}: the pattern fills with a number below +inf"
+    got = _mask_dims(mask, want, kv_heads)
+    if isinstance(got, str):
+        return got.replace("an attn_mask", "a masked_fill mask")
+    dims, shp, select, meta = got
+    if meta.dtype != torch.bool:
+        return f"masked_fill of the scores with a mask of dtype {meta.dtype}: the pattern takes boolean masks"
+    value = MINUS_INF if fill == -math.inf else repr(float(fill))
+    mod = patterns.ScoreMod(f"Piecewise(({value}, Fill > 0.5), ({{s}}, True))", (("Fill", dims),))
+    return mod, Operand("Fill", "value", mask.name, shp, select=select, cast=dt)

@@ -10,6 +10,17 @@ soft-cap SDPA cannot take, and every model run with ``attn_implementation="eager
 
 becomes ``patterns.attention`` with the soft-cap and the mask as score mods, K and V read per kv head
 where ``repeat_kv`` (expand + reshape) only repeated them.  Anything else in the chain leaves it to torch.
+
+MPT writes its ALiBi the same way and masks with ``masked_fill`` (``match_masked_fill_attention``, a row of
+its own)::
+
+    s = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
+    s = s + position_bias                              # ALiBi: [heads, 1, l], a constant buffer
+    s = s.masked_fill(mask, torch.finfo(q.dtype).min)  # mask: bool [b, 1, m, l], causal and padding
+    p = F.softmax(s.float(), dim=-1).to(v.dtype)       # the casts where the model is 16-bit
+    o = torch.matmul(p, v)
+
+the scale folded into the pattern's, the bias an added score mod and the fill one more (``fill_mod``).
 """
 
 from __future__ import annotations
@@ -20,8 +31,8 @@ from typing import Any
 from torch import fx
 
 from smg import patterns
-from spacefusion.frontend.attention import attention_subgraph, mask_mods
-from spacefusion.frontend.canon import is_op
+from spacefusion.frontend.attention import attention_subgraph, fill_mod, mask_mods
+from spacefusion.frontend.canon import canonical, is_op
 from spacefusion.frontend.graph import dtype, shape, single_user
 from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.records import Subgraph
@@ -95,8 +106,41 @@ def _key(kt: Any) -> fx.Node | None:
     return kt.args[0] if dims == {2, 3} and len(shape(kt.args[0])) == 4 else None
 
 
+#: casts of the scores before the softmax (MPT's ``.float()``): the kernels compute the scores in fp32
+SCORE_CASTS = ("float", "to")
+
+
 def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``torch.matmul(softmax(scores), V)`` as written above -> ``patterns.attention``."""
+    return _written(node, ctx, filled=False)
+
+
+def match_masked_fill_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """MPT's form: ``torch.matmul(softmax(scores.masked_fill(mask, fill)[.float()]), V)``, the scores
+    ``matmul * scale [+ bias]`` -> ``patterns.attention`` with the bias and the fill as score mods (in that
+    order, as torch applies them); ``masked_fill.form`` where the fill or its mask is not one the mod takes."""
+    return _written(node, ctx, filled=True)
+
+
+def _filled(s: Any) -> tuple[list[fx.Node], Any, Any, Any] | None:
+    """(nodes taken, the scores filled, the mask, the fill) of ``scores.masked_fill(mask, fill)`` behind an
+    optional cast to fp32; None where ``s`` is not that."""
+    chain: list[fx.Node] = []
+    if is_op(s, *SCORE_CASTS) and dtype(s) == "float32" and isinstance(s.args[0], fx.Node):
+        chain.append(s)
+        s = s.args[0]
+    c = canonical(s) if is_op(s, "masked_fill") else None
+    if c is None:
+        return None
+    a = c.bind(("input", "mask", "value"))
+    if set(a) != {"input", "mask", "value"}:
+        return None
+    return [*chain, s], a["input"], a["mask"], a["value"]
+
+
+def _written(node: fx.Node, ctx: Context, filled: bool) -> Subgraph | None:
+    """The written-out attention read back from its last ``matmul``; with ``filled``, only MPT's form (a
+    ``masked_fill`` between the scores and the softmax), without, only the form without one."""
     if not is_op(node, "matmul") or len(node.args) != 2:
         return None
     p, v = node.args
@@ -112,7 +156,14 @@ def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     if not is_op(p, "softmax") or _arg(p, 1, "dim") not in (-1, 3):
         return None
     chain.append(p)
-    got = _scores(p.args[0])
+    scores = p.args[0]
+    fill = _filled(scores) if filled else None
+    if filled and fill is None:
+        return None
+    if fill is not None:
+        chain += fill[0]
+        scores = fill[1]
+    got = _scores(scores)
     if got is None or not isinstance(v, fx.Node):
         return None
     links, q, kt, scale, cap, mask = got
@@ -150,7 +201,14 @@ def match_eager_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
             return None
         causal, mods, extra = got_mask[0], mods + got_mask[1], got_mask[2]
         chain = [*got_mask[3], *chain]
+    if fill is not None:  # after the bias (torch fills the biased scores); the causal mask, if any, after both
+        got_fill = fill_mod(fill[2], fill[3], (b, h, m, l), hk, dt)
+        if isinstance(got_fill, str):
+            ctx.refuse(node, "masked_fill.form", got_fill)
+            return None
+        mods, extra = (*mods, got_fill[0]), [*extra, got_fill[1]]
     label = (f"attention (eager) b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}"
-             f"{f' softcap {cap:g}' if cap is not None else ''}{' + mask' if mask is not None else ''} {dt}")
+             f"{f' softcap {cap:g}' if cap is not None else ''}{' + mask' if mask is not None else ''}"
+             f"{' + masked_fill' if fill is not None else ''} {dt}")
     return attention_subgraph(ctx, node, tuple(chain), q, k, v, (b, h, hk, m, l, d), dt, causal,
                               1.0 if scale is None else scale, mods, extra, label)

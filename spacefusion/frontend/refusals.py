@@ -25,6 +25,9 @@ CODES: dict[str, str] = {
     "attention.head_dims": "attention with unequal head dims or an unsupported dtype",
     "attention.mask": "an attention mask the score mods cannot express",
     "alibi.form": "an ALiBi ``baddbmm`` attention whose bias, shapes or coefficients the pattern does not take",
+    "masked_fill.form": "a ``masked_fill`` of written-out attention scores whose fill or mask the score mod does not "
+                        "take (a fill that is not a number below +inf, a mask that is not boolean or does not "
+                        "broadcast to the scores)",
     # GEMMs
     "linear.input": "a linear of a non-float or unshaped input",
     "patch_conv.input": "a patch convolution of a non-float or non-4-D input",

@@ -24,7 +24,7 @@ from spacefusion.frontend.attention import match_attention
 from spacefusion.frontend.canon import Call
 from spacefusion.frontend.concat import match_concat
 from spacefusion.frontend.convs import match_conv, match_max_pool
-from spacefusion.frontend.eager_attention import match_eager_attention
+from spacefusion.frontend.eager_attention import match_eager_attention, match_masked_fill_attention
 from spacefusion.frontend.gemms import match_gated_gemm, match_linear, match_patch_conv, match_stacked_linears
 from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
@@ -67,6 +67,8 @@ def _along_channels(c: Call) -> bool:
 #: in priority order: a node taken by an earlier row is not offered to later ones
 ROWS: tuple[Row, ...] = (
     Row("eager_attention", _ops("matmul"), match_eager_attention, ("attention.head_dims", "attention.mask")),
+    Row("masked_fill_attention", _ops("matmul"), match_masked_fill_attention,
+        ("attention.head_dims", "attention.mask", "masked_fill.form")),
     Row("alibi_attention", _ops("bmm"), match_alibi_attention, ("alibi.form", "attention.mask")),
     Row("attention", _ops("scaled_dot_product_attention"), match_attention,
         ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),

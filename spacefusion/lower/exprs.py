@@ -18,11 +18,36 @@ def _const(v: float) -> tirx.PrimExpr:
 
 LOG2E = 1.4426950408889634
 
+#: the identity of a running max (and of every max reduction the kernels emit): -inf itself.  It was the
+#: finite -3e38, which lies above float32's lowest value: a query row masked everywhere with HF's
+#: ``finfo(float32).min`` (-3.4e38) never raised the max, every ``exp(s - m)`` underflowed to 0 and the row
+#: was 0 / 0 = NaN (issue 59).  With -inf, a row of finite scores, however low, has its own max and its exact
+#: softmax (all equal: the mean of V, as eager's); readers subtract the max through ``subtracted_max``.
+MAX_IDENTITY = float("-inf")
+
+
+def subtracted_max(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A running max ``m`` as the update functions, carries and second passes read it: 0 where it is still
+    -inf (FlashAttention-2's guard).  It is -inf only where every value it has seen is -inf, and those
+    values' terms ``exp(s - m)`` are then ``exp(-inf - 0) = 0``, where ``-inf - -inf`` was NaN: a tile whose
+    every score a -inf mask removes (the first steps of a left-padded row) adds nothing, and a later step
+    with a finite max rescales the nothing by ``exp(m_old - m_new) = exp(-inf) = 0``.  ``m_old`` (``__old``)
+    is read as it is: a guarded -inf there would rescale by ``exp(0 - m_new)``."""
+    return tirx.Select(v == _const(MAX_IDENTITY), _const(0.0), v)
+
+
+def nonzero_sum(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A row sum of exponentials as a divisor: 1 where it is 0.  It is 0 only where every term was
+    ``exp(-inf)`` (a row whose every score is -inf), and what it divides is then 0 too: the row is 0,
+    torch's SDPA's (and FlexAttention's, FlashAttention's) value for such a row, where eager's
+    ``softmax`` divides 0 by 0 (NaN, which a next layer's attention spreads to every row)."""
+    return tirx.Select(v == _const(0.0), _const(1.0), v)
+
 
 def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = False,
            fold_log2e: bool = False, fast_div: bool = False,
-           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None, branch_free: bool = False
-           ) -> tirx.PrimExpr:
+           tanh: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None, branch_free: bool = False,
+           sums: frozenset[str] = frozenset()) -> tirx.PrimExpr:
     """Print ``expr`` as fp32 TIR; ``load(name)`` gives the value of a symbol.  With ``exp2``,
     ``exp(x)`` becomes ``exp2(x * log2 e)`` (one ex2.approx on the GPU instead of expf's range
     reduction).  With ``fold_log2e`` too, ``log2 e`` is distributed over the terms of ``x`` so
@@ -38,14 +63,16 @@ def to_tir(expr: sp.Expr, load: Callable[[str], tirx.PrimExpr], exp2: bool = Fal
     where tanhf is a software routine and the logistic an exp2 and a reciprocal.
     With ``branch_free``, ``erf(x)`` is ``erf_fast`` and, where no ``tanh`` emitter is given, ``tanh(x)`` is
     ``tanh_fast`` (absolute errors under 1e-6, far below a 16-bit store's rounding: for values stored in
-    fp16 / bf16 only)."""
+    fp16 / bf16 only).
+    ``sums``: the names of row sums of exponentials; a division by one of them is by ``nonzero_sum``."""
 
     def div(a: tirx.PrimExpr, b: sp.Expr) -> tirx.PrimExpr:
         logistic = logistic_arg(b) if tanh is not None else None
         if logistic is not None:
             half = _const(0.5)
             return a * (half - half * tanh(go(sp.expand(logistic / 2))))
-        return tirx.call_pure_extern(F32, "__fdividef", a, go(b)) if fast_div else a / go(b)
+        den = nonzero_sum(go(b)) if b.is_Symbol and b.name in sums else go(b)
+        return tirx.call_pure_extern(F32, "__fdividef", a, den) if fast_div else a / den
 
     def go(e: sp.Expr) -> tirx.PrimExpr:
         if e.is_Symbol:

@@ -112,6 +112,8 @@ class Block:
             st.smem[n], st.sbase[n] = arena, offs[n] + (skew if n in st.swizzled else 0)
         st.rs = {u.state: T.alloc_buffer((2 * st.mt,), F32, scope="local") for u in p.row_states}
         st.rs_old = {u.state: T.alloc_buffer((2 * st.mt,), F32, scope="local") for u in p.row_states}
+        st.rs_safe = {u.state: T.alloc_buffer((2 * st.mt,), F32, scope="local") for u in p.row_states
+                      if u.combiner == "max"}
         st.acc = {gs.update.state: T.alloc_buffer((st.mt * (gs.n_tile // 8) * 4,), F32, scope="local")
                   for gs in p.gemm_states}
 

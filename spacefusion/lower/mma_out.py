@@ -16,7 +16,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from schedulers.warp_tile import BAND, CHUNK, PAD, GemmState, carry_factor, staged_output
-from spacefusion.lower.exprs import F32
+from spacefusion.lower.exprs import F32, subtracted_max
 from spacefusion.lower.mma_state import I32, KernelState, tree
 from spacefusion.lower.mma_values import Values
 from spacefusion.lower.tir import ARRIVALS, PARTIALS
@@ -117,6 +117,7 @@ class Epilogue:
         st, p = self.st, self.st.p
         regs = dict(self._parts()[0])
         merged: dict[str, tirx.Buffer] = {}
+        maxima = {u.state for u in p.row_states if u.combiner == "max"}
 
         def loader(g: int, h: int) -> Callable[[str], tirx.PrimExpr]:
             """Row values for part g's carry: ``__old`` its own, new ones as merged so far."""
@@ -124,7 +125,9 @@ class Epilogue:
                 base = name.removesuffix("__old").removesuffix("__new")
                 if base in st.rs:
                     now = base in merged and not name.endswith("__old")
-                    return merged[base][h] if now else src(g, base, h)
+                    if not now:
+                        return src(g, base, h)
+                    return subtracted_max(merged[base][h]) if base in maxima else merged[base][h]
                 return self.values.load_row(name, h)
             return load
 
@@ -164,7 +167,15 @@ class Epilogue:
 
     def finalize(self) -> None:
         """Store every output: row outputs by one thread of each quad, accumulator outputs staged
-        through the arena where ``staged_output`` allows, else by each thread."""
+        through the arena where ``staged_output`` allows, else by each thread.  Row maxima are read as they
+        are there (``Values._guarded``)."""
+        self.st.finalizing = True
+        try:
+            self._finalize()
+        finally:
+            self.st.finalizing = False
+
+    def _finalize(self) -> None:
         st, p = self.st, self.st.p
         M = st.sizes[p.row]
         by_n = {gs.n: gs for gs in p.gemm_states}

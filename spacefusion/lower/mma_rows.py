@@ -17,7 +17,7 @@ from tvm.script.ir_builder import tirx as T
 from schedulers.temporal import UpdateFunction
 from schedulers.warp_tile import GemmState, carry_factor
 from smg.expr import parse
-from spacefusion.lower.exprs import F32
+from spacefusion.lower.exprs import F32, subtracted_max
 from spacefusion.lower.mma_overlap import Overlap
 from spacefusion.lower.mma_state import I32, NEG_INF, KernelState, f32, tree
 from spacefusion.lower.mma_sync import MmaSync
@@ -41,6 +41,8 @@ class RowUpdate:
         for u in st.p.row_states:
             for h in range(2 * st.mt):
                 T.buffer_store(st.rs[u.state], f32(NEG_INF if u.combiner == "max" else 0.0), [h])
+                if u.state in st.rs_safe:
+                    T.buffer_store(st.rs_safe[u.state], f32(0.0), [h])
         for buf in st.acc.values():
             for i in range(int(buf.shape[0])):
                 T.buffer_store(buf, f32(0.0), [i])
@@ -86,6 +88,7 @@ class RowUpdate:
             if u.combiner == "max":
                 new = tirx.max(buf[h], part[h])
                 T.buffer_store(buf, new if moved is None else tirx.Select(moved[0] != 0, new, buf[h]), [h])
+                T.buffer_store(st.rs_safe[u.state], subtracted_max(buf[h]), [h])
             else:
                 carry = buf[h] if not u.carry else vals_of.expr(u.carry, lambda n, h=h: vals_of.load_row(n, h))
                 T.buffer_store(buf, carry + part[h], [h])

@@ -22,6 +22,7 @@ import sympy as sp
 from tvm import tirx
 
 from schedulers.schedule import Schedule
+from schedulers.temporal import exp_sums
 from schedulers.warp_tile import (
     Bound,
     ColumnMask,
@@ -35,9 +36,10 @@ from schedulers.warp_tile import (
 )
 from smg.expr import body_expr
 from smg.ir import SMG
-from spacefusion.lower.exprs import F32
+from spacefusion.lower.exprs import F32, MAX_IDENTITY
 
-NEG_INF = -3.0e38
+#: a row max's identity (``exprs.MAX_IDENTITY``: -inf, no longer a finite stand-in above float32's lowest)
+NEG_INF = MAX_IDENTITY
 I32 = "int32"
 
 
@@ -86,6 +88,9 @@ class KernelState:
     row_sums: dict[str, str] = field(init=False, repr=False)  # sum state -> GEMM state whose MMA sums it
     swizzled: set[str] = field(init=False, repr=False)  # tiles wgmma reads through descriptors
     overlap: bool = field(init=False)  # each step's softmax overlaps the previous step's P @ V (split ring)
+    sums: frozenset[str] = field(init=False)  # row sums of exponentials: divided by as ``exprs.nonzero_sum``
+    # storing the outputs: row maxima read as they are (elsewhere through ``exprs.subtracted_max``)
+    finalizing: bool = field(init=False)
 
     # -- IR handles, bound once per kernel ---------------------------------------------------------
     glob: dict[str, tirx.Buffer] = field(init=False, repr=False)  # kernel parameter -> its buffer
@@ -109,6 +114,9 @@ class KernelState:
     mbar_base: int = _unset()  # arena element where the TMA ring's mbarriers start
     rs: dict[str, tirx.Buffer] = field(init=False, repr=False)  # row state -> its 2 * mt rows
     rs_old: dict[str, tirx.Buffer] = field(init=False, repr=False)  # row state -> its value before this step
+    # row max -> its rows as the updates read them (``exprs.subtracted_max``: 0 where still -inf), one select a
+    # row after each update rather than one at every read
+    rs_safe: dict[str, tirx.Buffer] = field(init=False, repr=False)
     acc: dict[str, tirx.Buffer] = field(init=False, repr=False)  # GEMM state -> its accumulator fragments
     groups: int = _unset()  # cp.async groups committed per step (2: the score tile's operands first)
     lag: int = _unset()  # wgmma groups left in flight across a step's barrier
@@ -144,7 +152,11 @@ class KernelState:
         self.mt = p.warp_mtiles
         self.ns = self.mt * self.nt * 4
         piecewise = {n for n in p.score_ops if body_expr(self.smg.producer(n)).has(sp.Piecewise)}
-        self.fold_log2e = not piecewise
+        # and unless a score op reads a float32 input (a mask, a bias): its values may reach float32's lowest
+        # (HF's finfo.min), whose product with log2 e is -inf, and a row of them would give exp2(-inf + inf)
+        wide = any(a.space in self.smg.inputs and self.smg.space(a.space).dtype == F32
+                   for n in p.score_ops for a in self.smg.producer(n).inputs)
+        self.fold_log2e = not piecewise and not wide
         # steps whose whole tile the killing mask keeps (below a causal diagonal) run a copy of the
         # step without it: no per-element select, and the scalings fold into exp2 again
         self.masks = dict(killing_masks(self.smg, p))
@@ -155,11 +167,13 @@ class KernelState:
         self.unmasked = False
         self.fold_unmasked = bool(self.masks or self.col_masks) and piecewise <= set(self.masks) | set(self.col_masks)
         self.cache, self.score, self.tin, self.inline, self.moved = {}, {}, {}, {}, {}
-        self.rs, self.rs_old, self.acc = {}, {}, {}
+        self.rs, self.rs_old, self.rs_safe, self.acc = {}, {}, {}, {}
         self.lazy = dict(p.lazy)
         self.row_sums = dict(p.row_sums)
         self.swizzled = set(wgmma_swizzled(p))
         self.overlap = split_ring(p)
+        self.sums = exp_sums(s.plan.states)
+        self.finalizing = False
 
     # -- fragment positions ----------------------------------------------------------------------
     def half_of(self, mi: int) -> tirx.PrimExpr:

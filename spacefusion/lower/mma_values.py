@@ -45,7 +45,7 @@ class Values:
         return to_tir(e, load, exp2=True, fold_log2e=st.fold_log2e or (st.unmasked and st.fold_unmasked),
                       fast_div=stored in MMA_DTYPES,
                       tanh=_tanh_approx if st.p.warp.fast_math and stored in MMA_DTYPES else None,
-                      branch_free=stored in MMA_DTYPES)
+                      branch_free=stored in MMA_DTYPES, sums=st.sums)
 
     def inlined(self, text_or_expr) -> sp.Expr:
         """``text`` with the inlined score ops (constant scalings) substituted by their bodies."""
@@ -83,7 +83,9 @@ class Values:
         st = self.st
         base = name.removesuffix("__old").removesuffix("__new")
         if base in st.rs:
-            return (st.rs_old if name.endswith("__old") else st.rs)[base][h]
+            if name.endswith("__old"):
+                return st.rs_old[base][h]
+            return st.rs_safe[base][h] if self._guarded(base) else st.rs[base][h]
         if name in st.sizes:
             return tirx.Cast(F32, pos[name] if name in pos else st.coord[name])
         if name in st.glob:
@@ -91,6 +93,11 @@ class Values:
                 return f32(1.0)  # a padding mask inside the block's dense run of kept keys: kept
             return self.element(name, pos)
         return None
+
+    def _guarded(self, state: str) -> bool:
+        """Whether ``state`` is a running max read through ``exprs.subtracted_max`` here (``rs_safe``): by the
+        updates, not by the finalize (an LSE ``m + log(l)`` of a row of -inf stays -inf)."""
+        return not self.st.finalizing and state in self.st.rs_safe
 
     def load_score(self, i: int) -> Callable[[str], tirx.PrimExpr]:
         """Loads at score element ``i``: score ops, staged inputs, then :meth:`load_common`."""

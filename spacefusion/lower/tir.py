@@ -25,13 +25,13 @@ from schedulers.errors import ScheduleError
 from schedulers.halo import halo_shape, window_box
 from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule, lane_spread
+from schedulers.temporal import exp_sums
 from smg.expr import body_expr, index_symbol, parse
 from smg.ir import Access, Op
 from spacefusion.lower import cluster
-from spacefusion.lower.exprs import F32, to_tir, to_tir_int
+from spacefusion.lower.exprs import F32, MAX_IDENTITY, subtracted_max, to_tir, to_tir_int
 from spacefusion.lower.mma_state import tree
 
-NEG_INF = -3.0e38
 #: the storage dtypes whose rounding is coarse enough for the fast exp and division (``_Kernel.expr``)
 SIXTEEN_BIT = ("float16", "bfloat16")
 LANE_IT = "__lane_it"  # env key: a lane's position among its own serial elements
@@ -95,6 +95,12 @@ class _Kernel:
         self.abs: dict[str, tirx.PrimExpr] = {}  # absolute index overrides (evaluating a gathered element)
         self.op: Op | None = None  # the op whose body is being emitted (its accesses give index expressions)
         self.within: dict[str, tirx.PrimExpr] = {}  # this thread's position in the tile
+        # running maxima, read through ``subtracted_max`` by the updates and second passes (their ``__old``
+        # copies and the finalize read them as they are: an LSE ``m + log(l)`` stays -inf); row sums of
+        # exponentials, divided by as ``nonzero_sum``
+        self.maxima = {u.state for u in s.plan.states if u.combiner == "max"}
+        self.sums = exp_sums(s.plan.states)
+        self.finalizing = False  # emitting the finalize (after the loop): maxima read as they are
 
     @contextmanager
     def emitting(self, op: Op):
@@ -241,10 +247,9 @@ class _Kernel:
                 return self.gathered(acc, env)
         if name.endswith("__old"):
             return self.local[name][self.local_index(base, env)]
-        if name.endswith("__new"):
-            return self.local[base][self.local_index(base, env)]
-        if base in self.local:
-            return self.local[base][self.local_index(base, env)]
+        if name.endswith("__new") or base in self.local:
+            val = self.local[base][self.local_index(base, env)]
+            return subtracted_max(val) if base in self.maxima and not self.finalizing else val
         if base in self.regs and VEC_I in env:
             val = self.regs[base][env[VEC_I]]
             return val if self.regs[base].dtype == F32 else tirx.Cast(F32, val)
@@ -261,7 +266,7 @@ class _Kernel:
         than in its loads (5.3 us a call at 2x320x64x64 on the H200, against 3.0 for the pass without SiLU)."""
         e = parse(text_or_expr) if isinstance(text_or_expr, str) else text_or_expr
         fast = self.target == "cuda" and stored in SIXTEEN_BIT
-        return to_tir(e, lambda n: self.load(n, env), exp2=fast, fast_div=fast)
+        return to_tir(e, lambda n: self.load(n, env), exp2=fast, fast_div=fast, sums=self.sums)
 
     # -- loop helpers -------------------------------------------------------------
     def loops(self, dims: tuple[str, ...], stack: ExitStack, reads: tuple[str, ...] = (),
@@ -523,7 +528,7 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
     for u in plan.states:
         with ExitStack() as st_loops:
             env = k.loops(k.local_dims(u.state), st_loops)
-            T.buffer_store(k.local[u.state], tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0),
+            T.buffer_store(k.local[u.state], tirx.FloatImm(F32, MAX_IDENTITY if u.combiner == "max" else 0.0),
                            k.local_index(u.state, env))
     if k.block_lanes > 32:  # one partial result per warp of each lane group
         k.scratch = T.alloc_buffer((s.threads // 32,), F32, scope="shared")
@@ -549,7 +554,8 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
             for o in olds:
                 with ExitStack() as st:
                     env = k.loops(k.local_dims(o), st)
-                    T.buffer_store(k.local[o], k.load(o.replace("__old", ""), env), k.local_index(o, env))
+                    base = o.replace("__old", "")  # the state as it is, unguarded (``subtracted_max``)
+                    T.buffer_store(k.local[o], k.local[base][k.local_index(base, env)], k.local_index(o, env))
             for u in plan.states:
                 if u.space and s.num_steps == 1:
                     # an auxiliary accumulator feeds only its state's carry into a later step: with one step
@@ -559,9 +565,11 @@ def _emit_body(k: _Kernel, cuda: bool) -> None:
             if k.shared:  # the next step overwrites the block-shared tiles
                 T.evaluate(T.tvm_storage_sync("shared"))
     fin = dict(plan.finalize)
+    k.finalizing = True
     for out in smg.outputs:
         if out not in plan.second_pass:
             _emit_store(k, out, fin[out], serial=False)
+    k.finalizing = False
     if plan.second_pass:
         # outputs keeping the serial dim: a second pass once the reductions are final; with
         # one step the streamed tile is still on chip and is not recomputed
@@ -741,7 +749,7 @@ def _emit_shared_element(k: _Kernel, name: str, op: Op, body, env: dict[str, tir
         T.buffer_store(k.shared[name], k.expr(body, env), idx)
         return
     acc = T.alloc_buffer((1,), F32, scope="local")
-    T.buffer_store(acc, tirx.FloatImm(F32, NEG_INF if op.combiner == "max" else 0.0), [0])
+    T.buffer_store(acc, tirx.FloatImm(F32, MAX_IDENTITY if op.combiner == "max" else 0.0), [0])
     with ExitStack() as red:
         val = k.expr(body, {**env, **k.loops(op.reduce, red)})
         T.buffer_store(acc, acc[0] + val if op.combiner == "sum" else tirx.max(acc[0], val), [0])
@@ -756,7 +764,7 @@ def _emit_streamed(k: _Kernel, name: str) -> None:
         shifts = () if op.reduce else k.shift_reads(op)
         env = k.loops(k.local_dims(name), st, reads=reads, shifts=shifts)
         idx = k.local_index(name, env)
-        init = NEG_INF if op.combiner == "max" else 0.0
+        init = MAX_IDENTITY if op.combiner == "max" else 0.0
         T.buffer_store(k.local[name], tirx.FloatImm(F32, init), idx)
         guard = k.valid_serial(env) if k.s.serial in env else tirx.const(True, "bool")
         with T.If(guard):
@@ -784,7 +792,7 @@ def _emit_update(k: _Kernel, u) -> None:
         idx = k.local_index(u.state, env)
         buf = k.local[u.state]
         part = T.alloc_buffer((1,), F32, scope="local")
-        T.buffer_store(part, tirx.FloatImm(F32, NEG_INF if u.combiner == "max" else 0.0), [0])
+        T.buffer_store(part, tirx.FloatImm(F32, MAX_IDENTITY if u.combiner == "max" else 0.0), [0])
         with ExitStack() as red:
             # the state's op may reduce over more dims than the serial one (GroupNorm: cg, y, x)
             others = tuple(d for d in k.smg.producer(u.base).reduce if d != k.s.serial)

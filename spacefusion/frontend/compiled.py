@@ -25,7 +25,7 @@ import logging
 import re
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +181,10 @@ class GraphReport:
     #: why its constants were last derived again (a weight changed: ``weights.Stamp.changed``)
     rebuilt: str | None = None
     rebuilds: int = 0
+    #: a training graph (autograd on for its inputs): the reports of the forward and the backward ATen graphs
+    #: aot_autograd split it into (``frontend.training``); each is fused on its first call
+    forward: GraphReport | None = None
+    backward: GraphReport | None = None
 
     def __str__(self) -> str:
         head = f"graph {self.index} ({self.nodes} nodes)"
@@ -190,6 +194,16 @@ class GraphReport:
             head += f", launched kernel by kernel: {self.not_replayed}"
         if self.rebuilds:
             head += f", constants derived again {self.rebuilds}x (last: {self.rebuilt})"
+        if self.forward is not None or self.backward is not None:
+            lines = [f"{head}: a training step, split by aot_autograd into a forward and a backward ATen graph"]
+            for stage, r in (("forward", self.forward), ("backward", self.backward)):
+                if r is None or (r.partition is None and not r.skipped):
+                    lines.append(f"  {stage}: not compiled yet (built on its first call)")
+                    continue
+                again = f", constants derived again {r.rebuilds}x (last: {r.rebuilt})" if r.rebuilds else ""
+                body = f"left to torch: {r.skipped}" if r.skipped else str(r.partition)
+                lines.append(f"  {stage} ({r.nodes} nodes){again}: " + body.replace("\n", "\n  "))
+            return "\n".join(lines)
         if self.shapes:
             lines = [f"{head}: symbolic sizes, specialised to {len(self.shapes)} set(s) of sizes"]
             for sizes, r in self.shapes.items():
@@ -199,7 +213,9 @@ class GraphReport:
         return f"{head}: left to torch: {self.skipped}" if self.skipped else f"{head}: {self.partition}"
 
     def partitions(self) -> list[Partition]:
-        """This graph's partitions: its own, or one per specialisation."""
+        """This graph's partitions: its own, one per specialisation, or its forward's and backward's."""
+        if self.forward is not None or self.backward is not None:
+            return [p for r in (self.forward, self.backward) if r is not None for p in r.partitions()]
         if self.shapes:
             return [r.partition for r in self.shapes.values() if r.partition is not None]
         return [self.partition] if self.partition is not None else []
@@ -224,11 +240,14 @@ class CompiledGraph:
     baked tensors and derived constants) for as long as Dynamo keeps the graph."""
 
     __slots__ = ("owner", "gm", "report", "names", "written", "builds", "seen", "fused", "run", "stamp", "replay",
-                 "__weakref__")
+                 "prepare", "__weakref__")
 
     def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
-                 names: dict[int, str]) -> None:
+                 names: dict[int, str], prepare: Callable[[fx.GraphModule], Any] | None = None) -> None:
         self.owner, self.gm, self.report, self.names = owner, gm, report, names
+        #: a pass over each build's graph once its weights are lifted, before shapes are propagated: an ATen
+        #: graph of a training step read as the torch-level graph the matchers know (``training.read_aten``)
+        self.prepare = prepare
         self.written = mutated_inputs(gm)
         self.builds: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
         self.seen: OrderedDict[tuple[int, ...], tuple[weakref.ref, ...]] = OrderedDict()
@@ -281,6 +300,8 @@ class CompiledGraph:
     def _derive(self, example_inputs: list[Any]) -> None:
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
         baked = lift_parameters(gm, example_inputs, self.names, keep=self.written)
+        if self.prepare is not None:
+            self.prepare(gm)
         shaped = unwritten_copies(example_inputs, self.written)
         with torch.no_grad():
             propagate_shapes(gm, shaped)

@@ -1,0 +1,190 @@
+"""Training steps through ``torch.compile(model, backend="spacefusion")``: aot_autograd's forward and backward
+ATen graphs, each fused (``frontend.training``), against eager on tiny ``transformers`` models (random weights,
+no hub): three SGD steps, the losses and every parameter's gradient compared in float32."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from spacefusion.frontend.dynamo import SpaceFusionBackend  # noqa: E402
+from spacefusion.frontend.training import read_aten  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _ids(b: int, s: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, 100, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _model(name: str, dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(1)
+    T = transformers
+    if name == "bert":
+        cfg = T.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                           vocab_size=100, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        return T.BertModel(cfg)
+    if name == "llama":
+        cfg = T.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, vocab_size=100)
+        return T.LlamaModel(cfg)
+    raise ValueError(name)
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids)
+    loss = out.last_hidden_state.pow(2).mean()
+    pooled = getattr(out, "pooler_output", None)
+    return loss + pooled.sum() * 0.1 if pooled is not None else loss  # every parameter gets a gradient
+
+
+def _train(model: torch.nn.Module, run: torch.nn.Module, steps: int = 3, seed: int | None = None) -> list[tuple]:
+    """``steps`` SGD steps of ``run`` (``model`` or its compiled form): each step's loss and gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for i in range(steps):
+        opt.zero_grad()
+        if seed is not None:
+            torch.manual_seed(seed + i)
+        loss = _loss(run, _ids(2, 16, seed=2 + i))
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return out
+
+
+def _compare(got: list[tuple], want: list[tuple]) -> float:
+    worst = 0.0
+    for (gl, gg), (wl, wg) in zip(got, want, strict=True):
+        torch.testing.assert_close(gl, wl, rtol=1e-5, atol=1e-6)
+        assert gg.keys() == wg.keys()
+        for name, w in wg.items():
+            torch.testing.assert_close(gg[name], w, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            worst = max(worst, (gg[name] - w).abs().max().item())
+    return worst
+
+
+def _kinds(report: object) -> Counter:
+    return report.partition.counts() if report is not None and report.partition is not None else Counter()
+
+
+@pytest.mark.parametrize("name,target", [("bert", "reference"), ("llama", "reference"), ("bert", "llvm")])
+def test_training_steps_match_eager(name: str, target: str) -> None:
+    model = _model(name)
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend(target)
+    got = _train(model, torch.compile(model, backend=backend, dynamic=False))
+    _compare(got, _train(eager, eager))
+    assert len(backend.graphs) == 1, str(backend)
+    graph = backend.graphs[0]
+    fw, bw = graph.forward, graph.backward
+    assert fw is not None and bw is not None and not fw.skipped and not bw.skipped, str(backend)
+    # the forward's GEMMs of weights fused (Q/K/V stacked), the backward's input gradients (grad @ W) too
+    assert sum(n for k, n in _kinds(fw).items() if "gemm" in k) >= 3, str(backend)
+    assert _kinds(fw)["stacked_gemm"] >= 1, str(backend)
+    assert _kinds(bw)["gemm"] >= 4, str(backend)
+    # each SGD step wrote the baked weights in place: both graphs derived their constants again, every step
+    assert fw.rebuilds == bw.rebuilds == 2, str(backend)
+    text = str(backend)
+    assert "forward (" in text and "backward (" in text and "left.value_gemm" in text, text
+    assert "left.saved_lse" in text and "left.backward_op" in text, text
+
+
+def test_saved_values_stay_outputs_of_the_forward() -> None:
+    """LLaMA's RMSNorm matches the norm pattern, but the backward reads its rsqrt: the fused subgraph would
+    swallow a saved value, so it is left to torch (and the gradients, compared above, are right)."""
+    model = _model("llama")
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend("reference")
+    _compare(_train(model, torch.compile(model, backend=backend, dynamic=False), steps=1),
+             _train(eager, eager, steps=1))
+    left = backend.graphs[0].forward.partition.left
+    assert any("norm" in op.op and "internal values are read outside it" in op.reason for op in left), \
+        str(backend)
+
+
+def test_a_backward_nothing_matches_still_trains() -> None:
+    """A model of norms and activations only: neither graph has anything the table fuses; both run as
+    aot_autograd's ATen graphs, and say why."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Tanh(), torch.nn.LayerNorm(32))
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(4))
+    for m, run in ((model, compiled), (eager, eager)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            run(x).pow(3).mean().backward()
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    bw = backend.graphs[0].backward
+    assert bw is not None and bw.partition is not None and not bw.partition.subgraphs, str(backend)
+    assert bw.partition.left_codes()["left.backward_op"] >= 3, str(backend)  # 2 norm backwards, tanh's
+    assert backend.graphs[0].forward.partition.left_codes()["left.saved_stats"] >= 2, str(backend)
+
+
+def test_dropout_in_training_is_left_to_torch_and_matches_eager() -> None:
+    """``model.train()`` with dropout: the random ops run in torch, drawn from torch's generator in eager's
+    order, so with one seed the step is eager's; the rest is fused."""
+    model = _model("bert", dropout=0.1).train()
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend("reference")
+    got = _train(model, torch.compile(model, backend=backend, dynamic=False), steps=2, seed=7)
+    _compare(got, _train(eager, eager, steps=2, seed=7))
+    fw = backend.graphs[0].forward
+    assert fw.partition.left_codes()["left.random"] >= 3, str(backend)
+    assert any("dropout" in op.reason for op in fw.partition.left), str(backend)
+    assert fw.partition.subgraphs, str(backend)
+
+
+def test_inference_under_no_grad_is_not_a_training_graph() -> None:
+    """Parameters that require grad, called under no_grad: the inference path, one partition, no aot."""
+    model = _model("bert").eval()
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=_ids(2, 16)).last_hidden_state,
+                                   model(input_ids=_ids(2, 16)).last_hidden_state, rtol=1e-4, atol=1e-4)
+    graph = backend.graphs[0]
+    assert graph.forward is None and graph.backward is None and graph.partition is not None, str(backend)
+    assert _kinds(graph)["attention"] == 1 and _kinds(graph)["residual_norm"] >= 2, str(backend)
+
+
+def test_read_aten_rewrites_what_autograd_writes() -> None:
+    """``addmm(b, x, t(W))`` becomes a linear, ``t(t(W))`` is W, a clone that is returned stays a copy."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    root = torch.nn.Module()
+    root.register_parameter("w", torch.nn.Parameter(torch.randn(3, 4)))
+    root.register_parameter("b", torch.nn.Parameter(torch.randn(3)))
+    x = g.placeholder("x")
+    w, b = g.get_attr("w"), g.get_attr("b")
+    y = g.call_function(aten.addmm.default, (b, x, g.call_function(aten.t.default, (w,))))
+    tt = g.call_function(aten.t.default, (g.call_function(aten.t.default, (w,)),))
+    back = g.call_function(aten.mm.default, (y, tt))
+    kept = g.call_function(aten.clone.default, (back,))
+    g.output((kept, y))
+    gm = torch.fx.GraphModule(root, g)
+    xs = torch.randn(5, 4)
+    want = gm(xs)
+    read_aten(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op != "placeholder"]
+    assert torch._C._nn.linear in targets and aten.addmm.default not in targets, gm.graph
+    mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    assert mm.args[1].op == "get_attr", gm.graph  # t(t(W)) read as W: the linear matcher's x @ W
+    assert aten.clone.default in targets, gm.graph  # returned: not made an alias
+    for a, b_ in zip(gm(xs), want):
+        torch.testing.assert_close(a, b_)

@@ -95,9 +95,33 @@ def test_training_steps_match_eager(name: str, target: str) -> None:
     assert _kinds(bw)["gemm"] >= 4, str(backend)
     # each SGD step wrote the baked weights in place: both graphs derived their constants again, every step
     assert fw.rebuilds == bw.rebuilds == 2, str(backend)
+    # torch's attention backward replaced by the kernels derived from the attention SMG, fed torch's O and LSE
+    assert len(bw.derived) == 1 and "attention backward" in bw.derived[0], str(backend)
+    assert "3 kernels (Delta, dQ, dK_dV)" in bw.derived[0] and ("causal" in bw.derived[0]) == (name == "llama")
+    assert not any("attention" in op.op for op in bw.partition.left), str(backend)
     text = str(backend)
     assert "forward (" in text and "backward (" in text and "left.value_gemm" in text, text
-    assert "left.saved_lse" in text and "left.backward_op" in text, text
+    assert "left.saved_lse" in text and "left.backward_op" in text and "derived from the SMG" in text, text
+
+
+def test_an_attention_backward_whose_kernels_cannot_be_built_is_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the derived backward cannot be cut into kernels, torch's attention backward runs, with why."""
+    import schedulers.passes
+
+    def refuse(bw: object) -> None:
+        raise ValueError("no pass for this test")
+
+    monkeypatch.setattr(schedulers.passes, "backward_passes", refuse)
+    model = _model("bert")
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend("reference")
+    _compare(_train(model, torch.compile(model, backend=backend, dynamic=False), steps=1),
+             _train(eager, eager, steps=1))
+    bw = backend.graphs[0].backward
+    assert not bw.derived, str(backend)
+    left = [op for op in bw.partition.left if op.code == "left.derived_backward"]
+    assert left and all("could not be built" in op.reason and "no pass for this test" in op.reason
+                        for op in left), str(backend)
 
 
 def test_saved_values_stay_outputs_of_the_forward() -> None:

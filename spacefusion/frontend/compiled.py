@@ -185,6 +185,9 @@ class GraphReport:
     #: aot_autograd split it into (``frontend.training``); each is fused on its first call
     forward: GraphReport | None = None
     backward: GraphReport | None = None
+    #: ops replaced by kernels derived from their SMG (a training backward's attention backward,
+    #: ``training.derive_attention_backwards``), one line each: what runs, as how many kernels
+    derived: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         head = f"graph {self.index} ({self.nodes} nodes)"
@@ -202,6 +205,9 @@ class GraphReport:
                     continue
                 again = f", constants derived again {r.rebuilds}x (last: {r.rebuilt})" if r.rebuilds else ""
                 body = f"left to torch: {r.skipped}" if r.skipped else str(r.partition)
+                if r.derived and not r.skipped:
+                    body += "\nderived from the SMG (smg.autodiff), not a table row:"
+                    body += "".join(f"\n  {line}" for line in r.derived)
                 lines.append(f"  {stage} ({r.nodes} nodes){again}: " + body.replace("\n", "\n  "))
             return "\n".join(lines)
         if self.shapes:

@@ -13,7 +13,9 @@ and marks the ops it knows no pattern takes with their reason (``refusals.META``
 
 What fuses: in the forward, the GEMMs of parameters with their epilogues (stacked Q/K/V, bias, activation,
 residual add) and what the inference table matches where its intermediates are not saved; in the backward, the
-GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear).  What does not: a norm
+GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear), and torch's CPU
+attention backward, replaced by the kernels derived from the attention SMG (``derive_attention_backwards``: fed
+the O and logsumexp torch's forward saved, which is the derived forward's LSE).  What does not: a norm
 whose mean and rstd the backward reads, attention whose log-sum-exp it reads, GEMMs of two graph values (the
 weight gradients), the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``, ...), and random
 ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value the backward
@@ -29,12 +31,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from spacefusion.frontend.compiled import CompiledGraph, GraphReport
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.export import canonicalize
-from spacefusion.frontend.refusals import META, refusal
+from spacefusion.frontend.refusals import DERIVED, META, refusal
 
 aten = torch.ops.aten
 
@@ -131,9 +134,16 @@ class Stage:
         self.owner, self.gm, self.report, self.names = owner, gm, report, names
         self.expect = expect or {}
         self.run: Callable[..., Any] | None = None
+        self.derived: dict[tuple, Any] = {}  # (form and sizes) -> its derived passes and kernels, or why none
         # on the instance: Dynamo wraps the backward with ``functools.wraps``, which copies the instance's
         # ``__dict__`` (not its class's attributes) onto the wrapper aot_autograd then calls
         self._boxed_call = True
+
+    def _prepare(self, gm: fx.GraphModule) -> None:
+        """Each build's pass: the ATen graph read as torch forms, its attention backwards run as derived kernels
+        (kept across rebuilds in ``self.derived``: a weight change re-derives nothing of them)."""
+        read_aten(gm)
+        self.report.derived = derive_attention_backwards(gm, self.owner.kernels, self.derived)
 
     def _build(self, args: list[Any]) -> Callable[..., Any]:
         if self.report.skipped:
@@ -146,12 +156,12 @@ class Stage:
                 self.report.skipped = f"input {i} is not the weight Dynamo gave at that position: weights unknown"
                 return self.gm.forward
         try:
-            compiled = CompiledGraph(self.owner, self.gm, args, self.report, self.names, prepare=read_aten)
+            compiled = CompiledGraph(self.owner, self.gm, args, self.report, self.names, prepare=self._prepare)
         except FrontendError as exc:
             self.report.skipped = str(exc)
             return self.gm.forward
         except Exception as exc:  # a graph we could not fuse runs as aot_autograd traced it, reported
-            self.report.skipped = f"{type(exc).__name__}: {exc}"
+            self.report.skipped = f"{type(exc).__name__}: {first_line(exc)}"
             return self.gm.forward
         self.owner.compiled.append(compiled)
         return self.gm.forward if compiled.plain else compiled
@@ -162,6 +172,12 @@ class Stage:
         if self.run is None:
             self.run = self._build(list(args))
         return self.run(*args)
+
+
+def first_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's first line, cut to ``limit`` characters: a report line, not torch's stack of frames."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _output_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -249,7 +265,7 @@ def read_aten(gm: fx.GraphModule) -> int:
                 changed += 1
             else:
                 _mark(node, "left.saved_lse", "attention whose log-sum-exp the backward reads: torch's forward "
-                      "saves it for its backward")
+                      "runs it and saves O and the LSE (the derived backward reads them as they are)")
         elif t in BACKWARD_OPS:
             _mark(node, "left.backward_op", f"{t.overloadpacket.__name__}: an ATen backward op no pattern covers")
         elif t in RANDOM_OPS:
@@ -263,3 +279,101 @@ def read_aten(gm: fx.GraphModule) -> int:
     g.lint()
     gm.recompile()
     return changed + canonicalize(gm)
+
+
+#: the attention backward whose derived kernels replace it: torch's CPU flash attention's, whose saved
+#: logsumexp is the derived forward's ``LSE`` (the row max plus the log of the row sum of exp of the scaled
+#: scores, float32 [b, h, m]); the GPU forms save theirs with other layouts and RNG state (not wired yet)
+CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class DerivedAttentionBackward(nn.Module):
+    """torch's CPU flash attention backward as the kernels ``smg.autodiff.derive_backward`` derives from the
+    attention SMG and ``schedulers.passes.backward_passes`` cuts (Delta, dQ, dK_dV), each built by the
+    stage's kernel backend.  Takes the backward op's (grad_out, q, k, v, out, logsumexp) and returns (dQ, dK,
+    dV) in q's, k's and v's shapes, strides and dtypes: O and LSE are those torch's forward saved."""
+
+    def __init__(self, bw: Any, passes: Sequence[Any], kernels: Sequence[Any]) -> None:
+        super().__init__()
+        self.passes, self.kernels = tuple(passes), tuple(kernels)
+        self.seed = dict(bw.seeds)["O"]
+        self.grads = dict(bw.grads)
+        sizes = bw.graph.dim_sizes
+        spaces = {sp.name: sp for g in (bw.forward, bw.graph) for sp in g.spaces}
+        self.shapes = {n: tuple(sizes[d] for d in spaces[n].dims) for p in self.passes for n in p.smg.inputs}
+
+    def forward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if any(isinstance(x, FakeTensor) for x in (grad_out, q, k, v)):  # shape propagation: no kernel runs
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        env = {"Q": q, "K": k, "V": v, "O": out, "LSE": lse, self.seed: grad_out}
+        for p, kernel in zip(self.passes, self.kernels):
+            env |= kernel({n: env[n].contiguous().reshape(self.shapes[n]) for n in p.smg.inputs})
+        # each gradient laid out as its input (torch's op does so, and the graph's views after it rely on it)
+        return tuple(torch.empty_like(x).copy_(env[self.grads[n]].reshape(x.shape))
+                     for n, x in (("Q", q), ("K", k), ("V", v)))
+
+
+def _derived_form(node: fx.Node) -> tuple[tuple | None, str]:
+    """(the derived attention's key: batch, heads, kv heads, m, l, d, causal, scale, dtype; or None, why not)."""
+    grad_out, q, k, v, out, lse, *rest = node.args
+    dropout, causal = (list(rest) + [0.0, False])[:2]
+    vals = [x.meta.get("val") if isinstance(x, fx.Node) else None for x in (q, k, v)]
+    if dropout or node.kwargs.get("attn_mask") is not None:
+        return None, "attention with dropout or a mask: the derived backward takes neither yet"
+    if any(x is None or x.dim() != 4 for x in vals):
+        return None, "attention on tensors that are not [batch, heads, seq, head_dim]"
+    (b, h, m, d), (_, hk, n, dk), (_, hv, nv, dv) = (tuple(x.shape) for x in vals)
+    from spacefusion.frontend.graph import DTYPES
+
+    dtype = DTYPES.get(vals[0].dtype)
+    if dtype is None or not all(isinstance(z, int) for z in (b, h, m, d, hk, n)) or dk != d or dv != d \
+            or hv != hk or nv != n or h % hk:
+        return None, "attention of unequal head dims, symbolic sizes or an unsupported dtype"
+    scale = node.kwargs.get("scale")
+    return (b, h, hk, m, n, d, bool(causal), 1.0 / d**0.5 if scale is None else float(scale), dtype), ""
+
+
+def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, Any]) -> list[str]:
+    """Replace every CPU flash attention backward of ``gm`` by a ``DerivedAttentionBackward`` built on
+    ``kernels`` (a kernel backend); one that cannot be derived or built for its shape stays torch's op,
+    marked with why (``left.derived_backward``).  ``cache``: per form, the derived passes and their kernels
+    (or the reason none), kept by the caller across rebuilds.  Returns one line per replaced op."""
+    from schedulers.passes import backward_passes
+    from smg.autodiff import derive_backward
+    from smg.patterns import attention
+
+    lines: list[str] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not CPU_FLASH_BACKWARD:
+            continue
+        key, why = _derived_form(node)
+        if key is not None and key not in cache:
+            b, h, hk, m, n, d, causal, scale, dtype = key
+            try:
+                bw = derive_backward(attention(b, h, m, n, d, kv_heads=hk, causal=causal, dtype=dtype, scale=scale))
+                passes = backward_passes(bw)
+                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
+            except Exception as exc:  # not derivable or not schedulable for this shape: torch's op, said so
+                cache[key] = f"its derived kernels could not be built: {type(exc).__name__}: {first_line(exc)}"
+        found = cache.get(key) if key is not None else why
+        if isinstance(found, str):
+            _mark(node, "left.derived_backward", f"torch's attention backward: {found}")
+            continue
+        bw, passes, built = found
+        name = f"derived_attention_backward_{len(lines)}"
+        gm.add_submodule(name, DerivedAttentionBackward(bw, passes, built))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, tuple(node.args[:6]))
+        call.meta = dict(node.meta)
+        call.meta.pop(META, None)
+        call.meta[DERIVED] = True
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        b, h, hk, m, n, d, causal, _, dtype = key
+        heads = f"h{h}" + (f" (kv {hk})" if hk != h else "")
+        lines.append(f"attention backward b{b} {heads} m{m} l{n} d{d} {dtype}{' causal' if causal else ''}: "
+                     f"{len(passes)} kernels ({', '.join(p.name for p in passes)})")
+    gm.graph.lint()
+    gm.recompile()
+    return lines

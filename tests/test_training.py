@@ -93,8 +93,9 @@ def test_training_steps_match_eager(name: str, target: str) -> None:
     assert sum(n for k, n in _kinds(fw).items() if "gemm" in k) >= 3, str(backend)
     assert _kinds(fw)["stacked_gemm"] >= 1, str(backend)
     assert _kinds(bw)["gemm"] >= 4, str(backend)
-    # each SGD step wrote the baked weights in place: both graphs derived their constants again, every step
-    assert fw.rebuilds == bw.rebuilds == 2, str(backend)
+    # each SGD step wrote the weights in place: both graphs read them again, neither partitioned again
+    assert fw.rebuilds == bw.rebuilds == 0, str(backend)
+    assert fw.refreshes == bw.refreshes == 2 and fw.operands_refreshed and bw.operands_refreshed, str(backend)
     # torch's attention backward replaced by the kernels derived from the attention SMG, fed torch's O and LSE
     assert len(bw.derived) == 1 and "attention backward" in bw.derived[0], str(backend)
     assert "3 kernels (Delta, dQ, dK_dV)" in bw.derived[0] and ("causal" in bw.derived[0]) == (name == "llama")
@@ -212,3 +213,91 @@ def test_read_aten_rewrites_what_autograd_writes() -> None:
     assert aten.clone.default in targets, gm.graph  # returned: not made an alias
     for a, b_ in zip(gm(xs), want):
         torch.testing.assert_close(a, b_)
+
+
+class _Counting:
+    """Counts the calls of ``fused.partition`` and of ``FusedKernel`` builds (each partition of a graph, each
+    kernel operand set derived from scratch), so a test can say none happened over some steps."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import spacefusion.frontend.fused as fused
+
+        self.partitions = self.kernels = 0
+        partition, init = fused.partition, fused.FusedKernel.__init__
+
+        def counted_partition(*args: object, **kwargs: object) -> object:
+            self.partitions += 1
+            return partition(*args, **kwargs)
+
+        def counted_init(kernel: object, *args: object, **kwargs: object) -> None:
+            self.kernels += 1
+            init(kernel, *args, **kwargs)
+
+        monkeypatch.setattr(fused, "partition", counted_partition)
+        monkeypatch.setattr(fused.FusedKernel, "__init__", counted_init)
+
+    def now(self) -> tuple[int, int]:
+        return self.partitions, self.kernels
+
+
+@pytest.mark.parametrize("name,target", [("bert", "llvm"), ("llama", "reference")])
+def test_optimiser_steps_after_warm_up_do_not_partition_again(name: str, target: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first step built both graphs, N SGD steps (each writing every weight in place) partition
+    nothing and build no kernel: each call reads its weights again (``CompiledGraph._refresh``); losses and
+    gradients stay eager's over every step."""
+    counts = _Counting(monkeypatch)
+    model = _model(name)
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend(target)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    opt, opt_e = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    got, want, warm = [], [], None
+    steps = 5
+    for i in range(steps):
+        for m, run, o, out in ((model, compiled, opt, got), (eager, eager, opt_e, want)):
+            o.zero_grad()
+            loss = _loss(run, _ids(2, 16, seed=2 + i))
+            loss.backward()
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            o.step()
+        if i == 0:
+            warm = counts.now()
+            assert warm[0] == 2 and warm[1] > 0, warm  # the forward's and the backward's partition, built once
+    _compare(got, want)
+    assert counts.now() == warm, f"{steps - 1} steps after warm-up: (partitions, kernels) {warm} -> {counts.now()}"
+    fw, bw = backend.graphs[0].forward, backend.graphs[0].backward
+    assert fw.rebuilds == bw.rebuilds == 0, str(backend)
+    assert fw.refreshes == bw.refreshes == steps - 1, str(backend)
+    assert "written in place" in fw.refreshed and "without a new partition" in str(backend), str(backend)
+
+
+def test_weights_edited_through_data_between_steps_give_eager_s_gradients() -> None:
+    """Weights written through ``.data`` between steps (no optimiser: nothing moves their version): a stacked
+    Q/K/V operand's, a GEMM's whose buffer is a copy, an embedding torch runs, and one whose storage is
+    replaced (``.data = t``).  Each following step's loss and gradients are eager's on the edited weights."""
+    model = _model("bert")
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend("reference")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+
+    def edit(m: torch.nn.Module, i: int) -> None:
+        layer = m.encoder.layer[0]
+        layer.attention.self.value.weight.data.mul_(0.5 + 0.1 * i)
+        layer.output.dense.weight.data.add_(0.05)
+        m.embeddings.word_embeddings.weight.data.mul_(1.5)
+        w = layer.intermediate.dense.weight
+        w.data = w.data.flip(0).contiguous()  # other storage, other values
+
+    got, want = [], []
+    for i in range(3):
+        for m, run, out in ((model, compiled, got), (eager, eager, want)):
+            m.zero_grad()
+            loss = _loss(run, _ids(2, 16, seed=5 + i))
+            loss.backward()
+            out.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            edit(m, i)
+    _compare(got, want)
+    fw, bw = backend.graphs[0].forward, backend.graphs[0].backward
+    assert fw.rebuilds == bw.rebuilds == 0 and fw.refreshes == bw.refreshes == 2, str(backend)
+    assert ".data was read or set" in fw.refreshed, str(backend)

@@ -20,8 +20,16 @@ whose mean and rstd the backward reads, attention whose log-sum-exp it reads, GE
 weight gradients), the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``, ...), and random
 ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value the backward
 reads stays with torch (``fused._closed``: only a subgraph's results may be read outside it), so every saved
-activation is still produced.  Weights are baked and guarded as at inference (``weights.Stamp``): an optimiser
-step changes them in place, and the next call derives the constants again (said in the report).
+activation is still produced.
+
+Weights are live (``CompiledGraph(live_weights=True)``): an optimiser step writes every one of them in place,
+so a training graph is partitioned and its kernels built once, on the first call, and never again for a
+weight's value.  What torch runs reads each weight as the call's argument; a kernel operand derived from
+weights (W transposed for a GEMM, Q/K/V stacked, a norm's weight folded in) is derived again into its buffer
+on the first call after its weights moved (version, ``.data``, storage or identity: ``weights.state``), a copy
+per operand, no partition.  Nothing else is derived from weights (no BatchNorm or layer scale folded into a
+weight, no weight-only value evaluated once): it would be derived again every step, which is what running it
+costs.  The report counts the calls that read moved weights ("weights read again") apart from rebuilds.
 """
 
 from __future__ import annotations
@@ -156,7 +164,8 @@ class Stage:
                 self.report.skipped = f"input {i} is not the weight Dynamo gave at that position: weights unknown"
                 return self.gm.forward
         try:
-            compiled = CompiledGraph(self.owner, self.gm, args, self.report, self.names, prepare=self._prepare)
+            compiled = CompiledGraph(self.owner, self.gm, args, self.report, self.names, prepare=self._prepare,
+                                     live_weights=True)
         except FrontendError as exc:
             self.report.skipped = str(exc)
             return self.gm.forward

@@ -7,6 +7,7 @@ builds the kernels with TVM.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -280,15 +281,21 @@ def test_graph_break_splits_into_fused_graphs_with_reasons() -> None:
     assert "graph breaks" in str(report)
 
 
-def test_autograd_graphs_are_left_to_torch() -> None:
+def test_autograd_graphs_train_through_aot_autograd() -> None:
+    """A graph whose inputs require grad is a training step (``frontend.training``, ``tests/test_training.py``):
+    its forward fused, its gradients eager's."""
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU())
+    eager = copy.deepcopy(model)
     backend = SpaceFusionBackend("reference")
     compiled = torch.compile(model, backend=backend, dynamic=False)
     x = torch.randn(8, 32)
-    out = compiled(x)
-    out.sum().backward()  # still differentiable: torch ran it
-    assert model[0].weight.grad is not None
-    assert "inference-only" in (backend.graphs[0].skipped or "")
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    graph = backend.graphs[0]
+    assert graph.skipped is None and graph.forward is not None and graph.backward is not None, str(backend)
+    assert graph.forward.partition.counts()["gemm"] == 1, str(backend)  # linear + bias + relu: one kernel
 
 
 def test_each_compile_keeps_its_own_report() -> None:

@@ -9,7 +9,8 @@ operands (weights transposed or stacked once, at build time).  Dynamo drops the 
 rebuild after a weight change, or a new size, bakes the same weights as the first build.  A buffer the graph
 writes (a step counter, train-mode BatchNorm's running stats) is state, not a constant: it stays an input.
 
-``CompiledGraph`` rebuilds its constants when a baked weight changed in any way (``weights.Stamp``).
+``CompiledGraph`` rebuilds its constants when a baked weight changed in any way (``weights.Stamp``); a
+training graph's (``live_weights``) reads changed weights again without a new partition (``_refresh``).
 ``PerShape`` serves a graph with symbolic sizes (torch.compile's automatic dynamic shapes after a
 recompile): each call's sizes pick a ``CompiledGraph`` of the graph specialised to them
 (``specialize.concrete``), built on the first call with those sizes; kernels of SMGs already built (the
@@ -25,7 +26,7 @@ import logging
 import re
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
 from spacefusion.frontend.capture import Captured
 from spacefusion.frontend.errors import FrontendError
-from spacefusion.frontend.fused import FusedModel, fuse_captured
+from spacefusion.frontend.fused import FusedKernel, FusedModel, fuse_captured
 from spacefusion.frontend.noops import drop_noops, merge_repeated_activations
 from spacefusion.frontend.projections import split_projections
 from spacefusion.frontend.records import Partition
@@ -104,6 +105,40 @@ def lift_parameters(gm: fx.GraphModule, example_inputs: Sequence[Any], names: di
     gm.graph.lint()
     gm.recompile()
     return baked
+
+
+def _weight_refs(gm: fx.GraphModule, baked: dict[int, torch.Tensor]) -> dict[str, int]:
+    """{a ``get_attr`` target of ``gm``: the argument position of the weight it reads} for the weights
+    ``lift_parameters`` baked (by identity: a name may carry a suffix where two sources shared one path)."""
+    at = {id(t): i for i, t in baked.items()}
+    refs: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and id(value) in at:
+                refs[str(node.target)] = at[id(value)]
+    return refs
+
+
+def _read_weights_as_arguments(gm: fx.GraphModule, refs: dict[str, int]) -> int:
+    """Each ``get_attr`` of a weight in ``refs`` that torch still runs replaced by the placeholder of its
+    argument position: what torch computes reads the call's weight, whatever tensor or values it now has
+    (the placeholders are Dynamo's calling convention, kept through the rewrite).  Returns how many."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    done = 0
+    for node in list(gm.graph.nodes):
+        i = refs.get(str(node.target)) if node.op == "get_attr" else None
+        if i is None or i >= len(placeholders):
+            continue
+        node.replace_all_uses_with(placeholders[i])
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
 
 
 def propagate_shapes(gm: fx.GraphModule, args: Sequence[Any]) -> None:
@@ -181,6 +216,18 @@ class GraphReport:
     #: why its constants were last derived again (a weight changed: ``weights.Stamp.changed``)
     rebuilt: str | None = None
     rebuilds: int = 0
+    #: live weights (a training graph) that moved: read again without a new partition (``CompiledGraph._refresh``):
+    #: how many calls, how many kernel operands were derived again over them, and the last call's reason
+    refreshes: int = 0
+    operands_refreshed: int = 0
+    refreshed: str | None = None
+    #: a training graph (autograd on for its inputs): the reports of the forward and the backward ATen graphs
+    #: aot_autograd split it into (``frontend.training``); each is fused on its first call
+    forward: GraphReport | None = None
+    backward: GraphReport | None = None
+    #: ops replaced by kernels derived from their SMG (a training backward's attention backward,
+    #: ``training.derive_attention_backwards``), one line each: what runs, as how many kernels
+    derived: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         head = f"graph {self.index} ({self.nodes} nodes)"
@@ -190,6 +237,22 @@ class GraphReport:
             head += f", launched kernel by kernel: {self.not_replayed}"
         if self.rebuilds:
             head += f", constants derived again {self.rebuilds}x (last: {self.rebuilt})"
+        if self.forward is not None or self.backward is not None:
+            lines = [f"{head}: a training step, split by aot_autograd into a forward and a backward ATen graph"]
+            for stage, r in (("forward", self.forward), ("backward", self.backward)):
+                if r is None or (r.partition is None and not r.skipped):
+                    lines.append(f"  {stage}: not compiled yet (built on its first call)")
+                    continue
+                again = f", constants derived again {r.rebuilds}x (last: {r.rebuilt})" if r.rebuilds else ""
+                if r.refreshes:
+                    again += (f", weights read again {r.refreshes}x without a new partition ({r.operands_refreshed} "
+                              f"kernel operands derived again; last: {r.refreshed})")
+                body = f"left to torch: {r.skipped}" if r.skipped else str(r.partition)
+                if r.derived and not r.skipped:
+                    body += "\nderived from the SMG (smg.autodiff), not a table row:"
+                    body += "".join(f"\n  {line}" for line in r.derived)
+                lines.append(f"  {stage} ({r.nodes} nodes){again}: " + body.replace("\n", "\n  "))
+            return "\n".join(lines)
         if self.shapes:
             lines = [f"{head}: symbolic sizes, specialised to {len(self.shapes)} set(s) of sizes"]
             for sizes, r in self.shapes.items():
@@ -199,7 +262,9 @@ class GraphReport:
         return f"{head}: left to torch: {self.skipped}" if self.skipped else f"{head}: {self.partition}"
 
     def partitions(self) -> list[Partition]:
-        """This graph's partitions: its own, or one per specialisation."""
+        """This graph's partitions: its own, one per specialisation, or its forward's and backward's."""
+        if self.forward is not None or self.backward is not None:
+            return [p for r in (self.forward, self.backward) if r is not None for p in r.partitions()]
         if self.shapes:
             return [r.partition for r in self.shapes.values() if r.partition is not None]
         return [self.partition] if self.partition is not None else []
@@ -224,11 +289,21 @@ class CompiledGraph:
     baked tensors and derived constants) for as long as Dynamo keeps the graph."""
 
     __slots__ = ("owner", "gm", "report", "names", "written", "builds", "seen", "fused", "run", "stamp", "replay",
-                 "__weakref__")
+                 "prepare", "live", "refs", "kernels", "__weakref__")
 
     def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
-                 names: dict[int, str]) -> None:
+                 names: dict[int, str], prepare: Callable[[fx.GraphModule], Any] | None = None,
+                 live_weights: bool = False) -> None:
         self.owner, self.gm, self.report, self.names = owner, gm, report, names
+        #: a training graph's weights change every step: what torch runs reads them as the call's arguments,
+        #: the kernels' operands derived from them are derived again into their buffers when they moved
+        #: (``_refresh``), and the graph is partitioned again only where that cannot be (``_switch``)
+        self.live = live_weights
+        #: {the qualified name a kernel operand reads a weight by: the argument position it comes from}
+        self.refs: dict[str, int] = {}
+        #: a pass over each build's graph once its weights are lifted, before shapes are propagated: an ATen
+        #: graph of a training step read as the torch-level graph the matchers know (``training.read_aten``)
+        self.prepare = prepare
         self.written = mutated_inputs(gm)
         self.builds: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
         self.seen: OrderedDict[tuple[int, ...], tuple[weakref.ref, ...]] = OrderedDict()
@@ -281,17 +356,24 @@ class CompiledGraph:
     def _derive(self, example_inputs: list[Any]) -> None:
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # the lifted get_attrs are per compile
         baked = lift_parameters(gm, example_inputs, self.names, keep=self.written)
+        self.refs = _weight_refs(gm, baked)
+        if self.prepare is not None:
+            self.prepare(gm)
         shaped = unwritten_copies(example_inputs, self.written)
         with torch.no_grad():
             propagate_shapes(gm, shaped)
-            if split_projections(gm):  # new nodes: their shapes
+            # (live weights: a chunk of a weight made a constant would be derived again every step)
+            if not self.live and split_projections(gm):  # new nodes: their shapes
                 propagate_shapes(gm, unwritten_copies(example_inputs, self.written))
         drop_noops(gm)
         merge_repeated_activations(gm)
         fused = fuse_captured(Captured(gm, tuple(example_inputs)), self.owner.kernels, self.owner.verbose,
-                              baked_weights=True)
+                              baked_weights=True, live_weights=self.live)
+        if self.live:
+            _read_weights_as_arguments(fused.graph_module, self.refs)
         self.report.partition = fused.partition
         self.fused: FusedModel = fused
+        self.kernels = [m for m in fused.graph_module.modules() if isinstance(m, FusedKernel)]
         self.run = fused.graph_module.forward
         self.stamp = Stamp.take(baked)
         self._capture(example_inputs)
@@ -316,9 +398,31 @@ class CompiledGraph:
         """Nothing fused and no CUDA graph: torch's own graph does the same, without the guard's cost."""
         return not self.fused.partition.subgraphs and self.replay is None
 
+    def _refresh(self, args: Sequence[Any], why: str) -> bool:
+        """Live weights that moved (``why``): each kernel operand derived from one derived again into its
+        buffer (``FusedKernel.refresh``), the stamp taken again; no partition, no build.  False where an
+        operand would change its shape or dtype (the caller then builds the graph again)."""
+        weights = {ref: args[i] for ref, i in self.refs.items()}
+        done, moved = 0, False
+        try:
+            with own_reads(), torch.no_grad():
+                for fk in self.kernels:
+                    n, m = fk.refresh(weights)
+                    done, moved = done + n, moved or m
+        except ValueError as exc:
+            self.report.refreshed = f"{why}, not refreshed: {exc}"
+            return False
+        self.stamp = Stamp.take({i: args[i] for i in self.stamp.positions})
+        r = self.report
+        r.refreshed, r.refreshes, r.operands_refreshed = why, r.refreshes + 1, r.operands_refreshed + done
+        if moved and self.replay is not None:  # a buffer at another address: the CUDA graph read the old one
+            self._capture(list(args))
+        return True
+
     def __call__(self, *args: Any) -> Any:
         why = self.stamp.changed(args)
-        if why is not None:  # other weights than those baked, or changed: another build, or a new one
+        if why is not None and not (self.live and self._refresh(args, why)):
+            # other weights than those baked, or changed: another build, or a new one
             self._switch(args, why)
         if self.replay is not None:
             if not self.replay.captures(args):  # another static-address tensor (a new cache): capture again

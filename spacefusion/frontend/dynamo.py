@@ -127,9 +127,14 @@ class SpaceFusionBackend:
         self._resolve(example_inputs)
         kernels = self.kernels  # a target that cannot run here (cuda without a GPU) is an error, not a fallback
         if any(isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() for x in example_inputs) \
-                and not self.export_only:
-            report.skipped = "autograd is on for its inputs: the fused kernels are inference-only (use torch.no_grad)"
-            return gm.forward
+                and not self.export_only:  # a training step: aot_autograd's forward and backward, each fused
+            from spacefusion.frontend.training import compile_training, first_line
+
+            try:
+                return compile_training(self, gm, example_inputs, report, parameter_names(gm))
+            except Exception as exc:  # aot_autograd could not trace it: torch runs Dynamo's graph, reported
+                report.skipped = f"aot_autograd failed on this training graph: {type(exc).__name__}: {first_line(exc)}"
+                return gm.forward
         signatures: list[str] = []
         if hasattr(kernels, "warm_up"):  # export workers importing while this graph is partitioned
             signatures = [graph_signature(gm, example_inputs)] + [s for s in (self.model_signature,) if s]

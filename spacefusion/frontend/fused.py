@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,29 +22,69 @@ from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Subgraph
 from spacefusion.frontend.scale_fold import fold_layer_scales
 from spacefusion.frontend.sequence import launches
+from spacefusion.frontend.weights import state
 
 
 class FusedKernel(nn.Module):
     """One fused subgraph: views its graph inputs with the SMG's shapes, adds the parameter operands
-    (kept as buffers, W transposed once), runs the kernel and views the outputs back."""
+    (kept as buffers, W transposed once), runs the kernel and views the outputs back.
+
+    A parameter operand is derived from weights (transposed, stacked, a norm folded in); ``refresh`` derives
+    again those whose weights moved, into the same buffers, so a training graph, whose weights an optimiser
+    writes every step, pays one copy per changed operand and never a new partition."""
 
     def __init__(self, sub: Subgraph, kernel: Kernel, root: nn.Module) -> None:
         super().__init__()
         self.sub, self.kernel = sub, kernel
         self.values = tuple(_unique(op for op in sub.operands if op.source == "value"))
         self.consts = tuple(op.space for op in sub.operands if op.source == "param")
+        #: per parameter operand: (the operand, its weights' references, their ``weights.state`` when derived,
+        #: whether its buffer is a view of a weight rather than a copy)
+        self.derived: dict[str, tuple[Operand, tuple[str, ...], tuple, bool]] = {}
+        get = self._own = functools.partial(_attr, root)  # the tensors it was built on
         for op in sub.operands:
-            if op.source == "param" and (op.conv or op.fold_bn):
-                self.register_buffer(op.space, _conv_param(root, op), persistent=False)
-            elif op.source == "param":
-                ts = [_attr(root, ref).detach() for ref in (op.stack or (op.ref,))]
-                ts = [t[op.rows[0]:op.rows[1]] for t in ts] if op.rows else ts
-                ts = [t.reshape(t.shape[0], -1).t() if op.transpose else t for t in ts]
-                t = torch.stack(ts) if op.stack else ts[0]
-                t = _fold_norm(root, t, op.fold_norm) if op.fold_norm else t
-                self.register_buffer(op.space, t.contiguous().reshape(op.shape), persistent=False)
+            if op.source != "param" or op.space in self.derived:
+                continue
+            refs = _sources(op)
+            tensors = [get(r) for r in refs]
+            value = _param_value(get, op)
+            self.register_buffer(op.space, value, persistent=False)
+            self.derived[op.space] = (op, refs, tuple(state(t) for t in tensors), _aliases(value, tensors))
 
         self._fast: Any = None
+
+    def refresh(self, weights: Mapping[str, torch.Tensor]) -> tuple[int, bool]:
+        """Derive again each parameter operand whose weights moved since it was derived (another tensor, an
+        in-place write, a write through ``.data``: ``weights.state``), reading them from ``weights`` (by
+        qualified name; a name not there: the tensor it was built on, a constant of the graph's own).  A copy
+        goes into the buffer it had (its address kept: a captured CUDA graph reads it there); a buffer that views
+        its weight is
+        viewed again only where the weight's storage moved.  Returns (operands derived again, whether a
+        buffer now lies at another address).  Raises ``ValueError`` where an operand would change its
+        shape, dtype or device: that is another graph, to partition again."""
+        done, moved = 0, False
+        for space, (op, refs, was, alias) in self.derived.items():
+            old = self._buffers[space]
+            tensors = [weights[r] if r in weights else self._own(r) for r in refs]
+            now = tuple(state(t) for t in tensors)
+            if now == was:
+                continue
+            value = _param_value(dict(zip(refs, tensors)).__getitem__, op)
+            if value.shape != old.shape or value.dtype != old.dtype or value.device != old.device:
+                raise ValueError(f"operand {space} of {self.sub.label} would be {tuple(value.shape)} "
+                                 f"{value.dtype} on {value.device}, was {tuple(old.shape)} {old.dtype} "
+                                 f"on {old.device}")
+            viewed = _aliases(value, tensors)
+            if viewed or alias:  # a view of the weight: never written into (it would write the weight)
+                if value.data_ptr() != old.data_ptr():
+                    self._buffers[space], moved = value, True
+            else:
+                old.copy_(value)
+            self.derived[space] = (op, refs, now, viewed)
+            done += 1
+        if moved:
+            self._fast = None  # a GPU lean call holds no buffers, but its plan is cheap to make again
+        return done, moved
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fast is None:
@@ -111,34 +153,64 @@ class FusedKernel(nn.Module):
         return lean
 
 
-def _fold_norm(root: nn.Module, w: torch.Tensor, fold: tuple[str, float]) -> torch.Tensor:
+def _sources(op: Operand) -> tuple[str, ...]:
+    """The references of the weights a parameter operand is derived from (in a fixed order)."""
+    refs = list(op.stack or (op.ref,))
+    if op.fold_norm:
+        refs.append(op.fold_norm[0])
+    if op.fold_bn:
+        refs += [r for r in op.fold_bn[:4] if isinstance(r, str)]
+    return tuple(dict.fromkeys(r for r in refs if r))
+
+
+def _aliases(value: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether ``value`` lies in one of ``weights``' storage (a view of it, not a copy)."""
+    ptr = value.untyped_storage().data_ptr()
+    return any(w.untyped_storage().data_ptr() == ptr for w in weights)
+
+
+def _param_value(get: Callable[[str], torch.Tensor], op: Operand) -> torch.Tensor:
+    """A parameter operand's tensor derived from its weights (``get``: a reference's tensor): a conv's
+    implicit-GEMM B (``_conv_param``), else the rows taken, each transposed, stacked, a norm folded in, laid
+    out contiguous in the space's shape (a view of the weight where that is one already)."""
+    if op.conv or op.fold_bn:
+        return _conv_param(get, op)
+    ts = [get(ref).detach() for ref in (op.stack or (op.ref,))]
+    ts = [t[op.rows[0]:op.rows[1]] for t in ts] if op.rows else ts
+    ts = [t.reshape(t.shape[0], -1).t() if op.transpose else t for t in ts]
+    t = torch.stack(ts) if op.stack else ts[0]
+    t = _fold_norm(get, t, op.fold_norm) if op.fold_norm else t
+    return t.contiguous().reshape(op.shape)
+
+
+def _fold_norm(get: Callable[[str], torch.Tensor], w: torch.Tensor, fold: tuple[str, float]) -> torch.Tensor:
     """A linear weight [.., n, k] times its norm's ``offset + g[k]`` (in float32, then back to its dtype): the
     norm's affine part folded into the GEMM that takes the norm as its prologue."""
     ref, offset = fold
-    g = _attr(root, ref).detach().float() + offset
+    g = get(ref).detach().float() + offset
     return (w.float() * g).to(w.dtype)
 
 
-def _conv_param(root: nn.Module, op: Operand) -> torch.Tensor:
+def _conv_param(get: Callable[[str], torch.Tensor], op: Operand) -> torch.Tensor:
     """A convolution's weight as the implicit GEMM's B [kh * kw * c, co] (a conv1d's [co, c, k] as [k * c, co];
     after an upsampling: merged per output parity, ``fold_upsample``), or its bias, with an inference BatchNorm
     folded in (in float32, then back to the weight's dtype); the bias of a conv without one, under a BatchNorm
     (``ref`` ""), starts from zeros."""
     ref = op.ref or op.fold_bn[0]
-    like = _attr(root, ref).detach()
-    t = _attr(root, op.ref).detach().float() if op.ref else torch.zeros(op.shape, device=like.device)
+    like = get(ref).detach()
+    t = get(op.ref).detach().float() if op.ref else torch.zeros(op.shape, device=like.device)
     if op.conv and t.dim() == 3:  # a conv1d's [co, c, k]: the 2-D conv's weight one row high
         t = t.unsqueeze(2)
     if op.fold_bn:
         mean, var, w, b, eps = op.fold_bn
-        scale, shift = fold_batchnorm(lambda ref: _attr(root, ref), mean, var, w, b, float(eps))
+        scale, shift = fold_batchnorm(get, mean, var, w, b, float(eps))
         t = t * scale[:, None, None, None] if op.conv else t * scale + shift
     if op.conv:
         t = t.permute(2, 3, 1, 0)
     if op.fold_upsample:
         fold = torch.tensor(upsample_fold(*op.fold_upsample), dtype=t.dtype, device=t.device)
         t = torch.einsum("aty,bux,yxco->abtuco", fold, fold, t)
-    dt = _attr(root, op.ref).dtype if op.ref else like.dtype
+    dt = get(op.ref).dtype if op.ref else like.dtype
     return t.contiguous().reshape(op.shape).to(dt)
 
 
@@ -315,13 +387,18 @@ def fuse(model: nn.Module, *args: Any, backend: Any = "llvm", verbose: bool = Fa
 
 
 def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
-                  baked_weights: bool = False) -> FusedModel:
+                  baked_weights: bool = False, live_weights: bool = False) -> FusedModel:
     """Partition a captured graph (its nodes carry ``tensor_meta``, its parameters are ``get_attr`` nodes),
     build its kernels on ``backend`` and return it rewritten with one call per fused subgraph.  A subgraph
     whose kernel cannot be built stays with torch, with the reason in the partition.  ``baked_weights``:
-    the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too."""
-    fold_bn_into_left_convs(cap.module)
-    fold_layer_scales(cap.module)
+    the caller rebuilds when a weight changes, so what torch computes from weights alone is folded too.
+    ``live_weights`` (a training graph: the weights change every step, and the caller refreshes the kernels'
+    operands, ``FusedKernel.refresh``, rather than rebuild): nothing derived from weights is made a constant
+    of the graph (a BatchNorm or a layer scale folded into a weight, what torch computes from weights
+    alone); it would be derived again every step, which is what running it costs."""
+    if not live_weights:
+        fold_bn_into_left_convs(cap.module)
+        fold_layer_scales(cap.module)
     be = get_backend(backend)
     part = partition(cap.module, getattr(be, "layout_of", None), getattr(be, "library_first", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}
@@ -344,7 +421,7 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     for n in cap.module.graph.nodes:  # the names the report gives, kept through the rewrite's copies
         n.meta[ORIGIN] = n.name
     module = rewrite(cap.module, kernels)
-    dead, folded = set(remove_dead(module)), set(fold_constants(module, weights=baked_weights))
+    dead, folded = set(remove_dead(module)), set(fold_constants(module, weights=baked_weights and not live_weights))
     left = [dataclasses.replace(op, reason=DEAD, code="left.dead") if op.node in dead else
             dataclasses.replace(op, reason=FOLDED, code="left.folded") if op.node in folded else op for op in left]
     splits = getattr(be, "splits", {})

@@ -12,7 +12,8 @@ from spacefusion.frontend.graph import call_name
 from spacefusion.frontend.matchers import Context, LayoutOf, default_layout_of
 from spacefusion.frontend.reasons import classify
 from spacefusion.frontend.records import LeftOp, Partition, Subgraph
-from spacefusion.frontend.refusals import Refusal
+from spacefusion.frontend.refusals import DERIVED, Refusal
+from spacefusion.frontend.refusals import META as REFUSAL_META
 from spacefusion.frontend.table import ROWS
 
 
@@ -44,8 +45,8 @@ def partition(gm: fx.GraphModule, layout_of: LayoutOf | None = None,
     found.sort(key=lambda s: max(order[n] for n in s.nodes))
     left = []
     for n in calls:
-        if n.name not in ctx.claimed:
-            why = ctx.refused.get(n.name) or _classify(n, gm)
+        if n.name not in ctx.claimed and not n.meta.get(DERIVED):
+            why = ctx.refused.get(n.name) or n.meta.get(REFUSAL_META) or _classify(n, gm)
             folded = f" ({n.meta[BN_FOLDED]})" if n.meta.get(BN_FOLDED) else ""
             left.append(LeftOp(n.name, call_name(n, gm), why.sentence + folded, why.code))
     return Partition(tuple(found), tuple(left), layouts=tuple(ctx.layouts.items()))

@@ -63,10 +63,25 @@ CODES: dict[str, str] = {
     "left.elementwise": "an element-wise op with no fusable neighbour",
     "left.no_pattern": "an op no pattern covers",
     "left.unclassified": "an op whose classification failed",
+    # a training step's ATen graphs (``frontend.training``)
+    "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads: the fused norm has no such output",
+    "left.saved_lse": "attention whose row log-sum-exp the backward reads, where no derived forward outputs it",
+    "left.value_gemm": "a GEMM of two graph values (a weight gradient): no pattern takes a GEMM without a weight",
+    "left.backward_op": "an ATen backward op (gelu_backward, native_layer_norm_backward, ...) no pattern covers",
+    "left.derived_backward": "an attention backward whose derived kernels (smg.autodiff) could not be built",
+    "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",
     "left.kernel_build": "a fused subgraph whose kernel could not be built",
     "left.dead": "unused once the kernels took its readers: removed (not run per call)",
     "left.folded": "reads no input: evaluated once at compile time (not run per call)",
 }
+
+
+#: an fx node's ``meta`` key under which a pass that read the graph before the partition (``training.read_aten``)
+#: leaves the ``Refusal`` of a node it knows no pattern will take, and why (the partition reports it as is)
+META = "spacefusion_refusal"
+#: an fx node's ``meta`` key marking a call of kernels a pass put there itself (``training``: the attention
+#: backward derived from the SMG): not left to torch, and no table row's; its stage's report says what it runs
+DERIVED = "spacefusion_derived"
 
 
 @dataclass(frozen=True)

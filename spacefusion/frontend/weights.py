@@ -85,6 +85,17 @@ def epoch() -> int:
     return _EPOCH[0]
 
 
+def state(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """What moves when ``t``'s values may have changed: its identity, its version (in-place writes), its
+    address (``.data = t``) and its ``.data`` touches (writes through ``.data``); ``t`` is watched from now on.
+    Equal states: the values derived from ``t`` are still right."""
+    n = _TOUCHES.get(t)
+    if n is None:
+        _install()
+        _TOUCHES[t] = n = 0
+    return id(t), t._version, t.data_ptr(), n
+
+
 @dataclass(frozen=True)
 class Stamp:
     """The state of the weights at the argument positions ``positions`` when constants were derived."""
@@ -117,4 +128,4 @@ class Stamp:
         return None
 
 
-__all__ = ["Stamp", "epoch", "own_reads", "watch"]
+__all__ = ["Stamp", "epoch", "own_reads", "state", "watch"]

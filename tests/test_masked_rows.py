@@ -177,3 +177,36 @@ def test_cuda_kernels_start_the_max_at_minus_infinity(dtype: str) -> None:
     src = build(first_pick(g, hardware("h100")), "cuda:sm_90a").source
     assert "CUDART_INF_F" in src
     assert "3.000000e+38" not in src
+
+
+@pytest.mark.cuda
+def test_left_padded_fp16_attention_on_the_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels as the GPU runs them (TVM builds the first pick for the device): SDPA with an fp16 float mask
+    that removes whole query rows, filled with fp16's ``finfo.min`` (HF's left padding) in one batch and with
+    -inf in the other.  Against float32 SDPA with the same mask, every row: no NaN, within fp16's error.  A row
+    of fp16's ``finfo.min`` is not uniform (-65504 + s keeps the scores' differences in float32: its softmax
+    is the unmasked one, as SDPA's); a row of -inf is 0 exactly (SDPA's value)."""
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import spacefusion
+
+    monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path))
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    torch.manual_seed(0)
+    b, h, n, d, pad = 2, 4, 128, 64, 5
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = torch.zeros(b, 1, n, n, device="cuda", dtype=torch.float16)
+    for i, fill in enumerate((float(torch.finfo(torch.float16).min), -math.inf)):
+        mask[i, :, :, :pad] = fill  # the padded keys
+        mask[i, :, :pad, :] = fill  # the padded queries: whole rows
+    with torch.no_grad():
+        got = spacefusion.compile(Attn())(q, k, v, mask).float()
+    assert not torch.isnan(got).any()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float())
+    assert (got - ref).abs().max().item() < 2e-2
+    assert got[1, :, :pad].abs().max().item() == 0.0

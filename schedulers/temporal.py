@@ -102,8 +102,8 @@ class UpdateFunction:
 
 def exp_sums(states: tuple[UpdateFunction, ...]) -> frozenset[str]:
     """The sum states whose every term is an exponential: the softmax denominators a finalize or second pass
-    divides by.  Such a sum is 0 only where every term was ``exp(-inf)`` (a row of nothing but -inf), and the
-    kernels and the interpreter then divide by 1: the row is 0, torch SDPA's value, not 0 / 0
+    divides by.  Such a sum is 0 only where every term was the exponential of -inf (a row of nothing but -inf),
+    and the kernels and the interpreter then divide by 1: the row is 0, torch SDPA's value, not 0 / 0
     (``spacefusion.lower.exprs.nonzero_sum``)."""
     return frozenset(u.state for u in states if u.combiner == "sum" and isinstance(parse(u.body), sp.exp))
 

@@ -10,17 +10,31 @@ becomes ``patterns.attention`` on Q, K, V [b, h, s, d] with scale ``alpha`` and 
 ``{s} + beta * Alibi`` over Alibi[b, h, l] (or [b, h, m, l]); the mask's mods follow it (``mask_mods``, as for
 SDPA's ``attn_mask``).  The row anchors on the ``bmm`` (the subgraph's output) and reads back to the
 ``baddbmm``; the [b * h, ...] reshapes, the transpose, the views and the softmax are taken in.
+
+DeBERTa-v2's disentangled attention folds the heads the same way with ``bmm`` and no ``baddbmm``
+(``match_bmm_attention``, a row of its own)::
+
+    s3 = torch.bmm(q3, k3.transpose(-1, -2) / scale)                  # scale: sqrt(d * factor), a constant
+    s3 = s3 + rel_att                                                 # optional: [b * h, 1 or m, l]
+    s4 = s3.view(b, h, m, l).masked_fill(~mask, finfo.min)            # optional: a boolean mask
+    o = torch.bmm(F.softmax(s4, dim=-1).view(b * h, m, l), v3)
+
+the same ``patterns.attention`` with scale ``1 / scale``, the bias an added score mod and the fill one more
+(``attention.fill_mod``).  Its relative-position bias ``rel_att`` (two ``bmm``s of Q and K against the
+projected position embeddings, each gathered by the bucketed relative positions) stays with torch: the
+gather reads its column from a tensor of indices, which no index expression of the SMG states.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import fx
 
 from smg import patterns
-from spacefusion.frontend.attention import attention_subgraph, mask_mods
-from spacefusion.frontend.canon import Call, canonical
+from spacefusion.frontend.attention import attention_subgraph, fill_mod, mask_mods
+from spacefusion.frontend.canon import Call, canonical, is_op
 from spacefusion.frontend.graph import DTYPES, dtype, permutation, shape, single_user
 from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.records import Operand, Subgraph
@@ -154,3 +168,126 @@ def match_alibi_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     return attention_subgraph(ctx, node, (*taken, *folds, *inner, node), q, k, v, (b, h, h, m, l, d), dt, causal,
                               alpha, mods, extra, label)
 
+
+
+def _constant_value(x: Any, depth: int) -> Any:
+    """The value of ``x``: itself where it is no fx node, else its op evaluated on its inputs' values where
+    every node under it is an op of constants (no input, no weight) at most ``depth`` deep; None otherwise."""
+    if not isinstance(x, fx.Node):
+        return x
+    if depth <= 0 or x.op not in ("call_function", "call_method"):
+        return None
+    values: dict[fx.Node, Any] = {}
+    for n in x.all_input_nodes:
+        values[n] = _constant_value(n, depth - 1)
+        if values[n] is None:
+            return None
+    args = fx.node.map_arg(x.args, lambda n: values[n])
+    kwargs = fx.node.map_arg(x.kwargs, lambda n: values[n])
+    try:
+        return x.target(*args, **kwargs) if x.op == "call_function" else getattr(args[0], x.target)(*args[1:], **kwargs)
+    except Exception:  # not an op of numbers: no constant
+        return None
+
+
+def _constant_number(x: Any, depth: int = 8) -> float | None:
+    """The number ``x`` is: a Python number, or a one-element tensor computed from constants alone
+    (``torch.sqrt(torch.tensor(d) * f).to(dtype)``, DeBERTa's scale) evaluated here; None otherwise (a value
+    that reads an input or a weight, or is more than ``depth`` ops deep)."""
+    if isinstance(x, fx.Node) and len(shape(x) or ()) != 0:
+        return None
+    out = _constant_value(x, depth)
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return float(out)
+    return float(out) if isinstance(out, int | float) and not isinstance(out, bool) else None
+
+
+def _scaled_key(kt: Any) -> tuple[list[fx.Node], fx.Node, float] | None:
+    """(nodes taken, K3, the factor on the scores) of ``K3.transpose(-1, -2)`` divided or multiplied by a
+    constant number, or not scaled at all."""
+    taken: list[fx.Node] = []
+    factor = 1.0
+    c = canonical(kt)
+    if c is not None and c.op in ("div", "mul") and len(c.args) == 2 and not c.kwargs:
+        num = _constant_number(c.args[1])
+        if num is None or num == 0.0 or not isinstance(c.args[0], fx.Node):
+            return None
+        taken.append(kt)
+        factor = 1.0 / num if c.op == "div" else num
+        kt = c.args[0]
+    perm = permutation(kt)
+    if perm is None or perm[1] != (0, 2, 1):
+        return None
+    return [*taken, kt], perm[0], factor
+
+
+def match_bmm_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """DeBERTa-v2's ``bmm(softmax(bmm(Q3, K3^T / scale) [+ bias]).view(b, h, m, l).masked_fill(mask, fill)).view(...),
+    V3)`` -> ``patterns.attention`` with the bias and the fill as score mods (in torch's order); None where
+    ``node`` is not that (BLOOM's ``baddbmm`` is ``match_alibi_attention``'s)."""
+    got = _probabilities(node)
+    if got is None:
+        return None
+    chain, s4, v3 = got
+    links: list[fx.Node] = []
+    fill = None
+    if is_op(s4, "masked_fill"):
+        a = canonical(s4).bind(("input", "mask", "value"))
+        if set(a) != {"input", "mask", "value"}:
+            return None
+        links.append(s4)
+        fill, s4 = (a["mask"], a["value"]), a["input"]
+    c = canonical(s4)
+    if c is None or c.op not in RESHAPES or not isinstance(c.args[0], fx.Node) or len(shape(s4) or ()) != 4:
+        return None
+    links.append(s4)
+    s3, bias = c.args[0], None
+    c = canonical(s3)
+    if c is not None and c.op == "add" and len(c.args) == 2 and not c.kwargs:
+        scores = [x for x in c.args if is_op(x, "bmm")]
+        if len(scores) != 1 or not all(isinstance(x, fx.Node) for x in c.args):
+            return None
+        links.append(s3)
+        bias = c.args[1] if c.args[0] is scores[0] else c.args[0]
+        s3 = scores[0]
+    if not is_op(s3, "bmm") or len(s3.args) != 2 or s3.kwargs:
+        return None
+    links.append(s3)
+    q3, kt = s3.args
+    key = _scaled_key(kt)
+    sq = shape(q3)
+    if key is None or sq is None or len(sq) != 3:
+        return None
+    k_taken, k3, scale = key
+    bh = sq[0]
+    q, k, v = _folded(q3, bh), _folded(k3, bh), _folded(v3, bh)
+    if q is None or k is None or v is None:
+        return None  # heads not folded from [b, h, s, d] values: not this pattern
+    (b, h, m, d), (_, hk, l, dk), dt = shape(q), shape(k), dtype(q)
+    if hk != h or dk != d or shape(v) != (b, h, l, d) or dt is None or shape(s4) != (b, h, m, l):
+        ctx.refuse(node, "attention.head_dims",
+                   f"bmm attention with q {shape(q)}, k {shape(k)}, v {shape(v)}, scores {shape(s4)}, dtype {dt}: "
+                   f"the pattern takes one head dim, equal heads and a float dtype")
+        return None
+    mods: tuple[patterns.ScoreMod, ...] = ()
+    extra: list[Operand] = []
+    if bias is not None:
+        got_bias = _bias(bias, b, h, m, l, 1.0, dt)
+        if isinstance(got_bias, str):
+            ctx.refuse(node, "alibi.form", got_bias.replace("ALiBi baddbmm", "bmm attention"))
+            return None
+        mods, extra = (got_bias[0],), [got_bias[1]]
+    if fill is not None:  # after the bias: torch fills the biased scores
+        got_fill = fill_mod(fill[0], fill[1], (b, h, m, l), hk, dt)
+        if isinstance(got_fill, str):
+            ctx.refuse(node, "masked_fill.form", got_fill)
+            return None
+        mods, extra = (*mods, got_fill[0]), [*extra, got_fill[1]]
+    inner = [*chain, *links, *k_taken]
+    folds = [x for x in (q3, v3, k3) if all(u in inner or u is node for u in x.users)]
+    if any(single_user(n) is None for n in inner) or not ctx.free(node, *inner, *folds):
+        return None  # the probabilities or the scores are read elsewhere (returned as attention weights)
+    label = (f"attention (bmm) b{b} h{h} {m}x{l} d{d}{' + bias' if bias is not None else ''}"
+             f"{' + masked_fill' if fill is not None else ''} {dt}")
+    return attention_subgraph(ctx, node, (*folds, *inner, node), q, k, v, (b, h, h, m, l, d), dt, False, scale,
+                              mods, extra, label)

@@ -286,8 +286,20 @@ def conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:
         return Conv(a["input"], w, b, cg * groups, 1, k, cout, _row(a.get("stride", 1), 1),
                     _row(a.get("padding", 0), 0, k), _row(a.get("dilation", 1), 1), groups, mode, dims=1)
     cout, cg, kh, kw = _param_shape(gm, w)
-    return Conv(a["input"], w, b, cg * groups, kh, kw, cout, _pair(a.get("stride", 1)), _pair(a.get("padding", 0)),
-                _pair(a.get("dilation", 1)), groups, mode)
+    return Conv(a["input"], w, b, cg * groups, kh, kw, cout, _pair(a.get("stride", 1)),
+                _square_padding(_pair(a.get("padding", 0)), (kh, kw)), _pair(a.get("dilation", 1)), groups, mode)
+
+
+def _square_padding(padding: Any, kernel: tuple[int, int]) -> Any:
+    """A 2-D conv's string padding as the numbers it means where they are symmetric: "valid" is (0, 0), "same"
+    of odd kernels ((k - 1) / 2 each side; torch allows "same" at stride 1 only, and pads an even kernel's
+    extra row and column after the image: kept as the string, refused later).  EfficientNet's 1x1 and
+    depthwise convs are written this way."""
+    if padding == "valid":
+        return 0, 0
+    if padding == "same" and all(k % 2 for k in kernel):
+        return (kernel[0] - 1) // 2, (kernel[1] - 1) // 2
+    return padding
 
 
 def patch_conv_of(node: fx.Node, gm: fx.GraphModule) -> Conv | None:

@@ -11,7 +11,7 @@ from spacefusion.frontend.canon import canonical
 from spacefusion.frontend.graph import call_name
 from spacefusion.frontend.matchers import Context, LayoutOf, default_layout_of
 from spacefusion.frontend.reasons import classify
-from spacefusion.frontend.records import LeftOp, Partition, Subgraph
+from spacefusion.frontend.records import HEAVY_OPS, LeftOp, Partition, Subgraph
 from spacefusion.frontend.refusals import DERIVED, Refusal
 from spacefusion.frontend.refusals import META as REFUSAL_META
 from spacefusion.frontend.table import ROWS
@@ -49,7 +49,8 @@ def partition(gm: fx.GraphModule, layout_of: LayoutOf | None = None,
             why = ctx.refused.get(n.name) or n.meta.get(REFUSAL_META) or _classify(n, gm)
             folded = f" ({n.meta[BN_FOLDED]})" if n.meta.get(BN_FOLDED) else ""
             left.append(LeftOp(n.name, call_name(n, gm), why.sentence + folded, why.code))
-    return Partition(tuple(found), tuple(left), layouts=tuple(ctx.layouts.items()))
+    heavy = tuple(n.name for n in calls if canon[n.name] is not None and canon[n.name].op in HEAVY_OPS)
+    return Partition(tuple(found), tuple(left), layouts=tuple(ctx.layouts.items()), heavy=heavy)
 
 
 def _classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:

@@ -26,6 +26,11 @@ ROPE = ("RoPE not in HF's rotate-half form x * cos.unsqueeze(1) + cat(-x2, x1) *
         "pattern fuses: torch runs it")
 ROPE_TABLES = ("RoPE's cos/sin tables: computed once per forward from the positions (outer product, cos, sin) and "
                "read by every layer's RoPE; no pattern covers them")
+GROUPED_MM = ("a grouped GEMM of MoE experts (rows sorted by expert, offs[e] their ends): which expert's weight a row "
+              "multiplies is read from the routing at run time, a data-dependent weight gather no index expression "
+              "of the SMG states; the router's GEMM before it and the attention are fused")
+#: canonical ops of a product of two tensors
+PRODUCTS = frozenset({"matmul", "mm", "bmm", "baddbmm", "einsum"})
 CREATION = "tensor creation (arange/zeros): no input to fuse with"
 GUARD = "trace guard on an argument specialised to None: no compute"
 ELEMENT = "element-wise op with no fusable producer or consumer pattern next to it: torch runs it"
@@ -140,6 +145,17 @@ def classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:
                            f"a linear whose weight is {'a graph input' if kind == 'input' else 'computed in the graph'}"
                            f", not a parameter the backend lifted: the GEMM patterns lay their weight out once at "
                            f"build time; torch runs it")
+    if call is not None and call.op in ("grouped_mm", "_grouped_mm", "grouped_mm_fallback"):
+        return Refusal("left.grouped_mm", GROUPED_MM)
+    if call is not None and call.op in PRODUCTS and call.op != "einsum":
+        operands = [a for a in call.args if isinstance(a, fx.Node)][-2:]
+        if len(operands) == 2 and all(weight_kind(a) == "computed" for a in operands):
+            shapes = " x ".join(str(tuple(a.meta["tensor_meta"].shape)) if a.meta.get("tensor_meta") is not None
+                                else "?" for a in operands)
+            return Refusal("left.value_gemm",
+                           f"a {call.op} of two graph values {shapes} that no attention pattern reads as its "
+                           f"scores: the GEMM patterns take a weight (a parameter laid out once at build time) "
+                           f"as B; torch runs it")
     if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
         return Refusal("left.gather", GATHER)
     if name in LAYOUT_METHODS:

@@ -103,6 +103,39 @@ class LeftOp:
     code: str = "left.no_pattern"
 
 
+#: the canonical ops (``frontend.canon``) a coverage count calls matmuls and convolutions: the FLOPs of a model
+#: (an attention call counts once; a grouped GEMM, MoE experts' ``grouped_mm``, once)
+HEAVY_OPS = frozenset({"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
+                       "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "scaled_dot_product_attention",
+                       "grouped_mm", "_grouped_mm", "grouped_mm_fallback"})
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How many of a graph's matmuls and convolutions (``HEAVY_OPS``) run in fused kernels.
+
+    ``fused``: the nodes a kept subgraph took; ``left``: those torch runs per call, each with its refusal
+    (code and sentence); ``once``: those torch does not run per call after all (dead once the kernels took
+    their readers, or folded at compile time).  ``fraction`` is fused over what runs per call (fused + left):
+    an op computed once is neither."""
+
+    fused: tuple[str, ...]
+    left: tuple[LeftOp, ...]
+    once: tuple[LeftOp, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return len(self.fused) + len(self.left)
+
+    @property
+    def fraction(self) -> float:
+        """Fused over run per call; 1.0 for a graph with none (nothing to leave)."""
+        return len(self.fused) / self.total if self.total else 1.0
+
+    def __add__(self, other: Coverage) -> Coverage:
+        return Coverage(self.fused + other.fused, self.left + other.left, self.once + other.once)
+
+
 @dataclass(frozen=True)
 class Partition:
     subgraphs: tuple[Subgraph, ...]
@@ -112,6 +145,16 @@ class Partition:
     splits: tuple[tuple[str, str], ...] = ()
     #: (conv SMG key, why it reads its image in that layout): the search's layout decisions (``frontend.layouts``)
     layouts: tuple[tuple[str, str], ...] = ()
+    #: the names of the graph's matmul and convolution nodes (``HEAVY_OPS``): what ``coverage`` counts
+    heavy: tuple[str, ...] = ()
+
+    def coverage(self) -> Coverage:
+        """The graph's matmuls and convolutions: fused, left to torch (with why) or not run per call."""
+        heavy = set(self.heavy)
+        taken = {n for s in self.subgraphs for n in s.nodes}
+        left = [op for op in self.left if op.node in heavy]
+        once = tuple(op for op in left if op.code in ("left.dead", "left.folded"))
+        return Coverage(tuple(n for n in self.heavy if n in taken), tuple(op for op in left if op not in once), once)
 
     @cached_property
     def distinct(self) -> dict[str, tuple[Subgraph, ...]]:

@@ -66,7 +66,9 @@ CODES: dict[str, str] = {
     # a training step's ATen graphs (``frontend.training``)
     "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads: the fused norm has no such output",
     "left.saved_lse": "attention whose row log-sum-exp the backward reads, where no derived forward outputs it",
-    "left.value_gemm": "a GEMM of two graph values (a weight gradient): no pattern takes a GEMM without a weight",
+    "left.value_gemm": "a GEMM of two graph values (a weight gradient, DeBERTa's content-to-position scores): no "
+                       "pattern takes a GEMM without a weight outside attention",
+    "left.grouped_mm": "a grouped GEMM of MoE experts: each row's weight is picked by data (the routing's offsets)",
     "left.backward_op": "an ATen backward op (gelu_backward, native_layer_norm_backward, ...) no pattern covers",
     "left.derived_backward": "an attention backward whose derived kernels (smg.autodiff) could not be built",
     "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",

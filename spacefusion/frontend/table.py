@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from spacefusion.frontend.alibi import match_alibi_attention
+from spacefusion.frontend.alibi import match_alibi_attention, match_bmm_attention
 from spacefusion.frontend.attention import match_attention
 from spacefusion.frontend.canon import Call
 from spacefusion.frontend.concat import match_concat
@@ -70,6 +70,8 @@ ROWS: tuple[Row, ...] = (
     Row("masked_fill_attention", _ops("matmul"), match_masked_fill_attention,
         ("attention.head_dims", "attention.mask", "masked_fill.form")),
     Row("alibi_attention", _ops("bmm"), match_alibi_attention, ("alibi.form", "attention.mask")),
+    Row("bmm_attention", _ops("bmm"), match_bmm_attention,
+        ("alibi.form", "attention.head_dims", "masked_fill.form")),
     Row("attention", _ops("scaled_dot_product_attention"), match_attention,
         ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
     Row("gated_gemm", _ops("mul"), match_gated_gemm),

@@ -283,8 +283,8 @@ def read_aten(gm: fx.GraphModule) -> int:
             node.op, node.target = "call_method", "t"
             changed += 1
         elif t is aten.mm.default and all(isinstance(a, fx.Node) and a.op != "get_attr" for a in node.args[:2]):
-            node.meta[META] = refusal("left.value_gemm", "a GEMM of two graph values (a weight gradient): no "
-                                      "pattern takes a GEMM without a weight")
+            node.meta[META] = refusal("left.value_gemm", "a GEMM of two graph values: the weight-gradient row "
+                                      "takes grad.T @ x, no row this form")
     g.lint()
     gm.recompile()
     return changed + canonicalize(gm)

@@ -113,6 +113,21 @@ def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = Tru
     return g.build(y)
 
 
+def weight_gradient(m: int, n: int, k: int, bias: bool = False, dtype: str = "float32") -> SMG:
+    """``Y[m, n] = sum_k G[k, m] * X[k, n]``: a linear's weight gradient ``dW = grad.T @ x`` with both operands
+    graph values as autograd's backward holds them (``grad`` [k, m] and ``x`` [k, n], k the tokens, read where
+    they lie: no transposed copy of ``grad``); Y is [m, n], the weight's own layout.  ``bias``: also the bias
+    gradient ``Db[m] = sum_k G[k, m]`` (``grad.sum(0)``), a second reduction of the same operand over the same
+    dim, so it rides on the GEMM's loads of G instead of reading ``grad`` again.
+
+    Why A lies [k, m]: the GEMM contracts the tokens, the outer dim of both operands.  The tensor-core path
+    (``schedulers.warp_tile``) takes A with k last only, so on the GPU this is a CUDA-core GEMM."""
+    g = Builder(f"weight_gradient{'_bias' if bias else ''}", dtype)
+    grad, x = g.input("G", {"k": k, "m": m}), g.input("X", {"k": k, "n": n})
+    y = g.matmul(grad, x, reduce="k", name="Y")
+    return g.build(y, g.reduce(grad, "k", "sum", name="Db")) if bias else g.build(y)
+
+
 def gemm_layernorm(m: int, n: int, k: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
     """``Y = LayerNorm(A @ B) * W + Bn`` over the GEMM's output row."""
     g = Builder("gemm_layernorm", dtype)

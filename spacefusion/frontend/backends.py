@@ -186,7 +186,11 @@ class CudaBackend(_Cached):
     library_first: Mapping[str, str] = MappingProxyType({
         "dwconv": "a depthwise convolution stays with cuDNN on the GPU: the CUDA-core kernel (halo-staged window, "
                   "fp32 taps) measured 2.2-2.9x slower than cuDNN's (H100, ConvNeXt-T's 7x7 at 32x96x56x56: "
-                  "208-368 us against 96), more than fusing its BatchNorm and activation saves"})
+                  "208-368 us against 96), more than fusing its BatchNorm and activation saves",
+        "weight_gradient": "a weight gradient grad.T @ x stays with cuBLAS on the GPU: its A lies [k, m] (k the "
+                           "tokens, outer in both operands) and the tensor-core GEMM takes A with k last only "
+                           "(schedulers.warp_tile), so the fused kernel runs on CUDA cores against cuBLAS's tensor "
+                           "cores in half precision; in float32 against cuBLAS's SGEMM, not measured yet"})
 
     def __init__(self, folder: str | Path, arch: str = "sm_90a", schedule_for: ScheduleFor = default_schedule,
                  build_missing: bool = False, load: bool = True, by_schedule: bool = False,

@@ -71,8 +71,8 @@ FUNCTIONS: dict[Any, str] = {
     operator.add: "add", torch.add: "add", operator.iadd: "iadd", operator.mul: "mul", torch.mul: "mul",
     operator.sub: "sub", torch.sub: "sub", operator.truediv: "div", torch.div: "div", operator.neg: "neg",
     torch.neg: "neg", torch.transpose: "transpose", torch.permute: "permute", torch.t: "t",
-    torch.rsqrt: "rsqrt", torch.mean: "mean", torch.pow: "pow", torch.where: "where", torch.clamp: "clamp",
-    torch.clip: "clamp", torch.cat: "cat", torch.concat: "cat", operator.getitem: "getitem",
+    torch.rsqrt: "rsqrt", torch.mean: "mean", torch.sum: "sum", torch.pow: "pow", torch.where: "where",
+    torch.clamp: "clamp", torch.clip: "clamp", torch.cat: "cat", torch.concat: "cat", operator.getitem: "getitem",
 }
 #: a tensor method whose canonical op is not its own name
 METHODS: dict[str, str] = {"clip": "clamp", "concat": "cat"}

@@ -1,6 +1,7 @@
 """GEMM builders: a linear with its epilogue (``match_linear``), linears of one input stacked into one GEMM
-(``match_stacked_linears``), the gated MLP input (``match_gated_gemm``) and the patch embedding as a GEMM
-(``match_patch_conv``)."""
+(``match_stacked_linears``), the gated MLP input (``match_gated_gemm``), the patch embedding as a GEMM
+(``match_patch_conv``) and a training backward's weight gradient, a GEMM of two graph values
+(``match_weight_gradient``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import fx
 from smg import patterns
 from spacefusion.frontend import builders
 from spacefusion.frontend.activations import Activation, activation_after
+from spacefusion.frontend.canon import canonical
 from spacefusion.frontend.gated import gated_of
 from spacefusion.frontend.graph import (
     ADD,
@@ -20,6 +22,7 @@ from spacefusion.frontend.graph import (
     dtype,
     is_function,
     linear_of,
+    param_ref,
     patch_conv_of,
     permutation,
     row_view,
@@ -253,3 +256,71 @@ def match_stacked_linears(node: fx.Node, ctx: Context) -> Subgraph | None:
     label = (f"{pro.label if pro else ''}{t} stacked gemms{' + bias' if bias else ''}{f' + {act}' if act else ''} "
              f"{m}x{n}x{k} {dt}")
     return Subgraph("norm_stacked_gemm" if pro else "stacked_gemm", label, tuple(nodes), smg, tuple(ops), results)
+
+
+#: ``CudaBackend.library_first``'s key of the weight gradient (``match_weight_gradient``)
+WEIGHT_GRADIENT = "weight_gradient"
+
+
+def _is_value(node: object) -> bool:
+    """A graph value: an fx node that is neither a parameter (``get_attr``) nor a view of one."""
+    if not isinstance(node, fx.Node) or param_ref(node) is not None:
+        return False
+    p = permutation(node)
+    return p is None or param_ref(p[0]) is None
+
+
+def _bias_gradient(g: fx.Node, ctx: Context) -> fx.Node | None:
+    """The node summing ``g`` [k, m] over its rows, ``g.sum(0)`` (autograd writes ``sum(grad, [0], True)``:
+    a linear's bias gradient), where no row took it; None where there is none."""
+    for u in g.users:
+        c = canonical(u, ctx.gm)
+        if c is None or c.op != "sum" or not ctx.free(u) or c.arg(0, "input") is not g or c.arg(3, "dtype"):
+            continue
+        dims = c.arg(1, "dim")
+        dims = tuple(dims) if isinstance(dims, list | tuple) else (dims,)
+        if dims in ((0,), (-2,)) and len(c.args) <= 3 and set(c.kwargs) <= {"dim", "keepdim"}:
+            return u
+    return None
+
+
+def match_weight_gradient(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """``mm(t(grad), x)``, a 2-D GEMM of two graph values whose A is a transposed view: the weight gradient of
+    a linear as autograd's backward writes it (``dW = grad.T @ x``) -> ``patterns.weight_gradient``, both
+    operands read where they lie ([tokens, out] and [tokens, in]; one not packed row-major is copied), with
+    the bias gradient ``grad.sum(0)`` as a second output where the backward takes one.  GEMMs with a weight
+    operand are ``match_linear``'s (an earlier row); two-value matmuls of attention are the attention rows'
+    (earlier too, and 4-D).  Refused on a backend that leaves it to its library (``WEIGHT_GRADIENT``: the GPU,
+    where no tensor-core schedule takes an A stored [k, m])."""
+    c = canonical(node, ctx.gm)
+    if c is None or len(c.args) != 2 or c.kwargs or not ctx.free(node):
+        return None
+    a, x = c.args
+    pa = permutation(a, rank=2) if isinstance(a, fx.Node) else None
+    if pa is None or pa[1] != (1, 0) or not _is_value(pa[0]) or not _is_value(x):
+        return None
+    g = pa[0]
+    gs, xs, dt = shape(g), shape(x), dtype(node)
+    if gs is None or xs is None or len(gs) != 2 or len(xs) != 2 or gs[0] != xs[0] or dt is None \
+            or dtype(g) != dt or dtype(x) != dt:
+        ctx.refuse(node, "weight_gradient.form", f"a GEMM of two values of shapes {gs} and {xs}, dtypes "
+                   f"{dtype(g)} and {dtype(x)}: not a float weight gradient grad.T @ x")
+        return None
+    if ctx.library.get(WEIGHT_GRADIENT):
+        ctx.refuse(node, "library.first", ctx.library[WEIGHT_GRADIENT])
+        return None
+    (k, m), n = gs, xs[1]
+    db = _bias_gradient(g, ctx)
+    smg = _build(ctx, node, lambda: patterns.weight_gradient(m, n, k, bias=db is not None, dtype=dt))
+    if smg is None:
+        return None
+    # an operand not packed row-major (the pooler's x[:, 0]) is bound as a packed copy: an identity permute
+    # sends it through ``fused._bind``, which makes it contiguous (k x n elements against the GEMM's k x m x n)
+    ops = [_value(sp, v, shp, permute=None if contiguous(v) else (0, 1))
+           for sp, v, shp in (("G", g, (k, m)), ("X", x, (k, n)))]
+    results = [Result("Y", node.name, shape(node))]
+    if db is not None:
+        results.append(Result("Db", db.name, shape(db)))
+    label = f"weight gradient grad.T @ x{' + bias gradient' if db is not None else ''} {m}x{n}x{k} {dt}"
+    nodes = (node.name, db.name) if db is not None else (node.name,)
+    return Subgraph("weight_gradient", label, nodes, smg, tuple(ops), tuple(results))

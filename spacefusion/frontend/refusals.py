@@ -32,6 +32,7 @@ CODES: dict[str, str] = {
     "linear.input": "a linear of a non-float or unshaped input",
     "patch_conv.input": "a patch convolution of a non-float or non-4-D input",
     "patch_conv.remainder": "an image that is not a whole number of patches",
+    "weight_gradient.form": "a GEMM of two values, one transposed, that is not a float 2-D weight gradient grad.T @ x",
     # convolutions and pools
     "conv.form": "a convolution the implicit GEMM does not take (groups, dilation, kernel shape, channels, dtype)",
     "conv.upsample_apart": "an upsampling the conv after it does not take in (run apart)",
@@ -66,8 +67,8 @@ CODES: dict[str, str] = {
     # a training step's ATen graphs (``frontend.training``)
     "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads: the fused norm has no such output",
     "left.saved_lse": "attention whose row log-sum-exp the backward reads, where no derived forward outputs it",
-    "left.value_gemm": "a GEMM of two graph values (a weight gradient, DeBERTa's content-to-position scores): no "
-                       "pattern takes a GEMM without a weight outside attention",
+    "left.value_gemm": "a GEMM of two graph values in a form no row takes (DeBERTa's content-to-position scores; "
+                       "the weight-gradient row takes grad.T @ x)",
     "left.grouped_mm": "a grouped GEMM of MoE experts: each row's weight is picked by data (the routing's offsets)",
     "left.backward_op": "an ATen backward op (gelu_backward, native_layer_norm_backward, ...) no pattern covers",
     "left.derived_backward": "an attention backward whose derived kernels (smg.autodiff) could not be built",

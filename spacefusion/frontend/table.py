@@ -25,7 +25,13 @@ from spacefusion.frontend.canon import Call
 from spacefusion.frontend.concat import match_concat
 from spacefusion.frontend.convs import match_conv, match_max_pool
 from spacefusion.frontend.eager_attention import match_eager_attention, match_masked_fill_attention
-from spacefusion.frontend.gemms import match_gated_gemm, match_linear, match_patch_conv, match_stacked_linears
+from spacefusion.frontend.gemms import (
+    match_gated_gemm,
+    match_linear,
+    match_patch_conv,
+    match_stacked_linears,
+    match_weight_gradient,
+)
 from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
 from spacefusion.frontend.records import Subgraph
@@ -77,6 +83,9 @@ ROWS: tuple[Row, ...] = (
     Row("gated_gemm", _ops("mul"), match_gated_gemm),
     Row("stacked_linears", LINEAR_OPS, match_stacked_linears),
     Row("linear", LINEAR_OPS, match_linear, ("linear.input",)),
+    # after the linears (a GEMM with a weight is theirs) and the attention rows (their two-value matmuls)
+    Row("weight_gradient", _ops("mm", "matmul"), match_weight_gradient,
+        ("weight_gradient.form", "library.first")),
     Row("conv", _ops("conv1d", "conv2d"), match_conv,
         ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
     Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),

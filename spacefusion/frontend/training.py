@@ -13,14 +13,16 @@ and marks the ops it knows no pattern takes with their reason (``refusals.META``
 
 What fuses: in the forward, the GEMMs of parameters with their epilogues (stacked Q/K/V, bias, activation,
 residual add) and what the inference table matches where its intermediates are not saved; in the backward, the
-GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear), and torch's CPU
+GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear), the weight gradients
+(``grad.T @ x``, GEMMs of two values, with the bias gradient ``grad.sum(0)``: ``gemms.match_weight_gradient``),
+and torch's CPU
 attention backward, replaced by the kernels derived from the attention SMG (``derive_attention_backwards``: fed
 the O and logsumexp torch's forward saved, which is the derived forward's LSE).  What does not: a norm
-whose mean and rstd the backward reads, attention whose log-sum-exp it reads, GEMMs of two graph values (the
-weight gradients), the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``, ...), and random
-ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value the backward
-reads stays with torch (``fused._closed``: only a subgraph's results may be read outside it), so every saved
-activation is still produced.
+whose mean and rstd the backward reads, attention whose log-sum-exp it reads, GEMMs of two graph values in
+another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``,
+...), and random ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value
+the backward reads stays with torch (``fused._closed``: only a subgraph's results may be read outside it), so
+every saved activation is still produced.
 
 Weights are live (``CompiledGraph(live_weights=True)``): an optimiser step writes every one of them in place,
 so a training graph is partitioned and its kernels built once, on the first call, and never again for a
@@ -283,8 +285,8 @@ def read_aten(gm: fx.GraphModule) -> int:
             node.op, node.target = "call_method", "t"
             changed += 1
         elif t is aten.mm.default and all(isinstance(a, fx.Node) and a.op != "get_attr" for a in node.args[:2]):
-            node.meta[META] = refusal("left.value_gemm", "a GEMM of two graph values (a weight gradient): no "
-                                      "pattern takes a GEMM without a weight")
+            node.meta[META] = refusal("left.value_gemm", "a GEMM of two graph values: the weight-gradient row "
+                                      "takes grad.T @ x, no row this form")
     g.lint()
     gm.recompile()
     return changed + canonicalize(gm)

@@ -96,9 +96,17 @@ def _names(tree: ast.AST) -> set[str]:
     return out
 
 
-#: the ops ``canon`` names: every function's, every module's, and the tensor methods the rows anchor on
+#: the ops ``canon`` names: every function's, every module's, the tensor methods the rows anchor on, and the
+#: ATen ops it declares as anchors
 KNOWN_OPS = frozenset(canon.FUNCTIONS.values()) | {"hardtanh", "gelu", "interpolate", "to", "float", "half",
-                                                    "bfloat16", "type_as"}
+                                                    "bfloat16", "type_as"} | canon.ATEN_ANCHORS
+
+
+def test_each_aten_anchor_is_the_name_canonical_gives_its_overload() -> None:
+    for name in canon.ATEN_ANCHORS:
+        g = fx.Graph()
+        node = g.call_function(getattr(torch.ops.aten, name).default, ())
+        assert canon.op_of(node) == name
 
 
 def _graph(fn, shape: tuple[int, ...]) -> fx.GraphModule:

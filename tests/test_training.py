@@ -5,7 +5,9 @@ no hub): three SGD steps, the losses and every parameter's gradient compared in 
 from __future__ import annotations
 
 import copy
+import operator
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -48,7 +50,7 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss + pooled.sum() * 0.1 if pooled is not None else loss  # every parameter gets a gradient
 
 
-def _train(model: torch.nn.Module, run: torch.nn.Module, steps: int = 3, seed: int | None = None,
+def _train(model: torch.nn.Module, run: Callable[..., object], steps: int = 3, seed: int | None = None,
            device: str = "cpu") -> list[tuple]:
     """``steps`` SGD steps of ``run`` (``model`` or its compiled form): each step's loss and gradients."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -81,7 +83,8 @@ def _kinds(report: object) -> Counter:
     return report.partition.counts() if report is not None and report.partition is not None else Counter()
 
 
-@pytest.mark.parametrize("name,target", [("bert", "reference"), ("llama", "reference"), ("bert", "llvm")])
+@pytest.mark.parametrize("name,target", [("bert", "reference"), ("llama", "reference"), ("bert", "llvm"),
+                                         ("llama", "llvm")])
 def test_training_steps_match_eager(name: str, target: str) -> None:
     model = _model(name)
     eager = copy.deepcopy(model)
@@ -109,9 +112,36 @@ def test_training_steps_match_eager(name: str, target: str) -> None:
     assert len(bw.derived) == 1 and "attention backward" in bw.derived[0], str(backend)
     assert "3 kernels (Delta, dQ, dK_dV)" in bw.derived[0] and ("causal" in bw.derived[0]) == (name == "llama")
     assert not any("attention" in op.op for op in bw.partition.left), str(backend)
+    # the forward's attention fused too, saving its LSE for the derived backward (BERT's bidirectional, LLaMA's
+    # causal on 4 query heads over 2 KV heads), on the split_heads memory torch's op reads
+    (att,) = [s for s in fw.partition.subgraphs if s.kind == "attention"]
+    assert "+ LSE saved" in att.label and "bshd" in att.label, att.label
+    assert ("causal" in att.label, "h4/2" in att.label) == ((name == "llama",) * 2), att.label
+    assert not any("attention" in op.op for op in fw.partition.left), str(backend)
     text = str(backend)
     assert "forward (" in text and "backward (" in text and "weight gradient grad.T @ x" in text, text
-    assert "left.saved_lse" in text and "left.backward_op" in text and "derived from the SMG" in text, text
+    assert "left.saved_lse" not in text and "left.backward_op" in text and "derived from the SMG" in text, text
+
+
+def test_padded_bert_fuses_its_masked_attention_and_torch_s_backward_reads_its_lse() -> None:
+    """BERT with a padding ``attention_mask`` (the second sequence's last 5 tokens): the forward's attention
+    is fused with the mask as a score mod and saves its LSE; the derived backward takes no mask, so torch's
+    CPU attention backward runs on the fused forward's O and LSE, and every gradient is eager's."""
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+
+    def masked(run: torch.nn.Module) -> Callable[..., object]:
+        return lambda input_ids: run(input_ids=input_ids, attention_mask=mask)
+
+    model = _model("bert")
+    eager = copy.deepcopy(model)
+    backend = SpaceFusionBackend("reference")
+    got = _train(model, masked(torch.compile(model, backend=backend, dynamic=False)))
+    _compare(got, _train(eager, masked(eager)))
+    fw, bw = backend.graphs[0].forward, backend.graphs[0].backward
+    (att,) = [s for s in fw.partition.subgraphs if s.kind == "attention"]
+    assert "+ LSE saved" in att.label and "+ bias" in att.label, att.label
+    assert not bw.derived and bw.partition.left_codes()["left.derived_backward"] >= 1, str(backend)
 
 
 def test_an_attention_backward_whose_kernels_cannot_be_built_is_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,6 +252,71 @@ def test_read_aten_rewrites_what_autograd_writes() -> None:
     assert aten.clone.default in targets, gm.graph  # returned: not made an alias
     for a, b_ in zip(gm(xs), want):
         torch.testing.assert_close(a, b_)
+
+
+def _flash_graph(args: tuple[torch.Tensor, ...], dropout: float, causal: bool, scale: float) -> torch.fx.GraphModule:
+    """torch's CPU flash attention of ``args`` (q, k, v[, an additive mask]) as a training forward holds it:
+    the op, its two ``getitem``s, both returned."""
+    g = torch.fx.Graph()
+    q, k, v, *mask = (g.placeholder(n) for n in ("q", "k", "v", "mask")[:len(args)])
+    kwargs = {"scale": scale} | ({"attn_mask": mask[0]} if mask else {})
+    att = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                          (q, k, v, dropout, causal), kwargs)
+    g.output(tuple(g.call_function(operator.getitem, (att, i)) for i in (0, 1)))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("form,target", [("bshd causal gqa", "reference"), ("bhsd", "reference"),
+                                         ("bshd mask", "reference"), ("bshd causal gqa", "llvm")])
+def test_the_fused_forward_s_lse_is_torch_s_logsumexp(form: str, target: str) -> None:
+    """The ``attention_lse`` row's kernel against torch's op on the same inputs: O, and the LSE the backward
+    reads, equal torch's values and strides (torch's logsumexp lies as [b, m, heads]; its out as q lies).
+    Forms: split_heads operands ([b, s, h, d] memory) with a causal mask on 4 query heads over 2 KV heads,
+    packed [b, h, s, d] operands (the LSE copied into torch's strides), and an additive padding mask."""
+    from spacefusion.frontend.capture import Captured
+    from spacefusion.frontend.compiled import propagate_shapes
+    from spacefusion.frontend.fused import fuse_captured
+
+    gen = torch.Generator().manual_seed(11)
+    b, h, hk, m, d = 2, 4, 2 if "gqa" in form else 4, 12, 16
+
+    def operand(heads: int) -> torch.Tensor:
+        if "bshd" in form:  # HF's split_heads view of a projection
+            return torch.randn(b, m, heads, d, generator=gen).transpose(1, 2)
+        return torch.randn(b, heads, m, d, generator=gen)
+
+    args = (operand(h), operand(hk), operand(hk))
+    if "mask" in form:
+        mask = torch.zeros(b, 1, m, m)
+        mask[1, ..., 8:] = torch.finfo(torch.float32).min
+        args += (mask,)
+    gm = _flash_graph(args, 0.0, "causal" in form, 0.3)
+    want = gm(*args)
+    assert read_aten(gm) == 0  # its logsumexp is read: left whole, for the row
+    propagate_shapes(gm, args)
+    fused = fuse_captured(Captured(gm, args), target)
+    (sub,) = fused.partition.subgraphs
+    assert sub.kind == "attention" and "+ LSE saved" in sub.label, fused.partition
+    assert ("bshd" in sub.label) == ("bshd" in form), sub.label
+    got = fused(*args)
+    for name, g_, w in zip(("out", "logsumexp"), got, want, strict=True):
+        assert g_.shape == w.shape and g_.stride() == w.stride(), (name, g_.stride(), w.stride())
+        torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
+    assert want[1].stride() == (m * h, 1, h)  # what the copy (bhsd) or the bshd view must match
+
+
+def test_attention_with_dropout_whose_lse_is_saved_is_left_to_torch_with_why() -> None:
+    """The row refuses what the pattern cannot express (here dropout: random), with its code."""
+    from spacefusion.frontend.compiled import propagate_shapes
+    from spacefusion.frontend.partition import partition
+
+    args = tuple(torch.randn(1, 2, 8, 8) for _ in range(3))
+    gm = _flash_graph(args, 0.1, False, 0.5)
+    propagate_shapes(gm, args)
+    part = partition(gm)
+    assert not part.subgraphs, part
+    (op,) = [op for op in part.left if op.code == "attention.dropout"]
+    assert "dropout" in op.reason and "flash_attention_for_cpu" in op.op, part
 
 
 class _Counting:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import sympy as sp
 import torch
@@ -24,7 +25,7 @@ from spacefusion.frontend.graph import (
 )
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.matchers import Context, _build, _subgraph, _value
-from spacefusion.frontend.records import Operand, Subgraph
+from spacefusion.frontend.records import Operand, Result, Subgraph
 
 
 def _heads_split(x: fx.Node, readers: tuple[fx.Node, ...], ctx: Context) -> fx.Node | None:
@@ -72,7 +73,18 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     if not is_function(node, SDPA):
         return None
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    a = dict(zip(names, node.args)) | dict(node.kwargs)
+    form = _sdpa_form(node, ctx, dict(zip(names, node.args)) | dict(node.kwargs))
+    if form is None:
+        return None
+    (q, k, v), dims, dt, causal, scale, mods, extra, taken, label = form
+    return attention_subgraph(ctx, node, (*taken, node), q, k, v, dims, dt, causal, scale, mods, extra, label)
+
+
+def _sdpa_form(node: fx.Node, ctx: Context, a: dict[str, object]) -> tuple | None:
+    """What an SDPA call ``node`` with arguments ``a`` (SDPA's names: query, key, value, attn_mask,
+    dropout_p, is_causal, scale) is as the attention pattern: ((q, k, v), (b, heads, kv heads, m, l, d),
+    dtype, causal, scale, score mods, their operands, the mask's nodes taken in, label); None, with the
+    reason recorded on ``node``, where the pattern cannot take it (dropout, not 4-d, head dims, mask)."""
     q, k, v = a["query"], a["key"], a["value"]
     sq, sk, sv = shape(q), shape(k), shape(v)
     if a.get("dropout_p", 0.0):
@@ -83,10 +95,11 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     (b, h, m, d), (_, hk, l, dk), dv = sq, sk, sv[3]
     dt = dtype(q)
-    if dk != d or dv != d or dt is None:
+    if dk != d or dv != d or dt is None or h % hk or shape(v)[1] != hk:
         ctx.refuse(node, "attention.head_dims",
-                   f"attention with head dims q {d}, k {dk}, v {dv} and dtype {q.meta['tensor_meta'].dtype}: "
-                   f"the pattern takes one head dim and float32/float16/bfloat16")
+                   f"attention with head dims q {d}, k {dk}, v {dv}, heads q {h}, k {hk}, v {sv[1]} and dtype "
+                   f"{q.meta['tensor_meta'].dtype}: the pattern takes one head dim, query heads a multiple of "
+                   f"K's and V's, and float32/float16/bfloat16")
         return None
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
     mods, extra = (), []
@@ -101,8 +114,64 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
     what += " (index)" if mods and "Mask" not in mods[0].body else ""
     label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
-    return attention_subgraph(ctx, node, (*taken, node), q, k, v, (b, h, hk, m, l, d), dt, causal, scale, mods,
-                              extra, label)
+    return (q, k, v), (b, h, hk, m, l, d), dt, causal, scale, mods, extra, taken, label
+
+
+#: torch's CPU flash attention, as a training step's ATen graph holds it: (out, logsumexp)
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def match_attention_lse(node: fx.Node, ctx: Context) -> Subgraph | None:
+    """torch's CPU flash attention, ``_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p,
+    is_causal, *, attn_mask, scale) -> (out, logsumexp)``, as a training step's forward holds it where the
+    backward reads the logsumexp -> ``patterns.attention(..., save_lse=True)``: the kernel's O is the op's
+    element 0, its ``LSE`` element 1 (the rows' max plus the log of their sum of exp of the scaled, masked
+    scores, float32 [b, heads, m]: exactly torch's logsumexp, which the derived backward, or torch's own,
+    reads).  The same forms as ``match_attention`` (causal, GQA by K/V's head count, scale, masks as score
+    mods); without a reader of the logsumexp, the plain pattern.
+
+    Layout: torch's op returns ``out`` with q's layout and ``logsumexp`` lying as [b, m, heads] (strides
+    (m * heads, 1, heads)); later views rely on it (``transpose(1, 2).view(b, m, -1)`` of ``out`` needs
+    [b, m, h, d] memory).  Where ``out`` lies as [b, m, h, d] (HF's split_heads operands) the bshd pattern
+    runs, whose O {b, m, h, n} and LSE {b, m, h} are torch's memory exactly, viewed back by a permute;
+    otherwise the bhsd pattern, and each result whose view's strides differ from the node's (``tensor_meta``)
+    is copied into them (``Result.strides``: the LSE, b * heads * m floats)."""
+    if not is_function(node, (CPU_FLASH,)):
+        return None
+    got = {u.args[1]: u for u in node.users if is_function(u, (operator.getitem,)) and u.args[0] is node}
+    if set(got) - {0, 1} or len(got) != len(node.users) or 0 not in got or not ctx.free(*got.values()):
+        return None  # read other than through its two elements: not this op as autograd writes it
+    names = ("query", "key", "value", "dropout_p", "is_causal")
+    form = _sdpa_form(node, ctx, dict(zip(names, node.args)) | dict(node.kwargs))
+    if form is None:
+        return None
+    (q, k, v), dims, dt, causal, scale, mods, extra, taken, label = form
+    b, h, hk, m, l, d = dims
+    out, lse = got[0], got.get(1)
+    save = lse is not None and bool(lse.users)
+    bshd = heads_interleaved(out)
+    layout = "bshd" if bshd else "bhsd"
+    smg = _build(ctx, node, lambda: patterns.attention(b, h, m, l, d, kv_heads=hk, causal=causal, dtype=dt,
+                                                       scale=scale, layout=layout, mods=mods, save_lse=save))
+    if smg is None:
+        return None
+    ops = [_value(sp, x, smg.shape(sp), TO_BSHD if bshd else None) for sp, x in (("Q", q), ("K", k), ("V", v))]
+    results = [_result("O", out, (b, m, h, d) if bshd else None)]
+    if save:
+        results.append(_result("LSE", lse, (b, m, h) if bshd else None))
+    nodes = (*taken, node, *got.values())
+    what = f"{label}{' bshd' if bshd else ''}{' + LSE saved' if save else ''}"
+    return Subgraph("attention", what, tuple(n.name for n in nodes), smg, (*ops, *extra), tuple(results))
+
+
+def _result(space: str, node: fx.Node, seq_first: tuple[int, ...] | None) -> Result:
+    """``space`` standing for ``node`` with the node's strides (``tensor_meta``): where ``seq_first`` is given
+    the output lies in that shape (bshd: [b, m, heads(, d)]) and is viewed back through the swap of dims 1 and
+    2; a view whose strides still differ is copied into the node's (``Result.strides``)."""
+    meta = node.meta["tensor_meta"]
+    swap = (0, 2, 1, 3)[:len(seq_first)] if seq_first is not None else None
+    return Result(space, node.name, tuple(meta.shape), permute=swap, split=seq_first,
+                  strides=tuple(meta.stride))
 
 
 def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str

@@ -76,6 +76,10 @@ FUNCTIONS: dict[Any, str] = {
 }
 #: a tensor method whose canonical op is not its own name
 METHODS: dict[str, str] = {"clip": "clamp", "concat": "cat"}
+#: ATen ops a pattern anchors on where no torch function spells them, named by their packet as ``canonical``
+#: names every overload: a training step's ATen graph (``frontend.training``) holds torch's CPU flash attention
+#: whole where the backward reads its logsumexp (``table``'s ``attention_lse`` row)
+ATEN_ANCHORS: frozenset[str] = frozenset({"_scaled_dot_product_flash_attention_for_cpu"})
 
 
 def _relu6(node: fx.Node) -> Call:

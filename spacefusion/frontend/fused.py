@@ -19,7 +19,7 @@ from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
 from spacefusion.frontend.left_convs import CHANNELS_LAST, channels_last_left_convs
 from spacefusion.frontend.partition import partition
-from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Subgraph
+from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Result, Subgraph
 from spacefusion.frontend.scale_fold import fold_layer_scales
 from spacefusion.frontend.sequence import launches
 from spacefusion.frontend.weights import state
@@ -108,7 +108,7 @@ class FusedKernel(nn.Module):
                 inputs = {op.space: _bind(a, op) for op, a in zip(self.values, args)}
                 inputs |= {name: self._buffers[name] for name in self.consts}
                 out = self.kernel(inputs)
-                return tuple(_view(out[r.space], r.permute, r.shape, r.index, r.split) for r in results)
+                return tuple(_seen(out[r.space], r) for r in results)
 
             return by_name
 
@@ -125,7 +125,7 @@ class FusedKernel(nn.Module):
             out = launch(*xs)
             if hasattr(kernel, "lean") and xs[0].is_cuda:  # checked once: later calls take the lean path
                 self._fast = self._lean(take, plain, views, xs[0].device.index)
-            return tuple(_view(out[j], r.permute, r.shape, r.index, r.split) for j, r in views)
+            return tuple(_seen(out[j], r) for j, r in views)
 
         return positional
 
@@ -137,7 +137,7 @@ class FusedKernel(nn.Module):
         uses: dict[int, int] = {}
         for j, _ in views:
             uses[j] = uses.get(j, 0) + 1
-        whole = [uses[j] == 1 and not (r.permute or r.split) and r.index is None for j, r in views]
+        whole = [uses[j] == 1 and not (r.permute or r.split or r.strides) and r.index is None for j, r in views]
         shapes: list[tuple[int, ...] | None] = [None] * len(self.kernel.outputs)
         for (j, r), w in zip(views, whole):
             if w:
@@ -148,7 +148,7 @@ class FusedKernel(nn.Module):
         def lean(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = call(*[buffers[op] if i is None else args[i] if p else _bind(args[i], op)
                          for (i, op), p in zip(take, plain)])
-            return tuple(out[j] if w else _view(out[j], r.permute, r.shape, r.index, r.split) for j, r, w in ready)
+            return tuple(out[j] if w else _seen(out[j], r) for j, r, w in ready)
 
         return lean
 
@@ -237,14 +237,23 @@ def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
 
 
 def _view(t: torch.Tensor, permute: tuple[int, ...] | None, shape: tuple[int, ...], index: int | None = None,
-          split: tuple[int, ...] | None = None) -> torch.Tensor:
+          split: tuple[int, ...] | None = None, strides: tuple[int, ...] | None = None) -> torch.Tensor:
     """A kernel output seen as its node: sliced (one linear of a stacked GEMM), split (a patch GEMM's rows
     as [b, nh, nw]), permuted (RoPE's [b, s, h, d] as [b, h, s, d]), then reshaped where the shape differs (a
-    reshape to the same shape could restride its unit dims)."""
+    reshape to the same shape could restride its unit dims); copied into ``strides`` where given and the
+    view's differ (``Result.strides``)."""
     t = t[index] if index is not None else t
     t = t.reshape(split) if split else t
     t = t.permute(permute) if permute else t
-    return t if tuple(t.shape) == tuple(shape) else t.reshape(shape)
+    t = t if tuple(t.shape) == tuple(shape) else t.reshape(shape)
+    if strides is not None and t.stride() != strides and t.numel() > 1:
+        t = torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+    return t
+
+
+def _seen(t: torch.Tensor, r: Result) -> torch.Tensor:
+    """Kernel output ``t`` as result ``r``'s node (``_view``)."""
+    return _view(t, r.permute, r.shape, r.index, r.split, r.strides)
 
 
 def _unique(ops: Any) -> list[Operand]:

@@ -59,7 +59,10 @@ class Result:
     [b, s, h, d] output goes back as the [b, h, s, d] view torch's RoPE returns (same strides, no copy).
     ``index``: the node is this slice of the output's first dim (one linear of a stacked GEMM: contiguous).
     ``split``: the output is first viewed with this shape, then permuted: a patch GEMM's Y[b * nh * nw, c]
-    as [b, nh, nw, c] -> the conv's [b, c, nh, nw] (channels-last strides, no copy)."""
+    as [b, nh, nw, c] -> the conv's [b, c, nh, nw] (channels-last strides, no copy).
+    ``strides``: the node's strides (torch's op lays it out so, and a later ``view`` or op may rely on it):
+    where the view's differ, the output is copied into a tensor of these (the training forward's attention
+    LSE, which torch's CPU flash attention returns lying as [b, m, heads]); None: the view as it comes."""
 
     space: str
     node: str
@@ -67,6 +70,7 @@ class Result:
     permute: tuple[int, ...] | None = None
     index: int | None = None
     split: tuple[int, ...] | None = None
+    strides: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from spacefusion.frontend.alibi import match_alibi_attention, match_bmm_attention
-from spacefusion.frontend.attention import match_attention
+from spacefusion.frontend.attention import match_attention, match_attention_lse
 from spacefusion.frontend.canon import Call
 from spacefusion.frontend.concat import match_concat
 from spacefusion.frontend.convs import match_conv, match_max_pool
@@ -79,6 +79,10 @@ ROWS: tuple[Row, ...] = (
     Row("bmm_attention", _ops("bmm"), match_bmm_attention,
         ("alibi.form", "attention.head_dims", "masked_fill.form")),
     Row("attention", _ops("scaled_dot_product_attention"), match_attention,
+        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
+    # a training forward's attention whose logsumexp the backward reads (``frontend.training.read_aten``
+    # leaves it whole): O and LSE from one kernel
+    Row("attention_lse", _ops("_scaled_dot_product_flash_attention_for_cpu"), match_attention_lse,
         ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
     Row("gated_gemm", _ops("mul"), match_gated_gemm),
     Row("stacked_linears", LINEAR_OPS, match_stacked_linears),

@@ -12,13 +12,15 @@ autograd's tracing writes: ``addmm(b, x, t(W))`` is a linear, ``t(t(W))`` is ``W
 and marks the ops it knows no pattern takes with their reason (``refusals.META``).
 
 What fuses: in the forward, the GEMMs of parameters with their epilogues (stacked Q/K/V, bias, activation,
-residual add) and what the inference table matches where its intermediates are not saved; in the backward, the
+residual add), torch's CPU flash attention as ``patterns.attention(..., save_lse=True)`` (O and the LSE the
+backward reads from one kernel: ``attention.match_attention_lse``, which ``read_aten`` leaves the op whole for)
+and what the inference table matches where its intermediates are not saved; in the backward, the
 GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear), the weight gradients
 (``grad.T @ x``, GEMMs of two values, with the bias gradient ``grad.sum(0)``: ``gemms.match_weight_gradient``),
 and torch's CPU
 attention backward, replaced by the kernels derived from the attention SMG (``derive_attention_backwards``: fed
-the O and logsumexp torch's forward saved, which is the derived forward's LSE).  What does not: a norm
-whose mean and rstd the backward reads, attention whose log-sum-exp it reads, GEMMs of two graph values in
+the O and logsumexp the forward saved, which is the derived forward's LSE).  What does not: a norm
+whose mean and rstd the backward reads, a GPU attention forward whose statistics it reads, GEMMs of two graph values in
 another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``,
 ...), and random ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value
 the backward reads stays with torch (``fused._closed``: only a subgraph's results may be read outside it), so
@@ -274,9 +276,11 @@ def read_aten(gm: fx.GraphModule) -> int:
                 node.kwargs = {"attn_mask": node.kwargs.get("attn_mask"), "dropout_p": drop, "is_causal": causal,
                                "scale": node.kwargs.get("scale")}
                 changed += 1
-            else:
-                _mark(node, "left.saved_lse", "attention whose log-sum-exp the backward reads: torch's forward "
-                      "runs it and saves O and the LSE (the derived backward reads them as they are)")
+            elif t is not aten._scaled_dot_product_flash_attention_for_cpu.default:
+                _mark(node, "left.saved_lse", "GPU attention whose log-sum-exp (and RNG state) the backward reads "
+                      "in its own layout: torch's forward runs it, no derived forward outputs that")
+            # else: the CPU flash attention whose logsumexp the backward reads stays whole, for the table's
+            # ``attention_lse`` row (``patterns.attention(..., save_lse=True)``: O and LSE from one kernel)
         elif t in BACKWARD_OPS:
             _mark(node, "left.backward_op", f"{t.overloadpacket.__name__}: an ATen backward op no pattern covers")
         elif t in RANDOM_OPS:
@@ -381,6 +385,9 @@ def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tup
         call.meta[DERIVED] = True
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
+        for u in call.users:  # its gradients' getitems: part of the derived call, not a backward op left
+            u.meta.pop(META, None)
+            u.meta[DERIVED] = True
         b, h, hk, m, n, d, causal, _, dtype = key
         heads = f"h{h}" + (f" (kv {hk})" if hk != h else "")
         lines.append(f"attention backward b{b} {heads} m{m} l{n} d{d} {dtype}{' causal' if causal else ''}: "

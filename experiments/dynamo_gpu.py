@@ -22,14 +22,18 @@ system's time, as a fraction of the device-to-device copy bandwidth measured at 
 Exported here for the H200's hardware model, then on the GPU, one ``run`` call per line (each under 10 min):
 
     python experiments/dynamo_gpu.py export art/i57_models --hw H200 --models qwen2_0p5b_1x1024 ...  # here
-    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_prefill.json \
-        --models qwen2_0p5b_1x1024 qwen2_0p5b_4x2048 llama3_8b_4layers_1x1024 llama3_8b_4layers_4x2048
-    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --iters 20 --repeats 2 \
-        --out $OUT/i57_decode_qwen2.json --models qwen2_0p5b_decode_b{1,8,64}_{2048,8192}
-    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --iters 20 --repeats 2 \
-        --out $OUT/i57_decode_llama3.json --models llama3_8b_4layers_decode_b{1,8,64}_{2048,8192}
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_prefill_qwen2.json \
+        --models qwen2_0p5b_1x1024 qwen2_0p5b_4x2048
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_prefill_llama3.json \
+        --models llama3_8b_4layers_1x1024 llama3_8b_4layers_4x2048
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_decode_qwen2.json \
+        --models qwen2_0p5b_decode_b{1,8,64}_{2048,8192}
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_decode_llama3.json \
+        --models llama3_8b_4layers_decode_b{1,8,64}_{2048,8192}
     python experiments/dynamo_gpu.py run art/i57_models --max-autotune --out $OUT/i57_max_autotune.json \
         --models qwen2_0p5b_1x1024 llama3_8b_4layers_decode_b1_2048     # minutes of autotuning per model
+
+The results file is rewritten after each model, so a call cut off at its time limit keeps the models it ran.
 """
 
 from __future__ import annotations

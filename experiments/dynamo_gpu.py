@@ -13,6 +13,27 @@ artefacts named by SMG content key; a missing one leaves its subgraph to torch, 
 system against float32 eager, and times eager, torch.compile (default, reduce-overhead), spacefusion as one
 CUDA graph replay per Dynamo graph and spacefusion launch by launch, interleaved ``--repeats`` times (CUDA
 events, L2 flushed by a read, median).  It also measures the host time of one fused launch without a graph.
+``partition`` is ``export``'s capture and partition alone, nothing built: a dry run in seconds.
+
+Issue 57's tables (Qwen2.5-0.5B whole, LLaMA-3-8B's first 4 layers; prefill at 1 x 1024 and 4 x 2048; one
+decode step at batch 1, 8, 64 over 2048 and 8192 cached tokens of a StaticCache filled with random K/V).  A
+decode row also has ``bandwidth``: the step's necessary bytes (weights + the K/V it attends to) over each
+system's time, as a fraction of the device-to-device copy bandwidth measured at the start of the same run.
+Exported here for the H200's hardware model, then on the GPU, one ``run`` call per line (each under 10 min):
+
+    python experiments/dynamo_gpu.py export art/i57_models --hw H200 --models qwen2_0p5b_1x1024 ...  # here
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_prefill_qwen2.json \
+        --models qwen2_0p5b_1x1024 qwen2_0p5b_4x2048
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_prefill_llama3.json \
+        --models llama3_8b_4layers_1x1024 llama3_8b_4layers_4x2048
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_decode_qwen2.json \
+        --models qwen2_0p5b_decode_b{1,8,64}_{2048,8192}
+    python experiments/dynamo_gpu.py run art/i57_models --sdpa-cudnn --out $OUT/i57_decode_llama3.json \
+        --models llama3_8b_4layers_decode_b{1,8,64}_{2048,8192}
+    python experiments/dynamo_gpu.py run art/i57_models --max-autotune --out $OUT/i57_max_autotune.json \
+        --models qwen2_0p5b_1x1024 llama3_8b_4layers_decode_b1_2048     # minutes of autotuning per model
+
+The results file is rewritten after each model, so a call cut off at its time limit keeps the models it ran.
 """
 
 from __future__ import annotations
@@ -34,7 +55,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: name -> (config class, model class, config kwargs, input kind, batch, seq); the real configs' defaults
+#: Qwen2.5-0.5B's config (24 layers, GQA 14/2, head dim 64, hidden 896, FFN 4864, q/k/v biases, tied embeddings)
+QWEN2_0P5B: dict[str, Any] = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                              "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                              "tie_word_embeddings": True, "use_sliding_window": False}
+#: LLaMA-3-8B's config, 4 of its 32 layers (GQA 32/8, head dim 128, hidden 4096, FFN 14336, vocab 128256)
+LLAMA3_8B_4L: dict[str, Any] = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 4,
+                                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                                "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+
+#: name -> (config class, model class, config kwargs, input kind, batch, seq); the real configs' defaults.
+#: Input kinds: "ids" token ids (b, seq); "ids+mask" with a padding mask; "decode" one token at position seq
+#: over a StaticCache an eager prefill of seq tokens filled (batch 1); "decode_random" b tokens at position seq
+#: over a StaticCache of seq tokens of seeded random K/V; "pixels", "features", "image", "latent" the rest.
 MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
     "bert_base_8x128": ("BertConfig", "BertModel", {}, "ids", 8, 128),
     "bert_base_8x128_padding": ("BertConfig", "BertModel", {}, "ids+mask", 8, 128),
@@ -58,6 +92,19 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
                                                                       "num_hidden_layers": 4, "vocab_size": 32000,
                                                                       "max_position_embeddings": 4096},
                                         "decode", 1, 2048),
+    # issue 57's prefill table: Qwen2.5-0.5B whole, LLaMA-3-8B's first 4 layers
+    **{f"qwen2_0p5b_{b}x{s}": ("Qwen2Config", "Qwen2Model", QWEN2_0P5B, "ids", b, s)
+       for b, s in ((1, 1024), (4, 2048))},
+    **{f"llama3_8b_4layers_{b}x{s}": ("LlamaConfig", "LlamaModel", LLAMA3_8B_4L, "ids", b, s)
+       for b, s in ((1, 1024), (4, 2048))},
+    # issue 57's decode table: one step of batch b over a StaticCache of `past` tokens filled with seeded random
+    # K/V in place of a prefill (b x 8192 tokens of eager prefill, twice with the float32 reference, would
+    # cost more GPU time than the table; the step's work does not depend on the cache's values)
+    **{f"{stem}_decode_b{b}_{past}": (cfg, "Qwen2Model" if stem.startswith("qwen2") else "LlamaModel", kw,
+                                      "decode_random", b, past)
+       for stem, cfg, kw in (("qwen2_0p5b", "Qwen2Config", QWEN2_0P5B),
+                             ("llama3_8b_4layers", "LlamaConfig", LLAMA3_8B_4L))
+       for past in (2048, 8192) for b in (1, 8, 64)},
     # Gemma-2-2B's config (soft-capped attention logits, sliding window, GQA, head dim 256), 4 of its layers
     "gemma2_2b_4layers_1x2048": ("Gemma2Config", "Gemma2Model", {"num_hidden_layers": 4, "vocab_size": 32000},
                                  "ids", 1, 2048),
@@ -92,6 +139,11 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str, int, int]] = {
         "norm_num_groups": 32}, "latent+text", 2, 64),
 }
 
+
+
+#: decoders whose prefill makes a DynamicCache: its first append (a cat onto an empty tensor) fake tensors refuse
+#: on meta, so their prefill is captured from CPU weights
+DYNAMIC_CACHE = ("LlamaModel", "GPT2Model", "Qwen2Model")
 
 
 def _torchvision():
@@ -159,9 +211,9 @@ def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tens
     with torch.device(device):
         model = _transformers_class(model_cls)(cfg).eval().half()
     gen = torch.Generator().manual_seed(1)
-    if kind == "decode":
+    if kind.startswith("decode"):
         model.register_forward_pre_hook(_rewind, with_kwargs=True)
-        return model, decode_inputs(model, s, device)
+        return model, decode_inputs(model, s, device, batch=b, prefill=kind == "decode")
     if kind == "pixels":
         x = {"pixel_values": torch.randn(b, 3, s, s, generator=gen).half()}
     elif kind == "features":  # log-mel frames: (batch, mel bins, frames)
@@ -181,25 +233,45 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def decode_inputs(model: torch.nn.Module, past: int, device: str) -> dict[str, Any]:
-    """One decode step's inputs: a token at position ``past`` and a StaticCache (room for 64 more) holding an
-    eager prefill of ``past`` random tokens in the model's dtype (on "meta", for export, an empty one)."""
+#: a decode step's StaticCache holds this many positions past the step's (written by no step: the rewind)
+CACHE_SPARE = 64
+
+
+def _kv_shape(cfg: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of a decoder's config."""
+    return cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def decode_inputs(model: torch.nn.Module, past: int, device: str, batch: int = 1,
+                  prefill: bool = True) -> dict[str, Any]:
+    """One decode step's inputs: ``batch`` tokens at position ``past`` and a StaticCache (room for
+    ``CACHE_SPARE`` more) in the model's dtype holding ``past`` positions: an eager prefill of random tokens
+    (``prefill``), or K and V drawn from a seeded N(0, 1) (fp16 numbers: the same values in fp16 and float32),
+    which costs no GPU time at any batch (a prefill of 64 x 8192 tokens would cost more than the step's whole
+    table) and leaves the step's work unchanged. On "meta", for export, the cache is allocated and left empty."""
     import transformers
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    cache = transformers.StaticCache(config=cfg, max_cache_len=past + 64)
-    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = torch.empty(1, heads, 1, dim, dtype=dtype, device=device)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=past + CACHE_SPARE)
+    heads, dim = _kv_shape(cfg)
+    kv = torch.empty(batch, heads, 1, dim, dtype=dtype, device=device)
     for layer in cache.layers:  # allocated before the step, as a prefill would have
         layer.lazy_initialization(kv, kv)
     gen = torch.Generator().manual_seed(2)
-    if device != "meta":
-        prompt = torch.randint(0, cfg.vocab_size, (1, past), generator=gen).to(device)
+    if device != "meta" and prefill:
+        prompt = torch.randint(0, cfg.vocab_size, (batch, past), generator=gen).to(device)
         with torch.no_grad():
             model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True,
                   cache_position=torch.arange(past, device=device))
-    token = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen).to(device)
+    elif device != "meta":
+        for i, layer in enumerate(cache.layers):  # seeded per layer and tensor on the device: one draw, any dtype
+            for j, t in enumerate((layer.keys, layer.values)):
+                g = torch.Generator(device=device).manual_seed(1000 + 2 * i + j)
+                t[:, :, :past].copy_(torch.randn(t[:, :, :past].shape, generator=g, device=device).half())
+            if torch.is_tensor(getattr(layer, "cumulative_length", None)):  # as a prefill of `past` leaves it
+                layer.cumulative_length.fill_(past)
+    token = torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen).to(device)
     return {"input_ids": token, cache_kwarg(model): cache, "use_cache": True,
             "cache_position": torch.tensor([past], device=device)}
 
@@ -220,8 +292,9 @@ def _rewind(_: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
 def float_inputs(name: str, model: torch.nn.Module, x: dict[str, Any]) -> dict[str, Any]:
     """``x`` for ``model`` in float32 (the exact reference): floating tensors cast; a decode step's cache
     prefilled again by the float32 model (a cache keeps one dtype)."""
-    if MODELS[name][3] == "decode":
-        return decode_inputs(model, MODELS[name][5], str(x["input_ids"].device))
+    _, _, _, kind, b, s = MODELS[name]
+    if kind.startswith("decode"):
+        return decode_inputs(model, s, str(x["input_ids"].device), batch=b, prefill=kind == "decode")
     return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in x.items()}
 
 
@@ -234,14 +307,35 @@ def export(art: Path, names: list[str], db: Path | None = None, hardware: tuple[
     for name in names:
         torch._dynamo.reset()
         t = time.perf_counter()
-        # decoders make a KV cache whose first append (cat onto an empty tensor) fake tensors refuse on meta
-        prefill = MODELS[name][1] in ("LlamaModel", "GPT2Model") and MODELS[name][3] != "decode"
+        prefill = MODELS[name][1] in DYNAMIC_CACHE and not MODELS[name][3].startswith("decode")
         model, x = build(name, "cpu" if prefill else "meta")
         backend = export_cuda(model, art / "kernels", db=db, hardware=hardware, **x)
         took = time.perf_counter() - t
         (art / f"{name}.partition.txt").write_text(str(backend) + "\n")
         print(f"{name}: exported in {took:.1f} s\n{backend}\n", flush=True)
     return 0
+
+
+def partition_only(names: list[str]) -> dict[str, list[str]]:
+    """Each model captured and partitioned as ``export`` does it (same device, same inputs), nothing ranked or
+    built: a check in seconds that a MODELS entry captures and what it fuses, before an export's minutes.
+    Returns name -> one line per distinct fused SMG ("count x label [key]"), printed as it goes."""
+    from spacefusion.tuning import captured_partitions
+
+    out: dict[str, list[str]] = {}
+    for name in names:
+        torch._dynamo.reset()
+        t = time.perf_counter()
+        prefill = MODELS[name][1] in DYNAMIC_CACHE and not MODELS[name][3].startswith("decode")
+        model, x = build(name, "cpu" if prefill else "meta")
+        counts: dict[tuple[str, str], int] = {}
+        for part in captured_partitions(model, **x):
+            for sub in part.subgraphs:
+                counts[(sub.label, sub.key)] = counts.get((sub.label, sub.key), 0) + 1
+        out[name] = [f"{n} x {label} [{key[:10]}]" for (label, key), n in counts.items()]
+        print(f"{name}: {sum(counts.values())} fused subgraphs, {len(counts)} distinct SMGs, captured in "
+              f"{time.perf_counter() - t:.1f} s\n  " + "\n  ".join(out[name]), flush=True)
+    return out
 
 
 def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int, db: Path | None,
@@ -281,6 +375,60 @@ def tune_kinds(art: Path, names: list[str], kinds: list[str] | None, trials: int
     (art / "tune_report.txt").write_text(str(report) + "\n")
     print(report, flush=True)
     return 0
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, warmup: int = 3, iters: int = 20) -> dict[str, float]:
+    """This GPU's device-to-device copy bandwidth, the roof a decode step's bytes are held to: one ``nbytes``
+    copy timed with CUDA events (median; the buffers dwarf L2, so nothing is flushed), counted as bytes read
+    plus bytes written over time, as CUDA's bandwidthTest counts a device-to-device copy."""
+    from gpu_runtime import runtime_module
+
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    t = runtime_module("timing").time_cuda(lambda: bufs[1].copy_(bufs[0]), warmup=warmup, iters=iters,
+                                           flush_l2=False)
+    bufs.clear()  # 2 x nbytes back before the models
+    torch.cuda.empty_cache()
+    return {"bytes_copied": nbytes, "us": round(t.median_us, 1), "gb_s": round(2 * nbytes / t.median_us / 1e3, 1)}
+
+
+def decode_step_bytes(model: torch.nn.Module, x: dict[str, Any]) -> dict[str, int]:
+    """The fewest bytes one decode step must read: every weight once (the embedding table only for the
+    ``batch`` rows it gathers; shared weights once) and, per layer, K and V of the ``past + 1`` positions the
+    step attends to (the cache's ``past`` and its own).  What a kernel reads beyond that (the StaticCache's
+    spare, masked positions; activations) is not counted: the fraction of copy bandwidth is of the step's
+    necessary traffic."""
+    emb = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    batch = x["input_ids"].shape[0]
+    weights += batch * emb.shape[1] * emb.element_size()
+    attended = int(x["cache_position"][-1]) + 1
+    kv = 0
+    for layer in x[cache_kwarg(model)].layers:
+        b, heads, _, dim = layer.keys.shape
+        kv += 2 * b * heads * attended * dim * layer.keys.element_size()
+    return {"weights_bytes": weights, "kv_bytes": kv, "bytes": weights + kv}
+
+
+def bandwidth_fractions(step_bytes: dict[str, int], us: dict[str, float], copy_gb_s: float) -> dict[str, Any]:
+    """Each system's decode step as achieved bandwidth (``step_bytes['bytes']`` over its time) and as a fraction
+    of the measured copy bandwidth ``copy_gb_s``."""
+    out: dict[str, Any] = {**step_bytes, "copy_gb_s": copy_gb_s, "systems": {}}
+    for sys_name, t in us.items():
+        gb_s = step_bytes["bytes"] / t / 1e3
+        out["systems"][sys_name] = {"gb_s": round(gb_s, 1), "fraction_of_copy": round(gb_s / copy_gb_s, 3)}
+    return out
+
+
+def _sdpa_cudnn(fn: Any) -> Any:
+    """``fn`` with every scaled_dot_product_attention forced onto cuDNN's backend (an error where cuDNN cannot
+    take a call's mask or head layout, rather than a silent fallback)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call(**x: Any) -> Any:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return fn(**x)
+
+    return call
 
 
 def _last_hidden(out: Any) -> torch.Tensor:
@@ -387,7 +535,14 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
         modes: tuple[str, ...] = ("default", "reduce-overhead"), build_missing: bool = False,
         tune_trials: int = 0, db_path: Path | None = None, workers: int = 8, second_art: Path | None = None,
         second_name: str = "tuned", pdl_ab: bool = False, map_copy_ab: bool = False,
-        without: tuple[str, ...] = ()) -> int:
+        without: tuple[str, ...] = (), sdpa_cudnn: bool = False) -> int:
+    """Time ``names`` on this GPU against eager and torch.compile's ``modes`` (see the module docstring) into
+    ``out_path``, rewritten after each model.  A decode step's row also has ``bandwidth``: its necessary bytes
+    (``decode_step_bytes``) over each system's time, as a fraction of this GPU's copy bandwidth, measured once
+    at the start (``copy_bandwidth``).  ``sdpa_cudnn``: also eager and torch.compile reduce-overhead with SDPA
+    forced onto cuDNN (a system cuDNN refuses is reported under ``refused``, not timed), each profiled
+    (``kernels``): the kernel names say whether cuDNN's attention ran, as Dynamo may reuse the graph it
+    compiled for the plain reduce-overhead system where it does not guard on the SDPA backend."""
     from gpu_runtime import runtime_module
 
     import spacefusion
@@ -404,6 +559,9 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
         db = TuningDatabase(db_path or art / "tuning.db")
     torch._dynamo.config.cache_size_limit = 64  # four compiled systems of one model: never fall back to eager
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
+    if any(MODELS[n][3].startswith("decode") for n in names):
+        results["copy_bandwidth"] = copy_bandwidth()
+        print(f"copy bandwidth: {results['copy_bandwidth']}", flush=True)
     for name in names:
         torch._dynamo.reset()
         model, x = build(name, "cuda")
@@ -464,6 +622,16 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                 _last_hidden(c(**x))
                 row[f"compile_{mode}_s"] = round(time.perf_counter() - t, 1)
                 systems[f"torch.compile {mode}"] = c
+            if sdpa_cudnn:
+                for sys_name, base in (("eager sdpa-cudnn", model),  # torch.compile compiles at the first call
+                                       ("torch.compile reduce-overhead sdpa-cudnn",
+                                        torch.compile(model, mode="reduce-overhead"))):
+                    try:
+                        wrapped = _sdpa_cudnn(base)
+                        _last_hidden(wrapped(**x))
+                        systems[sys_name] = wrapped
+                    except Exception as exc:  # cuDNN refused the mask or layout: say so, time the rest
+                        row.setdefault("refused", {})[sys_name] = f"{type(exc).__name__}: {exc}"[:400]
             # a whole fp16 model against float32: errors compound over the layers, so the bar is eager fp16's
             # own distance from float32 (each system within twice that), not one kernel's rounding rule
             row["check"] = {}
@@ -486,7 +654,13 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                 for k in ("spacefusion+graph", *(f"spacefusion+graph {n}" for n in (
                         *((second_name,) if second_art is not None else ()), *(f"without {m}" for m in without)))):
                     row["kernels"][k] = kernel_profile(systems[k], x)
+            for k in ("eager sdpa-cudnn", "torch.compile reduce-overhead sdpa-cudnn"):
+                if k in systems:  # which attention kernels ran: cuDNN's, or a graph compiled before the flag
+                    row["kernels"][k] = kernel_profile(systems[k], x, n=24)
             row["top_kernels"] = row["kernels"]["spacefusion"]["top"][:12]
+            if MODELS[name][3].startswith("decode"):
+                row["bandwidth"] = bandwidth_fractions(decode_step_bytes(model, x), row["us"],
+                                                       results["copy_bandwidth"]["gb_s"])
         best_compile = min(row["us"][f"torch.compile {m}"] for m in modes)
         row["speedup"] = {"vs_eager": round(row["us"]["eager"] / row["us"]["spacefusion+graph"], 3),
                           "vs_best_compile": round(best_compile / row["us"]["spacefusion+graph"], 3)}
@@ -496,7 +670,8 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             row["speedup"] |= {f"{other}_vs_eager": round(row["us"]["eager"] / other_us, 3),
                                f"{other}_vs_best_compile": round(best_compile / other_us, 3)}
         results["models"][name] = row
-        print(json.dumps({name: {k: row[k] for k in ("us", "speedup", "check", "host", "top_kernels")}}), flush=True)
+        print(json.dumps({name: {k: row[k] for k in ("us", "speedup", "check", "host", "top_kernels", "bandwidth",
+                                                     "refused") if k in row}}), flush=True)
         print(row["partition"], flush=True)
         out_path.write_text(json.dumps(results, indent=1) + "\n")
         del systems, sf, nog, model
@@ -525,7 +700,8 @@ def _without_matcher(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=("export", "run", "tune"))
+    ap.add_argument("phase", choices=("export", "run", "tune", "partition"),
+                    help="partition: capture and partition only (nothing built; ART unused): a dry run of export")
     ap.add_argument("art", type=Path)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out", type=Path, default=Path("dynamo_gpu.json"))
@@ -561,17 +737,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="run: also the same kernels with these matchers off ('spacefusion+graph without "
                          "MATCHER', e.g. match_concat: the pattern's ops as torch runs them), in the same run")
     ap.add_argument("--workers", type=int, default=8, help="parallel TVM builds while tuning")
+    ap.add_argument("--sdpa-cudnn", action="store_true",
+                    help="run: also eager and torch.compile reduce-overhead with SDPA forced onto cuDNN")
     ap.add_argument("--max-autotune", action="store_true",
                     help="also torch.compile(mode='max-autotune') (minutes of autotuning per model)")
     a = ap.parse_args(argv)
     if a.phase == "export":
         return export(a.art, a.models, a.db, tuple(a.hw) if a.hw else None)
+    if a.phase == "partition":
+        partition_only(a.models)
+        return 0
     if a.phase == "tune":
         return tune_kinds(a.art, a.models, a.kinds, a.trials, a.db, a.workers, a.gpus)
     modes = ("default", "reduce-overhead", *(("max-autotune",) if a.max_autotune else ()))
     return run(a.art, a.models, a.out, a.warmup, a.iters, a.repeats, modes, a.build_missing or bool(a.tune),
                a.tune, a.db, a.workers, a.second_art, a.second_name, a.pdl_ab,
-               a.map_copy_ab, tuple(a.without))
+               a.map_copy_ab, tuple(a.without), a.sdpa_cudnn)
 
 
 if __name__ == "__main__":

@@ -59,22 +59,37 @@ def smg_of(key: str, weight: bool = False) -> Any:
     return patterns.gemm_epilogue(m, n, k, "none", False, DTYPE, "nk", norm="rmsnorm", norm_weight=weight, eps=eps)
 
 
+def distinct_picks(smg: Any, hw: Any, count: int, first: Any = None) -> list[tuple[str, Any]]:
+    """(label, schedule): ``first`` (default: the top of the model's order for ``hw``) as "first", then the
+    next configurations of that order that differ from every one before in a knob that changes the kernel
+    (tiles, step, stages, warps, slices, wgmma, TMA, producer, persistence, lanes), as "ranked1", ..., up to
+    ``count`` in all: candidates that are not the same kernel under another key."""
+    from spacefusion.api import candidates as ranked
+
+    def sig(s: Any) -> tuple:
+        return s.block, s.step, s.stages, s.warps, s.slices, s.wgmma, s.tma, s.producer, s.persistent, s.lanes
+
+    for head in (8 * count, None):  # the head of the order is quicker to rank, and usually holds them
+        out: list[tuple[str, Any]] = [("first", first)] if first is not None else []
+        seen = {sig(first)} if first is not None else set()
+        for s in ranked(smg, hw, head=head):
+            if len(out) >= count:
+                break
+            if sig(s) not in seen:
+                seen.add(sig(s))
+                out.append(("first" if not out else f"ranked{len(out)}", s))
+        if len(out) >= count:
+            break
+    return out
+
+
 def candidates(key: str) -> list[tuple[str, Any]]:
     """(label, schedule): the first distinct picks of the folded form, then the first pick of the other."""
     from spacefusion.api import H100
     from spacefusion.api import candidates as ranked
 
-    out: list[tuple[str, Any]] = []
-    seen: set[tuple] = set()
-    for s in ranked(smg_of(key), H100):
-        sig = (s.block, s.step, s.stages, s.warps, s.slices, s.wgmma, s.tma, s.producer, s.persistent, s.lanes)
-        if sig not in seen:
-            seen.add(sig)
-            out.append(("first" if not out else f"ranked{len(out)}", s))
-        if len(out) == RANKED:
-            break
-    out.append(("weight_apart", ranked(smg_of(key, weight=True), H100, head=1)[0]))
-    return out
+    return [*distinct_picks(smg_of(key), H100, RANKED),
+            ("weight_apart", ranked(smg_of(key, weight=True), H100, head=1)[0])]
 
 
 def build(art: Path, keys: list[str]) -> int:
@@ -173,10 +188,7 @@ def _check(got: Any, ref: Any, k: int, baseline: bool = False) -> float:
 
 def run(art: Path, out_path: Path, keys: list[str], warmup: int, iters: int, repeats: int) -> int:
     import torch
-    from e2e_gpu import _graphed
-    from gpu_runtime import runtime_module
 
-    timing = runtime_module("timing")
     result: dict[str, Any] = {"format": FORMAT, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "warmup": warmup, "iters": iters,
                               "repeats": repeats, "l2_flush": FLUSH, "shapes": []}
@@ -211,23 +223,36 @@ def run(art: Path, out_path: Path, keys: list[str], warmup: int, iters: int, rep
             except Exception as exc:
                 row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600])
             rows.append(row)
-        with torch.no_grad():
-            for row in rows:  # CUDA-graph replays: the runtime's Python launch would outlast these kernels
-                if "fn" in row:
-                    row["fn"] = _graphed(row["fn"], ())
-            for _ in range(repeats):  # the systems take turns
-                for row in rows:
-                    if "fn" in row:
-                        t = timing.time_cuda(row["fn"], warmup=warmup, iters=iters, flush=FLUSH)
-                        row.setdefault("medians_us", []).append(t.median_us)
-        for row in rows:
-            row.pop("fn", None)
-            if row.get("medians_us"):
-                row.update(status="ok", median_us=statistics.median(row["medians_us"]))
+        time_rows(rows, warmup, iters, repeats)
         result["shapes"].append({"shape": shape, "rows": rows})
         print(format_shape(shape, rows), flush=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def time_rows(rows: list[dict[str, Any]], warmup: int, iters: int, repeats: int) -> None:
+    """Time every row that holds a checked launch closure ``fn`` (popped): each captured into a CUDA graph (the
+    runtime's Python launch would outlast these kernels), then ``repeats`` rounds in which the rows take
+    turns, each round ``iters`` CUDA-event runs with L2 flushed by a read (``FLUSH``); a row gets
+    ``medians_us`` (one per round), ``median_us`` (their median) and status "ok"."""
+    import torch
+    from e2e_gpu import _graphed
+    from gpu_runtime import runtime_module
+
+    timing = runtime_module("timing")
+    with torch.no_grad():
+        for row in rows:
+            if "fn" in row:
+                row["fn"] = _graphed(row["fn"], ())
+        for _ in range(repeats):  # the systems take turns
+            for row in rows:
+                if "fn" in row:
+                    t = timing.time_cuda(row["fn"], warmup=warmup, iters=iters, flush=FLUSH)
+                    row.setdefault("medians_us", []).append(t.median_us)
+    for row in rows:
+        row.pop("fn", None)
+        if row.get("medians_us"):
+            row.update(status="ok", median_us=statistics.median(row["medians_us"]))
 
 
 def format_shape(shape: dict[str, Any], rows: list[dict[str, Any]]) -> str:

@@ -1,5 +1,6 @@
 """The end-to-end benchmark's decode step (experiments/dynamo_gpu.py): a StaticCache prefilled once, and a step that
-can be timed any number of times (the cache's running lengths rewound before each call), on a tiny LLaMA."""
+can be timed any number of times (the cache's running lengths rewound before each call), on a tiny LLaMA; issue 57's
+batched steps over a random cache, their bytes and bandwidth fraction, the partition dry run and the table's configs."""
 
 from __future__ import annotations
 
@@ -52,3 +53,77 @@ def test_export_builds_the_decode_step_on_meta(tiny: str) -> None:
     keys = x[dynamo_gpu.cache_kwarg(model)].layers[0].keys  # allocated as a prefill would have, without one
     assert keys.device.type == "meta" and keys.shape[2] == PAST + 64 and keys.dtype == torch.float16
 
+
+
+@pytest.fixture()
+def tiny_batched(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Issue 57's decode table in miniature: Qwen2's layout (q/k/v biases, GQA) at batch 3 over a random cache."""
+    kw = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 256}
+    monkeypatch.setitem(dynamo_gpu.MODELS, "tiny_qwen2_decode_b3", ("Qwen2Config", "Qwen2Model", kw,
+                                                                     "decode_random", 3, PAST))
+    return "tiny_qwen2_decode_b3"
+
+
+def test_a_random_cache_holds_the_same_values_in_both_dtypes_and_repeats(tiny_batched: str) -> None:
+    model, x = dynamo_gpu.build(tiny_batched, "cpu")
+    cache = x[dynamo_gpu.cache_kwarg(model)]
+    assert x["input_ids"].shape == (3, 1) and cache.layers[0].keys.shape == (3, 2, PAST + dynamo_gpu.CACHE_SPARE, 16)
+    assert int(cache.layers[0].cumulative_length) == PAST
+    assert cache.layers[0].keys[:, :, :PAST].std() > 0.5 and (cache.layers[0].keys[:, :, PAST:] == 0).all()
+    assert not torch.equal(cache.layers[0].keys[:, :, :PAST], cache.layers[1].keys[:, :, :PAST])  # seeded per layer
+    model.float()
+    ref = dynamo_gpu.float_inputs(tiny_batched, model, x)[dynamo_gpu.cache_kwarg(model)]
+    for half, full in zip(cache.layers, ref.layers, strict=True):  # the float32 reference reads the same cache
+        assert full.keys.dtype == torch.float32
+        torch.testing.assert_close(full.keys[:, :, :PAST], half.keys[:, :, :PAST].float(), rtol=0, atol=0)
+        torch.testing.assert_close(full.values[:, :, :PAST], half.values[:, :, :PAST].float(), rtol=0, atol=0)
+    x = dynamo_gpu.float_inputs(tiny_batched, model, x)
+    with torch.no_grad():
+        first = dynamo_gpu._last_hidden(model(**x)).clone()
+        for _ in range(3):  # rewound to position PAST each time
+            out = dynamo_gpu._last_hidden(model(**x))
+    assert first.shape == (3, 1, 64)
+    torch.testing.assert_close(out, first)
+
+
+def test_a_decode_steps_bytes_and_its_fraction_of_the_copy_bandwidth(tiny_batched: str) -> None:
+    model, x = dynamo_gpu.build(tiny_batched, "cpu")
+    got = dynamo_gpu.decode_step_bytes(model, x)
+    emb = model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    assert got["weights_bytes"] == 2 * (params - emb.numel() + 3 * 64)  # the table's 3 gathered rows only
+    assert got["kv_bytes"] == 2 * (2 * 3 * 2 * (PAST + 1) * 16) * 2  # layers x (K, V) x batch x heads x pos x dim
+    frac = dynamo_gpu.bandwidth_fractions({**got, "bytes": 3_000_000}, {"eager": 2.0, "sf": 1.0}, 3000.0)
+    assert frac["systems"]["sf"] == {"gb_s": 3000.0, "fraction_of_copy": 1.0}
+    assert frac["systems"]["eager"]["fraction_of_copy"] == 0.5 and frac["copy_gb_s"] == 3000.0
+
+
+def test_the_partition_dry_run_captures_a_prefill_and_a_batched_decode(tiny_batched: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = dynamo_gpu.MODELS[tiny_batched][2]
+    monkeypatch.setitem(dynamo_gpu.MODELS, "tiny_qwen2_prefill", ("Qwen2Config", "Qwen2Model", kw, "ids", 2, 32))
+    got = dynamo_gpu.partition_only(["tiny_qwen2_prefill", tiny_batched])
+    assert any("attention b2 h4/2 32x32 d16 causal" in line for line in got["tiny_qwen2_prefill"])
+    assert any("gated gemm" in line for line in got["tiny_qwen2_prefill"])
+    decode = got[tiny_batched]
+    assert any(line.startswith("2 x attention b3") and f"1x{PAST + dynamo_gpu.CACHE_SPARE}" in line for line in decode)
+
+
+def test_issue_57s_entries_are_the_real_configs() -> None:
+    import transformers
+
+    want = {"qwen2_0p5b": (24, 14, 2, 64, 896, 4864), "llama3_8b_4layers": (4, 32, 8, 128, 4096, 14336)}
+    names = [n for n in dynamo_gpu.MODELS if n.startswith(tuple(want))]
+    shapes = {(n.split("_decode_")[0] if "_decode_" in n else n.rsplit("_", 1)[0], dynamo_gpu.MODELS[n][3],
+               dynamo_gpu.MODELS[n][4], dynamo_gpu.MODELS[n][5]) for n in names}
+    for stem in want:
+        assert {(stem, "ids", 1, 1024), (stem, "ids", 4, 2048)} <= shapes
+        assert {(stem, "decode_random", b, past) for b in (1, 8, 64) for past in (2048, 8192)} <= shapes
+    for name in names:
+        cfg_cls, _, kw, *_ = dynamo_gpu.MODELS[name]
+        cfg = getattr(transformers, cfg_cls)(**kw)
+        stem = next(s for s in want if name.startswith(s))
+        assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, dynamo_gpu._kv_shape(cfg)[1],
+                cfg.hidden_size, cfg.intermediate_size) == want[stem], name
+        assert name.endswith(f"_b{dynamo_gpu.MODELS[name][4]}_{dynamo_gpu.MODELS[name][5]}") or "_decode_" not in name

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .artefact import ArtefactError, KernelArtefact, ParamSpec, check_cubin
+from .artefact import ArtefactError, KernelArtefact, ParamSpec, SizeRangeError, check_cubin
 
 if TYPE_CHECKING:
     import torch
@@ -247,6 +247,10 @@ class CudaKernel:
                 f"{self.artefact.kernel_name}: {scratch} are workspaces or tensor maps the launcher builds and "
                 "keeps; pass only inputs and outputs"
             )
+        sized = sorted(n for n in tensors if roles[n] == "size")
+        if sized:
+            raise KernelLaunchError(f"{self.artefact.kernel_name}: {sized} is the run-time size, which the launcher "
+                                    "reads from the tensors' shapes; pass only inputs and outputs")
         inputs = {n: t for n, t in tensors.items() if roles[n] == "input"}
         outputs = {n: t for n, t in tensors.items() if roles[n] == "output"}
         return self.launch(inputs, outputs)
@@ -264,7 +268,8 @@ class CudaKernel:
         import torch
 
         art = self.artefact
-        tensors = self._bind(inputs, dict(outputs or {}))
+        size = self._size(inputs)
+        tensors = self._bind(inputs, dict(outputs or {}), size)
         device = next(iter(tensors.values())).device
         kernel = self._kernel(device.index)
         if art.scratch and device.index not in self._scratch:  # zeroed once: the kernel leaves them zeroed
@@ -274,9 +279,12 @@ class CudaKernel:
         for p in art.params:
             if p.tensor_map is not None:
                 tensors[p.name] = self._tensor_map(p, tensors[p.tensor_map[0]], device.index)
-        args = tuple(numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
+        sym = art.symbolic
+        args = tuple(numpy.int32(size) if sym is not None and name == sym.var
+                     else numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
+        grid = art.grid if sym is None else sym.grid_at(size)
         with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream):
-            kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
+            kernel(grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
         return {p.name: tensors[p.name] for p in art.outputs}
 
     def launcher(self, device: int, out_shapes: Sequence[Sequence[int] | None] | None = None
@@ -294,6 +302,9 @@ class CudaKernel:
         import torch
 
         art = self.artefact
+        if art.symbolic is not None:  # its size and grid follow each call's tensors: ``launch`` reads them
+            raise KernelLaunchError(f"{art.kernel_name}: a kernel with a run-time size (dim {art.symbolic.dim!r}) "
+                                    f"has no fixed-shape launcher yet; call launch()")
         kernel = self._kernel(device)
         dev = torch.device("cuda", device)
         if art.scratch and device not in self._scratch:
@@ -381,11 +392,29 @@ class CudaKernel:
             _GRAPHED_MAPS.setdefault(m.data_ptr(), m)
         return m
 
-    def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Match tensors to params by name, allocate missing outputs, and check every tensor."""
+    def _size(self, inputs: Mapping[str, Any]) -> int | None:
+        """A symbolic kernel's run-time size, read from the inputs' shapes (``SymbolicSpec.size_of``: they must
+        agree, and the size lie in the kernel's range; ``KernelLaunchError`` naming both otherwise)."""
+        sym = self.artefact.symbolic
+        if sym is None:
+            return None
+        shapes = {n: tuple(getattr(t, "shape", ())) for n, t in inputs.items()}
+        try:
+            return sym.size_of(shapes, self.artefact.kernel_name)
+        except SizeRangeError as exc:
+            raise KernelLaunchError(str(exc)) from None
+
+    def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+              size: int | None = None) -> dict[str, torch.Tensor]:
+        """Match tensors to params by name, allocate missing outputs, and check every tensor (a symbolic
+        kernel's at its run-time ``size``)."""
         import torch
 
         art = self.artefact
+
+        def shape(p: ParamSpec) -> tuple[int, ...]:
+            return p.shape if art.symbolic is None or size is None else art.symbolic.shape_at(p, size)
+
         in_names = {p.name for p in art.inputs}
         out_names = {p.name for p in art.outputs}
         for what, names, allowed in (("input", inputs, in_names), ("output", outputs, out_names)):
@@ -401,10 +430,10 @@ class CudaKernel:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         for name, t in given.items():
-            _check_tensor(art.kernel_name, art.param(name), t, device)
+            _check_tensor(art.kernel_name, art.param(name), t, device, shape(art.param(name)))
         for p in art.outputs:
             if p.name not in given:
-                given[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=device)
+                given[p.name] = torch.empty(shape(p), dtype=torch_dtype(p.dtype), device=device)
         return given
 
 
@@ -543,9 +572,12 @@ def _raw_stream() -> Callable[[int], int]:
     return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
-def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> None:
+def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device,
+                  shape: tuple[int, ...] | None = None) -> None:
+    """``t`` is a tensor ``p`` takes; ``shape``: the one expected (a symbolic kernel's at its size), else ``p``'s."""
     import torch
 
+    shape = p.shape if shape is None else shape
     where = f"{kernel}: param {p.name!r} ({p.role})"
     if not isinstance(t, torch.Tensor):
         raise KernelLaunchError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
@@ -555,8 +587,8 @@ def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> No
         raise KernelLaunchError(f"{where} is on {t.device} but other tensors are on {device}")
     if t.dtype != torch_dtype(p.dtype):
         raise KernelLaunchError(f"{where} has dtype {t.dtype}, expected {p.dtype}")
-    if tuple(t.shape) != p.shape:
-        raise KernelLaunchError(f"{where} has shape {list(t.shape)}, expected {list(p.shape)}")
+    if tuple(t.shape) != shape:
+        raise KernelLaunchError(f"{where} has shape {list(t.shape)}, expected {list(shape)}")
     if not t.is_contiguous():
         raise KernelLaunchError(f"{where} is not contiguous (strides {t.stride()}); call .contiguous()")
     if t.data_ptr() % POINTER_ALIGNMENT:

@@ -109,20 +109,58 @@ class ReferenceBackend(_Cached):
 
 
 class LLVMBackend(_Cached):
-    """TVM's llvm build of each SMG's schedule (``schedule_for``: the default, or a tuning database's)."""
+    """TVM's llvm build of each SMG's schedule (``schedule_for``: the default, or a tuning database's).
+
+    Inside ``sizes_per_call`` (the specialisations of a graph with symbolic sizes, ``compiled.PerShape``) and
+    with the default schedules, an SMG whose rows can be a run-time size is built so (``symbolic_kernels``),
+    and a later size of its family within the range reuses that kernel: ``builds`` lists every TVM build
+    (SMG name, "static" or "symbolic"), ``symbolic.reused`` the SMGs served without one."""
 
     name = "llvm"
 
     def __init__(self, schedule_for: ScheduleFor = default_schedule, split_hw: HardwareModel | None = None) -> None:
+        from spacefusion.frontend.symbolic_kernels import SymbolicKernels
+
         super().__init__(split_hw)
         self.schedule_for = schedule_for
+        self.per_call = False  # inside ``sizes_per_call``
+        self.symbolic = SymbolicKernels()
+        self.builds: list[tuple[str, str]] = []
 
-    def _compile(self, smg: SMG) -> Kernel:
+    @contextlib.contextmanager
+    def sizes_per_call(self) -> Iterator[None]:
+        """Inside, SMGs are built with their rows a run-time size where they can be, and reuse such a kernel
+        of their family (``symbolic_kernels``): a graph with symbolic sizes then builds a GEMM once for a range
+        of lengths.  Only with the default schedules: a tuning database's pick is made per size."""
+        was, self.per_call = self.per_call, self.schedule_for is default_schedule
+        try:
+            yield
+        finally:
+            self.per_call = was
+
+    def _kernel_for(self, smg: SMG) -> object:
+        """The kernel of ``smg``: a symbolic one of its family (found, or built here) inside ``sizes_per_call``,
+        else the static build of its schedule."""
         from spacefusion.api import build
 
+        if self.per_call:
+            found = self.symbolic.find(smg)
+            if found is not None:
+                return found
+            s = self.schedule_for(smg)
+            kernel = self.symbolic.build(s, "llvm")
+            if kernel is not None:
+                self.builds.append((smg.name, "symbolic"))
+                return kernel
+        else:
+            s = self.schedule_for(smg)
+        self.builds.append((smg.name, "static"))
+        return build(s, "llvm")
+
+    def _compile(self, smg: SMG) -> Kernel:
         if any(s.dtype == "bfloat16" for s in smg.spaces):
             raise FrontendError(f"{smg.name}: the llvm backend runs on numpy arrays, which have no bfloat16")
-        kernel = build(self.schedule_for(smg), "llvm")
+        kernel = self._kernel_for(smg)
 
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k: torch.from_numpy(v) for k, v in kernel(_numpy(inputs)).items()}

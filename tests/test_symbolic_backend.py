@@ -1,0 +1,82 @@
+"""Issue 55 through the Dynamo backend on llvm: a graph with symbolic sizes builds its GEMMs (and row norms)
+once, with the rows a run-time size, and every later length within the kernel's range reuses them; each call
+checked against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spacefusion.frontend.backends import LLVMBackend
+from spacefusion.frontend.dynamo import SpaceFusionBackend
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _bert() -> torch.nn.Module:
+    torch.manual_seed(1)
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                  vocab_size=100)
+    return transformers.BertModel(cfg).eval()
+
+
+def _run(model, compiled, s: int) -> None:
+    ids = torch.randint(0, 100, (2, s), generator=torch.Generator().manual_seed(s))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_new_lengths_in_range_build_no_gemm() -> None:
+    """Seq 16 is Dynamo's static graph (static kernels); 24 recompiles with symbolic sizes and builds each GEMM
+    and norm with m = 2 * seq a run-time size over [24, 96]; 20 and 30 (m = 40, 60) build only their attention
+    (its kv length changes too), every GEMM served by the kernels of 24."""
+    model, kernels = _bert(), LLVMBackend()
+    compiled = torch.compile(model, backend=SpaceFusionBackend(kernels))
+    built_at = {}
+    for s in (16, 24, 20, 30):
+        before = len(kernels.builds)
+        _run(model, compiled, s)
+        built_at[s] = kernels.builds[before:]
+    assert all(how == "static" for _, how in built_at[16])
+    gemms_24 = [n for n, how in built_at[24] if "gemm" in n]
+    assert len(gemms_24) >= 4 and all(how == "symbolic" for n, how in built_at[24] if "gemm" in n), built_at[24]
+    for s in (20, 30):
+        assert [n for n, _ in built_at[s]] == ["attention"], built_at[s]  # no GEMM, no norm built
+    reused = kernels.symbolic.reused
+    assert sum("gemm" in n for n in reused) == 2 * len(gemms_24), reused  # each GEMM of 24, at 20 and at 30
+    assert {"layernorm", "residual_layernorm"} <= set(reused)
+
+
+def test_a_length_outside_the_range_builds_again() -> None:
+    """m = 2 * 48 = 96 is the top of 24's range [24, 96]; m = 2 * 64 = 128 is past it: its GEMMs are built anew
+    (symbolic over their own range), and the outputs still match eager."""
+    model, kernels = _bert(), LLVMBackend()
+    compiled = torch.compile(model, backend=SpaceFusionBackend(kernels))
+    for s in (16, 24):
+        _run(model, compiled, s)
+    before = len(kernels.builds)
+    _run(model, compiled, 48)
+    assert not any("gemm" in n for n, _ in kernels.builds[before:]), kernels.builds[before:]
+    before = len(kernels.builds)
+    _run(model, compiled, 64)
+    assert sum("gemm" in n and how == "symbolic" for n, how in kernels.builds[before:]) >= 4
+
+
+def test_static_graphs_and_tuned_schedules_keep_static_kernels() -> None:
+    """Outside ``sizes_per_call`` nothing is symbolic; with a schedule_for other than the default (a tuning
+    database's pick per size) the per-call sizes build static kernels as before."""
+    kernels = LLVMBackend()
+    with kernels.sizes_per_call():
+        assert kernels.per_call
+    assert not kernels.per_call
+    tuned = LLVMBackend(schedule_for=lambda smg: kernels.schedule_for(smg))
+    with tuned.sizes_per_call():
+        assert not tuned.per_call

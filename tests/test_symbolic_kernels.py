@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from schedulers.errors import ScheduleError
@@ -183,3 +184,51 @@ def test_artefact_format_and_symbolic_section_go_together(tmp_path) -> None:
     with pytest.raises(ArtefactError, match="size param"):
         KernelArtefact.from_meta(meta | {"params": [p | ({"dtype": "int64"} if p["role"] == "size" else {})
                                                     for p in meta["params"]]}, tmp_path)
+
+
+def _saved_gemm_artefact(tmp_path, m0: int = 100):
+    s = make_schedule(_gemm(m0, "float16"), {"m": 16, "n": 16}, step=16)
+    sym = around(s, "m")
+    return build(s, "cuda:sm_90a", symbolic=sym).save(tmp_path / "k", compile_cubin=False), sym
+
+
+def test_the_runtime_reads_the_size_from_the_inputs(tmp_path) -> None:
+    """The GPU runtime's checks, without a GPU: the size comes from the inputs' shapes, which must agree and
+    lie in the range; the unchecked fixed-shape launcher is refused for a symbolic kernel."""
+    from spacefusion.runtime.gpu import CudaKernel, KernelLaunchError
+
+    folder, _ = _saved_gemm_artefact(tmp_path)
+    kernel = CudaKernel(folder)
+    assert kernel._size({"A": np.zeros((77, 40)), "R": np.zeros((77, 48))}) == 77
+    with pytest.raises(KernelLaunchError, match="disagree"):
+        kernel._size({"A": np.zeros((77, 40)), "R": np.zeros((78, 48))})
+    with pytest.raises(KernelLaunchError, match=r"outside the kernel's range \[50, 200\]"):
+        kernel._size({"A": np.zeros((201, 40))})
+    with pytest.raises(KernelLaunchError, match="run-time size"):
+        kernel(sf_m=np.int32(3))
+    with pytest.raises(KernelLaunchError, match="no fixed-shape launcher"):
+        kernel.launcher(0)
+
+
+@pytest.mark.cuda
+def test_one_symbolic_cuda_kernel_at_every_size_on_the_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The artefact built once, launched at sizes in its range (a tile's tail, the ends) against the float64
+    reference of the graph at each size."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from spacefusion.runtime.gpu import CudaKernel
+
+    monkeypatch.setenv("SPACEFUSION_CUBIN_CACHE", str(tmp_path / "cache"))
+    folder, sym = _saved_gemm_artefact(tmp_path)
+    kernel = CudaKernel(folder)
+    for i, m in enumerate((sym.lo, 51, 64, 100, 177, sym.hi)):
+        g = _gemm(m, "float16")
+        x = random_inputs(g, seed=20 + i)
+        out = kernel.launch({k: torch.from_numpy(v).cuda() for k, v in x.items()})
+        torch.cuda.synchronize()
+        got = {k: v.cpu().numpy() for k, v in out.items()}
+        assert got["Y"].shape == (m, 48)
+        err, problem = check_numerics(g, evaluate(g, x), got, inputs=x)
+        assert problem is None, f"m={m}: {problem}"

@@ -80,3 +80,41 @@ def test_static_graphs_and_tuned_schedules_keep_static_kernels() -> None:
     tuned = LLVMBackend(schedule_for=lambda smg: kernels.schedule_for(smg))
     with tuned.sizes_per_call():
         assert not tuned.per_call
+
+
+def test_the_cuda_backend_exports_one_artefact_for_a_range_of_rows(tmp_path) -> None:
+    """Inside ``sizes_per_call`` a CUDA-core GEMM is exported once with m a run-time size over [m/2, 2m]
+    (format /2 under the folder's ``symbolic/``); another m of its family in range is served by it with no
+    export, also to a fresh backend on the folder (the index is on disk); m past the range exports again; a
+    static compile keeps its own static artefact.  Export only: no GPU here."""
+    from smg.patterns import gemm_epilogue
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.runtime.artefact import SYMBOLIC_FORMAT_TAG, KernelArtefact
+
+    def gemm(m: int):
+        return gemm_epilogue(m, 64, 32, act="gelu", dtype="float32")
+
+    def exports(folder) -> int:
+        return len(list(folder.rglob("timing.json")))
+
+    kernels = CudaBackend(tmp_path, build_missing=True, load=False)
+    with kernels.sizes_per_call():
+        kernels.compile(gemm(48))
+        assert exports(tmp_path) == 1
+        art = KernelArtefact.load(kernels.artefact_path(gemm(48)))
+        assert art.to_meta()["format"] == SYMBOLIC_FORMAT_TAG and (art.symbolic.lo, art.symbolic.hi) == (24, 96)
+        for m in (24, 40, 96):
+            kernels.compile(gemm(m))
+            assert kernels.artefact_path(gemm(m)) == art.folder
+        assert exports(tmp_path) == 1
+        kernels.compile(gemm(97))
+        assert exports(tmp_path) == 2 and kernels.artefact_path(gemm(97)) != art.folder
+    fresh = CudaBackend(tmp_path, build_missing=True, load=False)
+    with fresh.sizes_per_call():
+        fresh.compile(gemm(60))
+    assert exports(tmp_path) == 2
+    fresh.compile(gemm(60))  # a static graph's compile: its own artefact, as before
+    assert exports(tmp_path) == 2  # the kernel of this SMG key was compiled above: cached
+    static = CudaBackend(tmp_path, build_missing=True, load=False)
+    static.compile(gemm(60))
+    assert exports(tmp_path) == 3 and KernelArtefact.load(static.artefact_path(gemm(60))).symbolic is None

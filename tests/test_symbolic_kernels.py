@@ -194,7 +194,7 @@ def _saved_gemm_artefact(tmp_path, m0: int = 100):
 
 def test_the_runtime_reads_the_size_from_the_inputs(tmp_path) -> None:
     """The GPU runtime's checks, without a GPU: the size comes from the inputs' shapes, which must agree and
-    lie in the range; the unchecked fixed-shape launcher is refused for a symbolic kernel."""
+    lie in the range; the unchecked launcher is made for one size in the range."""
     from spacefusion.runtime.gpu import CudaKernel, KernelLaunchError
 
     folder, _ = _saved_gemm_artefact(tmp_path)
@@ -206,8 +206,10 @@ def test_the_runtime_reads_the_size_from_the_inputs(tmp_path) -> None:
         kernel._size({"A": np.zeros((201, 40))})
     with pytest.raises(KernelLaunchError, match="run-time size"):
         kernel(sf_m=np.int32(3))
-    with pytest.raises(KernelLaunchError, match="no fixed-shape launcher"):
+    with pytest.raises(KernelLaunchError, match=r"launcher for one size in \[50, 200\], got size=None"):
         kernel.launcher(0)
+    with pytest.raises(KernelLaunchError, match="got size=201"):
+        kernel.launcher(0, size=201)
 
 
 @pytest.mark.cuda

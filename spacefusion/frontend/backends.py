@@ -270,6 +270,17 @@ class CudaBackend(_Cached):
         finally:
             self.transfer = was
 
+    def artefact_path(self, smg: SMG) -> Path:
+        """Where ``smg``'s kernel is: inside ``sizes_per_call``, a symbolic artefact of its family whose range
+        holds its rows (``symbolic_artefacts.served``: built once for a range of lengths), else its own."""
+        if self.transfer:
+            from spacefusion.frontend.symbolic_artefacts import served
+
+            got = served(self.folder, smg)
+            if got is not None:
+                return got
+        return self.artefact_dir(smg)
+
     def artefact_dir(self, smg: SMG) -> Path:
         if self.by_schedule:
             return self.folder / f"{smg.key[:16]}-{self.schedule_for(smg).key[:16]}"
@@ -395,7 +406,7 @@ class CudaBackend(_Cached):
         holds from other code."""
         split = self.split_of(smg)
         return [k for k in (split.kernels if split is not None else [smg])
-                if not (self.artefact_dir(k) / "kernel.json").is_file() or _stale(self.artefact_dir(k))]
+                if not (self.artefact_path(k) / "kernel.json").is_file() or _stale(self.artefact_path(k))]
 
     def export_all(self, smg: SMG) -> None:
         """What a worker does with one SMG of ``prefetch``: decide its split (recorded in ``split.json``) and
@@ -418,9 +429,17 @@ class CudaBackend(_Cached):
         with families.transferring(self.folder / FAMILIES, self.transfer):
             schedule = self.schedule_for(smg)
         t1 = time.perf_counter()
-        art = build(schedule, f"cuda:{self.arch}")
+        sym = None
+        if self.transfer:  # a specialisation of a symbolic graph: its rows a run-time size where they can be
+            from spacefusion.frontend import symbolic_artefacts
+
+            sym = symbolic_artefacts.symbolic_dim(schedule, smg)
+        art = build(schedule, f"cuda:{self.arch}", symbolic=sym)
         t2 = time.perf_counter()
-        path = art.save(self.artefact_dir(smg), compile_cubin=cubin)
+        where = self.artefact_dir(smg) if sym is None else symbolic_artefacts.artefact_dir(self.folder, schedule, sym)
+        path = art.save(where, compile_cubin=cubin)
+        if sym is not None:
+            symbolic_artefacts.record(self.folder, smg, sym, path)
         t3 = time.perf_counter()
         (path / "timing.json").write_text(json.dumps({"name": smg.name, "schedule_s": round(t1 - t0, 3),
                                                       "lower_s": round(t2 - t1, 3), "save_s": round(t3 - t2, 3),
@@ -431,9 +450,9 @@ class CudaBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.runtime.gpu import load_kernel, torch_dtype
 
-        path = self.artefact_dir(smg)
+        path = self.artefact_path(smg)
         if self.build_missing and (not (path / "kernel.json").is_file() or _stale(path)):
-            self.export(smg)
+            path = self.export(smg)
         if not (path / "kernel.json").is_file():
             # an export under another split rule has the kernels of its own decision, not of this code's
             stale = self.stale_splits.get(smg.key)
@@ -446,8 +465,13 @@ class CudaBackend(_Cached):
 
             return exported
         kernel = load_kernel(path)
+        # a symbolic kernel (``symbolic_artefacts``) runs at this SMG's rows: its launchers are made for them
+        sym = kernel.artefact.symbolic
+        size = smg.dim_sizes[sym.dim] if sym is not None else None
+        sized = {"size": size} if size is not None else {}
         # a folded schedule's kernel (smg.fold) takes the same memory with merged dims: view, never copy
-        shapes = {p.name: p.shape for p in (*kernel.artefact.inputs, *kernel.artefact.outputs)}
+        shapes = {p.name: p.shape if sym is None else sym.shape_at(p, size)
+                  for p in (*kernel.artefact.inputs, *kernel.artefact.outputs)}
         ins = [p.name for p in kernel.artefact.inputs]
         dtypes = [torch_dtype(p.dtype) for p in kernel.artefact.inputs]
         outs = [(p.name, smg.shape(p.name)) for p in kernel.artefact.outputs]
@@ -463,7 +487,7 @@ class CudaBackend(_Cached):
             if launch is None or any(x.dtype != dt for x, dt in zip(xs, dtypes)):
                 out = kernel(**dict(zip(ins, xs)))
                 if device is not None and hasattr(kernel, "launcher"):
-                    fast[device] = kernel.launcher(device)
+                    fast[device] = kernel.launcher(device, **sized)
                 return tuple(out[k].view(shape) for k, shape in outs)
             return tuple(t.view(shape) for (_, shape), t in zip(outs, launch(*xs)))
 
@@ -476,7 +500,8 @@ class CudaBackend(_Cached):
             allocated in ``out_shapes`` (None: the SMG's shape), so nothing is viewed on the way in or out.
             Sizes and dtypes are still compared (a few attribute reads): another shape raises, never reads
             out of bounds."""
-            launch = kernel.launcher(device, [s if s is not None else shape for s, (_, shape) in zip(out_shapes, outs)])
+            launch = kernel.launcher(device, [s if s is not None else shape for s, (_, shape) in zip(out_shapes, outs)],
+                                     **sized)
             # a tensor map is encoded from its tensor's sizes and strides: those inputs keep the kernel's shape
             mapped = {p.tensor_map[0] for p in kernel.artefact.params if p.tensor_map is not None}
             want = [(math.prod(shapes[k]), dt, shapes[k] if k in mapped else None) for k, dt in zip(ins, dtypes)]

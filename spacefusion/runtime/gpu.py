@@ -287,8 +287,8 @@ class CudaKernel:
             kernel(grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
         return {p.name: tensors[p.name] for p in art.outputs}
 
-    def launcher(self, device: int, out_shapes: Sequence[Sequence[int] | None] | None = None
-                 ) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def launcher(self, device: int, out_shapes: Sequence[Sequence[int] | None] | None = None,
+                 size: int | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """A launch that re-checks nothing, for a caller whose tensors ``launch`` has checked once and whose
         shapes, dtypes, device and layout cannot change (a compiled graph's operands, fixed by its guards):
         ``run(*inputs)`` takes the inputs in ``artefact.inputs`` order and returns new outputs in
@@ -297,14 +297,19 @@ class CudaKernel:
         here the argument list is a plan made once (workspace pointers fixed, tensor maps looked up per
         call since they follow their tensor's address) and the launch goes to the driver directly.  Only the
         inputs' addresses are read: any contiguous tensors of the right sizes will do; ``out_shapes`` gives
-        an output another shape of its element count (None: the artefact's)."""
+        an output another shape of its element count (None: the artefact's).  A symbolic kernel's launcher
+        is made for one run-time ``size`` (in its range): its grid, size argument and output shapes are those
+        of that size, and its inputs must have that size too (a caller with another makes another launcher)."""
         import numpy
         import torch
 
         art = self.artefact
-        if art.symbolic is not None:  # its size and grid follow each call's tensors: ``launch`` reads them
-            raise KernelLaunchError(f"{art.kernel_name}: a kernel with a run-time size (dim {art.symbolic.dim!r}) "
-                                    f"has no fixed-shape launcher yet; call launch()")
+        sym = art.symbolic
+        if sym is not None and (size is None or not sym.lo <= size <= sym.hi):
+            raise KernelLaunchError(f"{art.kernel_name}: a kernel with a run-time size (dim {sym.dim!r}) makes a "
+                                    f"launcher for one size in [{sym.lo}, {sym.hi}], got size={size}")
+        if sym is None and size is not None:
+            raise KernelLaunchError(f"{art.kernel_name}: its sizes are fixed; it takes no size={size}")
         kernel = self._kernel(device)
         dev = torch.device("cuda", device)
         if art.scratch and device not in self._scratch:
@@ -315,10 +320,11 @@ class CudaKernel:
         slot |= {p.name: len(art.inputs) + i for i, p in enumerate(art.outputs)}
         maps = {p.name: p for p in art.params if p.tensor_map is not None}
         shaped = list(out_shapes or [None] * len(art.outputs))
-        outs = [(tuple(s) if s is not None else p.shape, torch_dtype(p.dtype)) for p, s in zip(art.outputs, shaped)]
+        own = {p.name: p.shape if sym is None else sym.shape_at(p, size) for p in art.outputs}
+        outs = [(tuple(s) if s is not None else own[p.name], torch_dtype(p.dtype)) for p, s in zip(art.outputs, shaped)]
         for (shape, _), p in zip(outs, art.outputs):
-            if math.prod(shape) != math.prod(p.shape):
-                raise KernelLaunchError(f"{art.kernel_name}: output {p.name} {list(p.shape)} cannot be given the "
+            if math.prod(shape) != math.prod(own[p.name]):
+                raise KernelLaunchError(f"{art.kernel_name}: output {p.name} {list(own[p.name])} cannot be given the "
                                         f"shape {list(shape)}")
         u64 = numpy.uint64
         # the argument list: ("t", slot) a tensor's address, ("m", param, slot) a tensor map of one, or a
@@ -330,10 +336,13 @@ class CudaKernel:
                 plan.append(("m", maps[name], slot[mapped], art.param(mapped).shape))
             elif name in scratch:
                 plan.append(scratch[name].data_ptr())
+            elif sym is not None and name == sym.var:  # by value: the driver reads its 4 bytes (little-endian)
+                plan.append(size)
             else:
                 plan.append(("t", slot[name]))
         fixed = all(not isinstance(a, tuple) or a[0] == "t" for a in plan)
-        grid, block, smem = art.grid, art.block, art.dynamic_smem_bytes
+        grid, block, smem = art.grid if sym is None else sym.grid_at(size), art.block, art.dynamic_smem_bytes
+        by_value = {i for i, name in enumerate(art.param_order) if sym is not None and name == sym.var}
         empty = torch.empty
         direct = _direct_launch(kernel, grid, block, smem, len(plan), art.grid_dependency_wait and pdl_enabled())
         raw_stream = _raw_stream()
@@ -350,7 +359,7 @@ class CudaKernel:
             if direct is not None:
                 direct(args, raw_stream(device))
                 return result
-            args = tuple(u64(a) for a in args)
+            args = tuple(numpy.int32(a) if i in by_value else u64(a) for i, a in enumerate(args))
             stream = _cupy_stream(raw_stream(device))
             if function[0] is not None:
                 try:

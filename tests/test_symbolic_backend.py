@@ -118,3 +118,6 @@ def test_the_cuda_backend_exports_one_artefact_for_a_range_of_rows(tmp_path) -> 
     static = CudaBackend(tmp_path, build_missing=True, load=False)
     static.compile(gemm(60))
     assert exports(tmp_path) == 3 and KernelArtefact.load(static.artefact_path(gemm(60))).symbolic is None
+    tuned = CudaBackend(tmp_path, build_missing=True, load=False, by_schedule=True)  # a database's picks
+    with tuned.sizes_per_call():
+        assert not tuned.symbolic_rows and tuned.artefact_path(gemm(60)) == tuned.artefact_dir(gemm(60))

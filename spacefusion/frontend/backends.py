@@ -270,10 +270,17 @@ class CudaBackend(_Cached):
         finally:
             self.transfer = was
 
+    @property
+    def symbolic_rows(self) -> bool:
+        """Whether kernels are built with their rows a run-time size and served to a family's later lengths
+        (``symbolic_artefacts``): inside ``sizes_per_call``, and not with a tuning database's picks
+        (``by_schedule``), whose best at each size wins."""
+        return self.transfer and not self.by_schedule
+
     def artefact_path(self, smg: SMG) -> Path:
-        """Where ``smg``'s kernel is: inside ``sizes_per_call``, a symbolic artefact of its family whose range
+        """Where ``smg``'s kernel is: with ``symbolic_rows``, a symbolic artefact of its family whose range
         holds its rows (``symbolic_artefacts.served``: built once for a range of lengths), else its own."""
-        if self.transfer:
+        if self.symbolic_rows:
             from spacefusion.frontend.symbolic_artefacts import served
 
             got = served(self.folder, smg)
@@ -430,7 +437,7 @@ class CudaBackend(_Cached):
             schedule = self.schedule_for(smg)
         t1 = time.perf_counter()
         sym = None
-        if self.transfer:  # a specialisation of a symbolic graph: its rows a run-time size where they can be
+        if self.symbolic_rows:  # a specialisation of a symbolic graph: its rows a run-time size where they can be
             from spacefusion.frontend import symbolic_artefacts
 
             sym = symbolic_artefacts.symbolic_dim(schedule, smg)

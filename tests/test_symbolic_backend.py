@@ -121,3 +121,44 @@ def test_the_cuda_backend_exports_one_artefact_for_a_range_of_rows(tmp_path) -> 
     tuned = CudaBackend(tmp_path, build_missing=True, load=False, by_schedule=True)  # a database's picks
     with tuned.sizes_per_call():
         assert not tuned.symbolic_rows and tuned.artefact_path(gemm(60)) == tuned.artefact_dir(gemm(60))
+
+
+def test_the_cuda_backend_runs_a_served_kernel_at_its_own_rows(tmp_path, monkeypatch) -> None:
+    """The CUDA backend's call of a served symbolic artefact, the GPU launch stood in for by the numpy
+    reference (no GPU here): each SMG's tensors are viewed at its own rows, not the artefact's, and its
+    outputs come back in its shapes."""
+    import numpy as np
+
+    import spacefusion.runtime.gpu as gpu
+    from smg import evaluate, random_inputs
+    from smg.patterns import gemm_epilogue
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.runtime.artefact import KernelArtefact
+
+    def gemm(m: int):
+        return gemm_epilogue(m, 64, 32, act="gelu", dtype="float32")
+
+    calls: list[dict] = []
+
+    class Launch:  # what the runtime's CudaKernel does, on the CPU: read m from the inputs, compute the graph
+        def __init__(self, path) -> None:
+            self.artefact = KernelArtefact.load(path)
+
+        def __call__(self, **xs: torch.Tensor) -> dict[str, torch.Tensor]:
+            shapes = {k: tuple(v.shape) for k, v in xs.items()}
+            m = self.artefact.symbolic.size_of(shapes)
+            calls.append(shapes)
+            ref = evaluate(gemm(m), {k: v.numpy() for k, v in xs.items()})
+            return {k: torch.from_numpy(v.astype(np.float32)) for k, v in ref.items()}
+
+    monkeypatch.setattr(gpu, "load_kernel", Launch)
+    kernels = CudaBackend(tmp_path, build_missing=True)
+    with kernels.sizes_per_call():
+        kernels.compile(gemm(48))
+        run = kernels.compile(gemm(40))
+        served = kernels.artefact_path(gemm(40))
+        assert served == kernels.artefact_path(gemm(48)) and KernelArtefact.load(served).symbolic is not None
+    x = random_inputs(gemm(40), seed=3)
+    got = run({k: torch.from_numpy(v) for k, v in x.items()})
+    assert calls[-1]["A"] == (40, 32) and got["Y"].shape == (40, 64)
+    np.testing.assert_allclose(got["Y"].numpy(), evaluate(gemm(40), x)["Y"], rtol=1e-5, atol=1e-5)

@@ -234,3 +234,10 @@ def test_one_symbolic_cuda_kernel_at_every_size_on_the_gpu(tmp_path, monkeypatch
         assert got["Y"].shape == (m, 48)
         err, problem = check_numerics(g, evaluate(g, x), got, inputs=x)
         assert problem is None, f"m={m}: {problem}"
+
+
+def test_the_lowering_and_the_runtime_agree_on_the_format() -> None:
+    from spacefusion.lower import symbolic
+    from spacefusion.runtime import artefact
+
+    assert (symbolic.SYMBOLIC_FORMAT_TAG, symbolic.SIZE_ROLE) == (artefact.SYMBOLIC_FORMAT_TAG, artefact.SIZE_ROLE)

@@ -15,6 +15,12 @@ we would make (the family transfer's rule: within ``NEAR`` times, ``frontend.fam
 tensor stays addressable by 32-bit indices.  A caller (the runtime, a backend's cache) dispatches a size
 outside it to another kernel; the kernel's own runner refuses it with an error naming the range.
 
+What stays as built: the op bodies.  A constant the SMG's builder derived from the dim's size (a causal
+mask's offset between query and key lengths) is the one of the size the kernel was built at, at every size;
+``check`` cannot see it, since the body does not name the dim.  So a caller reuses a symbolic kernel only
+for graphs equal to its own up to the dim's size, bodies included (the frontend compares
+``families.family_key``, which keeps the bodies and leaves out the sizes).
+
 What ``check`` refuses (``ScheduleError`` code ``lower.symbolic``), and why: a dim the schedule does not
 cut (the block's loops would run to the size: a loop bound, not a mask), the serial dim or a reduced dim
 (the step count and the update functions follow the size), a read through an index expression (windows,
@@ -38,6 +44,10 @@ NEAR = 2.0
 MAX_INDEX = 2**31 - 1
 #: the error code of every refusal here
 CODE = "lower.symbolic"
+#: kernel.json's format tag and the size param's role: the runtime's ``artefact`` declares the same (the
+#: lowering may not import the runtime; ``tests/test_symbolic_kernels.py`` checks they agree)
+SYMBOLIC_FORMAT_TAG = "spacefusion-kernel/2"
+SIZE_ROLE = "size"
 
 
 @dataclass(frozen=True)
@@ -149,8 +159,6 @@ def symbolic_meta(meta: dict, s: Schedule, sym: SymbolicDim) -> dict:
     (an int32 passed by value, where ``param_order`` has it), and ``symbolic``: the dim, the argument, the
     range, each tensor's axis that takes the size and the grid's rule (``grid_rule``).  The shapes and grid
     kept are those at the SMG's size: what ``KernelArtefact.shapes_at`` / ``grid_at`` rescale."""
-    from spacefusion.runtime.artefact import SIZE_ROLE, SYMBOLIC_FORMAT_TAG
-
     tensors = [p["name"] for p in meta["params"] if p["role"] in ("input", "output")]
     size = {"name": sym.var, "shape": [1], "dtype": "int32", "role": SIZE_ROLE}
     return meta | {"format": SYMBOLIC_FORMAT_TAG, "params": [*meta["params"], size],

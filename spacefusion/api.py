@@ -148,12 +148,17 @@ def load_schedule(path: str | Path) -> Schedule:
     return Schedule.from_json(Path(path).read_text())
 
 
-def build(s: Schedule, target: str = "llvm") -> Any:
+def build(s: Schedule, target: str = "llvm", symbolic: Any = None) -> Any:
     """Lower through TVM: a runnable CPU kernel for ``"llvm"``, a CUDA artefact (``KernelArtefact``-like:
-    source, launch metadata, ``save``) for ``"cuda"`` or ``"cuda:sm_XX"``."""
+    source, launch metadata, ``save``) for ``"cuda"`` or ``"cuda:sm_XX"``.  ``symbolic``: a
+    ``lower.symbolic.SymbolicDim``, whose dim the kernel takes as a run-time size within its range."""
     from spacefusion.lower.build import build_cuda, build_llvm, parse_target
 
     kind, arch = parse_target(target)
+    if symbolic is not None:
+        from spacefusion.lower.build_symbolic import build_llvm_symbolic
+
+        return build_llvm_symbolic(s, symbolic) if kind == "llvm" else build_cuda(s, arch, symbolic)
     return build_llvm(s) if kind == "llvm" else build_cuda(s, arch)
 
 

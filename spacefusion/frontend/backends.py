@@ -109,20 +109,58 @@ class ReferenceBackend(_Cached):
 
 
 class LLVMBackend(_Cached):
-    """TVM's llvm build of each SMG's schedule (``schedule_for``: the default, or a tuning database's)."""
+    """TVM's llvm build of each SMG's schedule (``schedule_for``: the default, or a tuning database's).
+
+    Inside ``sizes_per_call`` (the specialisations of a graph with symbolic sizes, ``compiled.PerShape``) and
+    with the default schedules, an SMG whose rows can be a run-time size is built so (``symbolic_kernels``),
+    and a later size of its family within the range reuses that kernel: ``builds`` lists every TVM build
+    (SMG name, "static" or "symbolic"), ``symbolic.reused`` the SMGs served without one."""
 
     name = "llvm"
 
     def __init__(self, schedule_for: ScheduleFor = default_schedule, split_hw: HardwareModel | None = None) -> None:
+        from spacefusion.frontend.symbolic_kernels import SymbolicKernels
+
         super().__init__(split_hw)
         self.schedule_for = schedule_for
+        self.per_call = False  # inside ``sizes_per_call``
+        self.symbolic = SymbolicKernels()
+        self.builds: list[tuple[str, str]] = []
 
-    def _compile(self, smg: SMG) -> Kernel:
+    @contextlib.contextmanager
+    def sizes_per_call(self) -> Iterator[None]:
+        """Inside, SMGs are built with their rows a run-time size where they can be, and reuse such a kernel
+        of their family (``symbolic_kernels``): a graph with symbolic sizes then builds a GEMM once for a range
+        of lengths.  Only with the default schedules: a tuning database's pick is made per size."""
+        was, self.per_call = self.per_call, self.schedule_for is default_schedule
+        try:
+            yield
+        finally:
+            self.per_call = was
+
+    def _kernel_for(self, smg: SMG) -> object:
+        """The kernel of ``smg``: a symbolic one of its family (found, or built here) inside ``sizes_per_call``,
+        else the static build of its schedule."""
         from spacefusion.api import build
 
+        if self.per_call:
+            found = self.symbolic.find(smg)
+            if found is not None:
+                return found
+            s = self.schedule_for(smg)
+            kernel = self.symbolic.build(s, "llvm")
+            if kernel is not None:
+                self.builds.append((smg.name, "symbolic"))
+                return kernel
+        else:
+            s = self.schedule_for(smg)
+        self.builds.append((smg.name, "static"))
+        return build(s, "llvm")
+
+    def _compile(self, smg: SMG) -> Kernel:
         if any(s.dtype == "bfloat16" for s in smg.spaces):
             raise FrontendError(f"{smg.name}: the llvm backend runs on numpy arrays, which have no bfloat16")
-        kernel = build(self.schedule_for(smg), "llvm")
+        kernel = self._kernel_for(smg)
 
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k: torch.from_numpy(v) for k, v in kernel(_numpy(inputs)).items()}
@@ -231,6 +269,24 @@ class CudaBackend(_Cached):
             yield
         finally:
             self.transfer = was
+
+    @property
+    def symbolic_rows(self) -> bool:
+        """Whether kernels are built with their rows a run-time size and served to a family's later lengths
+        (``symbolic_artefacts``): inside ``sizes_per_call``, and not with a tuning database's picks
+        (``by_schedule``), whose best at each size wins."""
+        return self.transfer and not self.by_schedule
+
+    def artefact_path(self, smg: SMG) -> Path:
+        """Where ``smg``'s kernel is: with ``symbolic_rows``, a symbolic artefact of its family whose range
+        holds its rows (``symbolic_artefacts.served``: built once for a range of lengths), else its own."""
+        if self.symbolic_rows:
+            from spacefusion.frontend.symbolic_artefacts import served
+
+            got = served(self.folder, smg)
+            if got is not None:
+                return got
+        return self.artefact_dir(smg)
 
     def artefact_dir(self, smg: SMG) -> Path:
         if self.by_schedule:
@@ -357,7 +413,7 @@ class CudaBackend(_Cached):
         holds from other code."""
         split = self.split_of(smg)
         return [k for k in (split.kernels if split is not None else [smg])
-                if not (self.artefact_dir(k) / "kernel.json").is_file() or _stale(self.artefact_dir(k))]
+                if not (self.artefact_path(k) / "kernel.json").is_file() or _stale(self.artefact_path(k))]
 
     def export_all(self, smg: SMG) -> None:
         """What a worker does with one SMG of ``prefetch``: decide its split (recorded in ``split.json``) and
@@ -380,9 +436,17 @@ class CudaBackend(_Cached):
         with families.transferring(self.folder / FAMILIES, self.transfer):
             schedule = self.schedule_for(smg)
         t1 = time.perf_counter()
-        art = build(schedule, f"cuda:{self.arch}")
+        sym = None
+        if self.symbolic_rows:  # a specialisation of a symbolic graph: its rows a run-time size where they can be
+            from spacefusion.frontend import symbolic_artefacts
+
+            sym = symbolic_artefacts.symbolic_dim(schedule, smg)
+        art = build(schedule, f"cuda:{self.arch}", symbolic=sym)
         t2 = time.perf_counter()
-        path = art.save(self.artefact_dir(smg), compile_cubin=cubin)
+        where = self.artefact_dir(smg) if sym is None else symbolic_artefacts.artefact_dir(self.folder, schedule, sym)
+        path = art.save(where, compile_cubin=cubin)
+        if sym is not None:
+            symbolic_artefacts.record(self.folder, smg, sym, path)
         t3 = time.perf_counter()
         (path / "timing.json").write_text(json.dumps({"name": smg.name, "schedule_s": round(t1 - t0, 3),
                                                       "lower_s": round(t2 - t1, 3), "save_s": round(t3 - t2, 3),
@@ -393,9 +457,9 @@ class CudaBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.runtime.gpu import load_kernel, torch_dtype
 
-        path = self.artefact_dir(smg)
+        path = self.artefact_path(smg)
         if self.build_missing and (not (path / "kernel.json").is_file() or _stale(path)):
-            self.export(smg)
+            path = self.export(smg)
         if not (path / "kernel.json").is_file():
             # an export under another split rule has the kernels of its own decision, not of this code's
             stale = self.stale_splits.get(smg.key)
@@ -408,8 +472,13 @@ class CudaBackend(_Cached):
 
             return exported
         kernel = load_kernel(path)
+        # a symbolic kernel (``symbolic_artefacts``) runs at this SMG's rows: its launchers are made for them
+        sym = kernel.artefact.symbolic
+        size = smg.dim_sizes[sym.dim] if sym is not None else None
+        sized = {"size": size} if size is not None else {}
         # a folded schedule's kernel (smg.fold) takes the same memory with merged dims: view, never copy
-        shapes = {p.name: p.shape for p in (*kernel.artefact.inputs, *kernel.artefact.outputs)}
+        shapes = {p.name: p.shape if sym is None else sym.shape_at(p, size)
+                  for p in (*kernel.artefact.inputs, *kernel.artefact.outputs)}
         ins = [p.name for p in kernel.artefact.inputs]
         dtypes = [torch_dtype(p.dtype) for p in kernel.artefact.inputs]
         outs = [(p.name, smg.shape(p.name)) for p in kernel.artefact.outputs]
@@ -425,7 +494,7 @@ class CudaBackend(_Cached):
             if launch is None or any(x.dtype != dt for x, dt in zip(xs, dtypes)):
                 out = kernel(**dict(zip(ins, xs)))
                 if device is not None and hasattr(kernel, "launcher"):
-                    fast[device] = kernel.launcher(device)
+                    fast[device] = kernel.launcher(device, **sized)
                 return tuple(out[k].view(shape) for k, shape in outs)
             return tuple(t.view(shape) for (_, shape), t in zip(outs, launch(*xs)))
 
@@ -438,7 +507,8 @@ class CudaBackend(_Cached):
             allocated in ``out_shapes`` (None: the SMG's shape), so nothing is viewed on the way in or out.
             Sizes and dtypes are still compared (a few attribute reads): another shape raises, never reads
             out of bounds."""
-            launch = kernel.launcher(device, [s if s is not None else shape for s, (_, shape) in zip(out_shapes, outs)])
+            launch = kernel.launcher(device, [s if s is not None else shape for s, (_, shape) in zip(out_shapes, outs)],
+                                     **sized)
             # a tensor map is encoded from its tensor's sizes and strides: those inputs keep the kernel's shape
             mapped = {p.tensor_map[0] for p in kernel.artefact.params if p.tensor_map is not None}
             want = [(math.prod(shapes[k]), dt, shapes[k] if k in mapped else None) for k, dt in zip(ins, dtypes)]

@@ -26,6 +26,8 @@ from schedulers.warp_tile import tma_maps
 from smg.errors import ShapeError, SpaceFusionError
 from spacefusion.lower import cluster
 from spacefusion.lower.fingerprint import code_fingerprint
+from spacefusion.lower.symbolic import SymbolicDim, symbolic_key, symbolic_meta
+from spacefusion.lower.symbolic import check as check_symbolic
 from spacefusion.lower.tir import build_primfunc, signature
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
@@ -240,9 +242,10 @@ def kernel_symbol(s: Schedule) -> str:
     return "sf_" + c_identifier(s.smg.name) + "_" + s.key[:10]
 
 
-def _renamed(src: str, old: str, s: Schedule) -> tuple[str, str]:
-    """``src`` with its one kernel ``old`` renamed to ``kernel_symbol(s)`` (a whole-word replacement)."""
-    new = kernel_symbol(s)
+def _renamed(src: str, old: str, s: Schedule, symbolic: SymbolicDim | None = None) -> tuple[str, str]:
+    """``src`` with its one kernel ``old`` renamed to ``kernel_symbol(s)`` (a whole-word replacement); a
+    symbolic kernel's name ends in ``_dyn_<its key>`` (``symbolic.symbolic_key``), never a static kernel's."""
+    new = kernel_symbol(s) if symbolic is None else f"{kernel_symbol(s)}_dyn_{symbolic_key(s, symbolic)[:8]}"
     return re.sub(rf"\b{re.escape(old)}\b", new, src), new
 
 
@@ -409,10 +412,14 @@ def check_target(s: Schedule, arch: str) -> None:
             raise ScheduleError.rejected(bad)
 
 
-def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
-    """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order."""
+def build_cuda(s: Schedule, arch: str = "sm_90a", symbolic: SymbolicDim | None = None) -> CudaArtefact:
+    """Lower ``s`` to CUDA for ``arch`` and record grid, block and parameter order.  With ``symbolic``
+    (``lower.symbolic``) the kernel takes that dim's size as its int argument and the metadata says how
+    (``symbolic_meta``): a ``spacefusion-kernel/2`` artefact, which a runtime that knows only /1 refuses."""
     check_index_range(s)
     check_target(s, arch)
+    if symbolic is not None:
+        check_symbolic(s, symbolic)  # before anything is built: the tensor-core path is refused here
     if s.tensor_cores:
         return _build_tensorcore(s, arch)
     smem = shared_bytes(s)
@@ -431,7 +438,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         raise ScheduleError(f"{s.threads} threads per block; {hw.name} allows {hw.max_threads_per_block}",
                             code="build.threads")
     tvm = _tvm()
-    f = build_primfunc(s, "cuda", dynamic_smem=dynamic)
+    f = build_primfunc(s, "cuda", dynamic_smem=dynamic, symbolic=symbolic)
     with _pass_context(tvm):
         ex = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "cuda", "arch": arch}))
     src = ex.mod.imports[0].inspect_source()
@@ -439,11 +446,11 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
     if m is None:
         raise RuntimeError("no __global__ kernel found in TVM's CUDA output")
     bounds, kname, plist = m.groups()
-    src, kname = _renamed(src, kname, s)
+    src, kname = _renamed(src, kname, s, symbolic)
     src, waits = _wait_for_previous_grid(cluster.with_cluster(_with_helpers(src), s.cluster), arch)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in plist.split(",")]
     sig = signature(s)
-    _check_params(s, sig, order)
+    _check_params(s, sig, [n for n in order if symbolic is None or n != symbolic.var])
     if bounds is not None and int(bounds) != s.threads:
         raise RuntimeError(f"kernel launch bounds {bounds} != schedule threads {s.threads}")
     meta = {
@@ -461,4 +468,6 @@ def build_cuda(s: Schedule, arch: str = "sm_90a") -> CudaArtefact:
         "workload": dict(s.smg.attrs) | {"name": s.smg.name, "shape": s.smg.dim_sizes,
                                         "dtype": s.smg.space(s.smg.outputs[0]).dtype},
     }
+    if symbolic is not None:
+        meta = symbolic_meta(meta, s, symbolic)
     return CudaArtefact(src, meta)

@@ -31,6 +31,8 @@ from smg.ir import Access, Op
 from spacefusion.lower import cluster
 from spacefusion.lower.exprs import F32, MAX_IDENTITY, subtracted_max, to_tir, to_tir_int
 from spacefusion.lower.mma_state import tree
+from spacefusion.lower.symbolic import SymbolicDim
+from spacefusion.lower.symbolic import check as check_symbolic
 
 #: the storage dtypes whose rounding is coarse enough for the fast exp and division (``_Kernel.expr``)
 SIXTEEN_BIT = ("float16", "bfloat16")
@@ -71,10 +73,14 @@ def signature(s: Schedule) -> KernelSignature:
 class _Kernel:
     """State of one lowering: buffers, loop indices, and the emit helpers."""
 
-    def __init__(self, s: Schedule, target: str) -> None:
+    def __init__(self, s: Schedule, target: str, symbolic: SymbolicDim | None = None) -> None:
         self.s, self.target, self.smg = s, target, s.smg
         self.cut = {d for d, _ in s.block}
-        self.sizes = self.smg.dim_sizes
+        # a symbolic dim's size is the kernel's argument (``lower.symbolic``): every use of it below (the
+        # tails' clamps and masks, the grid) is then an expression of that argument
+        self.sizes: dict[str, int | tirx.PrimExpr] = dict(self.smg.dim_sizes)
+        if symbolic is not None:
+            self.sizes[symbolic.dim] = tirx.Var(symbolic.var, "int32")
         self.glob: dict[str, tirx.Buffer] = {}
         self.local: dict[str, tirx.Buffer] = {}
         self.shared: dict[str, tirx.Buffer] = {}
@@ -446,19 +452,29 @@ class _Kernel:
         return total[0]
 
 
-def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False) -> tirx.PrimFunc:
+def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False,
+                   symbolic: SymbolicDim | None = None) -> tirx.PrimFunc:
     """Lower ``s`` to a PrimFunc for ``target`` kind ``"llvm"`` or ``"cuda"``; with
-    ``dynamic_smem`` the block-shared tiles live in dynamic shared memory (above 48 KB)."""
-    k = _Kernel(s, target)
+    ``dynamic_smem`` the block-shared tiles live in dynamic shared memory (above 48 KB).  With ``symbolic``
+    (checked by ``symbolic.check``), that dim's size is the kernel's int32 argument ``symbolic.var``: the
+    buffers holding it take it as their extent, the grid ``ceil(size / tile)`` blocks along it."""
+    if symbolic is not None:
+        check_symbolic(s, symbolic)
+    k = _Kernel(s, target, symbolic)
     k.smem_scope = "shared.dyn" if dynamic_smem else "shared"
-    grid = s.grid()
+    grid: dict[str, int | tirx.PrimExpr] = dict(s.grid())
+    if symbolic is not None:
+        tile = s.tiles[symbolic.dim]
+        grid[symbolic.dim] = tirx.floordiv(k.sizes[symbolic.dim] + (tile - 1), tile)
     cuda = target == "cuda"
     nblocks = math.prod(grid.values()) * k.cluster  # a cluster of consecutive blocks per tile
     sig = signature(s)
     with IB.IRBuilder() as ib:
         with T.prim_func():
             T.func_name("main")
-            for name, shape, dtype, _ in sig.params:
+            for name, shape, dtype, role in sig.params:
+                if symbolic is not None and role in ("input", "output"):
+                    shape = tuple(k.sizes[d] for d in s.smg.space(name).dims) or shape
                 k.glob[name] = T.arg(name, T.buffer(shape, dtype))
             T.func_attr({"global_symbol": "main", "tirx.noalias": True})
             with ExitStack() as top:

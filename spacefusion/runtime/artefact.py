@@ -12,7 +12,7 @@ import math
 import re
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,11 @@ from typing import Any
 MAX_TRAVERSAL_STRIDE = 8
 
 FORMAT_TAG = "spacefusion-kernel/1"
+#: a kernel one of whose dims is a run-time size (``SymbolicSpec``): its own tag, so that a runtime that knows
+#: only /1 refuses it (launched as /1 it would get no size argument and the grid of one size)
+SYMBOLIC_FORMAT_TAG = "spacefusion-kernel/2"
+#: the role of a symbolic kernel's size argument: an int32 passed by value, not a tensor
+SIZE_ROLE = "size"
 SOURCE_FILE = "kernel.cu"
 META_FILE = "kernel.json"
 
@@ -31,7 +36,7 @@ SUPPORTED_DTYPES = frozenset(
 )
 #: scratch params are workspaces the launcher allocates (zeroed once) and keeps: never passed or returned;
 #: tensormap params are 128-byte TMA descriptors the launcher encodes for the tensor it binds (``tensor_map``)
-ROLES = frozenset({"input", "output", "scratch", "tensormap"})
+ROLES = frozenset({"input", "output", "scratch", "tensormap", SIZE_ROLE})
 #: the swizzles a TMA descriptor can name, in bytes (CU_TENSOR_MAP_SWIZZLE_NONE/32B/64B/128B)
 TMA_SWIZZLES = (0, 32, 64, 128)
 MAX_THREADS_PER_BLOCK = 1024
@@ -42,6 +47,54 @@ _REQUIRED_KEYS = ("kernel_name", "arch", "grid", "block", "params", "param_order
 
 class ArtefactError(ValueError):
     """A kernel artefact is missing or malformed; the message names the folder and the field."""
+
+
+class SizeRangeError(ValueError):
+    """Tensors given to a symbolic kernel disagree on its run-time size, or the size is outside its range."""
+
+
+@dataclass(frozen=True)
+class SymbolicSpec:
+    """A symbolic kernel's run-time size (kernel.json's ``symbolic``): dim ``dim`` of its graph is the int32
+    argument ``var``, offered for sizes ``lo..hi``; ``axes`` gives, per tensor holding it, the axis of that
+    size; the grid has ``times * ceil(size / tile)`` blocks along x.  The params' ``shape`` and the ``grid``
+    recorded are those at the size the kernel's schedule was picked at."""
+
+    dim: str
+    var: str
+    lo: int
+    hi: int
+    axes: tuple[tuple[str, int], ...]
+    tile: int
+    times: int
+
+    def size_of(self, shapes: Mapping[str, Sequence[int]], kernel: str = "kernel") -> int:
+        """The size the tensors of ``shapes`` (name -> shape) give the symbolic dim; ``SizeRangeError``
+        where two disagree, none holds the dim, or the size is outside ``lo..hi``."""
+        seen = {n: shapes[n][a] for n, a in self.axes if n in shapes and len(shapes[n]) > a}
+        if not seen:
+            raise SizeRangeError(f"{kernel}: none of the tensors given holds dim {self.dim!r} "
+                                 f"(held by {[n for n, _ in self.axes]})")
+        sizes = set(seen.values())
+        if len(sizes) > 1:
+            raise SizeRangeError(f"{kernel}: the tensors disagree on the size of dim {self.dim!r}: {seen}")
+        size = sizes.pop()
+        if not self.lo <= size <= self.hi:
+            raise SizeRangeError(f"{kernel}: dim {self.dim!r} of size {size} is outside the kernel's range "
+                                 f"[{self.lo}, {self.hi}]: another kernel serves it")
+        return int(size)
+
+    def shape_at(self, p: ParamSpec, size: int) -> tuple[int, ...]:
+        """``p``'s shape at ``size`` (its recorded shape where it does not hold the dim)."""
+        axis = dict(self.axes).get(p.name)
+        return p.shape if axis is None else (*p.shape[:axis], size, *p.shape[axis + 1:])
+
+    def grid_at(self, size: int) -> tuple[int, int, int]:
+        return (self.times * -(-size // self.tile), 1, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dim": self.dim, "var": self.var, "range": [self.lo, self.hi], "axes": dict(self.axes),
+                "grid": {"tile": self.tile, "times": self.times}}
 
 
 #: an ELF file's first bytes, and the e_machine of NVIDIA's CUDA cubins (EM_CUDA)
@@ -133,6 +186,8 @@ class KernelArtefact:
     #: launch it programmatically dependent (overlapping that grid's end), which is unsafe for a kernel without
     #: the wait (it could read the previous grid's outputs before they are written)
     grid_dependency_wait: bool = False
+    #: the run-time size of a ``spacefusion-kernel/2`` artefact; None for a kernel of fixed sizes
+    symbolic: SymbolicSpec | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -174,8 +229,9 @@ class KernelArtefact:
         if not isinstance(meta, dict):
             raise ArtefactError(f"{where}: {META_FILE} must hold a JSON object, got {type(meta).__name__}")
         tag = meta.get("format")
-        if tag != FORMAT_TAG:
-            raise ArtefactError(f"{where}: format tag is {tag!r}, expected {FORMAT_TAG!r}")
+        if tag not in (FORMAT_TAG, SYMBOLIC_FORMAT_TAG):
+            raise ArtefactError(f"{where}: format tag is {tag!r}, expected {FORMAT_TAG!r} (or {SYMBOLIC_FORMAT_TAG!r}"
+                                f" for a kernel with a run-time size)")
         for key in _REQUIRED_KEYS:
             if key not in meta:
                 raise ArtefactError(f"{where}: {META_FILE} lacks required key {key!r}")
@@ -220,6 +276,7 @@ class KernelArtefact:
         if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("-") for f in flags):
             raise ArtefactError(f"{where}: nvcc_flags must be a list of '-flag' strings, got {flags!r}")
 
+        symbolic = _symbolic(meta, tag, params, where)
         return cls(
             folder=Path(folder),
             kernel_name=name,
@@ -233,6 +290,7 @@ class KernelArtefact:
             cubin=cubin,
             nvcc_flags=tuple(flags),
             grid_dependency_wait=waits,
+            symbolic=symbolic,
         )
 
     @classmethod
@@ -300,7 +358,7 @@ class KernelArtefact:
     def to_meta(self) -> dict[str, Any]:
         """The kernel.json dict this artefact round-trips to."""
         meta: dict[str, Any] = {
-            "format": FORMAT_TAG,
+            "format": FORMAT_TAG if self.symbolic is None else SYMBOLIC_FORMAT_TAG,
             "kernel_name": self.kernel_name,
             "arch": self.arch,
             "grid": list(self.grid),
@@ -316,7 +374,38 @@ class KernelArtefact:
             meta["nvcc_flags"] = list(self.nvcc_flags)
         if self.grid_dependency_wait:
             meta["grid_dependency_wait"] = True
+        if self.symbolic is not None:
+            meta["symbolic"] = self.symbolic.to_json()
         return meta
+
+
+def _symbolic(meta: Mapping[str, Any], tag: str, params: tuple[ParamSpec, ...], where: str) -> SymbolicSpec | None:
+    """kernel.json's ``symbolic`` section, checked against the params: required by (and only in) the /2 format;
+    its ``var`` the one param of role ``size`` (int32), its axes those of inputs and outputs."""
+    spec = meta.get("symbolic")
+    sized = [p for p in params if p.role == SIZE_ROLE]
+    if tag == FORMAT_TAG:
+        if spec is not None or sized:
+            raise ArtefactError(f"{where}: a {FORMAT_TAG!r} kernel has no run-time size: 'symbolic' and params of "
+                                f"role {SIZE_ROLE!r} need format {SYMBOLIC_FORMAT_TAG!r}")
+        return None
+    if not isinstance(spec, dict):
+        raise ArtefactError(f"{where}: a {SYMBOLIC_FORMAT_TAG!r} kernel needs a 'symbolic' object, got {spec!r}")
+    var, rng, axes, grid = spec.get("var"), spec.get("range"), spec.get("axes"), spec.get("grid")
+    if not isinstance(spec.get("dim"), str) or [p.name for p in sized] != [var]:
+        raise ArtefactError(f"{where}: symbolic {{dim, var}} must name a dim and the one param of role "
+                            f"{SIZE_ROLE!r} (params of that role: {[p.name for p in sized]}), got {spec!r}")
+    if sized[0].dtype != "int32" or sized[0].shape != (1,):
+        raise ArtefactError(f"{where}: size param {var!r} must be int32 of shape [1] (passed by value)")
+    if not (isinstance(rng, list) and len(rng) == 2 and all(_is_int(v) for v in rng) and 1 <= rng[0] <= rng[1]):
+        raise ArtefactError(f"{where}: symbolic range {rng!r} must be [lo, hi] with 1 <= lo <= hi")
+    shapes = {p.name: p.shape for p in params if p.role in ("input", "output")}
+    if not isinstance(axes, dict) or not axes or not all(
+            n in shapes and _is_int(a) and 0 <= a < len(shapes[n]) for n, a in axes.items()):
+        raise ArtefactError(f"{where}: symbolic axes {axes!r} must map inputs/outputs to one of their axes")
+    if not (isinstance(grid, dict) and all(_is_int(grid.get(k)) and grid[k] > 0 for k in ("tile", "times"))):
+        raise ArtefactError(f"{where}: symbolic grid {grid!r} must be {{tile, times}}, positive ints")
+    return SymbolicSpec(spec["dim"], var, rng[0], rng[1], tuple(sorted(axes.items())), grid["tile"], grid["times"])
 
 
 def _is_int(x: Any) -> bool:

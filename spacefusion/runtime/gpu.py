@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .artefact import ArtefactError, KernelArtefact, ParamSpec, check_cubin
+from .artefact import ArtefactError, KernelArtefact, ParamSpec, SizeRangeError, check_cubin
 
 if TYPE_CHECKING:
     import torch
@@ -247,6 +247,10 @@ class CudaKernel:
                 f"{self.artefact.kernel_name}: {scratch} are workspaces or tensor maps the launcher builds and "
                 "keeps; pass only inputs and outputs"
             )
+        sized = sorted(n for n in tensors if roles[n] == "size")
+        if sized:
+            raise KernelLaunchError(f"{self.artefact.kernel_name}: {sized} is the run-time size, which the launcher "
+                                    "reads from the tensors' shapes; pass only inputs and outputs")
         inputs = {n: t for n, t in tensors.items() if roles[n] == "input"}
         outputs = {n: t for n, t in tensors.items() if roles[n] == "output"}
         return self.launch(inputs, outputs)
@@ -264,7 +268,8 @@ class CudaKernel:
         import torch
 
         art = self.artefact
-        tensors = self._bind(inputs, dict(outputs or {}))
+        size = self._size(inputs)
+        tensors = self._bind(inputs, dict(outputs or {}), size)
         device = next(iter(tensors.values())).device
         kernel = self._kernel(device.index)
         if art.scratch and device.index not in self._scratch:  # zeroed once: the kernel leaves them zeroed
@@ -274,13 +279,16 @@ class CudaKernel:
         for p in art.params:
             if p.tensor_map is not None:
                 tensors[p.name] = self._tensor_map(p, tensors[p.tensor_map[0]], device.index)
-        args = tuple(numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
+        sym = art.symbolic
+        args = tuple(numpy.int32(size) if sym is not None and name == sym.var
+                     else numpy.uint64(tensors[name].data_ptr()) for name in art.param_order)
+        grid = art.grid if sym is None else sym.grid_at(size)
         with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device).cuda_stream):
-            kernel(art.grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
+            kernel(grid, art.block, args, shared_mem=art.dynamic_smem_bytes)
         return {p.name: tensors[p.name] for p in art.outputs}
 
-    def launcher(self, device: int, out_shapes: Sequence[Sequence[int] | None] | None = None
-                 ) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def launcher(self, device: int, out_shapes: Sequence[Sequence[int] | None] | None = None,
+                 size: int | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """A launch that re-checks nothing, for a caller whose tensors ``launch`` has checked once and whose
         shapes, dtypes, device and layout cannot change (a compiled graph's operands, fixed by its guards):
         ``run(*inputs)`` takes the inputs in ``artefact.inputs`` order and returns new outputs in
@@ -289,11 +297,19 @@ class CudaKernel:
         here the argument list is a plan made once (workspace pointers fixed, tensor maps looked up per
         call since they follow their tensor's address) and the launch goes to the driver directly.  Only the
         inputs' addresses are read: any contiguous tensors of the right sizes will do; ``out_shapes`` gives
-        an output another shape of its element count (None: the artefact's)."""
+        an output another shape of its element count (None: the artefact's).  A symbolic kernel's launcher
+        is made for one run-time ``size`` (in its range): its grid, size argument and output shapes are those
+        of that size, and its inputs must have that size too (a caller with another makes another launcher)."""
         import numpy
         import torch
 
         art = self.artefact
+        sym = art.symbolic
+        if sym is not None and (size is None or not sym.lo <= size <= sym.hi):
+            raise KernelLaunchError(f"{art.kernel_name}: a kernel with a run-time size (dim {sym.dim!r}) makes a "
+                                    f"launcher for one size in [{sym.lo}, {sym.hi}], got size={size}")
+        if sym is None and size is not None:
+            raise KernelLaunchError(f"{art.kernel_name}: its sizes are fixed; it takes no size={size}")
         kernel = self._kernel(device)
         dev = torch.device("cuda", device)
         if art.scratch and device not in self._scratch:
@@ -304,10 +320,11 @@ class CudaKernel:
         slot |= {p.name: len(art.inputs) + i for i, p in enumerate(art.outputs)}
         maps = {p.name: p for p in art.params if p.tensor_map is not None}
         shaped = list(out_shapes or [None] * len(art.outputs))
-        outs = [(tuple(s) if s is not None else p.shape, torch_dtype(p.dtype)) for p, s in zip(art.outputs, shaped)]
+        own = {p.name: p.shape if sym is None else sym.shape_at(p, size) for p in art.outputs}
+        outs = [(tuple(s) if s is not None else own[p.name], torch_dtype(p.dtype)) for p, s in zip(art.outputs, shaped)]
         for (shape, _), p in zip(outs, art.outputs):
-            if math.prod(shape) != math.prod(p.shape):
-                raise KernelLaunchError(f"{art.kernel_name}: output {p.name} {list(p.shape)} cannot be given the "
+            if math.prod(shape) != math.prod(own[p.name]):
+                raise KernelLaunchError(f"{art.kernel_name}: output {p.name} {list(own[p.name])} cannot be given the "
                                         f"shape {list(shape)}")
         u64 = numpy.uint64
         # the argument list: ("t", slot) a tensor's address, ("m", param, slot) a tensor map of one, or a
@@ -319,10 +336,13 @@ class CudaKernel:
                 plan.append(("m", maps[name], slot[mapped], art.param(mapped).shape))
             elif name in scratch:
                 plan.append(scratch[name].data_ptr())
+            elif sym is not None and name == sym.var:  # by value: the driver reads its 4 bytes (little-endian)
+                plan.append(size)
             else:
                 plan.append(("t", slot[name]))
         fixed = all(not isinstance(a, tuple) or a[0] == "t" for a in plan)
-        grid, block, smem = art.grid, art.block, art.dynamic_smem_bytes
+        grid, block, smem = art.grid if sym is None else sym.grid_at(size), art.block, art.dynamic_smem_bytes
+        by_value = {i for i, name in enumerate(art.param_order) if sym is not None and name == sym.var}
         empty = torch.empty
         direct = _direct_launch(kernel, grid, block, smem, len(plan), art.grid_dependency_wait and pdl_enabled())
         raw_stream = _raw_stream()
@@ -339,7 +359,7 @@ class CudaKernel:
             if direct is not None:
                 direct(args, raw_stream(device))
                 return result
-            args = tuple(u64(a) for a in args)
+            args = tuple(numpy.int32(a) if i in by_value else u64(a) for i, a in enumerate(args))
             stream = _cupy_stream(raw_stream(device))
             if function[0] is not None:
                 try:
@@ -381,11 +401,29 @@ class CudaKernel:
             _GRAPHED_MAPS.setdefault(m.data_ptr(), m)
         return m
 
-    def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Match tensors to params by name, allocate missing outputs, and check every tensor."""
+    def _size(self, inputs: Mapping[str, Any]) -> int | None:
+        """A symbolic kernel's run-time size, read from the inputs' shapes (``SymbolicSpec.size_of``: they must
+        agree, and the size lie in the kernel's range; ``KernelLaunchError`` naming both otherwise)."""
+        sym = self.artefact.symbolic
+        if sym is None:
+            return None
+        shapes = {n: tuple(getattr(t, "shape", ())) for n, t in inputs.items()}
+        try:
+            return sym.size_of(shapes, self.artefact.kernel_name)
+        except SizeRangeError as exc:
+            raise KernelLaunchError(str(exc)) from None
+
+    def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+              size: int | None = None) -> dict[str, torch.Tensor]:
+        """Match tensors to params by name, allocate missing outputs, and check every tensor (a symbolic
+        kernel's at its run-time ``size``)."""
         import torch
 
         art = self.artefact
+
+        def shape(p: ParamSpec) -> tuple[int, ...]:
+            return p.shape if art.symbolic is None or size is None else art.symbolic.shape_at(p, size)
+
         in_names = {p.name for p in art.inputs}
         out_names = {p.name for p in art.outputs}
         for what, names, allowed in (("input", inputs, in_names), ("output", outputs, out_names)):
@@ -401,10 +439,10 @@ class CudaKernel:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         for name, t in given.items():
-            _check_tensor(art.kernel_name, art.param(name), t, device)
+            _check_tensor(art.kernel_name, art.param(name), t, device, shape(art.param(name)))
         for p in art.outputs:
             if p.name not in given:
-                given[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=device)
+                given[p.name] = torch.empty(shape(p), dtype=torch_dtype(p.dtype), device=device)
         return given
 
 
@@ -543,9 +581,12 @@ def _raw_stream() -> Callable[[int], int]:
     return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
-def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> None:
+def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device,
+                  shape: tuple[int, ...] | None = None) -> None:
+    """``t`` is a tensor ``p`` takes; ``shape``: the one expected (a symbolic kernel's at its size), else ``p``'s."""
     import torch
 
+    shape = p.shape if shape is None else shape
     where = f"{kernel}: param {p.name!r} ({p.role})"
     if not isinstance(t, torch.Tensor):
         raise KernelLaunchError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
@@ -555,8 +596,8 @@ def _check_tensor(kernel: str, p: ParamSpec, t: Any, device: torch.device) -> No
         raise KernelLaunchError(f"{where} is on {t.device} but other tensors are on {device}")
     if t.dtype != torch_dtype(p.dtype):
         raise KernelLaunchError(f"{where} has dtype {t.dtype}, expected {p.dtype}")
-    if tuple(t.shape) != p.shape:
-        raise KernelLaunchError(f"{where} has shape {list(t.shape)}, expected {list(p.shape)}")
+    if tuple(t.shape) != shape:
+        raise KernelLaunchError(f"{where} has shape {list(t.shape)}, expected {list(shape)}")
     if not t.is_contiguous():
         raise KernelLaunchError(f"{where} is not contiguous (strides {t.stride()}); call .contiguous()")
     if t.data_ptr() % POINTER_ALIGNMENT:

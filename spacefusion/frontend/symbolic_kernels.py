@@ -1,0 +1,73 @@
+"""Kernels built once for a range of row counts, served to every size of a graph with symbolic sizes.
+
+Issue 55: a graph compiled with symbolic sizes (``compiled.PerShape``) is specialised to each new input
+length, and each specialisation built its kernels anew, though a GEMM's (or a norm's) only size that follows
+the length is its row count ``m`` (batch x sequence, flattened by the frontend's builders).  Where the
+schedule allows it (``lower.symbolic.check``: ``m`` cut into blocks, neither serial nor reduced, plain reads,
+the CUDA-core / llvm lowering), the kernel is built with ``m`` a run-time size over ``NEAR`` times the size it
+was picked at (``lower.symbolic.around``: the range the family transfer trusts a ranking over,
+``families.NEAR``), and a later specialisation whose SMG is of the same family (``families.family_key``: the
+graph up to dim sizes, sizes written into ops included) with every other dim's size equal and ``m`` in that
+range reuses it: no schedule, no TVM build.
+
+Contract: ``find`` returns a kernel only for such an SMG, and that kernel computes the SMG at its own sizes
+(the kernel reads ``m`` from its inputs' shapes and checks the rest, ``SymbolicCpuKernel``).  ``build``
+returns None where the schedule cannot take ``m`` at run time; the caller then builds the static kernel, as
+before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schedulers.errors import ScheduleError
+from schedulers.schedule import Schedule
+from smg.ir import SMG
+from spacefusion.frontend.families import NEAR, family_key
+
+#: the dim a symbolic kernel takes at run time: the rows every GEMM / norm builder of the frontend names ``m``
+ROWS = "m"
+
+
+def _others(smg: SMG, dim: str) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((d, n) for d, n in smg.dim_sizes.items() if d != dim))
+
+
+class SymbolicKernels:
+    """The symbolic kernels built so far, by family; ``reused`` names the SMGs served without a build."""
+
+    def __init__(self, dim: str = ROWS, near: float = NEAR) -> None:
+        self.dim, self.near = dim, near
+        self._by_family: dict[str, list[tuple[tuple[tuple[str, int], ...], Any]]] = {}
+        self.reused: list[str] = []
+
+    def find(self, smg: SMG) -> Any | None:
+        """A kernel built for ``smg``'s family whose range holds ``smg``'s rows, every other size equal; else None."""
+        if self.dim not in smg.dim_sizes:
+            return None
+        others, size = _others(smg, self.dim), smg.dim_sizes[self.dim]
+        for got, kernel in self._by_family.get(family_key(smg), []):
+            if got == others and kernel.symbolic.contains(size):
+                self.reused.append(smg.name)
+                return kernel
+        return None
+
+    def build(self, s: Schedule, target: str = "llvm") -> Any | None:
+        """``s`` built with its rows a run-time size around its SMG's (kept for ``find``), or None where the
+        schedule cannot take them at run time (``lower.symbolic.check``'s refusal)."""
+        from spacefusion.api import build
+        from spacefusion.lower.symbolic import around, check
+
+        if self.dim not in s.smg.dim_sizes:
+            return None
+        try:
+            sym = around(s, self.dim, self.near)
+            check(s, sym)
+        except ScheduleError:
+            return None
+        kernel = build(s, target, symbolic=sym)
+        self._by_family.setdefault(family_key(s.smg), []).append((_others(s.smg, self.dim), kernel))
+        return kernel
+
+
+__all__ = ["ROWS", "SymbolicKernels"]

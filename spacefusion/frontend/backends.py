@@ -25,6 +25,7 @@ from schedulers.hardware import CPU_STAND_IN, PRESETS, HardwareChoice, HardwareM
 from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
+from spacefusion.frontend.arrays import round_to, to_numpy, to_torch
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
@@ -92,7 +93,7 @@ class _Cached:
 
 
 def _numpy(inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in inputs.items()}
+    return {k: to_numpy(v) for k, v in inputs.items()}
 
 
 class ReferenceBackend(_Cached):
@@ -103,7 +104,8 @@ class ReferenceBackend(_Cached):
             out = evaluate(smg, _numpy(inputs))
             # packed like a kernel's output (numpy's einsum may return a transposed array): the views the
             # graph takes of it then have the strides the partition read from ``tensor_meta``
-            return {k: torch.from_numpy(np.ascontiguousarray(v.astype(smg.space(k).dtype))) for k, v in out.items()}
+            # rounded to the output's dtype as a kernel's store rounds its float32 (bf16 included: ``arrays``)
+            return {k: to_torch(round_to(v, smg.space(k).dtype)) for k, v in out.items()}
 
         return run
 
@@ -120,12 +122,10 @@ class LLVMBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         from spacefusion.api import build
 
-        if any(s.dtype == "bfloat16" for s in smg.spaces):
-            raise FrontendError(f"{smg.name}: the llvm backend runs on numpy arrays, which have no bfloat16")
         kernel = build(self.schedule_for(smg), "llvm")
 
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {k: torch.from_numpy(v) for k, v in kernel(_numpy(inputs)).items()}
+            return {k: to_torch(v) for k, v in kernel(_numpy(inputs)).items()}
 
         return run
 

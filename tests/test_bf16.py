@@ -136,3 +136,20 @@ def test_bf16_cuda_kernels_are_exported_and_compile(name: str, tmp_path) -> None
         assert "bfloat16" in source
         if name == "sdpa" and "attention" in json.loads(meta.read_text())["kernel_name"]:
             assert "mma" in source
+
+
+def test_bf16_ranks_tensor_cores_without_ml_dtypes_loaded() -> None:
+    """The cost model once asked ``np.dtype("bfloat16")``, which numpy knows only after ``ml_dtypes`` (TVM)
+    is imported: ranking raised, and the export's first pick fell back to the CUDA-core default for every bf16
+    graph.  In a fresh process that never imports ml_dtypes, a bf16 GEMM ranks as its fp16 twin (wgmma)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom smg import patterns\nfrom spacefusion.api import candidates, hardware\n"
+            "picks = [candidates(patterns.gemm_epilogue(256, 1024, 512, 'gelu', True, dtype=d), hardware('h100'), "
+            "head=1)[0] for d in ('float16', 'bfloat16')]\n"
+            "assert 'ml_dtypes' not in sys.modules\n"
+            "print([p.warp_tile is not None for p in picks], picks[0].tiles == picks[1].tiles)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "[True, True] True", out.stdout

@@ -144,11 +144,14 @@ def test_a_stem_reads_its_nchw_image_where_it_lies_when_both_layouts_gather_by_e
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the CUDA source")
-def test_the_bf16_resnet_stem_exports_a_tensor_core_kernel_that_compiles(tmp_path) -> None:
+def test_the_bf16_resnet_stem_exports_a_tensor_core_kernel_that_compiles(tmp_path, monkeypatch) -> None:
     """ResNet's stem as it is (64 output channels; 16 rank CUDA cores first) at 2x3x64x64, bf16, ranked for the
-    H100: the warp-tile kernel, compiled by nvcc."""
+    H100, with ``library_first`` emptied (the GPU's default leaves it to cuDNN until measured): the warp-tile
+    kernel, compiled by nvcc."""
+    from spacefusion.frontend.backends import CudaBackend
     from spacefusion.frontend.dynamo import export_cuda
 
+    monkeypatch.setattr(CudaBackend, "library_first", {})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), _bn(64), nn.ReLU()).eval().to(torch.bfloat16)
     backend = export_cuda(model, tmp_path, torch.randn(2, 3, 64, 64).bfloat16(), hardware="h100")
@@ -157,3 +160,29 @@ def test_the_bf16_resnet_stem_exports_a_tensor_core_kernel_that_compiles(tmp_pat
     assert json.loads(meta.read_text()).get("cubin") == "kernel.cubin"
     source = (meta.parent / "kernel.cu").read_text()
     assert "mma" in source and "bfloat16" in source
+
+
+def test_the_cuda_backend_leaves_stems_to_cudnn_with_why_and_folds_their_batchnorm(tmp_path) -> None:
+    """On the GPU a stem stays with cuDNN until measured (``library_first["stem_conv"]``: the model's estimate
+    against cuDNN's measured time), said with code ``library.first``; its BatchNorm is folded into the conv
+    torch runs, as before; an aligned conv after it is fused."""
+    from spacefusion.frontend import fuse
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.frontend.bn_fold import fold_bn_into_left_convs
+    from spacefusion.frontend.capture import capture
+    from spacefusion.frontend.partition import partition
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3, bias=False), _bn(16), nn.ReLU(), nn.Conv2d(16, 16, 3, 1, 1))
+    x = torch.randn(2, 3, 32, 32)
+    cap = capture(model.eval(), x)
+    be = CudaBackend(tmp_path, load=False)
+    assert fold_bn_into_left_convs(cap.module, be.library_first)  # the stem's BatchNorm, folded
+    p = partition(cap.module, be.layout_of, be.library_first)
+    (stem,) = [op for op in p.left if op.code == "library.first"]
+    assert "stays with cuDNN on the GPU until measured" in stem.reason, stem
+    assert [s.label.split(" 3x3")[0] for s in p.subgraphs] == ["conv"], p
+    fused = fuse(model, x, backend="llvm")  # the CPU targets fuse it (no library)
+    assert not [op for op in fused.partition.left if op.code == "library.first"]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-4)

@@ -3,7 +3,7 @@ after a nearest upsampling), the depthwise one, and the max pool (``match_max_po
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx
@@ -69,6 +69,13 @@ def conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | N
 #: tile reads 3 channels element by element (``gather_tile``'s scalar form).  Exact: the padded taps meet zero
 #: weights (an inf or NaN pixel they read would give NaN, as it would in another output's window)
 K_ALIGN = 8
+
+
+def library_stem(cv, library: Mapping[str, str]) -> str | None:
+    """Why the backend leaves ``cv`` to torch's library (``library["stem_conv"]``, ``CudaBackend.library_first``)
+    where it is a stem of unaligned channels (``k_align``), else None.  Shared with ``bn_fold``, which folds
+    the BatchNorm of a conv that stays with torch before the partition."""
+    return library.get("stem_conv") if cv.c % K_ALIGN else None
 
 
 def k_align(c: int) -> int:
@@ -173,6 +180,9 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     if why is not None:
         ctx.refuse(node, "conv.form", why)
         return None
+    if (lib := library_stem(cv, ctx.library)) is not None:
+        ctx.refuse(node, "library.first", lib)
+        return None
     taken: list[fx.Node] = []
     up, factor = nearest_upsample_of(x, ctx.gm) or (None, 1)
     if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None and not cv.c % K_ALIGN:
@@ -243,6 +253,9 @@ def _conv1d(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     why = conv_refusal(cv, shape(x), dt)
     if why is not None:
         ctx.refuse(node, "conv.form", why)
+        return None
+    if (lib := library_stem(cv, ctx.library)) is not None:
+        ctx.refuse(node, "library.first", lib)
         return None
     n, c, length = shape(x)
     y, bn, res, act, taken = _conv_epilogue(node, ctx)

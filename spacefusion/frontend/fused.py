@@ -409,10 +409,10 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     operands, ``FusedKernel.refresh``, rather than rebuild): nothing derived from weights is made a constant
     of the graph (a BatchNorm or a layer scale folded into a weight, what torch computes from weights
     alone); it would be derived again every step, which is what running it costs."""
-    if not live_weights:
-        fold_bn_into_left_convs(cap.module)
-        fold_layer_scales(cap.module)
     be = get_backend(backend)
+    if not live_weights:
+        fold_bn_into_left_convs(cap.module, getattr(be, "library_first", None))
+        fold_layer_scales(cap.module)
     part = partition(cap.module, getattr(be, "layout_of", None), getattr(be, "library_first", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}
     if hasattr(be, "prefetch"):  # the distinct SMGs' artefacts exported side by side (``parallel_build``)

@@ -186,3 +186,18 @@ def test_the_cuda_backend_leaves_stems_to_cudnn_with_why_and_folds_their_batchno
     assert not [op for op in fused.partition.left if op.code == "library.first"]
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_an_upsampling_before_an_unaligned_conv_runs_apart_with_its_reason() -> None:
+    """The window read through a nearest upsampling (and the parity form) are not taken with a padded K: the
+    upsampling is torch's, said with code ``conv.upsample_apart``; the conv after it is fused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(3, 8, 3, 1, 1), nn.SiLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    compiled = spacefusion.compile(model, target="llvm")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    (p,) = compiled.spacefusion.partitions
+    assert [s.label.split(" [")[0] for s in p.subgraphs] == ["conv + silu 3x3/s1 1x3x16x16 -> 8 float32"], str(p)
+    (up,) = p.left
+    assert up.code == "conv.upsample_apart" and "3 input channels" in up.reason, up

@@ -185,7 +185,11 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     taken: list[fx.Node] = []
     up, factor = nearest_upsample_of(x, ctx.gm) or (None, 1)
-    if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None and not cv.c % K_ALIGN:
+    if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None and cv.c % K_ALIGN:
+        ctx.refuse(x, "conv.upsample_apart", f"a {factor}x nearest upsampling before a conv of {cv.c} input "
+                   f"channels runs apart (torch's kernel): the padded-K conv (convs.k_align) reads a plain image")
+        factor = 1
+    elif up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None:
         apart = upsample_apart(shape(up), cv, factor)
         if apart is None:
             taken, x = [x], up

@@ -21,9 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from schedulers.knobs import Rejection, Where, changed, check_values, coerce, knob, typed_key
+from smg.ir import itemsize
 
 if TYPE_CHECKING:
     from schedulers.hardware import Capabilities
@@ -244,7 +243,7 @@ class SimtOptions:
                                  f"of vector {self.vector}: a vector may not straddle the end of the dim")
             for name in (*s.smg.inputs, *s.smg.outputs):
                 space = s.smg.space(name)
-                width = self.vector * np.dtype(space.dtype).itemsize
+                width = self.vector * itemsize(space.dtype)
                 # a concatenation's part is walked by the serial dim through its own innermost dim
                 if s.smg.inner_read(name)[0] == s.serial and width > MAX_VECTOR_BYTES:
                     return Rejection("vector.width", "vector", f"vector {self.vector} of {name!r} ({space.dtype}) is "

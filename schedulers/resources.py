@@ -12,14 +12,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from schedulers.halo import halo_elements, window_box
 from schedulers.hardware import HardwareModel, ResourceError
 from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule
 from schedulers.temporal import TemporalPlan
 from smg.expr import parse
+from smg.ir import itemsize
 
 #: registers a thread needs besides its local buffers (indices, pointers, temporaries)
 BASE_REGISTERS = 32
@@ -46,7 +45,7 @@ def shared_bytes(s: Schedule, align: int = 1) -> int:
             else:
                 n = math.prod(s.tiles[d] if d in s.tiles else s.step if d == s.serial else sizes[d]
                               for d in s.smg.space(name).dims)
-            nbytes = n * (np.dtype(s.smg.space(name).dtype).itemsize if name in s.smg.inputs else 4)
+            nbytes = n * (itemsize(s.smg.space(name).dtype) if name in s.smg.inputs else 4)
             total += -(-nbytes // align) * align
     if s.lanes > 32 and s.warp_tile is None:  # the warps' partial results of a cross-warp reduction
         total += -(-(s.threads // 32 * 4) // align) * align
@@ -85,7 +84,7 @@ def live_loads(s: Schedule) -> int:
         space = s.smg.space(name)
         readers = sum(1 for op in s.smg.ops for a in op.inputs if a.space == name)
         if readers > 1 and s.serial in space.dims:
-            total += runs * max(1, vec * np.dtype(space.dtype).itemsize // 4)
+            total += runs * max(1, vec * itemsize(space.dtype) // 4)
     return total
 
 

@@ -23,18 +23,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import islpy as isl
-import numpy as np
 
 from schedulers.schedule import Schedule
 from smg.expr import names_of
-from smg.ir import SMG
+from smg.ir import SMG, itemsize
 
 ON_CHIP_BYTES = 4  # on-chip values are fp32 (accumulators, streamed tiles)
 
 
 def _bytes(smg: SMG, space: str, elems: int | None = None) -> int:
     n = math.prod(smg.shape(space)) if elems is None else elems
-    return n * np.dtype(smg.space(space).dtype).itemsize
+    return n * itemsize(smg.space(space).dtype)
 
 
 @dataclass(frozen=True)
@@ -251,7 +250,7 @@ def on_chip(s: Schedule) -> tuple[tuple[str, int], ...]:
         if name in states:  # an accumulator holds the whole block's result, plus derived auxiliaries
             fp *= sum(1 for u in s.plan.states if u.base == name)
         staged = level == "shared" and name in smg.inputs  # staged inputs keep their dtype
-        width = np.dtype(smg.space(name).dtype).itemsize if staged else ON_CHIP_BYTES
+        width = itemsize(smg.space(name).dtype) if staged else ON_CHIP_BYTES
         out.append((name, fp * width))
     return tuple(out)
 

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 import sympy as sp
 
 from schedulers.hardware import HardwareModel
@@ -43,7 +42,7 @@ from schedulers.resources import block_resources
 from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import fused_kernel
 from smg.expr import body_expr, parse
-from smg.ir import SMG, Op
+from smg.ir import SMG, Op, itemsize
 
 from .simt_memory import dram_bandwidth, l1_sector_seconds, l2_reread_bytes, view_run_bytes
 from .warp_tile_cost import warp_tile_time_s
@@ -116,7 +115,7 @@ def _work(s: Schedule) -> tuple[float, float, float]:
         total += points * _ops_per_point(op)
         for a in op.inputs:
             lvl = s.level(a.space)
-            item = np.dtype(smg.space(a.space).dtype).itemsize if a.space in smg.inputs else 4
+            item = itemsize(smg.space(a.space).dtype) if a.space in smg.inputs else 4
             if lvl == "shared":
                 shared_b += points * item
             elif lvl == "global" or a.space in smg.inputs:
@@ -155,7 +154,7 @@ def _uncoalesced_reads(s: Schedule) -> dict[str, float]:
         if spread and spread[-1] == dims[-1]:
             continue  # lanes spread over the reduced dims, consecutive ones on the innermost: coalesced
         if s.thread_dim in dims and dims[-1] != s.thread_dim:
-            item = np.dtype(smg.space(name).dtype).itemsize
+            item = itemsize(smg.space(name).dtype)
             extra[name] = nbytes * (SECTOR_BYTES / item - 1)
     return extra
 
@@ -218,7 +217,7 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         # side by side, so the tiles they all stream (K, V) come from L2 after the first: the device
         # memory sees each tensor once (the L2 re-reads are in the compute term)
         smg = s.smg
-        nbytes = float(sum(math.prod(smg.shape(n)) * np.dtype(smg.space(n).dtype).itemsize
+        nbytes = float(sum(math.prod(smg.shape(n)) * itemsize(smg.space(n).dtype)
                            for n in (*smg.inputs, *smg.outputs)))
     else:
         k = fused_kernel(s)

@@ -25,7 +25,7 @@ from schedulers.options import KNOB_FIELDS, KNOB_GROUP
 from schedulers.schedule import LEVELS, Schedule
 from schedulers.traffic import traffic
 from smg.expr import body_expr, parse
-from smg.ir import SMG, Op
+from smg.ir import SMG, Op, itemsize
 
 from .cost import estimate_us
 from .warp_tile_cost import step_cost
@@ -117,7 +117,7 @@ def _domain(smg: SMG, dims: Iterable[str]) -> int:
 
 
 def _space_bytes(smg: SMG, name: str) -> int:
-    return _domain(smg, smg.space(name).dims) * np.dtype(smg.space(name).dtype).itemsize
+    return _domain(smg, smg.space(name).dims) * itemsize(smg.space(name).dtype)
 
 
 def _simt_peak(hw: HardwareModel, dtype: str) -> float:
@@ -170,8 +170,8 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
     flops = float(sum(_domain(smg, op.iter_dims) * _op_flops_per_point(op) for op in smg.ops))
     in_bytes = sum(_space_bytes(smg, n) for n in smg.inputs)
     out_bytes = sum(_space_bytes(smg, n) for n in smg.outputs)
-    dtype = max((smg.space(n).dtype for n in smg.inputs), key=lambda d: np.dtype(d).itemsize, default="float32")
-    itemsize = np.dtype(dtype).itemsize
+    dtype = max((smg.space(n).dtype for n in smg.inputs), key=itemsize, default="float32")
+    item_bytes = itemsize(dtype)
 
     # -- schedule
     tiles = [t for _, t in s.block]
@@ -203,7 +203,7 @@ def features(s: Schedule, hw: HardwareModel) -> np.ndarray:
         "log2_output_bytes": _log2(out_bytes),
         "num_ops": len(smg.ops),
         "num_states": len(s.plan.states),
-        "dtype_itemsize": itemsize,
+        "dtype_itemsize": item_bytes,
         "log2_num_blocks": _log2(blocks),
         "threads": threads,
         "log2_threads": _log2(threads),

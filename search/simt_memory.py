@@ -40,13 +40,11 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-import numpy as np
-
 from schedulers.hardware import HardwareModel
 from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import KernelTraffic
 from smg.expr import Role, names_of
-from smg.ir import SMG
+from smg.ir import SMG, itemsize
 
 #: DRAM round-trip latency under load (H100 HBM3: ~500 ns idle, more when the memory system is busy)
 DRAM_LATENCY_S = 700e-9
@@ -74,7 +72,7 @@ L1_SECTORS_PER_CLK = 1.0
 
 
 def _itemsize(s: Schedule, name: str) -> int:
-    return int(np.dtype(s.smg.space(name).dtype).itemsize)
+    return int(itemsize(s.smg.space(name).dtype))
 
 
 def broadcast_inputs(s: Schedule) -> tuple[str, ...]:
@@ -110,7 +108,7 @@ def _warp_sectors(smg: SMG, name: str, thread_dim: str, block: tuple[tuple[str, 
                   serial: str, step: int, threads: int, spread: tuple[str, ...] | None) -> tuple[int, int]:
     dims = smg.space(name).dims
     shape = smg.shape(name)
-    item = np.dtype(smg.space(name).dtype).itemsize
+    item = itemsize(smg.space(name).dtype)
     tiles = dict(block)
     order = [thread_dim] + [d for d, _ in reversed(block) if d != thread_dim]
     walk, off = smg.inner_read(name)  # a concatenation's part: its innermost dim walked by another

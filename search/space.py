@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, make_dataclass
 from functools import cached_property
 
-import numpy as np
-
 from schedulers.errors import ScheduleError
 from schedulers.hardware import HardwareError, HardwareModel
 from schedulers.knobs import Rejection
@@ -51,7 +49,7 @@ from schedulers.tensorcore_fit import plan_refusal
 from schedulers.warp_tile import gemm_with_statistics, program_checks, program_form
 from search.walk import SIMT_WALK, TENSOR_CORE_WALK, walk
 from smg.fold import fold_dims, foldable
-from smg.ir import SMG
+from smg.ir import SMG, itemsize
 
 # The H100 measurements behind the choices below (tiles, folds): docs/tuning.md, "Why the search space looks as it
 # does".  What the search offers of each knob is declared with the knob (``schedulers.options``, ``knob(offer=)``).
@@ -267,7 +265,7 @@ class SearchSpace:
         return {"cuda": self.cuda, "hopper": self.hopper, "fast_math_asked": self.fast_math,
                 "analyse_forms": self.analyse_forms, "num_sms": self.hw.num_sms,
                 "max_threads": self.hw.max_threads_per_block,
-                "widest_item": max(np.dtype(self.smg.space(n).dtype).itemsize
+                "widest_item": max(itemsize(self.smg.space(n).dtype)
                                    for n in (*self.smg.inputs, *self.smg.outputs)),
                 "one_reduction": self.one_reduction, "running_max": self.running_max, "row_sum": self.row_sum,
                 "gathers": self.gathers, "threads_floor": self.block_threads_floor}

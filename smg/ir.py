@@ -70,6 +70,20 @@ class DataSpace:
 #: the element types SMG ops compute in (float64: the reference's own)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "bool")
+#: bytes per element of each dtype a space may have.  Stated here rather than asked of ``np.dtype``: numpy knows
+#: "bfloat16" only once ``ml_dtypes`` is imported (TVM imports it), so the cost model's ``np.dtype("bfloat16")``
+#: raised where TVM was not loaded yet, and ``first_pick`` silently fell back to the slicers' CUDA-core default for
+#: every bf16 graph (a 256x1024x512 bf16 GEMM got 4096 blocks of 64 threads, its fp16 twin wgmma)
+ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2,
+                            "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (``ITEMSIZE``; a DTypeError names an unknown one)."""
+    try:
+        return ITEMSIZE[dtype]
+    except KeyError:
+        raise DTypeError(f"unknown dtype {dtype!r}; known: {', '.join(ITEMSIZE)}") from None
 
 
 def check_dtype(dtype: str, where: str = "") -> None:

@@ -392,7 +392,7 @@ class Builder:
 
     def window2d(self, x: Tensor, kernel: tuple[int, int], stride: int = 1, pad: int | tuple[int, int] = 0,
                  rows: str = "m", cols: str = "k", upsample: int = 1, name: str | None = None,
-                 layout: str = "nhwc") -> Tensor:
+                 layout: str = "nhwc", k_align: int = 1) -> Tensor:
         """The im2col view of a channels-last image ``x`` [n, h, w, c]: ``A[rows, cols]`` with rows the output
         pixels (n, p, q) and cols the taps (ky, kx, c), ``A = x[n, s*p + ky - pad_y, s*q + kx - pad_x, c]`` (zero
         outside; ``pad`` one int for both, or (pad_y, pad_x): a 1-D convolution is this view of an image one
@@ -401,8 +401,14 @@ class Builder:
         convolution is then ``A @ W^T`` with the weight [c_out, kh, kw, c] seen as [c_out, cols]: an implicit
         GEMM, whose A tile the lowering loads through these index expressions (no im2col in memory).
         ``layout="nchw"``: ``x`` is [n, c, h, w] (the same view; a run of 8 columns is then 8 channels H * W
-        apart, which the tensor-core kernels gather element by element, ``schedulers.gather_tile``)."""
+        apart, which the tensor-core kernels gather element by element, ``schedulers.gather_tile``).
+        ``k_align``: the cols dim is rounded up to a multiple of it (an RGB stem's 7 * 7 * 3 = 147 taps to 152:
+        the tensor-core tile stages A in 16-byte runs of 8 columns).  The extra columns read the taps the same
+        expressions give past the last kernel row (a pixel below the window, or zero outside the image): only a
+        GEMM whose weight has zero rows there (``patterns.conv2d``'s, as the frontend pads it) may take them."""
         self._own(x)
+        if int(k_align) < 1:
+            raise ShapeError(f"window2d of {x.name!r}: k_align {k_align} must be 1 or more")
         if layout not in IMAGE_LAYOUTS:
             raise ValueError(f"window2d layout {layout!r}: known {IMAGE_LAYOUTS}")
         if len(x.dims) != 4:
@@ -419,7 +425,7 @@ class Builder:
             raise ShapeError(f"window2d of {x.name!r}: a {r}x{s} kernel does not fit the padded {h * u}x{w * u} image")
         p, q = hp // st + 1, wp // st + 1
         self._dim(rows, n * p * q)
-        self._dim(cols, r * s * c)
+        self._dim(cols, -(-r * s * c // int(k_align)) * int(k_align))
         index = window2d_index(rows, cols, c, (p, q), s, st, (pad_y, pad_x), u)
         if layout == "nchw":
             index = (index[0], index[3], index[1], index[2])

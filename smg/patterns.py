@@ -415,7 +415,7 @@ def group_norm(batch: int, pixels: int, groups: int, channels: int, act: str = "
 def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int | tuple[int, int] = 3,
            stride: int = 1, pad: int | tuple[int, int] = 1, act: str = "none", bias: bool = True,
            residual: bool = False, upsample: int = 1, dtype: str = "float32", layout: str = "nhwc",
-           name: str | None = None) -> SMG:
+           name: str | None = None, k_align: int = 1) -> SMG:
     """``Y = act(conv2d(X, W) + bias (+ R))`` as an implicit GEMM: X channels-last [n, h, w, c], its im2col
     view ``A[m, k]`` (``Builder.window2d``: m the output pixels, k the taps (ky, kx, c)), the weight as
     ``Wt[k, co]`` ([kh, kw, c, c_out]: the tensor-core B operand's layout, permuted once), Y [m, co] (the NHWC
@@ -423,7 +423,9 @@ def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: i
     does it); ``R`` is a residual [m, co] added before ``act``; ``upsample`` 2 reads X nearest-upsampled (an
     ``Upsample -> Conv`` chain).  ``layout="nchw"`` reads X as torch's default [n, c, h, w] where it lies (no
     transposed copy; the output is still [m, co]).  ``kernel`` and ``pad`` are one int (square) or (rows,
-    columns) each: ``conv1d`` is this with one row."""
+    columns) each: ``conv1d`` is this with one row.  ``k_align`` rounds K = kh * kw * c_in up to its multiple
+    (``Builder.window2d``): ``Wt``'s rows past kh * kw * c_in must then be zero (an RGB stem's K = 147 is 152,
+    which the tensor-core tile takes: it stages A in runs of 8 columns)."""
     if act != "none" and act not in UNARY:
         raise UnknownOperatorError(f"unknown activation {act!r}; known: none, {sorted(UNARY)}")
     nchw = layout == "nchw"
@@ -432,7 +434,7 @@ def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: i
     dims = {"n": batch, "c": c_in, "h": height, "w": width} if nchw else {"n": batch, "h": height, "w": width,
                                                                          "c": c_in}
     x = g.input("X", dims)
-    a = g.window2d(x, (kh, kw), stride, pad, upsample=upsample, name="A", layout=layout)
+    a = g.window2d(x, (kh, kw), stride, pad, upsample=upsample, name="A", layout=layout, k_align=k_align)
     w = g.input("Wt", {"k": g.dims["k"], "co": c_out})
     y = g.matmul(a, w, reduce="k", name="Y" if not (bias or residual or act != "none") else "C")
     return _conv_epilogue(g, y, c_out, act, bias, residual, {"m": g.dims["m"], "co": c_out})
@@ -440,16 +442,16 @@ def conv2d(batch: int, height: int, width: int, c_in: int, c_out: int, kernel: i
 
 def conv1d(batch: int, length: int, c_in: int, c_out: int, kernel: int = 3, stride: int = 1, pad: int = 1,
            act: str = "none", bias: bool = True, residual: bool = False, dtype: str = "float32",
-           layout: str = "nhwc") -> SMG:
+           layout: str = "nhwc", k_align: int = 1) -> SMG:
     """``Y = act(conv1d(X, W) + bias (+ R))``: ``conv2d`` over an image one row high, kernel (1, ``kernel``),
     padding (0, ``pad``) (a stride along that one row moves nothing: the output has one row), so the implicit
     GEMM, its gathered tile and its epilogue are the 2-D convolution's.  X is [n, 1, L, c] (channels-last:
     a [batch, channels, frames] tensor transposed, or a fused conv's output as it lies) or, with
     ``layout="nchw"``, [n, c, 1, L] (Whisper's log-mel frames where they lie); the weight ``Wt[k, co]`` is
     torch's [co, c, kernel] laid out as [kernel, c, co]; Y [m, co] is [n, L', co] (L' = (L + 2 pad - kernel) //
-    stride + 1)."""
+    stride + 1); ``k_align`` as there."""
     return conv2d(batch, 1, length, c_in, c_out, (1, kernel), stride, (0, pad), act, bias, residual,
-                  dtype=dtype, layout=layout,
+                  dtype=dtype, layout=layout, k_align=k_align,
                   name=f"conv1d_k{kernel}{'_res' if residual else ''}_{act}{'_nchw' if layout == 'nchw' else ''}")
 
 

@@ -4,6 +4,10 @@
 ``llvm`` builds the schedule with TVM for the CPU; ``cuda`` is the seam for the GPU runtime (artefacts built
 here, where TVM is, launched by ``spacefusion.runtime.gpu`` where it is not).  A backend compiles each
 SMG content key once, so identical subgraphs across layers share one kernel.
+
+bfloat16 runs on every target: the CPU backends cross it to numpy as its bits (``arrays``, ``ml_dtypes``), the
+reference rounds each float64 output through float32 to bf16 as a kernel's store does, and llvm runs TVM's bf16
+kernels (float32 compute, bf16 storage), as the CUDA kernels are (``tests/test_bf16.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from schedulers.hardware import CPU_STAND_IN, PRESETS, HardwareChoice, HardwareM
 from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
+from spacefusion.frontend.arrays import round_to, to_numpy, to_torch
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.layouts import LayoutChoice, decide
 from spacefusion.frontend.schedules import ScheduleFor, default_schedule
@@ -92,7 +97,7 @@ class _Cached:
 
 
 def _numpy(inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in inputs.items()}
+    return {k: to_numpy(v) for k, v in inputs.items()}
 
 
 class ReferenceBackend(_Cached):
@@ -103,7 +108,8 @@ class ReferenceBackend(_Cached):
             out = evaluate(smg, _numpy(inputs))
             # packed like a kernel's output (numpy's einsum may return a transposed array): the views the
             # graph takes of it then have the strides the partition read from ``tensor_meta``
-            return {k: torch.from_numpy(np.ascontiguousarray(v.astype(smg.space(k).dtype))) for k, v in out.items()}
+            # rounded to the output's dtype as a kernel's store rounds its float32 (bf16 included: ``arrays``)
+            return {k: to_torch(round_to(v, smg.space(k).dtype)) for k, v in out.items()}
 
         return run
 
@@ -158,12 +164,10 @@ class LLVMBackend(_Cached):
         return build(s, "llvm")
 
     def _compile(self, smg: SMG) -> Kernel:
-        if any(s.dtype == "bfloat16" for s in smg.spaces):
-            raise FrontendError(f"{smg.name}: the llvm backend runs on numpy arrays, which have no bfloat16")
         kernel = self._kernel_for(smg)
 
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {k: torch.from_numpy(v) for k, v in kernel(_numpy(inputs)).items()}
+            return {k: to_torch(v) for k, v in kernel(_numpy(inputs)).items()}
 
         return run
 
@@ -225,6 +229,11 @@ class CudaBackend(_Cached):
         "dwconv": "a depthwise convolution stays with cuDNN on the GPU: the CUDA-core kernel (halo-staged window, "
                   "fp32 taps) measured 2.2-2.9x slower than cuDNN's (H100, ConvNeXt-T's 7x7 at 32x96x56x56: "
                   "208-368 us against 96), more than fusing its BatchNorm and activation saves",
+        "stem_conv": "a convolution of input channels not a multiple of 8 (an RGB stem, a raw waveform) stays with "
+                     "cuDNN on the GPU until measured: its K is padded (convs.k_align) and its tile gathered element "
+                     "by element, and the model ranks ResNet-50's stem at batch 32 (fp16, H100, channels-last) at "
+                     "131.8 us for the fused conv + BatchNorm + ReLU, where cuDNN's conv measured 61 us; fused on "
+                     "the CPU targets",
         "weight_gradient": "a weight gradient grad.T @ x stays with cuBLAS on the GPU: its A lies [k, m] (k the "
                            "tokens, outer in both operands) and the tensor-core GEMM takes A with k last only "
                            "(schedulers.warp_tile), so the fused kernel runs on CUDA cores against cuBLAS's tensor "

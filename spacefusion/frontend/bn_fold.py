@@ -1,8 +1,9 @@
 """An inference BatchNorm after a convolution that torch keeps, folded into that convolution's weight and bias.
 
-``convs.match_conv`` folds a BatchNorm into the implicit GEMM it builds.  A convolution it refuses (ResNet's RGB stem:
-3 input channels) stays with cuDNN, and its BatchNorm used to stay with torch as a kernel of its own (67 us for
-ResNet-50's stem at batch 32 on the H100, as much as the conv).  Folded here, torch runs one conv with a bias,
+``convs.match_conv`` folds a BatchNorm into the implicit GEMM it builds.  A convolution it refuses, or that the
+backend leaves to its library (ResNet's RGB stem on the GPU: ``CudaBackend.library_first``), stays with cuDNN,
+and its BatchNorm used to stay with torch as a kernel of its own (67 us for ResNet-50's stem at batch 32 on the
+H100, as much as the conv).  Folded here, torch runs one conv with a bias,
 and the ReLU and max pool after it become one fused kernel (``match_max_pool``), which also takes the shift
 where a pool follows (the conv then runs without a bias).
 """
@@ -10,14 +11,14 @@ where a pool follows (the conv then runs without a bias).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from spacefusion.frontend.convs import conv_refusal
+from spacefusion.frontend.convs import conv_refusal, library_stem
 from spacefusion.frontend.graph import (
     activation_of,
     batchnorm_of,
@@ -49,9 +50,10 @@ def fold_batchnorm(get: Callable[[str], torch.Tensor], mean: str, var: str, weig
     return scale, shift
 
 
-def fold_bn_into_left_convs(gm: fx.GraphModule) -> list[str]:
+def fold_bn_into_left_convs(gm: fx.GraphModule, library: Mapping[str, str] | None = None) -> list[str]:
     """Rewrite each ``conv -> BatchNorm`` (eval mode, the BatchNorm the conv's only reader) where ``match_conv``
-    refuses the conv (``conv_refusal``: it stays with torch) as one ``F.conv2d`` with the folded weight
+    refuses the conv (``conv_refusal``, or the backend's ``library`` takes it: ``convs.library_stem``; it stays
+    with torch) as one ``F.conv2d`` with the folded weight
     ``W * gamma / sqrt(var + eps)`` and bias ``(b - mean) * gamma / sqrt(var + eps) + beta``, computed in float32
     and stored in the weight's dtype; returns the BatchNorms' node names.  Only zero padding folds this way
     (``F.conv2d`` has no other), and only 2-D convolutions (a 1-D one's BatchNorm stays with torch)."""
@@ -59,7 +61,7 @@ def fold_bn_into_left_convs(gm: fx.GraphModule) -> list[str]:
     for node in list(gm.graph.nodes):
         cv = conv_of(node, gm)
         if cv is None or cv.dims != 2 or cv.padding_mode != "zeros" \
-                or conv_refusal(cv, shape(cv.x), dtype(node)) is None:
+                or (conv_refusal(cv, shape(cv.x), dtype(node)) is None and library_stem(cv, library or {}) is None):
             continue
         u = single_user(node)
         bn = batchnorm_of(u, gm) if u is not None else None

@@ -3,7 +3,7 @@ after a nearest upsampling), the depthwise one, and the max pool (``match_max_po
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx
@@ -56,14 +56,32 @@ def conv_refusal(cv, x_shape: tuple[int, ...] | None, dt: str | None) -> str | N
                 f"kernels with one stride and one padding")
     if x_shape is None or len(x_shape) != cv.dims + 2 or dt not in ("float16", "bfloat16", "float32"):
         return f"a convolution of a non-float or non-image input (shape {x_shape}, dtype {dt})"
-    if cv.c % 8:
-        return (f"{cv.c} input channels: the implicit GEMM's gathered tile reads 16-byte runs of 8 channels (an "
-                f"RGB stem{' or a raw waveform' if cv.dims == 1 else ''} stays with cuDNN)")
     if cv.cout % 8:
         return (f"{cv.cout} output channels: the tensor-core GEMM's columns come in 8s, so the search's kernels "
                 f"for so narrow an output run on CUDA cores (SD 1.5 VAE's RGB head took 919 us on the H100); cuDNN "
                 f"keeps it")
     return None
+
+
+#: K (kh * kw * c_in) of an implicit GEMM is padded to a multiple of this where c_in is not one (an RGB stem's 7 *
+#: 7 * 3 = 147 -> 152, ConvNeXt's or MobileNet's 3 * 3 * 3 = 27 -> 32), with zero weight rows: the tensor-core tile
+#: stages A in 16-byte runs of 8 columns (``warp_tile.tile_input``; its last step is predicated), and its gathered
+#: tile reads 3 channels element by element (``gather_tile``'s scalar form).  Exact: the padded taps meet zero
+#: weights (an inf or NaN pixel they read would give NaN, as it would in another output's window)
+K_ALIGN = 8
+
+
+def library_stem(cv, library: Mapping[str, str]) -> str | None:
+    """Why the backend leaves ``cv`` to torch's library (``library["stem_conv"]``, ``CudaBackend.library_first``)
+    where it is a stem of unaligned channels (``k_align``), else None.  Shared with ``bn_fold``, which folds
+    the BatchNorm of a conv that stays with torch before the partition."""
+    return library.get("stem_conv") if cv.c % K_ALIGN else None
+
+
+def k_align(c: int) -> int:
+    """``K_ALIGN`` where ``c`` input channels leave K unaligned, else 1 (the graph, its key and its kernels
+    exactly as before: K = kh * kw * c is then a multiple of 8 already)."""
+    return K_ALIGN if c % K_ALIGN else 1
 
 
 #: an ``Upsample -> Conv`` runs per output parity (``patterns.upsample_conv2d``: 4 merged taps of the small image
@@ -162,9 +180,16 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     if why is not None:
         ctx.refuse(node, "conv.form", why)
         return None
+    if (lib := library_stem(cv, ctx.library)) is not None:
+        ctx.refuse(node, "library.first", lib)
+        return None
     taken: list[fx.Node] = []
     up, factor = nearest_upsample_of(x, ctx.gm) or (None, 1)
-    if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None:
+    if up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None and cv.c % K_ALIGN:
+        ctx.refuse(x, "conv.upsample_apart", f"a {factor}x nearest upsampling before a conv of {cv.c} input "
+                   f"channels runs apart (torch's kernel): the padded-K conv (convs.k_align) reads a plain image")
+        factor = 1
+    elif up is not None and single_user(x) is node and ctx.free(x) and shape(up) is not None:
         apart = upsample_apart(shape(up), cv, factor)
         if apart is None:
             taken, x = [x], up
@@ -184,7 +209,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
     def make(layout: str) -> Callable[[], SMG]:
         return lambda: (patterns.upsample_conv2d(n, h, w, c, cv.cout, cv.kh, pad, factor=factor, **kw) if parity
                         else patterns.conv2d(n, h, w, c, cv.cout, cv.kh, cv.stride[0], pad, upsample=factor,
-                                             layout=layout, **kw))
+                                             layout=layout, k_align=k_align(c), **kw))
 
     smg, layout = _build(ctx, node, make("nhwc")), "nhwc"
     if smg is None:
@@ -195,7 +220,7 @@ def match_conv(node: fx.Node, ctx: Context) -> Subgraph | None:
             smg, layout = nchw, "nchw"
         ctx.layouts[smg.key] = choice.reason
     _, p, q, co = shape(node)[0], shape(node)[2], shape(node)[3], cv.cout
-    m, k = n * p * q, cv.kh * cv.kw * c
+    m, k = n * p * q, smg.dim_sizes["k"]  # kh * kw * c, padded (``k_align``; zero rows of Wt)
     fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
     rows: tuple[int, ...] = (n * h, factor, w, factor, co) if parity else (m, co)
     wt = (Operand("Wt", "param", cv.weight, (factor, factor, smg.dim_sizes["k"], co), conv=True, fold_bn=fold,
@@ -233,6 +258,9 @@ def _conv1d(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     if why is not None:
         ctx.refuse(node, "conv.form", why)
         return None
+    if (lib := library_stem(cv, ctx.library)) is not None:
+        ctx.refuse(node, "library.first", lib)
+        return None
     n, c, length = shape(x)
     y, bn, res, act, taken = _conv_epilogue(node, ctx)
     k, stride, pad, co = cv.kw, cv.stride[1], cv.padding[1], cv.cout
@@ -240,7 +268,7 @@ def _conv1d(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     kw = {"act": act.name if act else "none", "bias": has_bias, "residual": res is not None, "dtype": dt}
 
     def make(layout: str) -> Callable[[], SMG]:
-        return lambda: patterns.conv1d(n, length, c, co, k, stride, pad, layout=layout, **kw)
+        return lambda: patterns.conv1d(n, length, c, co, k, stride, pad, layout=layout, k_align=k_align(c), **kw)
 
     smg, layout = _build(ctx, node, make("nhwc")), "nhwc"
     if smg is None:
@@ -253,7 +281,7 @@ def _conv1d(node: fx.Node, cv, ctx: Context) -> Subgraph | None:
     out_len = shape(node)[2]
     fold = (bn.mean, bn.var, bn.weight or "", bn.bias or "", repr(bn.eps)) if bn is not None else ()
     ops = [_value("X", x, (n, c, 1, length)) if layout == "nchw" else _value("X", x, (n, 1, length, c), NLC),
-           Operand("Wt", "param", cv.weight, (k * c, co), conv=True, fold_bn=fold)]  # [co, c, k] -> [k, c, co]
+           Operand("Wt", "param", cv.weight, (smg.dim_sizes["k"], co), conv=True, fold_bn=fold)]  # [k, c, co]
     if has_bias:
         ops.append(Operand("bias", "param", cv.bias or "", (co,), fold_bn=fold))
     if res is not None:

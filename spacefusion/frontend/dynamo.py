@@ -314,7 +314,9 @@ def first_pick(smg: Any, hw: Any = None) -> Any:
 
     try:
         return model_pick(smg, hw)[0]
-    except Exception:  # no candidate fits
+    except Exception as exc:  # no candidate fits, or the ranking broke: said, not silent (issue 56's bf16)
+        log.warning("%s: no ranked schedule (%s: %s); the slicers' default (CUDA cores) is built",
+                    getattr(smg, "name", smg), type(exc).__name__, str(exc)[:300])
         return default_schedule(smg)
 
 

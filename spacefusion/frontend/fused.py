@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -193,6 +194,7 @@ def _fold_norm(get: Callable[[str], torch.Tensor], w: torch.Tensor, fold: tuple[
 
 def _conv_param(get: Callable[[str], torch.Tensor], op: Operand) -> torch.Tensor:
     """A convolution's weight as the implicit GEMM's B [kh * kw * c, co] (a conv1d's [co, c, k] as [k * c, co];
+    where K is padded, ``convs.k_align``, zero rows after them;
     after an upsampling: merged per output parity, ``fold_upsample``), or its bias, with an inference BatchNorm
     folded in (in float32, then back to the weight's dtype); the bias of a conv without one, under a BatchNorm
     (``ref`` ""), starts from zeros."""
@@ -207,6 +209,8 @@ def _conv_param(get: Callable[[str], torch.Tensor], op: Operand) -> torch.Tensor
         t = t * scale[:, None, None, None] if op.conv else t * scale + shift
     if op.conv:
         t = t.permute(2, 3, 1, 0)
+        if not op.fold_upsample and math.prod(t.shape[:3]) < op.shape[0]:  # K padded (``convs.k_align``): zero rows
+            t = torch.cat([t.reshape(-1, t.shape[3]), t.new_zeros(op.shape[0] - math.prod(t.shape[:3]), t.shape[3])])
     if op.fold_upsample:
         fold = torch.tensor(upsample_fold(*op.fold_upsample), dtype=t.dtype, device=t.device)
         t = torch.einsum("aty,bux,yxco->abtuco", fold, fold, t)
@@ -405,10 +409,10 @@ def fuse_captured(cap: Captured, backend: Any = "llvm", verbose: bool = False,
     operands, ``FusedKernel.refresh``, rather than rebuild): nothing derived from weights is made a constant
     of the graph (a BatchNorm or a layer scale folded into a weight, what torch computes from weights
     alone); it would be derived again every step, which is what running it costs."""
-    if not live_weights:
-        fold_bn_into_left_convs(cap.module)
-        fold_layer_scales(cap.module)
     be = get_backend(backend)
+    if not live_weights:
+        fold_bn_into_left_convs(cap.module, getattr(be, "library_first", None))
+        fold_layer_scales(cap.module)
     part = partition(cap.module, getattr(be, "layout_of", None), getattr(be, "library_first", None))
     by_name = {n.name: n for n in cap.module.graph.nodes}
     if hasattr(be, "prefetch"):  # the distinct SMGs' artefacts exported side by side (``parallel_build``)

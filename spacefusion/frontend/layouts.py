@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from schedulers.gather_tile import CHUNK
 from schedulers.hardware import HardwareModel
 from smg import patterns
 from smg.ir import SMG
@@ -28,6 +29,10 @@ LAYOUT_RULE = 1
 #: estimates are the least certain the model makes (rms log error 0.44 on the 12 measured candidates, against
 #: about 0.3 for the channels-last convs'): where the two are close, the layout the other kernels share wins
 NCHW_MARGIN = 1.25
+#: the margin where the channels-last kernel gathers element by element too (fewer than 8 channels a run: an RGB
+#: stem, whose K is padded, ``convs.k_align``): the two kernels' estimates are then equally uncertain, and the
+#: copy alone separates them
+SCALAR_MARGIN = 1.0
 LAYOUTS = ("nchw", "nhwc")
 
 
@@ -41,6 +46,7 @@ class LayoutChoice:
     copy_us: float
     hardware: str
     rule: int = LAYOUT_RULE
+    margin: float = NCHW_MARGIN  # how much faster the NCHW estimate had to be (``SCALAR_MARGIN`` for a stem)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -52,7 +58,8 @@ class LayoutChoice:
             return f"copied channels-last first: no cost model here to price reading it NCHW ({self.hardware})"
         read = "read NCHW where it lies" if self.layout == "nchw" else "copied channels-last first"
         return (f"{read}: the model's {self.nchw_us:.1f} us read NCHW against {self.copy_us:.1f} + "
-                f"{self.nhwc_us:.1f} us copied ({self.hardware}; NCHW needs a {NCHW_MARGIN:g}x margin)")
+                f"{self.nhwc_us:.1f} us copied ({self.hardware}; NCHW needs a {self.margin:g}x margin"
+                f"{', both gathered element by element' if self.margin == SCALAR_MARGIN else ''})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +71,7 @@ class LayoutChoice:
             raise ValueError(f"a layout decided by rule {d.get('rule')}, this code's is {LAYOUT_RULE}")
         try:
             return cls(str(d["layout"]), float(d["nchw_us"]), float(d["nhwc_us"]), float(d["copy_us"]),
-                       str(d["hardware"]), int(d["rule"]))
+                       str(d["hardware"]), int(d["rule"]), float(d.get("margin", NCHW_MARGIN)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"a damaged layout record {d!r}: {exc}") from exc
 
@@ -88,7 +95,9 @@ def choose_layout(nchw: SMG, nhwc: SMG, hw: HardwareModel) -> LayoutChoice:
         return estimate_us(order[0], hw) if order else float("inf")
 
     a, b, copy = best(nchw), best(nhwc), best(copy_of(nchw))
-    return LayoutChoice("nchw" if a * NCHW_MARGIN < copy + b else "nhwc", a, b, copy, hw.name)
+    x = nhwc.space("X")
+    margin = SCALAR_MARGIN if nhwc.dim_sizes[x.dims[-1]] % CHUNK else NCHW_MARGIN
+    return LayoutChoice("nchw" if a * margin < copy + b else "nhwc", a, b, copy, hw.name, margin=margin)
 
 
 def decide(nchw: SMG, nhwc: SMG, hw: HardwareModel) -> LayoutChoice:

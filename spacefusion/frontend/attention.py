@@ -26,6 +26,7 @@ from spacefusion.frontend.graph import (
 from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.matchers import Context, _build, _subgraph, _value
 from spacefusion.frontend.records import Operand, Result, Subgraph
+from spacefusion.frontend.repeat_kv import unrepeated
 
 
 def _heads_split(x: fx.Node, readers: tuple[fx.Node, ...], ctx: Context) -> fx.Node | None:
@@ -83,13 +84,25 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
 def _sdpa_form(node: fx.Node, ctx: Context, a: dict[str, object]) -> tuple | None:
     """What an SDPA call ``node`` with arguments ``a`` (SDPA's names: query, key, value, attn_mask,
     dropout_p, is_causal, scale) is as the attention pattern: ((q, k, v), (b, heads, kv heads, m, l, d),
-    dtype, causal, scale, score mods, their operands, the mask's nodes taken in, label); None, with the
-    reason recorded on ``node``, where the pattern cannot take it (dropout, not 4-d, head dims, mask)."""
+    dtype, causal, scale, score mods, their operands, the nodes taken in (the mask's and K/V's repeats),
+    label); None, with the reason recorded on ``node``, where the pattern cannot take it (dropout, not 4-d,
+    head dims, mask, K/V repeated over the heads in a form it cannot read per kv head).
+
+    K and V that are ``repeat_kv`` of tensors with fewer heads (HF's sdpa path with a mask: it passes
+    ``enable_gqa`` only without one) are read un-repeated, the repeat's nodes taken in
+    (``frontend.repeat_kv``): GQA with ``kv_heads`` the sources' heads."""
     q, k, v = a["query"], a["key"], a["value"]
-    sq, sk, sv = shape(q), shape(k), shape(v)
     if a.get("dropout_p", 0.0):
         ctx.refuse(node, "attention.dropout", "attention with dropout: random, not an index expression")
         return None
+    unrep = unrepeated(k, v, {k: node, v: node}, ctx.free)
+    if isinstance(unrep, str):
+        ctx.refuse(node, "attention.kv_repeat", unrep)
+        return None
+    repeats: tuple[fx.Node, ...] = ()
+    if unrep is not None:
+        k, v, repeats = unrep.k, unrep.v, unrep.taken
+    sq, sk, sv = shape(q), shape(k), shape(v)
     if not (sq and sk and sv) or not len(sq) == len(sk) == len(sv) == 4:
         ctx.refuse(node, "attention.rank", "attention on tensors that are not [batch, heads, seq, head_dim]")
         return None
@@ -108,9 +121,9 @@ def _sdpa_form(node: fx.Node, ctx: Context, a: dict[str, object]) -> tuple | Non
         if got is None:
             return None
         causal = causal or got[0]
-        mods, extra, taken = got[1], got[2], got[3]
+        mods, extra, taken = got[1], got[2], (*got[3], *repeats)
     else:
-        taken = ()
+        taken = repeats
     what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
     what += " (index)" if mods and "Mask" not in mods[0].body else ""
     label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"

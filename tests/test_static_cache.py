@@ -109,6 +109,8 @@ def test_static_cache_decoding_matches_eager_and_only_the_cache_is_written() -> 
         torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
     labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
     assert sum(lab.startswith("attention") for lab in labels) >= 2 * len(model.layers), labels
+    # GQA throughout: the prefill's SDPA has enable_gqa, the decode steps' K/V go through repeat_kv (issue 57)
+    assert all("h4/2" in lab for lab in labels if lab.startswith("attention")), labels
 
 
 def _expands_left(compiled) -> list[str]:

@@ -107,7 +107,8 @@ def test_the_partition_dry_run_captures_a_prefill_and_a_batched_decode(tiny_batc
     assert any("attention b2 h4/2 32x32 d16 causal" in line for line in got["tiny_qwen2_prefill"])
     assert any("gated gemm" in line for line in got["tiny_qwen2_prefill"])
     decode = got[tiny_batched]
-    assert any(line.startswith("2 x attention b3") and f"1x{PAST + dynamo_gpu.CACHE_SPARE}" in line for line in decode)
+    # GQA read per kv head through repeat_kv (issue 57): h4/2, not K/V copied per query head
+    assert any(line.startswith(f"2 x attention b3 h4/2 1x{PAST + dynamo_gpu.CACHE_SPARE}") for line in decode), decode
 
 
 def test_issue_57s_entries_are_the_real_configs() -> None:
@@ -127,3 +128,26 @@ def test_issue_57s_entries_are_the_real_configs() -> None:
         assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, dynamo_gpu._kv_shape(cfg)[1],
                 cfg.hidden_size, cfg.intermediate_size) == want[stem], name
         assert name.endswith(f"_b{dynamo_gpu.MODELS[name][4]}_{dynamo_gpu.MODELS[name][5]}") or "_decode_" not in name
+
+
+def test_llama3_8b_decode_at_64_x_8192_reads_kv_per_kv_head_within_32_bit_indices() -> None:
+    """Issue 57's largest decode: LLaMA-3-8B at batch 64 over 8192 cached tokens, captured on meta.  Through
+    repeat_kv, K and V repeated per query head would be [64, 32, 8256, 128] = 2.16e9 elements, past the
+    kernels' 32-bit indices (``lower.build.MAX_INDEX``): the attention reads the cache's 8 kv heads instead,
+    every space of its SMG addressable."""
+    import math
+
+    from spacefusion.frontend.tune import captured_partitions
+    from spacefusion.lower.build import MAX_INDEX
+
+    name = "llama3_8b_4layers_decode_b64_8192"
+    torch._dynamo.reset()
+    model, x = dynamo_gpu.build(name, "meta")
+    parts = captured_partitions(model, **x)
+    att = [s for p in parts for s in p.subgraphs if s.kind == "attention"]
+    assert len(att) == 4 and all(s.label.startswith("attention b64 h32/8 1x8256 d128") for s in att), att
+    assert not [op for p in parts for op in p.left if op.code.startswith("attention")]
+    for sub in att:
+        k = next(op for op in sub.operands if op.space == "K")
+        assert k.shape == (64, 8, 8256, 128)
+        assert max(math.prod(sub.smg.shape(sp.name)) for sp in sub.smg.spaces) < MAX_INDEX

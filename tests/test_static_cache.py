@@ -18,11 +18,13 @@ from spacefusion.frontend.replay import mutated_inputs  # noqa: E402
 PROMPT, STEPS, MAX_LEN = 12, 3, 32
 
 
-def _llama() -> torch.nn.Module:
+def _llama(family: str = "Llama") -> torch.nn.Module:
+    """A tiny GQA decoder of ``family`` (``Llama``, or ``Qwen2``: q/k/v biases): 4 query heads over 2 kv heads."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
-    return transformers.LlamaModel(cfg).eval()
+    cfg = getattr(transformers, f"{family}Config")(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                   max_position_embeddings=128)
+    return getattr(transformers, f"{family}Model")(cfg).eval()
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -30,18 +32,24 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _decode(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], transformers.StaticCache]:
-    """A prefill of ``ids`` then STEPS one-token steps, each step's input the previous step's last token."""
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor | None = None
+            ) -> tuple[list[torch.Tensor], transformers.StaticCache]:
+    """A prefill of ``ids`` then STEPS one-token steps, each step's input the previous step's last token; with
+    ``mask`` (the prompt's padding, [batch, PROMPT]), each call gets the attention mask so far."""
     cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
     outs = []
+    masked = {} if mask is None else {"attention_mask": mask}
     with torch.no_grad():
         out = model(input_ids=ids, **{_cache_kwarg(model): cache}, use_cache=True,
-                    cache_position=torch.arange(PROMPT, device=ids.device))
+                    cache_position=torch.arange(PROMPT, device=ids.device), **masked)
         outs.append(out.last_hidden_state.clone())
         tok = ids[:, -1:]
         for i in range(STEPS):
             pos = torch.tensor([PROMPT + i], device=ids.device)
-            out = model(input_ids=tok, **{_cache_kwarg(model): cache}, use_cache=True, cache_position=pos)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                masked = {"attention_mask": mask}
+            out = model(input_ids=tok, **{_cache_kwarg(model): cache}, use_cache=True, cache_position=pos, **masked)
             outs.append(out.last_hidden_state.clone())
             tok = (tok * 7 + 3) % model.config.vocab_size
     return outs, cache
@@ -101,6 +109,53 @@ def test_static_cache_decoding_matches_eager_and_only_the_cache_is_written() -> 
         torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
     labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
     assert sum(lab.startswith("attention") for lab in labels) >= 2 * len(model.layers), labels
+    # GQA throughout: the prefill's SDPA has enable_gqa, the decode steps' K/V go through repeat_kv (issue 57)
+    assert all("h4/2" in lab for lab in labels if lab.startswith("attention")), labels
+
+
+def _expands_left(compiled) -> list[str]:
+    """The 5-d ``expand`` nodes torch still runs in the fused graphs: ``repeat_kv``'s [b, hk, r, s, d] copies of
+    K and V (the attention mask's expand has 4 dims)."""
+    left = []
+    for cg in compiled.spacefusion.compiled:
+        for node in cg.fused.graph_module.graph.nodes:
+            if node.op == "call_method" and node.target == "expand" and len(node.args) == 6:
+                left.append(node.name)
+    return left
+
+
+@pytest.mark.parametrize("target", ["reference", "llvm"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_gqa_decoding_with_a_padding_mask_reads_each_kv_head_once(family: str, target: str) -> None:
+    """Issue 57: HF's sdpa path under ``torch.compile`` with a mask repeats K and V per query head
+    (``repeat_kv``: expand + reshape) before SDPA.  The decode steps' attention takes the repeats in and reads the
+    StaticCache's K/V per kv head (``h4/2``, K bound [b, 2, cache, d]), no repeat left to torch; every step
+    matches eager with a left-padded batch.  So does the prefill, whose mask is causal and the padding row
+    together (a padded query row keeps no key: 0, as SDPA's, through -inf fills, ``_padded_index_mask``)."""
+    model = _llama(family)
+    ids = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :4] = 0  # the second prompt left-padded by 4
+    want, want_cache = _decode(model, ids, mask)
+    torch._dynamo.reset()
+    compiled = spacefusion.compile(model, target=target)
+    got, got_cache = _decode(compiled, ids, mask)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    for a, b in zip(want_cache.layers, got_cache.layers):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+    report = compiled.spacefusion
+    att = [s for p in report.partitions for s in p.subgraphs if s.kind == "attention"]
+    decode = [s for s in att if " 1x" in s.label]
+    assert len(decode) >= 2 * len(model.layers) and all("h4/2" in s.label for s in decode), [s.label for s in att]
+    for sub in decode:
+        k = next(op for op in sub.operands if op.space == "K")
+        assert k.shape == (2, 2, MAX_LEN, 16), k
+        assert sum(n.startswith(("key", "value")) for n in sub.nodes) == 2, sub.nodes  # both reshapes taken in
+    prefill = [s for s in att if f" {PROMPT}x{MAX_LEN} " in s.label]
+    assert len(prefill) == len(model.layers) and all("h4/2" in s.label for s in prefill), [s.label for s in att]
+    assert _expands_left(compiled) == [], _expands_left(compiled)
+    assert "attention.kv_repeat" not in str(report) and "attention.mask" not in str(report), str(report)
 
 
 @pytest.mark.cuda

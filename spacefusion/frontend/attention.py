@@ -23,9 +23,10 @@ from spacefusion.frontend.graph import (
     single_user,
     swapped_dims_1_2,
 )
-from spacefusion.frontend.maskexpr import PADDING, SYMBOLS, mask_expr
+from spacefusion.frontend.maskexpr import KEEP, PADDING, SYMBOLS, mask_expr
 from spacefusion.frontend.matchers import Context, _build, _subgraph, _value
 from spacefusion.frontend.records import Operand, Result, Subgraph
+from spacefusion.frontend.repeat_kv import unrepeated
 
 
 def _heads_split(x: fx.Node, readers: tuple[fx.Node, ...], ctx: Context) -> fx.Node | None:
@@ -73,23 +74,37 @@ def match_attention(node: fx.Node, ctx: Context) -> Subgraph | None:
     if not is_function(node, SDPA):
         return None
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    form = _sdpa_form(node, ctx, dict(zip(names, node.args)) | dict(node.kwargs))
+    form = _sdpa_form(node, ctx, dict(zip(names, node.args)) | dict(node.kwargs), empty_rows_zero=True)
     if form is None:
         return None
     (q, k, v), dims, dt, causal, scale, mods, extra, taken, label = form
     return attention_subgraph(ctx, node, (*taken, node), q, k, v, dims, dt, causal, scale, mods, extra, label)
 
 
-def _sdpa_form(node: fx.Node, ctx: Context, a: dict[str, object]) -> tuple | None:
+def _sdpa_form(node: fx.Node, ctx: Context, a: dict[str, object], empty_rows_zero: bool = False) -> tuple | None:
     """What an SDPA call ``node`` with arguments ``a`` (SDPA's names: query, key, value, attn_mask,
     dropout_p, is_causal, scale) is as the attention pattern: ((q, k, v), (b, heads, kv heads, m, l, d),
-    dtype, causal, scale, score mods, their operands, the mask's nodes taken in, label); None, with the
-    reason recorded on ``node``, where the pattern cannot take it (dropout, not 4-d, head dims, mask)."""
+    dtype, causal, scale, score mods, their operands, the nodes taken in (the mask's and K/V's repeats),
+    label); None, with the reason recorded on ``node``, where the pattern cannot take it (dropout, not 4-d,
+    head dims, mask, K/V repeated over the heads in a form it cannot read per kv head).
+
+    K and V that are ``repeat_kv`` of tensors with fewer heads (HF's sdpa path with a mask: it passes
+    ``enable_gqa`` only without one) are read un-repeated, the repeat's nodes taken in
+    (``frontend.repeat_kv``): GQA with ``kv_heads`` the sources' heads.  ``empty_rows_zero``: the mask's
+    query rows that keep no key are 0, as SDPA's (``mask_mods``); the training forward's CPU flash op, whose
+    logsumexp a backward reads, keeps the forms its backward was checked with."""
     q, k, v = a["query"], a["key"], a["value"]
-    sq, sk, sv = shape(q), shape(k), shape(v)
     if a.get("dropout_p", 0.0):
         ctx.refuse(node, "attention.dropout", "attention with dropout: random, not an index expression")
         return None
+    unrep = unrepeated(k, v, {k: node, v: node}, ctx.free)
+    if isinstance(unrep, str):
+        ctx.refuse(node, "attention.kv_repeat", unrep)
+        return None
+    repeats: tuple[fx.Node, ...] = ()
+    if unrep is not None:
+        k, v, repeats = unrep.k, unrep.v, unrep.taken
+    sq, sk, sv = shape(q), shape(k), shape(v)
     if not (sq and sk and sv) or not len(sq) == len(sk) == len(sv) == 4:
         ctx.refuse(node, "attention.rank", "attention on tensors that are not [batch, heads, seq, head_dim]")
         return None
@@ -104,13 +119,13 @@ def _sdpa_form(node: fx.Node, ctx: Context, a: dict[str, object]) -> tuple | Non
     causal, scale = bool(a.get("is_causal", False)), a.get("scale")
     mods, extra = (), []
     if a.get("attn_mask") is not None:
-        got = mask_mods(ctx, node, a["attn_mask"], (b, h, m, l), hk, dt)
+        got = mask_mods(ctx, node, a["attn_mask"], (b, h, m, l), hk, dt, empty_rows_zero=empty_rows_zero)
         if got is None:
             return None
         causal = causal or got[0]
-        mods, extra, taken = got[1], got[2], got[3]
+        mods, extra, taken = got[1], got[2], (*got[3], *repeats)
     else:
-        taken = ()
+        taken = repeats
     what = "" if not mods else " + bias" if "+ Mask" in mods[0].body else " + mask"
     what += " (index)" if mods and "Mask" not in mods[0].body else ""
     label = f"attention b{b} h{h}/{hk} {m}x{l} d{d}{' causal' if causal else ''}{what} {dt}"
@@ -174,11 +189,15 @@ def _result(space: str, node: fx.Node, seq_first: tuple[int, ...] | None) -> Res
                   strides=tuple(meta.stride))
 
 
-def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str,
+              empty_rows_zero: bool = False
               ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand], tuple[fx.Node, ...]] | None:
     """(causal, score mods, their operands, the mask's nodes taken in) of an attention's mask: index
     arithmetic where it is (``_index_mask``), else the mask read as a tensor (``_mask_mod``), and a bias kept
-    by such a mask (``_kept_bias``); None, with the reason recorded on ``node``, where it can be none."""
+    by such a mask (``_kept_bias``); None, with the reason recorded on ``node``, where it can be none.
+    ``empty_rows_zero``: ``mask`` is SDPA's boolean ``attn_mask``, whose query rows that keep no key are 0, so
+    a padding row with structure (a decoder's causal mask and left padding) is taken too
+    (``_padded_index_mask``)."""
     taken: tuple[fx.Node, ...] = ()
     if isinstance(mask, fx.Node) and mask.op == "call_method" and mask.target == "contiguous" \
             and len(mask.users) == 1 and ctx.free(mask):  # a copy of what the kernel reads through strides
@@ -186,7 +205,8 @@ def mask_mods(ctx: Context, node: fx.Node, mask: object, want: tuple[int, int, i
     kept = _kept_bias(ctx, mask, want, kv_heads, dt)
     if kept is not None:
         return (*kept, (*taken, mask))
-    got = _index_mask(mask, want, kv_heads, dt) or _mask_mod(mask, want, kv_heads, dt)
+    got = _index_mask(mask, want, kv_heads, dt) or (_padded_index_mask(mask, want, kv_heads, dt)
+                                                    if empty_rows_zero else None) or _mask_mod(mask, want, kv_heads, dt)
     if isinstance(got, str):
         ctx.refuse(node, "attention.mask", got)
         return None
@@ -282,6 +302,33 @@ def _index_mask(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt
         return None
     mod = patterns.ScoreMod(body, (("Keep", ("b", "l")),), zero_v="Keep")
     return False, (mod,), [Operand("Keep", "value", me.padding.name, (want[0], want[3]), cast=dt)]
+
+
+def _padded_index_mask(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: str
+                       ) -> tuple[bool, tuple[patterns.ScoreMod, ...], list[Operand]] | None:
+    """SDPA's boolean mask built from index arithmetic and the padding row ``Keep[b, l]`` together (HF's
+    decoder prefill with an ``attention_mask``: ``l <= m`` and ``Keep[b, l]``), which ``_index_mask`` leaves:
+    under left padding it keeps no key of a padded query row, where SDPA gives 0.  Its keys are filled with
+    -inf (``MINUS_INF``), so such a row is -inf throughout, which every kernel gives 0 for (issue 59's
+    contract, ``tests/test_masked_rows.py``), whichever steps run; not with ``MASKED`` plus the padding row's
+    ``zero_v``: the causal mask's finite fill would leave the row the mean of the V after it.  The causal part
+    is a mod of its own, an affine -inf mask whose steps the tensor-core kernels skip (``killing_masks``),
+    not the pattern's ``causal`` (filled with ``MASKED``, above the -inf).  None where the mask is not that."""
+    me = mask_expr(mask) if isinstance(mask, fx.Node) else None
+    if me is None or me.padding is None or shape(me.padding) != (want[0], want[3]):
+        return None
+    keep = me.keep
+    if keep in (sp.true, sp.false) or (SYMBOLS["h"] in keep.free_symbols and kv_heads != want[1]):
+        return None
+    rule = sp.Le(SYMBOLS["l"], SYMBOLS["m"])
+    parts = sp.And.make_args(keep)
+    rest = sp.And(*(p for p in parts if p != rule))
+    if KEEP not in rest.free_symbols:
+        return None
+    mods = (patterns.ScoreMod(f"Piecewise(({{s}}, {rest}), ({MINUS_INF}, True))", (("Keep", ("b", "l")),)),)
+    if rule in parts:
+        mods += (patterns.ScoreMod(f"Piecewise(({{s}}, {rule}), ({MINUS_INF}, True))"),)
+    return False, mods, [Operand("Keep", "value", me.padding.name, (want[0], want[3]), cast=dt)]
 
 
 def _mask_dims(mask: object, want: tuple[int, int, int, int], kv_heads: int

@@ -25,7 +25,6 @@ the scale folded into the pattern's, the bias an added score mod and the fill on
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from torch import fx
@@ -36,6 +35,7 @@ from spacefusion.frontend.canon import canonical, is_op
 from spacefusion.frontend.graph import dtype, shape, single_user
 from spacefusion.frontend.matchers import Context
 from spacefusion.frontend.records import Subgraph
+from spacefusion.frontend.repeat_kv import unrepeated
 
 
 def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -44,23 +44,6 @@ def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
 
 def _number(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
-
-
-def _repeated(x: fx.Node) -> tuple[fx.Node, int] | None:
-    """(K, kv heads) where ``x`` is ``repeat_kv(K)``:
-    ``K[:, :, None].expand(b, hk, r, s, d).reshape(b, hk * r, s, d)``."""
-    if not is_op(x, "reshape", "view") or not is_op(x.args[0], "expand"):
-        return None
-    unsq = x.args[0].args[0]
-    if not (isinstance(unsq, fx.Node) and unsq.op == "call_function" and unsq.target is operator.getitem):
-        return None
-    src, idx = unsq.args
-    if not isinstance(src, fx.Node) or not isinstance(idx, tuple) or len(idx) != 5 or idx[2] is not None:
-        return None
-    s_src, s_x = shape(src), shape(x)
-    if s_src is None or s_x is None or len(s_src) != 4 or s_x[0] != s_src[0] or s_x[2:] != s_src[2:]:
-        return None
-    return (src, s_src[1]) if s_x[1] % s_src[1] == 0 else None
 
 
 def _scores(s: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node, float | None, float | None, fx.Node | None] | None:
@@ -174,13 +157,14 @@ def _written(node: fx.Node, ctx: Context, filled: bool) -> Subgraph | None:
     chain.append(kt)
     if any(single_user(n) is None for n in chain[1:]) or not ctx.free(*chain):
         return None  # the probabilities or the scores are read elsewhere (returned as attention weights)
+    unrep = unrepeated(k, v, {k: kt, v: node}, ctx.free)
+    if isinstance(unrep, str):
+        ctx.refuse(node, "attention.kv_repeat", unrep)
+        return None
     hk = shape(k)[1]
-    rk, rv = _repeated(k), _repeated(v)
-    if rk is not None and rv is not None and rk[1] == rv[1] and single_user(k) is kt and single_user(v) is node:
-        repeats = [n for x in (k, v) for n in (x, x.args[0], x.args[0].args[0])]
-        if all(single_user(n) is not None for n in repeats[1:3] + repeats[4:]) and ctx.free(*repeats):
-            chain += repeats  # the copies repeat_kv made are not needed: K and V are read per kv head
-            (k, hk), (v, _) = rk, rv
+    if unrep is not None:  # the copies repeat_kv made are not needed: K and V are read per kv head
+        k, v, hk = unrep.k, unrep.v, unrep.kv_heads
+        chain += unrep.taken
     sq, sk, sv = shape(q), shape(k), shape(v)
     dt = dtype(q)
     if not (sq and sk and sv and len(sq) == len(sk) == len(sv) == 4) or dt is None:

@@ -24,6 +24,8 @@ CODES: dict[str, str] = {
     "attention.rank": "attention on tensors that are not [batch, heads, seq, head_dim]",
     "attention.head_dims": "attention with unequal head dims or an unsupported dtype",
     "attention.mask": "an attention mask the score mods cannot express",
+    "attention.kv_repeat": "K/V repeated over the heads in a form GQA cannot read per kv head (tiled, or K and V "
+                           "repeated differently)",
     "alibi.form": "an ALiBi ``baddbmm`` attention whose bias, shapes or coefficients the pattern does not take",
     "masked_fill.form": "a ``masked_fill`` of written-out attention scores whose fill or mask the score mod does not "
                         "take (a fill that is not a number below +inf, a mask that is not boolean or does not "

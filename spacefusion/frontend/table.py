@@ -72,18 +72,19 @@ def _along_channels(c: Call) -> bool:
 
 #: in priority order: a node taken by an earlier row is not offered to later ones
 ROWS: tuple[Row, ...] = (
-    Row("eager_attention", _ops("matmul"), match_eager_attention, ("attention.head_dims", "attention.mask")),
+    Row("eager_attention", _ops("matmul"), match_eager_attention,
+        ("attention.head_dims", "attention.mask", "attention.kv_repeat")),
     Row("masked_fill_attention", _ops("matmul"), match_masked_fill_attention,
-        ("attention.head_dims", "attention.mask", "masked_fill.form")),
+        ("attention.head_dims", "attention.mask", "masked_fill.form", "attention.kv_repeat")),
     Row("alibi_attention", _ops("bmm"), match_alibi_attention, ("alibi.form", "attention.mask")),
     Row("bmm_attention", _ops("bmm"), match_bmm_attention,
         ("alibi.form", "attention.head_dims", "masked_fill.form")),
     Row("attention", _ops("scaled_dot_product_attention"), match_attention,
-        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
+        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask", "attention.kv_repeat")),
     # a training forward's attention whose logsumexp the backward reads (``frontend.training.read_aten``
     # leaves it whole): O and LSE from one kernel
     Row("attention_lse", _ops("_scaled_dot_product_flash_attention_for_cpu"), match_attention_lse,
-        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask")),
+        ("attention.dropout", "attention.rank", "attention.head_dims", "attention.mask", "attention.kv_repeat")),
     Row("gated_gemm", _ops("mul"), match_gated_gemm),
     Row("stacked_linears", LINEAR_OPS, match_stacked_linears),
     Row("linear", LINEAR_OPS, match_linear, ("linear.input",)),

@@ -9,7 +9,8 @@ Rows with a finite score keep their logsumexp exactly.
 What torch gives (2.13, CPU): float64 autograd through SDPA's math kernel is finite, 0 for the empty row's
 dQ (its output is the constant 0); through eager ``softmax(s + mask) @ V`` it is NaN (the forward is NaN);
 torch's CPU flash attention stores 0 as such a row's logsumexp and its backward gives the same gradients
-reading +inf, NaN reading -inf.  Checked on the reference, llvm, the schedule interpreter and the CUDA build (compile only here).
+reading +inf, NaN reading -inf.  Checked on the reference, llvm, the schedule interpreter and the CUDA build
+(compile only here).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Mapping
 
 import numpy as np
+import sympy as sp
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
@@ -95,10 +96,9 @@ def interpret(s: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
                 else:
                     carried = evaluate_op(carry_ops[u.state], env, ext) if u.carry else state[u.state]
                     state[u.state] = carried + part
-        # the kernels' rules for a row of nothing but -inf: a sum of exponentials divides as 1 where it is 0
-        final = {k: np.where(v == 0.0, 1.0, v) if k in sums else v for k, v in state.items()}
         for o, op in fin_ops.items():  # finalize reads accumulators (postponed factors included)
             dims = smg.space(o).dims
+            final = _divided(state, sums, op)
             if o not in plan.second_pass:
                 outs[o][tuple(ranges.get(d, slice(None)) for d in dims)] = evaluate_op(
                     op, once | final, block_ext, _starts(ranges))
@@ -109,6 +109,15 @@ def interpret(s: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
                 rng = {**ranges, s.serial: slice(t0, min(t0 + s.step, sizes[s.serial]))}
                 outs[o][tuple(rng.get(d, slice(None)) for d in dims)] = evaluate_op(op, env, ext, _starts(rng))
     return outs
+
+
+def _divided(state: dict[str, np.ndarray], sums: frozenset[str], op: Op) -> dict[str, np.ndarray]:
+    """``state`` as finalize ``op`` reads it, by the kernels' rule for a row of nothing but -inf: a sum of
+    exponentials ``op`` divides by is 1 where it is 0 (``spacefusion.lower.exprs.nonzero_sum``); one it
+    reads otherwise (an LSE's ``log(l)``, guarded in its own body) as it is."""
+    e = parse(op.body)
+    divisors = {p.base.name for p in e.atoms(sp.Pow) if p.exp.is_negative and p.base.is_Symbol}
+    return {k: np.where(v == 0.0, 1.0, v) if k in sums and k in divisors else v for k, v in state.items()}
 
 
 def _subtracted(state: dict[str, np.ndarray], maxima: set[str]) -> dict[str, np.ndarray]:

@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 #: op is built, so an unknown one is refused there and not first deep inside the lowering.
 FUNCTIONS = frozenset({"exp", "log", "sqrt", "tanh", "erf", "Abs", "Max", "Min", "Piecewise",
                        "Eq", "Ne", "Not", "And", "Or"})
+#: -inf in an op body: bodies hold numbers, not named constants (``check_body``), and this one is -inf in
+#: every float the kernels and the references evaluate it in (sympy keeps it as a finite big float, below
+#: any mask fill the analyses compare with, and its derivative rules treat it as a constant).  Spelled with a
+#: mantissa so that a derived body prints it back short (sympy prints ``-1e400`` as its 401 digits)
+MINUS_INF = "-1.0e+400"
+#: +inf in an op body, likewise
+PLUS_INF = "1.0e+400"
 #: Python syntax a body may contain: arithmetic, comparisons, calls, numbers, names and Piecewise's tuples
 _SYNTAX = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Call, ast.Name, ast.Constant, ast.Tuple,
            ast.Load, ast.operator, ast.unaryop, ast.cmpop)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from smg.errors import BadNameError, ExpressionError, ShapeError, UnknownAxisError, UnknownOperatorError
-from smg.expr import check_body
+from smg.expr import MINUS_INF, check_body
 from smg.ir import SMG, Access, DataSpace, Dim, Op, check_dtype, join_smgs
 
 #: Element-wise unary functions: sympy body templates over ``{x}``.
@@ -285,10 +285,13 @@ class Builder:
     def mask(self, x: Tensor, keep: str, fill: float = -1e30, name: str | None = None) -> Tensor:
         """``x`` where the index condition ``keep`` holds (e.g. ``"l <= m"``), else ``fill``.
 
-        The fill is a large finite negative rather than -inf, so a fully masked
-        tile of an online reduction gives no inf - inf.
+        The default fill is a large finite negative.  ``fill=-math.inf`` removes the masked values outright
+        (``smg.expr.MINUS_INF`` in the body): a row whose every value is then -inf has softmax 0 in every
+        kernel and reference (the running max is read as 0 while -inf, a zero sum divides as 1), where a
+        finite fill would give its masked values the row's whole weight once the rest are lower still.
         """
-        return self.map(f"Piecewise(({x.name}, {keep}), ({float(fill)!r}, True))", x, name=name, kind="mask")
+        value = MINUS_INF if float(fill) == -math.inf else repr(float(fill))
+        return self.map(f"Piecewise(({x.name}, {keep}), ({value}, True))", x, name=name, kind="mask")
 
     def scale(self, x: Tensor, factor: float, name: str | None = None) -> Tensor:
         self._own(x)

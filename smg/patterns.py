@@ -203,6 +203,23 @@ class ScoreMod:
     zero_v: str | None = None
 
 
+def causal_fill(mods: tuple[ScoreMod, ...]) -> float:
+    """The score of a key the causal mask removes: -inf where a mod may mask keys (one that reads an input,
+    a mask or a bias of any values, or holds a ``Piecewise``), else -1e30.
+
+    Why -inf: torch's ``is_causal`` removes the key outright (SDPA's reference adds -inf), and a mod's mask
+    may leave a query no key it can see (a left-padded decoder's padding queries).  With a finite -1e30 the
+    excluded FUTURE keys then outweighed the masked visible ones (an added finfo.min or -inf, a boolean
+    mask's -1e30 tie) and the row became a mean of future V, which neither eager nor SDPA gives.  With -inf
+    such a row is the exact softmax over the keys it may see: 0 where they are all -inf (SDPA's value for an
+    all-false boolean row, which HF's sdpa LLaMA/Qwen2 give their padding queries), their softmax where
+    they are finite.  Why -1e30 without such mods: every row keeps key 0 (``l <= m``), so no row is empty
+    and every value is the same either way; the graphs' bodies, and so their content keys (committed
+    schedules name them), stay what they were."""
+    masking = any(mod.inputs or "Piecewise" in mod.body for mod in mods)
+    return -math.inf if masking else -1e30
+
+
 def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv_heads: int | None = None,
               causal: bool = False, dtype: str = "float16", scale: float | None = None,
               layout: str = "bhsd", mods: tuple[ScoreMod, ...] = (), save_lse: bool = False) -> SMG:
@@ -254,8 +271,8 @@ def attention(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, kv
             ins.append(g.input(name, {d: sizes[d] for d in mdims}, dtype=mod.dtype))
         s = g.map(mod.body.format(s=s.name), s, *ins, name=f"Smod{i}")
         zeros += [t for t in ins if t.name == mod.zero_v]
-    if causal:  # after the mods, as FlexAttention masks after its score_mod: a soft-cap must not lift -1e30
-        s = g.mask(s, "l <= m", name="Sm")
+    if causal:  # after the mods, as FlexAttention masks after its score_mod: a soft-cap must not lift the fill
+        s = g.mask(s, "l <= m", fill=causal_fill(mods), name="Sm")
     p = g.softmax(s, "l", name="P")
     for i, keep in enumerate(zeros):
         p = g.map(f"{p.name}*{keep.name}", p, keep, name=f"Pmod{i}")

@@ -127,7 +127,8 @@ def test_any_rows_masked_match_sdpa(rows: list[tuple[int, int]], first: int, fil
 @pytest.mark.parametrize("fill", sorted(FILLS))
 def test_save_lse_of_a_masked_row_is_its_logsumexp(fill: str) -> None:
     """The forward a training step runs: O as above, LSE of a finfo.min row is finfo.min + log(L) (finite)
-    and of a -inf row -inf (the finalize reads the max as it is, not through the guard)."""
+    and of a -inf row +inf (FlashAttention-2's rule, so a backward's exp(s - LSE) is 0 there:
+    ``tests/test_masked_rows_backward.py``)."""
     g = _graph(save_lse=True)
     mask = _padding_mask((L, 9), FILLS[fill])
     mask[0, 3] = FILLS[fill]
@@ -140,6 +141,7 @@ def test_save_lse_of_a_masked_row_is_its_logsumexp(fill: str) -> None:
     for got in (_llvm(g)(x), evaluate(g, x)):
         lse = got["LSE"].reshape(B, H, M)
         np.testing.assert_array_equal(np.isinf(lse), np.isinf(want))
+        assert np.all(lse[np.isinf(want)] == np.inf)
         fin = np.isfinite(want)
         np.testing.assert_allclose(lse[fin], want[fin], rtol=1e-6)
         np.testing.assert_allclose(got["O"].reshape(B, H, M, D), _torch(x, sdpa=True), rtol=2e-5, atol=2e-6)

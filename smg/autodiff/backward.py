@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import sympy as sp
 from smg.autodiff import rewrite as rw
 from smg.autodiff.sweep import Node, reverse_sweep
 from smg.errors import BackwardError
-from smg.expr import parse, symbol
+from smg.expr import PLUS_INF, parse, symbol
 from smg.hashing import text_key
 from smg.ir import SMG, Access, DataSpace, Dim, Op
 
@@ -263,9 +264,26 @@ def _text(expr: sp.Expr) -> str:
     return str(expr.xreplace({sp.pi: sp.Float(math.pi, 17), sp.E: sp.Float(math.e, 17)}))
 
 
+def empty_row_guard(op: Op) -> Op:
+    """A saved statistic ``c`` (``LSE = P_max + log(P_sum)``) as the forward stores it: +inf where a sum it
+    takes the log of is 0, FlashAttention-2's rule.  That sum is 0 only for a row whose every score is -inf
+    (each term ``exp(-inf)``; a row with a finite score has a term ``exp(0) = 1``), where ``c`` is
+    ``-inf + log 0 = -inf`` and a backward's ``exp(s - LSE)`` would be ``exp(-inf + inf)``: NaN, spread by
+    dK and dV's sums over the rows to every key.  With +inf it is ``exp(-inf) = 0``, so such a row (0 in the
+    forward) has P = 0 and gradient 0, as torch's (whose CPU flash attention stores 0 there and FA2 +inf;
+    its backward reads +inf alike).  Rows with a finite score keep ``c`` exactly; a statistic with no log
+    is stored as it is."""
+    logs = sorted({a.args[0] for a in parse(op.body).atoms(sp.log)}, key=str)
+    if not logs:
+        return op
+    keep = f"{logs[0]} > 0" if len(logs) == 1 else f"And({', '.join(f'{x} > 0' for x in logs)})"
+    return dataclasses.replace(op, body=f"Piecewise(({op.body}, {keep}), ({PLUS_INF}, True))")
+
+
 def _with_saved(fwd: SMG, saved_ops: list[Op], saved: tuple[str, ...]) -> SMG:
-    """``fwd`` with the saved statistics as extra outputs (the forward outputs themselves are saved anyway)."""
-    extra_ops = tuple(op for op in saved_ops if op.out in saved)
+    """``fwd`` with the saved statistics as extra outputs (the forward outputs themselves are saved anyway),
+    each as ``empty_row_guard`` stores it."""
+    extra_ops = tuple(empty_row_guard(op) for op in saved_ops if op.out in saved)
     extra_spaces = tuple(DataSpace(op.out, op.out_index, _stat_dtype(fwd.spaces[0].dtype)) for op in extra_ops)
     outs = tuple(dict.fromkeys((*fwd.outputs, *(s for s in saved if s not in fwd.inputs))))
     if not extra_ops and outs == fwd.outputs:

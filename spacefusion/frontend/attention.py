@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from smg import patterns
+from smg.expr import MINUS_INF
 from spacefusion.frontend.graph import (
     DTYPES,
     SDPA,
@@ -378,12 +379,6 @@ def _mask_mod(mask: object, want: tuple[int, int, int, int], kv_heads: int, dt: 
         return f"attention with an attn_mask of dtype {meta.dtype}: the score mods take bool or float masks"
     return False, (patterns.ScoreMod(body, (("Mask", dims),), zero_v=zero_v),), [
         Operand("Mask", "value", mask.name, shp, select=select, cast=cast)]
-
-
-#: -inf in an op body: bodies hold numbers, not named constants (``smg.expr.check_body``), and this one is
-#: -inf in every float the kernels and the references evaluate it in (sympy keeps it as a finite big float,
-#: below any mask fill the analyses compare with)
-MINUS_INF = "-1e400"
 
 
 def fill_mod(mask: object, fill: object, want: tuple[int, int, int, int], kv_heads: int, dt: str

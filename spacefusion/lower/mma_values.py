@@ -96,7 +96,8 @@ class Values:
 
     def _guarded(self, state: str) -> bool:
         """Whether ``state`` is a running max read through ``exprs.subtracted_max`` here (``rs_safe``): by the
-        updates, not by the finalize (an LSE ``m + log(l)`` of a row of -inf stays -inf)."""
+        updates, not by the finalize (an LSE ``m + log(l)`` of a row of -inf is -inf, which its own guard,
+        ``smg.autodiff.backward.empty_row_guard``, stores as +inf)."""
         return not self.st.finalizing and state in self.st.rs_safe
 
     def load_score(self, i: int) -> Callable[[str], tirx.PrimExpr]:

@@ -102,7 +102,8 @@ class _Kernel:
         self.op: Op | None = None  # the op whose body is being emitted (its accesses give index expressions)
         self.within: dict[str, tirx.PrimExpr] = {}  # this thread's position in the tile
         # running maxima, read through ``subtracted_max`` by the updates and second passes (their ``__old``
-        # copies and the finalize read them as they are: an LSE ``m + log(l)`` stays -inf); row sums of
+        # copies and the finalize read them as they are: an LSE ``m + log(l)`` is -inf there, stored as +inf by its
+        # own guard, ``smg.autodiff.backward.empty_row_guard``); row sums of
         # exponentials, divided by as ``nonzero_sum``
         self.maxima = {u.state for u in s.plan.states if u.combiner == "max"}
         self.sums = exp_sums(s.plan.states)

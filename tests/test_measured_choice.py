@@ -270,3 +270,20 @@ def test_training_stages_measure_and_keep_eager_s_gradients(fused: float, kept: 
     assert text.count(f"[{kept}]") == 2, text
     if kept == "kept.torch":
         assert backend.coverage().fused == () and len(backend.coverage().left) >= 2
+
+
+def test_each_set_of_sizes_of_a_symbolic_graph_measures_apart() -> None:
+    timer = FakeTimer(fused=2e-3, torch_=1e-3)
+    backend = SpaceFusionBackend("reference", measure=True, timer=timer)
+    model = MLP()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for i in range(2 * DECIDED_AFTER + 2):
+            x = torch.randn(4 if i % 2 == 0 else 6, 16, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    (graph,) = backend.graphs
+    assert len(graph.shapes) == 2 and all(r.kept == "kept.torch" for r in graph.shapes.values()), str(backend)
+    # the two sizes' calls interleave, each size alternating on its own
+    assert timer.paths == [p for p in _alternation(DECIDED_AFTER) for _ in (0, 1)]
+    assert str(backend).count("[kept.torch]") == 2
+    assert backend.coverage().fused == () and len(backend.coverage().left) == 4

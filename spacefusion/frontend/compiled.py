@@ -210,7 +210,7 @@ class GraphReport:
     partition: Partition | None = None
     skipped: str | None = None
     ended_by: str | None = None  # the graph break that ended this graph (torch runs what follows it)
-    replayed: bool = False  # runs as one CUDA graph (``replay.GraphReplay``)
+    replayed: bool = False  # the fused path runs as one CUDA graph (``replay.GraphReplay``)
     #: why a graph that would be replayed is launched kernel by kernel instead (its capture failed)
     not_replayed: str | None = None
     shapes: dict[str, GraphReport] = field(default_factory=dict)
@@ -444,8 +444,8 @@ class CompiledGraph:
         r = self.report
         r.kept, r.measured, r.measuring = KEPT[choice.kept], choice.line(), False
         r.fused_s, r.torch_s = choice.medians[FUSED], choice.medians[TORCH]
-        if choice.kept == TORCH:
-            self.replay, r.replayed = None, False
+        if choice.kept == TORCH:  # (``replayed`` still says how the fused path ran)
+            self.replay = None
             self.builds.clear()
         logging.getLogger("spacefusion").info("graph %d: %s", r.index, r.measured)
 

@@ -71,6 +71,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--aot-eager", action="store_true",
+                    help="also time torch.compile(backend='aot_eager'): the same ATen graphs through Dynamo and "
+                         "aot_autograd, run by torch (what Dynamo's guards and aot's wrappers cost)")
     ap.add_argument("--measure", choices=["default", "on", "off"], default="default",
                     help="the backend's measure option (default: off on the CPU targets)")
     ap.add_argument("--without", action="append", default=[],
@@ -117,12 +120,18 @@ def main(argv: list[str]) -> None:
     for (cls, attr, _), fn in zip(timed_fns, originals):
         setattr(cls, attr, fn)
     base = steps(eager, eager, a.steps, a.warmup)
+    aot = None
+    if a.aot_eager:
+        plain = copy.deepcopy(eager)
+        aot = steps(plain, torch.compile(plain, backend="aot_eager", dynamic=False), a.steps, a.warmup)
     ms = lambda xs: f"median {statistics.median(xs) * 1e3:7.2f} ms, mean {statistics.mean(xs) * 1e3:7.2f} ms"  # noqa: E731
     graph = backend.graphs[0]
     again = [(r.rebuilds, getattr(r, "refreshes", 0)) for r in (graph.forward, graph.backward) if r is not None]
     print(f"{a.model} {a.target}, {a.steps} steps after {a.warmup}, 1 thread"
           + (f", without {', '.join(a.without)}" if a.without else ""))
     print(f"  eager:       {ms(base)}")
+    if aot is not None:
+        print(f"  aot_eager:   {ms(aot)}")
     print(f"  spacefusion: {ms(ours)}  (forward, backward: (rebuilds, weight refreshes) {again})")
     for stage, r in (("forward", graph.forward), ("backward", graph.backward)):
         if r is not None and (r.measured or r.measuring):

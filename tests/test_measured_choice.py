@@ -287,3 +287,16 @@ def test_each_set_of_sizes_of_a_symbolic_graph_measures_apart() -> None:
     assert timer.paths == [p for p in _alternation(DECIDED_AFTER) for _ in (0, 1)]
     assert str(backend).count("[kept.torch]") == 2
     assert backend.coverage().fused == () and len(backend.coverage().left) == 4
+
+
+def test_a_graph_with_nothing_fused_is_torch_s_and_not_measured() -> None:
+    class Sines(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x) * 2
+
+    timer = FakeTimer(fused=2e-3, torch_=1e-3)
+    backend = SpaceFusionBackend("reference", measure=True, timer=timer)
+    _run(Sines(), backend, DECIDED_AFTER)
+    (graph,) = backend.graphs
+    assert graph.partition is not None and not graph.partition.subgraphs, str(backend)
+    assert timer.paths == [] and graph.kept is None and "measur" not in str(backend)

@@ -430,8 +430,9 @@ class CompiledGraph:
 
     def _measure_from_here(self, example_inputs: Sequence[Any]) -> None:
         """A new build: a new measurement of it against torch's graph, where the owner measures (its
-        ``measuring``; ``timer``: the owner's, else ``measure.wall_timer``)."""
-        on = bool(getattr(self.owner, "measuring", False))
+        ``measuring``; ``timer``: the owner's, else ``measure.wall_timer``).  A plain build (nothing fused, no
+        CUDA graph) is torch's graph already: nothing to measure (Dynamo runs ``gm`` itself)."""
+        on = bool(getattr(self.owner, "measuring", False)) and not self.plain
         cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
         self.choice = Choice(on, getattr(self.owner, "timer", None), cuda)
         r = self.report

@@ -585,11 +585,10 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             systems["spacefusion"] = nog
             # the product's default on the GPU: each graph's fused path timed against torch's, the faster kept
             # (``frontend.measure``); called until every graph decided, so the timed calls run the choice
-            from spacefusion.frontend.measure import SAMPLES as MEASURE_SAMPLES
-            from spacefusion.frontend.measure import WARMUP as MEASURE_WARMUP
+            from spacefusion.api import measure
 
             measured = spacefusion.compile(model, target=backend)
-            for _ in range(2 * (MEASURE_WARMUP + MEASURE_SAMPLES) + 1):
+            for _ in range(2 * (measure.WARMUP + measure.SAMPLES) + 1):
                 _last_hidden(measured(**x))
             systems["spacefusion+graph measured"] = measured
             if tune_trials:  # every distinct SMG measured on this GPU; the best of each built apart

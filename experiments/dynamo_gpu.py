@@ -11,7 +11,10 @@ fused SMG's first pick (``frontend.dynamo.export_cuda``).  ``run`` builds the sa
 in fp16 on the GPU, compiles them with ``spacefusion.compile(model, target=CudaBackend(art))`` (the
 artefacts named by SMG content key; a missing one leaves its subgraph to torch, reported), checks each
 system against float32 eager, and times eager, torch.compile (default, reduce-overhead), spacefusion as one
-CUDA graph replay per Dynamo graph and spacefusion launch by launch, interleaved ``--repeats`` times (CUDA
+CUDA graph replay per Dynamo graph and spacefusion launch by launch (both with ``measure=False``: the fused
+kernels whatever their speed), spacefusion with its measured choice (the GPU's default: each graph's fused
+path or torch's, whichever its first calls timed faster, ``frontend.measure``; ``measured`` in the row says
+what each graph kept), interleaved ``--repeats`` times (CUDA
 events, L2 flushed by a read, median).  It also measures the host time of one fused launch without a graph.
 ``partition`` is ``export``'s capture and partition alone, nothing built: a dry run in seconds.
 
@@ -574,12 +577,20 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             backend = CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), build_missing=build_missing,
                                   hardware=hw)
             t = time.perf_counter()
-            sf = spacefusion.compile(model, target=backend)
+            sf = spacefusion.compile(model, target=backend, measure=False)
             _last_hidden(sf(**x))
             row["spacefusion_compile_s"] = round(time.perf_counter() - t, 1)
             systems["spacefusion+graph"] = sf
-            nog = spacefusion.compile(model, target=backend, mode="max-autotune-no-cudagraphs")
+            nog = spacefusion.compile(model, target=backend, mode="max-autotune-no-cudagraphs", measure=False)
             systems["spacefusion"] = nog
+            # the product's default on the GPU: each graph's fused path timed against torch's, the faster kept
+            # (``frontend.measure``); called until every graph decided, so the timed calls run the choice
+            from spacefusion.api import measure
+
+            measured = spacefusion.compile(model, target=backend)
+            for _ in range(2 * (measure.WARMUP + measure.SAMPLES) + 1):
+                _last_hidden(measured(**x))
+            systems["spacefusion+graph measured"] = measured
             if tune_trials:  # every distinct SMG measured on this GPU; the best of each built apart
                 from spacefusion.api import device_hardware
                 from spacefusion.tuning import LocalGPURunner, tune_partitions
@@ -592,7 +603,7 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                 print(report, flush=True)
                 tuned = CudaBackend(art / "kernels_tuned", build_missing=True,
                                     schedule_for=report.schedule_for(fallback=first_pick_for(hw)), hardware=hw)
-                systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned)
+                systems["spacefusion+graph tuned"] = spacefusion.compile(model, target=tuned, measure=False)
                 _last_hidden(systems["spacefusion+graph tuned"](**x))
             # the same kernels with one runtime feature off, captured (and so built into the graph) under it
             ablations = [("no PDL", "SPACEFUSION_PDL", pdl_ab),  # launched plainly, not programmatically dependent
@@ -603,18 +614,20 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
                 os.environ[env] = "0"
                 try:
                     off = CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), hardware=hw)
-                    systems[f"spacefusion+graph {ab_name}"] = spacefusion.compile(model, target=off)
+                    systems[f"spacefusion+graph {ab_name}"] = spacefusion.compile(model, target=off, measure=False)
                     _last_hidden(systems[f"spacefusion+graph {ab_name}"](**x))
                 finally:
                     os.environ.pop(env)
             for matcher in without:  # the same kernels with one pattern left to torch (its ops run as captured)
                 with _without_matcher(matcher):
                     systems[f"spacefusion+graph without {matcher}"] = spacefusion.compile(
-                        model, target=CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), hardware=hw))
+                        model, target=CudaBackend(art / "kernels", schedule_for=first_pick_for(hw), hardware=hw),
+                        measure=False)
                     _last_hidden(systems[f"spacefusion+graph without {matcher}"](**x))
             if second_art is not None:  # another export's artefacts (export --db: the tuned kernels), same code
                 second_be = CudaBackend(second_art / "kernels")  # loads what that export built, as it was ranked
-                systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be)
+                systems[f"spacefusion+graph {second_name}"] = spacefusion.compile(model, target=second_be,
+                                                                                  measure=False)
                 _last_hidden(systems[f"spacefusion+graph {second_name}"](**x))
             for mode in modes:
                 t = time.perf_counter()
@@ -647,6 +660,9 @@ def run(art: Path, names: list[str], out_path: Path, warmup: int, iters: int, re
             row["us"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
             row["partition"] = str(sf.spacefusion)
             row["partition_no_graph"] = str(nog.spacefusion)
+            row["measured"] = [{"graph": g.index, "sizes": sizes, "kept": r.kept, "measured": r.measured}
+                               for g in measured.spacefusion.graphs
+                               for sizes, r in ([("", g)] if not g.shapes else list(g.shapes.items()))]
             row["host"] = host_cost_us(nog)
             row["kernels"] = {k: kernel_profile(systems[k], x) for k in ("spacefusion", *(
                 f"torch.compile {m}" for m in modes))}

@@ -5,9 +5,11 @@ Tiny BERT / LLaMA (the configurations of ``tests/test_training.py``: one layer, 
 ``--warmup`` steps (the compile, the first builds), then ``--steps`` timed steps, each one zero_grad, forward,
 backward and optimiser step; the median and the mean are printed, with the number of times either stage of the
 compiled graph derived its constants again or re-partitioned.  ``--profile`` prints cProfile's top functions
-over the timed steps of the compiled run.
+over the timed steps of the compiled run.  ``--measure on``: each stage measures its fused path against torch's
+ATen graph on its first calls and keeps the faster (``frontend.measure``); the warm-up is then made long enough
+for both stages to decide before the timed steps, and the stages' measured lines are printed.
 
-    PYTHONPATH=. python experiments/training_step.py --model bert --target llvm
+    PYTHONPATH=. python experiments/training_step.py --model bert --target llvm [--measure on]
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--aot-eager", action="store_true",
+                    help="also time torch.compile(backend='aot_eager'): the same ATen graphs through Dynamo and "
+                         "aot_autograd, run by torch (what Dynamo's guards and aot's wrappers cost)")
+    ap.add_argument("--measure", choices=["default", "on", "off"], default="default",
+                    help="the backend's measure option (default: off on the CPU targets)")
     ap.add_argument("--without", action="append", default=[],
                     help="a pattern table row left out (stacked_linears: Q/K/V as three GEMMs, no stacked weight)")
     a = ap.parse_args(argv)
@@ -80,7 +87,12 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     model = model_of(a.model)
     eager = copy.deepcopy(model)
-    backend = SpaceFusionBackend(a.target)
+    measure = {"default": None, "on": True, "off": False}[a.measure]
+    backend = SpaceFusionBackend(a.target, measure=measure)
+    if backend.measuring:  # both stages decide within the warm-up (one call of each stage a step)
+        from spacefusion.frontend.measure import SAMPLES, WARMUP
+
+        a.warmup = max(a.warmup, 1 + 2 * (WARMUP + SAMPLES))
     compiled = torch.compile(model, backend=backend, dynamic=False)
     prof = cProfile.Profile() if a.profile else None
     from spacefusion.frontend.compiled import CompiledGraph
@@ -108,13 +120,22 @@ def main(argv: list[str]) -> None:
     for (cls, attr, _), fn in zip(timed_fns, originals):
         setattr(cls, attr, fn)
     base = steps(eager, eager, a.steps, a.warmup)
+    aot = None
+    if a.aot_eager:
+        plain = copy.deepcopy(eager)
+        aot = steps(plain, torch.compile(plain, backend="aot_eager", dynamic=False), a.steps, a.warmup)
     ms = lambda xs: f"median {statistics.median(xs) * 1e3:7.2f} ms, mean {statistics.mean(xs) * 1e3:7.2f} ms"  # noqa: E731
     graph = backend.graphs[0]
     again = [(r.rebuilds, getattr(r, "refreshes", 0)) for r in (graph.forward, graph.backward) if r is not None]
     print(f"{a.model} {a.target}, {a.steps} steps after {a.warmup}, 1 thread"
           + (f", without {', '.join(a.without)}" if a.without else ""))
     print(f"  eager:       {ms(base)}")
+    if aot is not None:
+        print(f"  aot_eager:   {ms(aot)}")
     print(f"  spacefusion: {ms(ours)}  (forward, backward: (rebuilds, weight refreshes) {again})")
+    for stage, r in (("forward", graph.forward), ("backward", graph.backward)):
+        if r is not None and (r.measured or r.measuring):
+            print(f"  {stage} {r.measured or 'still measuring'}")
     per_step = {k: sum(v) / a.steps * 1e3 for k, v in spent.items()}
     print(f"  of which the fused kernels' calls {per_step['kernels']:.2f} ms a step, the weights' refresh "
           f"{per_step['refresh']:.2f} ms a step")

@@ -60,6 +60,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **{n: ("spacefusion.frontend", n) for n in ("capture", "partition", "fuse", "CudaBackend", "Partition",
                                                 "Subgraph")},
     **{n: ("spacefusion.frontend.dynamo", n) for n in ("SpaceFusionBackend", "export_cuda", "kernel_cache")},
+    "measure": ("spacefusion.frontend.measure", None),  # the measured choice: WARMUP, SAMPLES, MARGIN, Choice
     "FusedKernel": ("spacefusion.frontend.fused", "FusedKernel"),
     "recorded_hardware": ("spacefusion.frontend.backends", "recorded_hardware"),
 }

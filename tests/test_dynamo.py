@@ -344,7 +344,7 @@ def test_transformers_model_on_gpu_kernels(name: str, mode: str | None, tmp_path
         model.half()
         kw, second = ({k: v.half() if v.is_floating_point() else v for k, v in x.items()} for x in (kw, second))
         eager = [model(**x)[0] for x in (kw, second)]
-        compiled = spacefusion.compile(model, mode=mode)
+        compiled = spacefusion.compile(model, mode=mode, measure=False)
         got = [compiled(**x)[0].clone() for x in (kw, second)]
     report = compiled.spacefusion
     assert report.target == "cuda" and all(g.skipped is None for g in report.graphs), str(report)
@@ -448,7 +448,7 @@ def test_a_replayed_graph_copies_no_tensor_map(tmp_path, monkeypatch: pytest.Mon
     model = torch.nn.Sequential(*layers).cuda().half()
     gen = torch.Generator(device="cuda").manual_seed(0)
     xs = [torch.randn(512, 768, generator=gen, device="cuda", dtype=torch.float16) for _ in range(2)]
-    compiled = spacefusion.compile(model, mode="reduce-overhead")
+    compiled = spacefusion.compile(model, mode="reduce-overhead", measure=False)
     with torch.no_grad():
         want = [model(x) for x in xs]
         got = [compiled(x).clone() for x in xs]

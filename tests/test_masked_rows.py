@@ -207,7 +207,7 @@ def test_left_padded_fp16_attention_on_the_gpu(tmp_path, monkeypatch: pytest.Mon
         mask[i, :, :, :pad] = fill  # the padded keys
         mask[i, :, :pad, :] = fill  # the padded queries: whole rows
     with torch.no_grad():
-        got = spacefusion.compile(Attn())(q, k, v, mask).float()
+        got = spacefusion.compile(Attn(), measure=False)(q, k, v, mask).float()
     assert not torch.isnan(got).any()
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float())
     assert (got - ref).abs().max().item() < 2e-2

@@ -167,7 +167,7 @@ def test_resnet_stem_on_gpu_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -
         exact = model(x)
         model.half()
         eager = model(x.half())
-        compiled = spacefusion.compile(model)
+        compiled = spacefusion.compile(model, measure=False)
         got = compiled(x.half()).clone()
     text = str(compiled.spacefusion)
     assert text.count("max_pool") >= 3, text

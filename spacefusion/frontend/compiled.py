@@ -37,9 +37,10 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 from spacefusion.frontend.capture import Captured
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.fused import FusedKernel, FusedModel, fuse_captured
+from spacefusion.frontend.measure import FUSED, KEPT, TORCH, Choice
 from spacefusion.frontend.noops import drop_noops, merge_repeated_activations
 from spacefusion.frontend.projections import split_projections
-from spacefusion.frontend.records import Partition
+from spacefusion.frontend.records import Coverage, LeftOp, Partition
 from spacefusion.frontend.replay import GraphReplay, mutated_inputs, unwritten_copies
 from spacefusion.frontend.specialize import SizeKey, concrete
 from spacefusion.frontend.weights import Stamp, own_reads
@@ -209,7 +210,7 @@ class GraphReport:
     partition: Partition | None = None
     skipped: str | None = None
     ended_by: str | None = None  # the graph break that ended this graph (torch runs what follows it)
-    replayed: bool = False  # runs as one CUDA graph (``replay.GraphReplay``)
+    replayed: bool = False  # the fused path runs as one CUDA graph (``replay.GraphReplay``)
     #: why a graph that would be replayed is launched kernel by kernel instead (its capture failed)
     not_replayed: str | None = None
     shapes: dict[str, GraphReport] = field(default_factory=dict)
@@ -228,6 +229,21 @@ class GraphReport:
     #: ops replaced by kernels derived from their SMG (a training backward's attention backward,
     #: ``training.derive_attention_backwards``), one line each: what runs, as how many kernels
     derived: list[str] = field(default_factory=list)
+    #: the measured choice (``measure.Choice``): "kept.fused" or "kept.torch" once decided, None before (or
+    #: with ``measure=False``); ``measured`` its report line with both medians, ``fused_s`` / ``torch_s`` them
+    kept: str | None = None
+    measured: str | None = None
+    fused_s: float | None = None
+    torch_s: float | None = None
+    #: the calls of the current build still alternate between the two paths (no choice yet)
+    measuring: bool = False
+
+    def _choice_line(self) -> str:
+        """The measured choice's line ("" where none was measured)."""
+        if self.measured:
+            return "\n" + self.measured
+        return "\nmeasuring: the next calls alternate between the fused path and torch's graph" \
+            if self.measuring else ""
 
     def __str__(self) -> str:
         head = f"graph {self.index} ({self.nodes} nodes)"
@@ -247,7 +263,7 @@ class GraphReport:
                 if r.refreshes:
                     again += (f", weights read again {r.refreshes}x without a new partition ({r.operands_refreshed} "
                               f"kernel operands derived again; last: {r.refreshed})")
-                body = f"left to torch: {r.skipped}" if r.skipped else str(r.partition)
+                body = f"left to torch: {r.skipped}" if r.skipped else str(r.partition) + r._choice_line()
                 if r.derived and not r.skipped:
                     body += "\nderived from the SMG (smg.autodiff), not a table row:"
                     body += "".join(f"\n  {line}" for line in r.derived)
@@ -259,7 +275,9 @@ class GraphReport:
                 body = str(r).split(": ", 1)[1] if ": " in str(r) else str(r)
                 lines.append(f"  [{sizes}]: " + body.replace("\n", "\n  "))
             return "\n".join(lines)
-        return f"{head}: left to torch: {self.skipped}" if self.skipped else f"{head}: {self.partition}"
+        if self.skipped:
+            return f"{head}: left to torch: {self.skipped}"
+        return f"{head}: {self.partition}{self._choice_line()}"
 
     def partitions(self) -> list[Partition]:
         """This graph's partitions: its own, one per specialisation, or its forward's and backward's."""
@@ -268,6 +286,28 @@ class GraphReport:
         if self.shapes:
             return [r.partition for r in self.shapes.values() if r.partition is not None]
         return [self.partition] if self.partition is not None else []
+
+    def coverage(self) -> Coverage:
+        """The matmuls and convolutions of what runs per call: each partition's ``Partition.coverage``, but
+        where the measured choice kept torch's graph (``kept.torch``) its fused ones are counted as left to
+        torch (code "kept.torch"), since torch runs them; the partitions themselves keep their own counts."""
+        if self.forward is not None or self.backward is not None:
+            parts = [r.coverage() for r in (self.forward, self.backward) if r is not None]
+        elif self.shapes:
+            parts = [r.coverage() for r in self.shapes.values()]
+        elif self.partition is None:
+            return Coverage((), ())
+        else:
+            cov = self.partition.coverage()
+            if self.kept != KEPT[TORCH]:
+                return cov
+            ran = tuple(LeftOp(n, "a fused kernel's op", KEPT_TORCH_SENTENCE, KEPT[TORCH]) for n in cov.fused)
+            return Coverage((), ran + cov.left, cov.once)
+        return sum(parts, start=Coverage((), ()))
+
+
+#: the reason a fused op counts as torch's where the measured choice kept torch's graph
+KEPT_TORCH_SENTENCE = "fused, but measured slower than torch's graph, which runs instead (measure.Choice)"
 
 
 #: the most sets of weights one graph keeps a build for (a layer's code after a graph break serves every layer)
@@ -284,12 +324,20 @@ class CompiledGraph:
     on every visit after.  Weights replaced for good (a new Parameter each step) are never kept, so their old
     builds' constants are freed.
 
+    Measured (``measure.Choice``, where the owner's ``measuring`` is on): after each build the calls alternate
+    between the fused path and torch's own graph (``gm``: Dynamo's graph, or a training stage's ATen graph),
+    each call running one of them, until the faster is kept for good.  A build (the first, or ``_switch``'s
+    rebuild for other weights) starts a new measurement; a kept build found again, or live weights read again
+    (``_refresh``), does not.  Once torch's graph is kept, every call runs ``gm`` on the call's arguments (it
+    reads each weight as an argument) with no weight guard and no rebuild: the kernels' speed does not
+    depend on the weights' values.
+
     Slots, not a ``__dict__``: Dynamo wraps the callable a backend returns with ``functools.wraps``, which
     copies the instance's ``__dict__`` into the wrapper, and that copy would hold the first build (its
     baked tensors and derived constants) for as long as Dynamo keeps the graph."""
 
     __slots__ = ("owner", "gm", "report", "names", "written", "builds", "seen", "fused", "run", "stamp", "replay",
-                 "prepare", "live", "refs", "kernels", "__weakref__")
+                 "prepare", "live", "refs", "kernels", "choice", "__weakref__")
 
     def __init__(self, owner: Any, gm: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
                  names: dict[int, str], prepare: Callable[[fx.GraphModule], Any] | None = None,
@@ -341,6 +389,7 @@ class CompiledGraph:
             self.report.skipped = f"the rebuild after a weight change failed ({why}): {type(exc).__name__}: {exc}"
             self.run, self.replay, self.stamp = self.gm.forward, None, Stamp.take({})
             self.builds.clear()
+            self.choice, self.report.measuring = Choice(on=False), False  # both paths are torch's graph now
             return
         if keep:
             self.builds[key] = (self.fused, self.run, self.stamp, self.replay)
@@ -377,6 +426,29 @@ class CompiledGraph:
         self.run = fused.graph_module.forward
         self.stamp = Stamp.take(baked)
         self._capture(example_inputs)
+        self._measure_from_here(example_inputs)
+
+    def _measure_from_here(self, example_inputs: Sequence[Any]) -> None:
+        """A new build: a new measurement of it against torch's graph, where the owner measures (its
+        ``measuring``; ``timer``: the owner's, else ``measure.wall_timer``).  A plain build (nothing fused, no
+        CUDA graph) is torch's graph already: nothing to measure (Dynamo runs ``gm`` itself)."""
+        on = bool(getattr(self.owner, "measuring", False)) and not self.plain
+        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+        self.choice = Choice(on, getattr(self.owner, "timer", None), cuda)
+        r = self.report
+        r.kept = r.measured = r.fused_s = r.torch_s = None
+        r.measuring = on
+
+    def _decided(self, choice: Choice) -> None:
+        """The measurement's outcome into the report; torch's graph kept: the CUDA graph and the kept builds
+        are released (never run again)."""
+        r = self.report
+        r.kept, r.measured, r.measuring = KEPT[choice.kept], choice.line(), False
+        r.fused_s, r.torch_s = choice.medians[FUSED], choice.medians[TORCH]
+        if choice.kept == TORCH:  # (``replayed`` still says how the fused path ran)
+            self.replay = None
+            self.builds.clear()
+        logging.getLogger("spacefusion").info("graph %d: %s", r.index, r.measured)
 
     def _capture(self, example_inputs: list[Any]) -> None:
         """The CUDA graph replay of ``self.run`` on these inputs, where graphs are replayed on the GPU."""
@@ -420,6 +492,23 @@ class CompiledGraph:
         return True
 
     def __call__(self, *args: Any) -> Any:
+        choice = self.choice
+        if choice.kept == TORCH:
+            return self.gm.forward(*args)
+        if choice.kept == FUSED:
+            return self._fused(args)
+        if choice.cuda and torch.cuda.is_current_stream_capturing():  # a caller's capture: no sync, no sample
+            return self._fused(args)
+        path = choice.next_path()
+        call = (lambda: self._fused(args)) if path == FUSED else (lambda: self.gm.forward(*args))
+        out, seconds = choice.timer(path, call, choice.cuda)
+        if choice is self.choice and choice.record(path, seconds):  # (a rebuild in the call: a new measurement)
+            self._decided(choice)
+        return out
+
+    def _fused(self, args: Sequence[Any]) -> Any:
+        """The fused path: the weight guard (another build, a refresh), then the CUDA graph replay or the fused
+        graph launched kernel by kernel."""
         why = self.stamp.changed(args)
         if why is not None and not (self.live and self._refresh(args, why)):
             # other weights than those baked, or changed: another build, or a new one

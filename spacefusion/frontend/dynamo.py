@@ -42,7 +42,7 @@ from spacefusion.frontend.compiled import (
     parameter_names,
 )
 from spacefusion.frontend.errors import FrontendError
-from spacefusion.frontend.records import Partition
+from spacefusion.frontend.records import Coverage, Partition
 from spacefusion.frontend.seen import graph_signature, model_signature, seen
 from spacefusion.frontend.specialize import symbolic_graph
 
@@ -53,7 +53,16 @@ class SpaceFusionBackend:
     (``kernel_backend``): "cuda", "llvm" (TVM's CPU build), "reference" (the SMGs evaluated in numpy: a
     check of the mapping), or a backend object (``frontend.backends``); None picks "cuda" for inputs on
     the GPU, else "llvm".  ``graphs`` keeps one report per graph it compiled; ``str(backend)`` prints them
-    with the graph breaks between them."""
+    with the graph breaks between them.
+
+    ``measure``: whether each compiled graph with fused kernels times its fused path against torch's own graph
+    on its first calls after a build and keeps the faster for good (``measure.Choice``: a compiled graph is
+    never slower than torch running it).  None (the default) measures on the "cuda" target and not on the CPU
+    targets: "reference" and "llvm" are correctness targets (the reference kernels are numpy; the llvm
+    kernels run GPU-shaped schedules scalar, so torch would be kept nearly everywhere and the tests that
+    check the kernels ran would check torch), and research that wants the fused kernels whatever their
+    speed passes False.  ``timer``: the measurement's clock (``measure.Timer``; None: CUDA events on the
+    GPU, ``time.perf_counter`` on the CPU), a test's numbers in tests."""
 
     target: Any = None
     verbose: bool = False
@@ -61,6 +70,15 @@ class SpaceFusionBackend:
     export_only: bool = False  # build the kernels and report, but return the graph unfused (``export_cuda``)
     db: str | Path | None = None  # a tuning database (``tune_model``): each SMG's best, the first pick where none
     graphs: list[GraphReport] = field(default_factory=list)
+    measure: bool | None = None
+    timer: Callable[[str, Callable[[], Any], bool], tuple[Any, float]] | None = None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether compiled graphs measure their fused path against torch's (``measure``; None: on "cuda")."""
+        if self.measure is not None:
+            return bool(self.measure)
+        return getattr(self.kernels, "name", None) == "cuda"
 
     @property
     def replay_graphs(self) -> bool:
@@ -86,6 +104,12 @@ class SpaceFusionBackend:
         self.model_signature: str | None = None
         if self.db is not None:  # a database that cannot serve is an error now, not inside Dynamo's call
             check_database(self.db, self.target)
+        if self.measure is not None and not isinstance(self.measure, bool):
+            raise FrontendError(f"measure must be True, False or None (None: on for the 'cuda' target), "
+                                f"not {self.measure!r}")
+        if self.timer is not None and not callable(self.timer):
+            raise FrontendError(f"timer must be callable as timer(path, call, cuda) -> (result, seconds), "
+                                f"not {self.timer!r}")
 
     def built(self, signatures: Sequence[str]) -> None:
         """A graph of ``signatures`` compiled: the kernel cache records it (``seen.mark``)."""
@@ -156,6 +180,11 @@ class SpaceFusionBackend:
     @property
     def partitions(self) -> list[Partition]:
         return [p for g in self.graphs for p in g.partitions()]
+
+    def coverage(self) -> Coverage:
+        """The matmuls and convolutions of every graph, counted by what runs per call (``GraphReport.coverage``:
+        a graph whose measured choice kept torch's graph counts its fused ops as torch's, ``kept.torch``)."""
+        return sum((g.coverage() for g in self.graphs), start=Coverage((), ()))
 
     def graph_breaks(self) -> list[str]:
         """Dynamo's reasons for the graph breaks that ended this backend's graphs."""
@@ -384,19 +413,23 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | No
     target = opts.pop("target", None)
     verbose = bool(opts.pop("verbose", False))
     db = opts.pop("db", None)
+    measure = opts.pop("measure", None)
     if opts:
-        raise FrontendError(f"unknown spacefusion backend options {sorted(opts)}; known: target, verbose, db")
-    return SpaceFusionBackend(target, verbose, mode, db=db)(gm, example_inputs)
+        raise FrontendError(f"unknown spacefusion backend options {sorted(opts)}; known: target, verbose, db, "
+                            f"measure")
+    return SpaceFusionBackend(target, verbose, mode, db=db, measure=measure)(gm, example_inputs)
 
 
 def compile(model: nn.Module, target: Any = None, verbose: bool = False, mode: str | None = None,  # noqa: A001
-            db: str | Path | None = None, **kwargs: Any) -> nn.Module:
-    """``torch.compile(model, backend=SpaceFusionBackend(target, mode=mode, db=db), **kwargs)``: returns the
-    compiled module, with the backend (its per-graph reports) as ``.spacefusion``.  ``db``: a tuning
-    database (``frontend.tune.tune_model``) whose best schedules the kernels are built from.  Dynamo's own
+            db: str | Path | None = None, measure: bool | None = None, **kwargs: Any) -> nn.Module:
+    """``torch.compile(model, backend=SpaceFusionBackend(target, mode=mode, db=db, measure=measure), **kwargs)``:
+    returns the compiled module, with the backend (its per-graph reports) as ``.spacefusion``.  ``db``: a tuning
+    database (``frontend.tune.tune_model``) whose best schedules the kernels are built from.  ``measure``: each
+    graph's fused path timed against torch's on its first calls, the faster kept (``SpaceFusionBackend``; None:
+    on for "cuda", off for the CPU targets, which are correctness targets).  Dynamo's own
     defaults hold (``dynamic`` unset: a second input shape recompiles with symbolic sizes, which the backend
     specialises per shape), so a loop over shapes never reaches Dynamo's recompile limit."""
-    backend = SpaceFusionBackend(target, verbose, mode, db=db)
+    backend = SpaceFusionBackend(target, verbose, mode, db=db, measure=measure)
     if target in (None, "cuda") and torch.cuda.is_available() and importlib.util.find_spec("tvm") is not None:
         from spacefusion.frontend.parallel_build import start_pool
 

@@ -5,7 +5,12 @@ op no pattern recognised gets its kind's code from ``reasons.classify``.  The pa
 left to torch by code (``records.Partition.left_codes``); the sentence says what of this op the pattern could
 not take, and stays word for word what it was before codes (tests and users grep it).
 
-Contract: a code is ``<pattern or "left">.<what>`` and is in ``CODES``; ``refusal`` raises ``KeyError`` for an
+The measured choice of a whole compiled graph (``measure.Choice``: its fused path or torch's graph, whichever
+its first calls timed faster) is said with a code too, ``kept.fused`` or ``kept.torch``, declared here with the
+others; a fused op of a graph whose torch graph was kept counts as left to torch under ``kept.torch``
+(``compiled.GraphReport.coverage``).
+
+Contract: a code is ``<pattern, "left" or "kept">.<what>`` and is in ``CODES``; ``refusal`` raises ``KeyError`` for an
 undeclared one, so a new refusal is declared here before it is recorded.
 """
 
@@ -78,6 +83,9 @@ CODES: dict[str, str] = {
     "left.kernel_build": "a fused subgraph whose kernel could not be built",
     "left.dead": "unused once the kernels took its readers: removed (not run per call)",
     "left.folded": "reads no input: evaluated once at compile time (not run per call)",
+    # the measured choice of a whole compiled graph (``frontend.measure``)
+    "kept.fused": "the graph's fused path, measured no slower than torch's graph (within ``measure.MARGIN``)",
+    "kept.torch": "torch's graph, measured faster than the graph's fused path: the fused kernels do not run",
 }
 
 

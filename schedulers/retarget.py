@@ -27,7 +27,7 @@ def decisions(s: Schedule, smg: SMG) -> dict[str, Any]:
     folds), as JSON data: ``remake`` makes them again on a graph of other sizes."""
     fold = None
     if s.smg.key != smg.key:
-        fold = next((list(p) for p in foldable(smg) if fold_dims(smg, *p).key == s.smg.key), None)
+        fold = _fold_path(smg, s.smg.key)
         if fold is None:
             raise ValueError(f"decisions: the schedule's graph {s.smg.name!r} is neither {smg.name!r} nor a fold of it")
     return {"fold": fold, "tiles": [list(b) for b in s.block], "serial": s.serial, "step": s.step,
@@ -35,14 +35,42 @@ def decisions(s: Schedule, smg: SMG) -> dict[str, Any]:
             "knobs": {k: v for g in GROUPS for k, v in non_defaults(getattr(s, g)).items()}}
 
 
+#: the most folds one after another that ``decisions`` looks for (a GQA decode attention folds its unit batch
+#: into the kv heads and the query group into its rows: two)
+MAX_FOLDS = 3
+
+
+def _fold_path(smg: SMG, key: str) -> list[list[str]] | None:
+    """The folds (``fold_dims`` pairs, in order) that turn ``smg`` into the graph of content key ``key``, or
+    None.  Breadth first, so the shortest sequence is found; a graph has few foldable pairs."""
+    frontier: list[tuple[SMG, list[list[str]]]] = [(smg, [])]
+    for _ in range(MAX_FOLDS):
+        nxt = []
+        for g, path in frontier:
+            for pair in foldable(g):
+                folded = fold_dims(g, *pair)
+                if folded.key == key:
+                    return path + [list(pair)]
+                nxt.append((folded, path + [list(pair)]))
+        frontier = nxt
+    return None
+
+
+def _folds(fold: Any) -> list[list[str]]:
+    """A record's ``fold``: None, one pair (the form before sequences), or a sequence of pairs."""
+    if not fold:
+        return []
+    return [list(fold)] if isinstance(fold[0], str) else [list(p) for p in fold]
+
+
 def remake(d: dict[str, Any], smg: SMG, hw: HardwareModel) -> Schedule | None:
     """``d`` (``decisions`` of a schedule of a graph like ``smg``) made on ``smg`` for ``hw``, or None where
     these sizes cannot take it.  A tile longer than its dim is shortened to the dim on CUDA cores (a tensor-core
     tile keeps its shape: the warp tile masks the rows past the end); the step is at most the serial dim."""
     g = smg
-    if d["fold"] is not None:
+    for pair in _folds(d["fold"]):
         try:
-            g = fold_dims(smg, *d["fold"])
+            g = fold_dims(g, *pair)
         except FoldError:
             return None
     sizes = g.dim_sizes

@@ -40,6 +40,37 @@ def test_decisions_made_again_on_their_own_graph_give_the_same_schedule(graph) -
         assert again is not None and again.key == s.key, s
 
 
+def test_a_gqa_decode_attention_folded_twice_is_recorded_and_made_again() -> None:
+    """A GQA decode step with a key mask (Qwen2.5's 14/2 heads, batch 1, one query): its first picks cut a
+    graph folded twice (the unit batch into the kv heads, the query group into the rows).  Recording only one
+    fold made ``decisions`` raise, and that failed the whole first pick of every exported decode attention,
+    which then built the slicers' CUDA-core default."""
+    mods = (patterns.ScoreMod("{s} + Mask", (("Mask", ("l",)),)),)
+    graph = patterns.attention(1, 14, 1, 2112, 64, kv_heads=2, dtype="float16", mods=mods)
+    order = ranked(graph, get_hardware("H200"))
+    twice = [s for s in order[:40] if len(s.smg.dims) == len(graph.dims) - 2]
+    assert twice, "the ranking's head holds no schedule of the twice-folded graph"
+    for s in twice[:4]:
+        d = decisions(s, graph)
+        assert len(d["fold"]) == 2
+        again = remake(d, graph, get_hardware("H200"))
+        assert again is not None and again.key == s.key
+    longer = patterns.attention(1, 14, 1, 4160, 64, kv_heads=2, dtype="float16", mods=mods)
+    assert remake(decisions(twice[0], graph), longer, get_hardware("H200")) is not None
+
+
+def test_records_of_one_fold_are_still_made_again() -> None:
+    """The record before fold sequences held one pair; ``remake`` reads both forms."""
+    graph = patterns.attention(1, 14, 1, 2112, 64, kv_heads=2, dtype="float16")
+    once = [s for s in ranked(graph, H100)[:40] if len(s.smg.dims) == len(graph.dims) - 1]
+    if not once:
+        pytest.skip("no once-folded schedule in the head")
+    d = decisions(once[0], graph)
+    assert len(d["fold"]) == 1
+    again = remake(d | {"fold": d["fold"][0]}, graph, H100)
+    assert again is not None and again.key == once[0].key
+
+
 @pytest.mark.parametrize("make, old, new", [
     (lambda m: patterns.gemm_epilogue(m, 48, 40, act="gelu"), 64, 37),
     (lambda m: patterns.layernorm(m, 96), 128, 29),

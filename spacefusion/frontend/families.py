@@ -122,12 +122,23 @@ def kept(order: list[Schedule]) -> list[Schedule]:
     return out
 
 
+def _decided(s: Schedule, smg: SMG) -> dict[str, Any] | None:
+    """``decisions`` of ``s``, or None where they can't be recorded (a schedule of a graph that is no fold of
+    ``smg``): saving is best-effort, and must never fail the first pick it records."""
+    try:
+        return decisions(s, smg)
+    except ValueError:
+        return None
+
+
 def save(folder: Path, smg: SMG, hw: HardwareModel, order: list[Schedule]) -> None:
     """Keep the head of ``smg``'s full ranking ``order`` for ``hw`` in its family's file (written whole, by
     rename: concurrent workers lose at most an entry, never the file).  Best-effort: a folder that cannot be
     written costs the next size its full ranking, nothing else."""
     entry = {"sizes": smg.dim_sizes, "hardware": hw.name, "code": _code(),
-             "decisions": [decisions(s, smg) for s in kept(order)]}
+             "decisions": [d for d in map(lambda s: _decided(s, smg), kept(order)) if d is not None]}
+    if not entry["decisions"]:
+        return
     keep = [e for e in _entries(folder, smg) if e.get("sizes") != entry["sizes"] or e.get("hardware") != hw.name]
     try:
         folder.mkdir(parents=True, exist_ok=True)

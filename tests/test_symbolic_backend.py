@@ -4,6 +4,8 @@ checked against eager."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -162,3 +164,26 @@ def test_the_cuda_backend_runs_a_served_kernel_at_its_own_rows(tmp_path, monkeyp
     got = run({k: torch.from_numpy(v) for k, v in x.items()})
     assert calls[-1]["A"] == (40, 32) and got["Y"].shape == (40, 64)
     np.testing.assert_allclose(got["Y"].numpy(), evaluate(gemm(40), x)["Y"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_backend_exports_a_tensor_core_gemm_for_a_range_of_rows(tmp_path) -> None:
+    """An fp16 GEMM's pick on the H100 runs on tensor cores (a warp-tile program); inside ``sizes_per_call`` it
+    is exported once with m a run-time size, its tensor maps encoded by the launcher at each size, and a later
+    m of its family in range is served by that artefact.  Export only: no GPU here."""
+    from smg.patterns import gemm_epilogue
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.runtime.artefact import SYMBOLIC_FORMAT_TAG, KernelArtefact
+
+    def gemm(m: int):
+        return gemm_epilogue(m, 256, 128, act="gelu", dtype="float16", b_layout="nk")
+
+    kernels = CudaBackend(tmp_path, build_missing=True, load=False)
+    with kernels.sizes_per_call():
+        kernels.compile(gemm(256))
+        folder = kernels.artefact_path(gemm(256))
+        meta = json.loads((folder / "kernel.json").read_text())
+        assert meta["format"] == SYMBOLIC_FORMAT_TAG and meta["lowering"].startswith("tensorcore"), meta["lowering"]
+        assert meta["symbolic"]["range"] == [128, 512]
+        assert KernelArtefact.load(folder).symbolic is not None
+        kernels.compile(gemm(300))
+        assert kernels.artefact_path(gemm(300)) == kernels.artefact_path(gemm(256))

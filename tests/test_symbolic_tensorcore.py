@@ -105,8 +105,8 @@ def test_static_tensor_core_builds_do_not_name_the_size() -> None:
 
 
 def test_the_ranking_picks_for_bert_shapes_are_accepted() -> None:
-    """The tensor-core picks the H100 ranking makes for BERT-base's projections take m at run time, but for
-    split-K (slices), refused by name."""
+    """The tensor-core picks the H100 ranking makes for BERT-base's and Qwen2-0.5B's projections take m at run
+    time, but for split-K (slices) and TVM's WMMA path, refused by name."""
     from spacefusion.api import hardware
     from spacefusion.frontend.schedules import ranked
 
@@ -114,8 +114,8 @@ def test_the_ranking_picks_for_bert_shapes_are_accepted() -> None:
     for n, k in ((768, 768), (3072, 768), (896, 4864)):
         for s in [s for s in ranked(_gemm(1024, n, k, act="none"), hardware("h100"), head=8) if s.tensor_cores]:
             sym = around(s, "m")
-            if s.slices > 1:
-                with pytest.raises(ScheduleError, match="slices") as info:
+            if s.slices > 1 or s.warp_tile is None:
+                with pytest.raises(ScheduleError, match="slices" if s.slices > 1 else "WMMA") as info:
                     check(s, sym)
                 assert info.value.code == CODE
                 continue
@@ -140,11 +140,10 @@ def test_forms_not_done_are_refused_by_name(what: str, make, why: str) -> None:
 
 
 def test_attention_warp_tiles_are_refused() -> None:
-    from smg.workloads import softmax_gemm
+    from smg.patterns import attention
 
-    s = schedule(softmax_gemm(128, 128, 64, dtype="float16"), tiles={"m": 64}, serial="n", step=64,
-                 tensor_cores=True, stages=2)
-    assert s.warp_tile is not None and s.warp_tile.gemm is not None
+    s = schedule(attention(1, 2, 128, 128, 64), tiles={"m": 32}, step=32, tensor_cores=True, stages=2)
+    assert s.warp_tile is not None and s.warp_tile.gemm is not None and s.warp_tile.row == "m"
     with pytest.raises(ScheduleError, match="score GEMM") as info:
         check(s, around(s, "m"))
     assert info.value.code == CODE
@@ -179,12 +178,25 @@ def test_one_tensor_core_kernel_at_every_size_on_the_gpu(form: str, tmp_path, mo
         a, r = big_a[:m], big_r[:m]  # one address for every size
         want = torch.nn.functional.gelu(a.float() @ w.float().T + bias.float() + r.float())
         got = kernel.launch({"A": a, "Bw": w, "bias": bias, "R": r})["Y"]
-        run = kernel.launcher(torch.cuda.current_device(), size=m)
-        (again,) = run(a, w, bias, r) if [p.name for p in kernel.artefact.inputs] == ["A", "Bw", "bias", "R"] \
-            else run(*(dict(A=a, Bw=w, bias=bias, R=r)[p.name] for p in kernel.artefact.inputs))
+        run = kernel.launcher(torch.cuda.current_device(), size=m)  # the frontend's path: one launcher a size
+        named = {"A": a, "Bw": w, "bias": bias, "R": r}
+        (again,) = run(*(named[p.name] for p in kernel.artefact.inputs))
         torch.cuda.synchronize()
         for out in (got, again):
             assert out.shape == (m, n)
             err = (out.float() - want).abs().max().item()
             assert err <= 2e-2 * max(1.0, want.abs().max().item()), f"{form} m={m}: max error {err}"
         assert np.isfinite(got.float().cpu().numpy()).all()
+
+
+def test_the_artefact_checks_a_persistent_grids_cap(tmp_path) -> None:
+    from spacefusion.runtime.artefact import ArtefactError
+
+    s = _schedule("persistent")
+    meta = build(s, "cuda:sm_90a", symbolic=around(s, "m")).meta
+    spec = KernelArtefact.from_meta(meta, tmp_path).symbolic
+    assert spec.cap == 4 and spec.grid_at(1) == (min(4, spec.times), 1, 1) and spec.grid_at(M0) == (4, 1, 1)
+    for bad in ({"cap": 0}, {"cap": "4"}, {"blocks": 4}):
+        with pytest.raises(ArtefactError, match="symbolic grid"):
+            KernelArtefact.from_meta(meta | {"symbolic": meta["symbolic"] | {"grid": meta["symbolic"]["grid"] | bad}},
+                                     tmp_path)

@@ -4,6 +4,8 @@ checked against eager."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -162,3 +164,29 @@ def test_the_cuda_backend_runs_a_served_kernel_at_its_own_rows(tmp_path, monkeyp
     got = run({k: torch.from_numpy(v) for k, v in x.items()})
     assert calls[-1]["A"] == (40, 32) and got["Y"].shape == (40, 64)
     np.testing.assert_allclose(got["Y"].numpy(), evaluate(gemm(40), x)["Y"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_backend_exports_a_tensor_core_gemm_for_a_range_of_rows(tmp_path) -> None:
+    """BERT-base's attention output projection in fp16: its pick on the H100 runs on tensor cores (a warp-tile
+    program, wgmma); inside ``sizes_per_call`` it
+    is exported once with m a run-time size, its tensor maps encoded by the launcher at each size, and a later
+    m of its family in range is served by that artefact.  Export only: no GPU here."""
+    from smg.patterns import gemm_epilogue
+    from spacefusion.api import hardware
+    from spacefusion.frontend.backends import CudaBackend
+    from spacefusion.frontend.dynamo import first_pick_for
+    from spacefusion.runtime.artefact import SYMBOLIC_FORMAT_TAG, KernelArtefact
+
+    def gemm(m: int):
+        return gemm_epilogue(m, 768, 768, act="none", dtype="float16", b_layout="nk")
+
+    kernels = CudaBackend(tmp_path, build_missing=True, load=False, schedule_for=first_pick_for(hardware("h100")))
+    with kernels.sizes_per_call():
+        kernels.compile(gemm(1024))
+        folder = kernels.artefact_path(gemm(1024))
+        meta = json.loads((folder / "kernel.json").read_text())
+        assert meta["format"] == SYMBOLIC_FORMAT_TAG and meta["symbolic"]["range"] == [512, 2048]
+        assert "wgmma" in (folder / "kernel.cu").read_text()  # the warp-tile program on tensor cores
+        assert KernelArtefact.load(folder).symbolic is not None
+        kernels.compile(gemm(1500))
+        assert kernels.artefact_path(gemm(1500)) == folder

@@ -118,17 +118,20 @@ def test_what_cannot_be_a_run_time_size_is_refused_by_name(what: str, make, sym:
     assert info.value.code == CODE
 
 
-def test_tensor_core_schedules_are_refused() -> None:
+def test_tensor_core_gemms_are_taken_but_split_k() -> None:
+    """A warp-tile GEMM takes m at run time (``tests/test_symbolic_tensorcore.py`` builds them); one that slices
+    its K steps over blocks (split-K: a workspace per row tile) is refused by name."""
     from spacefusion.api import hardware
     from spacefusion.frontend.schedules import ranked
 
     g = _gemm(128, "float16")
-    tc = next((s for s in ranked(g, hardware("h100"), head=64) if s.tensor_cores), None)
-    if tc is None:
-        pytest.skip("no tensor-core schedule ranked for this GEMM")
-    with pytest.raises(ScheduleError, match="tensor cores") as info:
-        check(tc, around(tc, "m"))
+    tc = [s for s in ranked(g, hardware("h100"), head=64) if s.tensor_cores]
+    sliced = next(s for s in tc if s.slices > 1)
+    whole = next(s for s in tc if s.slices == 1)
+    with pytest.raises(ScheduleError, match="slices") as info:
+        check(sliced, around(sliced, "m"))
     assert info.value.code == CODE
+    check(whole, around(whole, "m"))
 
 
 def test_static_builds_are_unchanged() -> None:

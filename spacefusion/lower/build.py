@@ -118,14 +118,18 @@ class CpuKernel:
         return lambda: main(*args)
 
 
-def _pass_context(tvm, own_barriers: bool = False):
+def _pass_context(tvm, own_barriers: bool = False, symbolic: bool = False):
     """TVM 0.27's StorageRewrite merges two live local buffers of a one-step kernel (MHA with
     the whole row in one step gave wrong results on llvm and on the H100); our buffers are sized
     exactly already, so the pass is off.  ``own_barriers``: the kernel orders its shared memory by
     mbarriers and named barriers of one warpgroup (``producer``), which TVM's barrier planner does not
-    know; it would put a block-wide barrier inside a warpgroup's branch, so it is off too."""
+    know; it would put a block-wide barrier inside a warpgroup's branch, so it is off too.  ``symbolic``: the
+    kernel takes a run-time size, and TIR's common-subexpression pass would let-bind an expression of it
+    (``ceil(size / rows)``) outside the kernel, which the host/device split then makes a kernel parameter the
+    launcher knows nothing of (``cse_v7``): off (nvcc eliminates the device's common subexpressions itself)."""
     off = ["s_tir.ThreadSync"] if own_barriers else []
-    return tvm.transform.PassContext(config={"tirx.disable_storage_rewrite": True}, disabled_pass=off)
+    config = {"tirx.disable_storage_rewrite": True} | ({"tirx.disable_cse_tir": True} if symbolic else {})
+    return tvm.transform.PassContext(config=config, disabled_pass=off)
 
 
 def build_llvm(s: Schedule) -> CpuKernel:
@@ -292,9 +296,11 @@ def _wait_for_previous_grid(src: str, arch: str) -> tuple[str, bool]:
     return src, False
 
 
-def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact:
+def _compile_lowered(s: Schedule, mod, arch: str, lowering: str, symbolic: SymbolicDim | None = None) -> CudaArtefact:
     """Compile a scheduled IRModule; grid, block and dynamic shared memory are read from the
-    lowered device function, so the metadata is what TVM emitted, not what we meant."""
+    lowered device function, so the metadata is what TVM emitted, not what we meant.  With ``symbolic`` the
+    kernel takes the row count as its argument: the grid recorded is the one at the SMG's size (TVM's is an
+    expression of the argument), the run-time rule ``symbolic_meta``'s."""
     tvm = _tvm()
     from tvm.tirx.build import split_host_device_mods, tir_to_runtime
 
@@ -303,7 +309,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     # ``tvm.compile``'s steps (``tirx.build``), with the pipeline run once: the lowered device function gives the
     # launch metadata and the codegen the source.  Running it apart for the metadata, then again inside
     # ``tvm.compile``, took half of a warp-specialised attention kernel's 66 s build
-    with _pass_context(tvm, own_barriers=s.producer):
+    with _pass_context(tvm, own_barriers=s.producer, symbolic=symbolic is not None):
         bound = tvm.tirx.transform.BindTarget(target.with_host(host))(mod)
         pipeline, finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
         host_mod, device = split_host_device_mods(pipeline(bound))
@@ -318,11 +324,13 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
     m = _SIG.search(src)
     if m is None:
         raise RuntimeError(f"no __global__ kernel in TVM's {lowering} output")
-    src, kname = _renamed(src, m.group(2), s)
+    src, kname = _renamed(src, m.group(2), s, symbolic)
     src, waits = _wait_for_previous_grid(_with_helpers(src), arch)
     order = [p.strip().split()[-1].removesuffix("_ptr") for p in m.group(3).split(",")]
     sig = signature(s)
-    maps = _check_params(s, sig, order)
+    maps = _check_params(s, sig, [n for n in order if symbolic is None or n != symbolic.var])
+    if symbolic is not None:  # the launch's grid along x is an expression of the argument
+        dims["blockIdx.x"] = s.num_blocks
     dyn = sum(int(n) * tvm.runtime.DataType(dt).bits // 8 for n, dt in _DYN.findall(text))
     hw = hardware_for(arch)
     if dyn > hw.smem_per_block_bytes - hw.smem_reserved_per_block_bytes:
@@ -341,19 +349,23 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str) -> CudaArtefact
         "workload": dict(s.smg.attrs) | {"name": s.smg.name, "shape": s.smg.dim_sizes,
                                         "dtype": s.smg.space(s.smg.outputs[0]).dtype},
     }
+    if symbolic is not None:
+        meta = symbolic_meta(meta, s, symbolic)
     return CudaArtefact(src, meta)
 
 
-def _build_tensorcore(s: Schedule, arch: str) -> CudaArtefact:
+def _build_tensorcore(s: Schedule, arch: str, symbolic: SymbolicDim | None = None) -> CudaArtefact:
+    """The tensor-core kernel of ``s``: its warp-tile program (with ``symbolic``, a run-time row count,
+    which ``symbolic.check`` has accepted), else TVM's WMMA tensorizer."""
     tvm = _tvm()
     if s.warp_tile is not None:
         from spacefusion.lower.mma import build_warp_tile
 
-        mod = tvm.IRModule({"main": build_warp_tile(s)})
+        mod = tvm.IRModule({"main": build_warp_tile(s, symbolic)})
         loads = "TMA (cp.async.bulk.tensor, mbarriers)" if s.warp_tile.hopper.tma else "cp.async"
         what = (f"tensorcore-wgmma (warp-tile program: wgmma.mma_async on 128 B-swizzled tiles, {loads})"
                 if s.warp_tile.hopper.wgmma else "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
-        art = _compile_lowered(s, mod, arch, what)
+        art = _compile_lowered(s, mod, arch, what, symbolic)
         return CudaArtefact(art.source, art.meta | {"nvcc_flags": list(WARP_TILE_FLAGS)})
     from spacefusion.lower.tensorcore import build_tensorcore
 
@@ -421,7 +433,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a", symbolic: SymbolicDim | None =
     if symbolic is not None:
         check_symbolic(s, symbolic)  # before anything is built: the tensor-core path is refused here
     if s.tensor_cores:
-        return _build_tensorcore(s, arch)
+        return _build_tensorcore(s, arch, symbolic)
     smem = shared_bytes(s)
     hw = hardware_for(arch)
     # above the static limit the tiles go to dynamic shared memory (opt-in at launch); each

@@ -42,14 +42,16 @@ from spacefusion.lower.mma_tma import TmaRing
 from spacefusion.lower.mma_values import Values
 from spacefusion.lower.mma_wgmma import Wgmma
 from spacefusion.lower.mma_ws import WarpSpecialized
+from spacefusion.lower.symbolic import SymbolicDim
+from spacefusion.lower.symbolic import check as check_symbolic
 from spacefusion.lower.tir import signature
 
 
 class Kernel:
     """One warp-tile kernel: the shared state and the phases that emit it."""
 
-    def __init__(self, s: Schedule, p: WarpTileProgram) -> None:
-        st = self.st = KernelState(s, p)
+    def __init__(self, s: Schedule, p: WarpTileProgram, symbolic: SymbolicDim | None = None) -> None:
+        st = self.st = KernelState(s, p, symbolic)
         self.values = Values(st)
         self.block = Block(st)
         self.tma = TmaRing(st)
@@ -70,10 +72,12 @@ class Kernel:
         with IB.IRBuilder() as ib:
             with T.prim_func():
                 T.func_name("main")
-                for name, shape, dtype, _ in signature(s).params:
+                for name, shape, dtype, role in signature(s).params:
+                    if st.symbolic is not None and role in ("input", "output"):  # the row dim's extent: its argument
+                        shape = tuple(st.sizes[d] for d in s.smg.space(name).dims)
                     st.glob[name] = T.arg(name, T.buffer(shape, dtype))
                 T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-                with T.thread_binding(0, s.num_blocks, thread="blockIdx.x") as bid:
+                with T.thread_binding(0, st.num_blocks(), thread="blockIdx.x") as bid:
                     with T.thread_binding(0, p.threads, thread="threadIdx.x") as tid:
                         st.tid = tid
                         if p.hopper.producer:
@@ -162,9 +166,12 @@ class Kernel:
             self.epilogue.finalize()
 
 
-def build_warp_tile(s: Schedule) -> tirx.PrimFunc:
-    """The PrimFunc of the warp-tile program of ``s`` (CUDA only)."""
-    return Kernel(s, warp_tile_program(s)).build()
+def build_warp_tile(s: Schedule, symbolic: SymbolicDim | None = None) -> tirx.PrimFunc:
+    """The PrimFunc of the warp-tile program of ``s`` (CUDA only); with ``symbolic`` (which
+    ``symbolic.check`` accepts) the row dim's size is its int32 argument ``symbolic.var``."""
+    if symbolic is not None:
+        check_symbolic(s, symbolic)
+    return Kernel(s, warp_tile_program(s), symbolic).build()
 
 
 __all__ = ["TIR_OPS", "Kernel", "build_warp_tile", "row_tile_order", "tile_kept"]

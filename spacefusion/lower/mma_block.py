@@ -56,13 +56,16 @@ class Block:
     def coords(self, t: tirx.PrimExpr) -> None:
         """The block coordinates of work tile ``t``: its row tile, slice and batch coordinates."""
         st, s, p = self.st, self.st.s, self.st.p
-        grid = s.grid()
+        grid = st.grid()  # the row tiles' count: the run-time one where the rows are symbolic
         rest = t  # row tile fastest: blocks of one batch coordinate share K/V in L2
-        rb = rest % grid[p.row]
+        rows = grid[p.row]
+        if isinstance(rows, int):
+            rb, rest = rest % rows, rest // rows
+        else:  # a run-time count: the tile index and the count are never negative, so C's division is the
+            rb, rest = tirx.truncmod(rest, rows), tirx.truncdiv(rest, rows)  # floor one without sign fix-ups
         bound = mask_bound(st.smg, p)
         if bound is not None:  # the killing mask makes the work grow (or shrink) with the row
-            rb = row_tile_order(rb, grid[p.row], heavy_last=bound[1] < 0)
-        rest = rest // grid[p.row]
+            rb = row_tile_order(rb, rows, heavy_last=bound[1] < 0)
         # then the slice: the row tiles of one slice read the same K/V steps together
         st.slice = rest % p.warp.slices
         rest = rest // p.warp.slices

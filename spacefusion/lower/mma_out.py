@@ -254,7 +254,7 @@ class Epilogue:
         ``conds`` fail or it lies past a tail of the rows or of the GEMM state's columns."""
         st = self.st
         p, n = st.p, gs.n
-        if st.sizes[p.row] % p.rows:
+        if st.row_tail:
             conds = [*conds, row < st.sizes[p.row]]
         if st.sizes[n] % gs.n_tile:
             conds = [*conds, col < st.sizes[n]]

@@ -37,6 +37,7 @@ from schedulers.warp_tile import (
 from smg.expr import body_expr
 from smg.ir import SMG
 from spacefusion.lower.exprs import F32, MAX_IDENTITY
+from spacefusion.lower.symbolic import SymbolicDim
 
 #: a row max's identity (``exprs.MAX_IDENTITY``: -inf, no longer a finite stand-in above float32's lowest)
 NEG_INF = MAX_IDENTITY
@@ -67,10 +68,13 @@ class KernelState:
 
     s: Schedule  # the schedule being lowered
     p: WarpTileProgram  # its warp-tile reading
+    # the row dim's size as the kernel's int32 argument (``lower.symbolic``; checked by ``symbolic.check``)
+    symbolic: SymbolicDim | None = None
 
     # -- derived from the schedule -----------------------------------------------------------------
     smg: SMG = field(init=False, repr=False)  # the schedule's graph
-    sizes: dict[str, int] = field(init=False, repr=False)  # dim -> extent
+    # dim -> extent (the symbolic row dim's: its argument, a ``tirx.Var``)
+    sizes: dict[str, int | tirx.PrimExpr] = field(init=False, repr=False)
     ab: str = field(init=False)  # operand type as mma.sync names it: "fp16" or "bf16"
     half: str = field(init=False)  # the same as a TIR dtype: "float16" or "bfloat16"
     layout: dict[str, tuple[int, int, int]] = field(init=False, repr=False)  # tile -> (copies, rows, row stride)
@@ -143,6 +147,8 @@ class KernelState:
         s, p = self.s, self.p
         self.smg = s.smg
         self.sizes = self.smg.dim_sizes
+        if self.symbolic is not None:
+            self.sizes = dict(self.sizes) | {self.symbolic.dim: tirx.Var(self.symbolic.var, I32)}
         self.ab = "fp16" if self.smg.space(self.smg.inputs[0]).dtype == "float16" else "bf16"
         self.half = "float16" if self.ab == "fp16" else "bfloat16"
         self.layout = smem_layout(s, p)
@@ -174,6 +180,38 @@ class KernelState:
         self.overlap = split_ring(p)
         self.sums = exp_sums(s.plan.states)
         self.finalizing = False
+
+    # -- counts that follow a symbolic row dim -----------------------------------------------------------
+    @property
+    def row_tail(self) -> bool:
+        """Whether some row tile may run past the rows' end: a static size not a multiple of the tile, or a
+        run-time one (a tail exists for some size in its range)."""
+        return self.symbolic is not None or self.sizes[self.p.row] % self.p.rows != 0
+
+    def grid(self) -> dict[str, int | tirx.PrimExpr]:
+        """Blocks along each cut dim (``Schedule.grid``), the symbolic row dim's ``ceil(size / rows)`` of its
+        argument."""
+        grid: dict[str, int | tirx.PrimExpr] = dict(self.s.grid())
+        if self.symbolic is not None:
+            grid[self.p.row] = tirx.floordiv(self.sizes[self.p.row] + (self.p.rows - 1), self.p.rows)
+        return grid
+
+    def num_tiles(self) -> int | tirx.PrimExpr:
+        """Work tiles (``Schedule.num_tiles``; symbolic slices are refused, so one per tile of the cut dims)."""
+        if self.symbolic is None:
+            return self.s.num_tiles
+        out: int | tirx.PrimExpr = 1
+        for n in self.grid().values():
+            out = out * n
+        return out
+
+    def num_blocks(self) -> int | tirx.PrimExpr:
+        """Blocks launched (``Schedule.num_blocks``): a persistent grid's ``min(persistent, tiles)`` where the
+        rows are symbolic (``symbolic.grid_rule``'s cap: the tile stride stays ``persistent``)."""
+        s = self.s
+        if self.symbolic is None:
+            return s.num_blocks
+        return tirx.min(s.persistent, self.num_tiles()) if s.persistent else self.num_tiles()
 
     # -- fragment positions ----------------------------------------------------------------------
     def half_of(self, mi: int) -> tirx.PrimExpr:

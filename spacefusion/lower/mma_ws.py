@@ -101,11 +101,17 @@ class WarpSpecialized:
             self.block.coords(bid)
             body(tirx.const(0, I32), tirx.const(0, I32))
             return
-        per = -(-s.num_tiles // s.num_blocks)
-        with T.serial(0, -(-per // every)) as k:
+        tiles, stride = st.num_tiles(), s.num_blocks  # the stride: the persistent grid's static block count
+        if st.symbolic is None:
+            per = -(-tiles // stride)
+            count = -(-per // every)
+        else:  # the tiles of a run-time row count: the loop's count from the argument too
+            per = tirx.floordiv(tiles + (stride - 1), stride)
+            count = tirx.floordiv(per + (every - 1), every)
+        with T.serial(0, count) as k:
             kk = k * every + st.mma_wg if every > 1 else k
-            t = bid + kk * s.num_blocks
-            with T.If(t < s.num_tiles):
+            t = bid + kk * stride
+            with T.If(t < tiles):
                 with T.Then():
                     self.block.coords(t)
                     body(kk, k)

@@ -24,8 +24,14 @@ for graphs equal to its own up to the dim's size, bodies included (the frontend 
 What ``check`` refuses (``ScheduleError`` code ``lower.symbolic``), and why: a dim the schedule does not
 cut (the block's loops would run to the size: a loop bound, not a mask), the serial dim or a reduced dim
 (the step count and the update functions follow the size), a read through an index expression (windows,
-shifts: their halos and the vector checks take sizes), and the knobs whose lowering bakes the size
-(tensor cores, TMA, slices, clusters: the warp-tile program, not this lowering).
+shifts: their halos and the vector checks take sizes), slices and clusters (their workspaces and block
+counts follow the size), and the tensor-core forms whose lowering still bakes it (``tensor_core_refusal``).
+
+The tensor-core GEMM (+ epilogue) path (a warp-tile program without a score GEMM: ``lower.mma``, mma.sync or
+wgmma, cp.async or TMA, a producer warpgroup, persistent, pingpong) takes a run-time row count: its row tails
+are guarded whenever the rows are symbolic, its grid and a persistent block's tile loop are counted from the
+argument, and TMA reads rows past the end as zeros from tensor maps the launcher encodes at the run-time
+shapes (the stores are guarded, as for a static tail).
 """
 
 from __future__ import annotations
@@ -119,13 +125,36 @@ def check(s: Schedule, sym: SymbolicDim) -> None:
         bad = next((a.space for a in op.inputs if not a.plain), None)
         if bad is not None:
             refuse(f"{op.out} reads {bad} through an index expression (a window or a shift)")
-    knobs = [k for k, on in (("tensor cores", s.tensor_cores), ("a warp-tile program", s.warp_tile is not None),
-                             ("TMA", s.tma), ("slices", s.slices > 1), ("a cluster", s.cluster > 1)) if on]
+    knobs = [k for k, on in (("slices", s.slices > 1), ("a cluster", s.cluster > 1)) if on]
     if knobs:
-        refuse(f"the schedule uses {', '.join(knobs)}, whose lowering bakes the sizes (not the CUDA-core one)")
+        refuse(f"the schedule uses {', '.join(knobs)}, whose workspaces and block counts follow the sizes")
+    why = tensor_core_refusal(s, sym)
+    if why is not None:
+        refuse(why)
     top = _addressable(s, d)
     if sym.hi > top:
         refuse(f"at {sym.hi} a tensor would pass {MAX_INDEX} elements (32-bit indices): at most {top}")
+
+
+def tensor_core_refusal(s: Schedule, sym: SymbolicDim) -> str | None:
+    """Why ``s``'s tensor-core lowering cannot take ``sym.dim`` at run time (None: it can, or ``s`` runs on CUDA
+    cores).  Done: a warp-tile GEMM (+ epilogue, + row-state prologue) over its row dim.  Not yet: TVM's WMMA
+    tensorizer (it schedules from the static shapes), a score GEMM (attention: masks and halos tie the rows to
+    the key length), gathered / im2col tiles (a convolution's rows are pixels of an image of fixed size),
+    and a run-time dim other than the program's rows (its tile counts and tensor-map boxes are not counted)."""
+    if not s.tensor_cores and s.warp_tile is None and not s.tma:
+        return None
+    p = s.warp_tile
+    if p is None:
+        return "the schedule's tensor cores run through TVM's WMMA tensorizer, which schedules from static shapes"
+    if p.gemm is not None:
+        return "its warp-tile program has a score GEMM (attention), whose masks tie the rows to the key length"
+    if p.gathers:
+        return "its warp-tile program gathers tiles (an implicit GEMM's im2col view of an image of fixed size)"
+    if sym.dim != p.row:
+        return (f"its warp-tile program counts only its row dim {p.row!r} at run time (tile counts and tensor-map "
+                f"boxes along {sym.dim!r} are static)")
+    return None
 
 
 def symbolic_key(s: Schedule, sym: SymbolicDim) -> str:
@@ -142,14 +171,19 @@ def axes(s: Schedule, sym: SymbolicDim, names: list[str]) -> dict[str, int]:
 
 def grid_rule(s: Schedule, sym: SymbolicDim) -> dict[str, int]:
     """The launch's block count as ``times * ceil(size / tile)``: ``tile`` the dim's block tile, ``times``
-    the blocks of the other cut dims (and a cluster's, refused here, would multiply it)."""
+    the blocks of the other cut dims (and a cluster's, refused here, would multiply it).  A persistent grid
+    (``s.persistent`` blocks looping over the tiles, a stride of ``cap`` tiles) adds ``cap``: the launch then
+    has ``min(cap, times * ceil(size / tile))`` blocks, every tile still met by the stride (below ``cap``
+    tiles each block takes one)."""
     grid = s.grid()
-    return {"tile": s.tiles[sym.dim], "times": math.prod(n for d, n in grid.items() if d != sym.dim)}
+    rule = {"tile": s.tiles[sym.dim], "times": math.prod(n for d, n in grid.items() if d != sym.dim)}
+    return rule | ({"cap": s.persistent} if s.persistent else {})
 
 
 def blocks(rule: dict[str, int], size: int) -> int:
     """The grid's block count at ``size`` by ``grid_rule``'s record."""
-    return rule["times"] * -(-size // rule["tile"])
+    tiles = rule["times"] * -(-size // rule["tile"])
+    return min(rule["cap"], tiles) if "cap" in rule else tiles
 
 
 def symbolic_meta(meta: dict, s: Schedule, sym: SymbolicDim) -> dict:
@@ -167,4 +201,4 @@ def symbolic_meta(meta: dict, s: Schedule, sym: SymbolicDim) -> dict:
 
 
 __all__ = ["CODE", "NEAR", "SymbolicDim", "around", "axes", "blocks", "check", "grid_rule", "near_range",
-           "symbolic_key", "symbolic_meta"]
+           "symbolic_key", "symbolic_meta", "tensor_core_refusal"]

@@ -57,7 +57,8 @@ class SizeRangeError(ValueError):
 class SymbolicSpec:
     """A symbolic kernel's run-time size (kernel.json's ``symbolic``): dim ``dim`` of its graph is the int32
     argument ``var``, offered for sizes ``lo..hi``; ``axes`` gives, per tensor holding it, the axis of that
-    size; the grid has ``times * ceil(size / tile)`` blocks along x.  The params' ``shape`` and the ``grid``
+    size; the grid has ``times * ceil(size / tile)`` blocks along x, at most ``cap`` (a persistent grid's
+    blocks, which loop over the tiles ``cap`` apart; 0: no cap).  The params' ``shape`` and the ``grid``
     recorded are those at the size the kernel's schedule was picked at."""
 
     dim: str
@@ -67,6 +68,7 @@ class SymbolicSpec:
     axes: tuple[tuple[str, int], ...]
     tile: int
     times: int
+    cap: int = 0
 
     def size_of(self, shapes: Mapping[str, Sequence[int]], kernel: str = "kernel") -> int:
         """The size the tensors of ``shapes`` (name -> shape) give the symbolic dim; ``SizeRangeError``
@@ -90,11 +92,13 @@ class SymbolicSpec:
         return p.shape if axis is None else (*p.shape[:axis], size, *p.shape[axis + 1:])
 
     def grid_at(self, size: int) -> tuple[int, int, int]:
-        return (self.times * -(-size // self.tile), 1, 1)
+        tiles = self.times * -(-size // self.tile)
+        return (min(self.cap, tiles) if self.cap else tiles, 1, 1)
 
     def to_json(self) -> dict[str, Any]:
+        grid = {"tile": self.tile, "times": self.times} | ({"cap": self.cap} if self.cap else {})
         return {"dim": self.dim, "var": self.var, "range": [self.lo, self.hi], "axes": dict(self.axes),
-                "grid": {"tile": self.tile, "times": self.times}}
+                "grid": grid}
 
 
 #: an ELF file's first bytes, and the e_machine of NVIDIA's CUDA cubins (EM_CUDA)
@@ -403,9 +407,12 @@ def _symbolic(meta: Mapping[str, Any], tag: str, params: tuple[ParamSpec, ...], 
     if not isinstance(axes, dict) or not axes or not all(
             n in shapes and _is_int(a) and 0 <= a < len(shapes[n]) for n, a in axes.items()):
         raise ArtefactError(f"{where}: symbolic axes {axes!r} must map inputs/outputs to one of their axes")
-    if not (isinstance(grid, dict) and all(_is_int(grid.get(k)) and grid[k] > 0 for k in ("tile", "times"))):
-        raise ArtefactError(f"{where}: symbolic grid {grid!r} must be {{tile, times}}, positive ints")
-    return SymbolicSpec(spec["dim"], var, rng[0], rng[1], tuple(sorted(axes.items())), grid["tile"], grid["times"])
+    if not (isinstance(grid, dict) and all(_is_int(grid.get(k)) and grid[k] > 0 for k in ("tile", "times"))
+            and set(grid) <= {"tile", "times", "cap"} and (_is_int(grid.get("cap", 1)) and grid.get("cap", 1) > 0)):
+        raise ArtefactError(f"{where}: symbolic grid {grid!r} must be {{tile, times}} and an optional cap (a "
+                            "persistent grid's blocks), positive ints")
+    return SymbolicSpec(spec["dim"], var, rng[0], rng[1], tuple(sorted(axes.items())), grid["tile"], grid["times"],
+                        grid.get("cap", 0))
 
 
 def _is_int(x: Any) -> bool:

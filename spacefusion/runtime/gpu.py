@@ -161,7 +161,7 @@ class CudaKernel:
         self.compile_errors: dict[str, str] = {}
         self._kernels: dict[int, Any] = {}  # device index -> cupy.RawKernel
         self._scratch: dict[int, dict[str, Any]] = {}  # device index -> zeroed workspaces, kept
-        self._maps = MapCache()  # (param, tensor address, strides, device) -> tensor map
+        self._maps = MapCache()  # (param, tensor address, shape, strides, device) -> tensor map
 
     def __repr__(self) -> str:
         art = self.artefact
@@ -331,9 +331,10 @@ class CudaKernel:
         # fixed address (a workspace: zeroed once and kept)
         plan: list[Any] = []
         for name in art.param_order:  # (every parameter is 8 bytes: a pointer, or a tensor map's address)
-            if name in maps:  # (with the mapped tensor's own shape: a caller may pass it flat)
-                mapped = maps[name].tensor_map[0]
-                plan.append(("m", maps[name], slot[mapped], art.param(mapped).shape))
+            if name in maps:  # (with the mapped tensor's own shape: a caller may pass it flat; a symbolic
+                mapped = maps[name].tensor_map[0]  # kernel's at its size: TMA zero-fills the rows past it)
+                shape = art.param(mapped).shape if sym is None else sym.shape_at(art.param(mapped), size)
+                plan.append(("m", maps[name], slot[mapped], shape))
             elif name in scratch:
                 plan.append(scratch[name].data_ptr())
             elif sym is not None and name == sym.var:  # by value: the driver reads its 4 bytes (little-endian)
@@ -396,7 +397,9 @@ class CudaKernel:
             return ev
 
         capturing = torch.cuda.is_current_stream_capturing()
-        m = self._maps.get((p.name, t.data_ptr(), tuple(t.stride()), device), make, None if capturing else fence)
+        # the shape is in the key: a symbolic kernel's tensors of two sizes may share an address and strides
+        m = self._maps.get((p.name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), device), make,
+                           None if capturing else fence)
         if capturing:  # a replay reads it by address: never free it
             _GRAPHED_MAPS.setdefault(m.data_ptr(), m)
         return m

@@ -99,7 +99,7 @@ def test_the_cuda_backend_exports_one_artefact_for_a_range_of_rows(tmp_path) -> 
     def exports(folder) -> int:
         return len(list(folder.rglob("timing.json")))
 
-    kernels = CudaBackend(tmp_path, build_missing=True, load=False)
+    kernels = CudaBackend(tmp_path, build_missing=True, load=False, symbolic=True)
     with kernels.sizes_per_call():
         kernels.compile(gemm(48))
         assert exports(tmp_path) == 1
@@ -111,18 +111,21 @@ def test_the_cuda_backend_exports_one_artefact_for_a_range_of_rows(tmp_path) -> 
         assert exports(tmp_path) == 1
         kernels.compile(gemm(97))
         assert exports(tmp_path) == 2 and kernels.artefact_path(gemm(97)) != art.folder
-    fresh = CudaBackend(tmp_path, build_missing=True, load=False)
+    fresh = CudaBackend(tmp_path, build_missing=True, load=False, symbolic=True)
     with fresh.sizes_per_call():
         fresh.compile(gemm(60))
     assert exports(tmp_path) == 2
     fresh.compile(gemm(60))  # a static graph's compile: its own artefact, as before
     assert exports(tmp_path) == 2  # the kernel of this SMG key was compiled above: cached
-    static = CudaBackend(tmp_path, build_missing=True, load=False)
+    static = CudaBackend(tmp_path, build_missing=True, load=False, symbolic=True)
     static.compile(gemm(60))
     assert exports(tmp_path) == 3 and KernelArtefact.load(static.artefact_path(gemm(60))).symbolic is None
-    tuned = CudaBackend(tmp_path, build_missing=True, load=False, by_schedule=True)  # a database's picks
+    tuned = CudaBackend(tmp_path, build_missing=True, load=False, by_schedule=True, symbolic=True)  # a database's picks
     with tuned.sizes_per_call():
         assert not tuned.symbolic_rows and tuned.artefact_path(gemm(60)) == tuned.artefact_dir(gemm(60))
+    default = CudaBackend(tmp_path, build_missing=True, load=False)  # opt-in until checked on a GPU
+    with default.sizes_per_call():
+        assert not default.symbolic_rows and default.artefact_path(gemm(40)) == default.artefact_dir(gemm(40))
 
 
 def test_the_cuda_backend_runs_a_served_kernel_at_its_own_rows(tmp_path, monkeypatch) -> None:
@@ -154,7 +157,7 @@ def test_the_cuda_backend_runs_a_served_kernel_at_its_own_rows(tmp_path, monkeyp
             return {k: torch.from_numpy(v.astype(np.float32)) for k, v in ref.items()}
 
     monkeypatch.setattr(gpu, "load_kernel", Launch)
-    kernels = CudaBackend(tmp_path, build_missing=True)
+    kernels = CudaBackend(tmp_path, build_missing=True, symbolic=True)
     with kernels.sizes_per_call():
         kernels.compile(gemm(48))
         run = kernels.compile(gemm(40))
@@ -180,7 +183,8 @@ def test_the_cuda_backend_exports_a_tensor_core_gemm_for_a_range_of_rows(tmp_pat
     def gemm(m: int):
         return gemm_epilogue(m, 768, 768, act="none", dtype="float16", b_layout="nk")
 
-    kernels = CudaBackend(tmp_path, build_missing=True, load=False, schedule_for=first_pick_for(hardware("h100")))
+    kernels = CudaBackend(tmp_path, build_missing=True, load=False, schedule_for=first_pick_for(hardware("h100")),
+                          symbolic=True)
     with kernels.sizes_per_call():
         kernels.compile(gemm(1024))
         folder = kernels.artefact_path(gemm(1024))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from schedulers.halo import halo_elements, window_box
 from schedulers.hardware import HardwareModel, ResourceError
+from schedulers.memo import per_schedule
 from schedulers.options import MAX_UNROLL
 from schedulers.schedule import Schedule
 from schedulers.temporal import TemporalPlan
@@ -157,6 +158,7 @@ class BlockResources:
         return max(0, BASE_REGISTERS + local + self.live_loads - self.register_cap)
 
 
+@per_schedule  # derived once per candidate: the resource check and the estimate both read it
 def block_resources(s: Schedule) -> BlockResources:
     p = s.warp_tile
     if p is not None:  # tensor-core warp-tile kernel: mma fragments, padded cp.async tiles

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 import islpy as isl
 
+from schedulers.memo import per_schedule
 from schedulers.schedule import Schedule
 from smg.expr import names_of
 from smg.ir import SMG, itemsize
@@ -182,6 +183,7 @@ def _box_for(s: Schedule, ext: dict[str, int], step: bool) -> tuple[dict[str, in
     return lo, hi
 
 
+@per_schedule  # derived once per candidate: the estimate reads it for its bytes and for its uncoalesced reads
 def fused_kernel(s: Schedule) -> KernelTraffic:
     """Device-memory bytes of the fused kernel of ``s``, exact over all blocks."""
     smg, plan = s.smg, s.plan

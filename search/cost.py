@@ -30,15 +30,16 @@ Tensor-core warp-tile programs have their own per-step model (``search.warp_tile
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import sympy as sp
 
 from schedulers.hardware import HardwareModel
-from schedulers.resources import block_resources
+from schedulers.resources import BlockResources, block_resources
 from schedulers.schedule import Schedule, input_lane_spread
 from schedulers.traffic import fused_kernel
 from smg.expr import body_expr, parse
@@ -191,8 +192,20 @@ def _barriers_per_step(s: Schedule) -> int:
     return first + second
 
 
-def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
-    """The analytical time estimate of ``s`` on ``hw``."""
+@dataclass(frozen=True)
+class _Occupancy:
+    """What ``estimate`` derives from a block's resources and the grid before its compute and memory terms."""
+
+    res: BlockResources
+    occ: int
+    blocks: int
+    waves: int
+    busy_sms: int
+    thread_util: float
+    wave_util: float
+
+
+def _occupancy(s: Schedule, hw: HardwareModel) -> _Occupancy:
     res = block_resources(s)
     occ = hw.occupancy_blocks_per_sm(res.shared_bytes, res.threads, res.registers_per_thread)
     slots = max(1, occ) * hw.num_sms
@@ -203,15 +216,58 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
     # latency hiding: CUDA cores reach their peak with about half the maximum resident threads
     thread_util = min(1.0, resident / (0.5 * hw.num_sms * hw.max_threads_per_sm))
     wave_util = blocks / (waves * slots) if waves > 1 else 1.0
+    return _Occupancy(res, occ, blocks, waves, busy_sms, thread_util, wave_util)
+
+
+def _simt_compute(s: Schedule, hw: HardwareModel, o: _Occupancy) -> tuple[float, float]:
+    """A CUDA-core schedule's compute seconds and FLOPs."""
     peak = hw.peak_flops("float32", tensor_core=False)
+    flops, shared_b, cached_b = _work(s)
+    util = max(o.thread_util * o.wave_util, 1e-6)
+    # every operand comes from shared memory or the L1/L2 path, not registers: those limit first
+    return max(flops / peak, shared_b / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
+               cached_b / hw.l2_bandwidth_bytes_per_s) / util, flops
+
+
+def _issue_s(hw: HardwareModel, blocks: int) -> float:
+    """The least memory seconds of a CUDA-core grid of ``blocks``: each SM retires and starts its blocks."""
+    return math.ceil(blocks / hw.num_sms) * BLOCK_ISSUE_S
+
+
+def _barrier_s(s: Schedule, hw: HardwareModel, waves: int) -> float:
+    """A CUDA-core schedule's barrier seconds (the first of its sync terms)."""
+    return waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz
+
+
+def _step_latency_s(s: Schedule, waves: int) -> float:
+    """A CUDA-core reduction's exposed step latencies (the last of its sync terms)."""
+    return waves * (s.steps_per_block - 1) * STEP_LATENCY_S if s.plan.states else 0.0
+
+
+def estimate_floor_us(s: Schedule, hw: HardwareModel) -> float:
+    """A lower bound of ``estimate_us(s, hw)`` at a fraction of its cost: for a CUDA-core schedule its compute
+    term, the block-issue floor of its memory term and its sync terms but the L1 sectors' (which is never
+    negative), computed by the same expressions as ``estimate`` (IEEE rounding is monotone, so the bound holds
+    exactly, not only up to rounding); the device-memory footprints (``schedulers.traffic``) and the warp
+    sectors, most of a CUDA-core estimate, are left out.  A warp-tile schedule's floor is the launch alone.
+    ``frontend.schedules.ranked`` estimates a first pick's candidates in the order of this floor and stops where
+    it is above what can reach the head of the order."""
+    if s.warp_tile is not None:
+        return LAUNCH_US
+    o = _occupancy(s, hw)
+    compute_s, _ = _simt_compute(s, hw, o)
+    sync_s = _barrier_s(s, hw, o.waves) + _step_latency_s(s, o.waves)
+    return (max(_issue_s(hw, o.blocks), compute_s) + sync_s) * 1e6 + LAUNCH_US
+
+
+def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
+    """The analytical time estimate of ``s`` on ``hw``."""
+    o = _occupancy(s, hw)
+    res, occ, blocks, waves, busy_sms = o.res, o.occ, o.blocks, o.waves, o.busy_sms
     if s.warp_tile is not None:
         compute_s, flops = warp_tile_time_s(s, hw, occ)
     else:
-        flops, shared_b, cached_b = _work(s)
-        util = max(thread_util * wave_util, 1e-6)
-        # every operand comes from shared memory or the L1/L2 path, not registers: those limit first
-        compute_s = max(flops / peak, shared_b / (hw.smem_bandwidth_bytes_per_s_per_sm * hw.num_sms),
-                        cached_b / hw.l2_bandwidth_bytes_per_s) / util
+        compute_s, flops = _simt_compute(s, hw, o)
     if s.warp_tile is not None:
         # cp.async reads 16-byte chunks (coalesced), and the row tiles of one batch coordinate run
         # side by side, so the tiles they all stream (K, V) come from L2 after the first: the device
@@ -235,12 +291,10 @@ def estimate(s: Schedule, hw: HardwareModel) -> Estimate:
         memory_s = nbytes / (hw.dram_bandwidth_bytes_per_s * max(mem_util, 1e-3))
     else:  # the bytes its resident threads keep in flight bound a CUDA-core kernel (search.simt_memory)
         memory_s = nbytes / dram_bandwidth(s, hw, occ, res.threads, frozenset(unco))
-        memory_s = max(memory_s, math.ceil(blocks / hw.num_sms) * BLOCK_ISSUE_S)
+        memory_s = max(memory_s, _issue_s(hw, blocks))
     # the warp-tile model has each step's barrier in its chain
     sync_s = 0.0 if s.warp_tile is not None else \
-        waves * s.steps_per_block * _barriers_per_step(s) * BARRIER_CYCLES / hw.clock_hz \
-        + l1_sector_seconds(s, k, hw, frozenset(unco)) \
-        + (waves * (s.steps_per_block - 1) * STEP_LATENCY_S if s.plan.states else 0.0)
+        _barrier_s(s, hw, waves) + l1_sector_seconds(s, k, hw, frozenset(unco)) + _step_latency_s(s, waves)
     return Estimate(memory_s, compute_s, sync_s, nbytes, flops, occ)
 
 
@@ -311,3 +365,59 @@ def head_veto(hw: HardwareModel, head: int, estimate_of: Callable[[Schedule], fl
         return f"their compute floor {floor:.1f} us is above {bound:.1f} us, beyond the first {head} candidates"
 
     return veto
+
+
+def within_reach(cands: dict[str, Schedule], hw: HardwareModel, head: int,
+                 estimate_of: Callable[[Schedule], float] | None = None, prefix: int = 0,
+                 shape_of: Callable[[Schedule], Hashable] | None = None, shapes: int = 0) -> dict[str, Schedule]:
+    """The candidates of ``cands`` (by key) that can be: among the first ``head`` of the first round's order
+    (``search.prior.first_round_order``), among its ``prefix`` smallest estimates (by estimate, then key), or
+    the best of its shape (``shape_of``) for one of the ``shapes`` shapes whose best estimates are smallest.
+    The rest are left out without their estimate; each kept one is estimated (``estimate_of``: the caller's
+    memo).  Removing the rest leaves ``first_round_order``'s first ``head``, its ``prefix`` first estimates and
+    the first of each of those shapes in the order where the whole of ``cands`` has them.
+
+    How: candidates are estimated in the order of ``estimate_floor_us``, a lower bound of their estimate; the
+    bound is the largest of (a) the ``head``-th smallest estimate so far times ``1 + TIE`` (why nothing above it
+    reaches the head: ``head_veto``), (b) the ``prefix``-th smallest estimate so far, (c) the ``shapes``-th
+    smallest best-of-a-shape estimate so far.  Each can only fall as more are estimated, so the first candidate
+    whose floor is above it, and every one after, has an estimate above what the whole space's would be: it is
+    none of those.  Why (b) and (c): the prior reorders the ``PRIOR_CANDIDATES`` best estimates as a set, and a
+    family (``frontend.families.kept``) keeps the first schedule of each further grid shape of the order, up to
+    ``shapes`` schedules; past the prior's prefix the order is by estimate, so a shape first met there is met at
+    its best, and every shape with a smaller best is met before it: it is kept only if at most ``shapes - 1``
+    shapes have a smaller best.  A dwconv 7x7 of ConvNeXt-T's first stage
+    has 27,640 candidates of which 4,338 are estimated (H100)."""
+    from search.prior import TIE
+
+    est = estimate_of or (lambda s: estimate_us(s, hw))
+    floors = {k: estimate_floor_us(s, hw) for k, s in cands.items()}
+    best: list[float] = []  # the max(head, prefix) smallest estimates so far, ascending
+    mins: dict[Hashable, float] = {}  # each shape's best estimate so far
+    ranked_mins: list[float] = []  # their values, ascending
+    keep = max(head, prefix)
+    out: dict[str, Schedule] = {}
+    for k in sorted(cands, key=lambda k: (floors[k], k)):
+        bound = math.inf
+        if len(best) >= head and (len(best) >= prefix or not prefix):
+            bound = best[head - 1] * (1 + TIE)
+            if prefix:
+                bound = max(bound, best[prefix - 1])
+            if shape_of is not None and shapes:
+                bound = max(bound, ranked_mins[shapes - 1] if len(ranked_mins) >= shapes else math.inf)
+        if floors[k] > bound:
+            break
+        s = cands[k]
+        e = est(s)
+        out[k] = s
+        bisect.insort(best, e)
+        del best[keep:]
+        if shape_of is not None:
+            shape = shape_of(s)
+            old = mins.get(shape)
+            if old is None or e < old:
+                if old is not None:
+                    del ranked_mins[bisect.bisect_left(ranked_mins, old)]
+                mins[shape] = e
+                bisect.insort(ranked_mins, e)
+    return out

@@ -99,7 +99,7 @@ def _entries(folder: Path, smg: SMG) -> list[dict[str, Any]]:
     return data.get("entries", []) if isinstance(data, dict) else []
 
 
-def _shape(s: Schedule) -> tuple:
+def shape(s: Schedule) -> tuple:
     """What decides a schedule's grid and its work per block: the graph (or fold) it cuts, its block tiles,
     how many blocks or warp groups share one tile's reduction, and its pipeline depth."""
     return s.smg.key, s.block, s.tensor_cores, s.slices, s.split, s.stages
@@ -107,17 +107,17 @@ def _shape(s: Schedule) -> tuple:
 
 def kept(order: list[Schedule]) -> list[Schedule]:
     """What a family keeps of a full ranking: its ``HEAD`` best, then the best schedule of each further grid
-    shape (``_shape``) in rank order, up to ``KEEP`` in all.  Why the second part: the best tiles move with the
+    shape (``shape``) in rank order, up to ``KEEP`` in all.  Why the second part: the best tiles move with the
     sizes (a smaller M fills fewer SMs, and wants smaller tiles or a K split across blocks), and a head of
     one size alone holds few shapes (at M = 1024 the head of BERT's 3072 -> 768 GEMM missed the split that is
     best at M = 512: its estimate 1.34x the full ranking's pick)."""
     out = list(order[:HEAD])
-    shapes = {_shape(s) for s in out}
+    shapes = {shape(s) for s in out}
     for s in order[HEAD:]:
         if len(out) >= KEEP:
             break
-        if _shape(s) not in shapes:
-            shapes.add(_shape(s))
+        if shape(s) not in shapes:
+            shapes.add(shape(s))
             out.append(s)
     return out
 

@@ -59,9 +59,12 @@ def ranked(smg: SMG, hw: HardwareModel | None = None, head: int | None = None) -
     ``RANKED_CACHE`` orders are kept (schedules are immutable; a new list each call).
 
     With ``head``, only the first ``head`` of that order are sure to be there and in place (what a first
-    pick needs): the CUDA-core candidates are not enumerated where their floor is above every estimate that
-    can reach the head (``head_veto``), which leaves those ``head`` exactly as the whole order has them."""
-    from search.cost import either, estimate_us, head_veto, simt_veto
+    pick needs), with what a family keeps of it (``families.kept``) and the prior's scored prefix: the
+    CUDA-core candidates are not enumerated where their floor is above every estimate that can reach the head
+    (``head_veto``), and of those enumerated only the ones whose estimate's lower bound can reach one of those
+    are estimated (``search.cost.within_reach``): a depthwise conv's candidates were estimated by the tens of
+    thousands for a head of five."""
+    from search.cost import either, estimate_us, head_veto, simt_veto, within_reach
     from search.prior import first_round_order, prior_for
     from search.space import SearchSpace
 
@@ -84,6 +87,11 @@ def ranked(smg: SMG, hw: HardwareModel | None = None, head: int | None = None) -
     if head is not None:
         veto = either(veto, head_veto(hw, head, estimate))
     cands = {s.key: s for s in SearchSpace(smg, hw).candidates(skip_simt=veto)}
+    if head is not None:  # only those that can reach the head, the prior's scored prefix or a family's entry
+        from search.prior import PRIOR_CANDIDATES
+        from spacefusion.frontend.families import KEEP, shape
+
+        cands = within_reach(cands, hw, head, estimate, prefix=PRIOR_CANDIDATES, shape_of=shape, shapes=KEEP)
     est = {k: estimate(s) for k, s in cands.items()}
     order = tuple(cands[k] for k in first_round_order(cands, est, prior_for(hw).model))
     _RANKED[key] = order

@@ -33,8 +33,8 @@ from spacefusion.frontend.gemms import (
     match_weight_gradient,
 )
 from spacefusion.frontend.matchers import Context
-from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
 from spacefusion.frontend.norm_stats import match_norm_stats
+from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
 from spacefusion.frontend.records import Subgraph
 from spacefusion.frontend.rope import match_rope
 

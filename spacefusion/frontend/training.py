@@ -23,10 +23,10 @@ A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patter
 (``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
 which torch's ``native_layer_norm_backward`` reads.  What does not: an RMSNorm whose rstd the backward reads (its
 ATen form is primitives, the rsqrt an intermediate), a GPU attention forward whose statistics it reads, GEMMs of
-two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``,
-...), and random ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value
-the backward reads stays with torch (``fused._closed``: only a subgraph's results may be read outside it), so
-every saved activation is still produced.
+two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
+``native_layer_norm_backward``, ...), and random ops (dropout), each with that reason in the report. A fused
+subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
+may be read outside it), so every saved activation is still produced.
 
 Weights are live (``CompiledGraph(live_weights=True)``): an optimiser step writes every one of them in place,
 so a training graph is partitioned and its kernels built once, on the first call, and never again for a
@@ -215,6 +215,16 @@ def _unused(node: fx.Node, *indices: int) -> bool:
     return True
 
 
+def _stats_form(node: fx.Node) -> bool:
+    """Whether ``native_layer_norm`` ``node`` is the form ``norm_stats.match_norm_stats`` builds: over one
+    dim, weight and bias parameters (``get_attr``), float32 where the traced value says (fp16/bf16 on CPU return
+    their statistics in the input's dtype: not wired)."""
+    x, shape, w, b = node.args[:4]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (len(shape) == 1 and all(isinstance(p, fx.Node) and p.op == "get_attr" for p in (w, b))
+            and (val is None or val.dtype == torch.float32))
+
+
 def _take_first(g: fx.Graph, node: fx.Node) -> None:
     """``node``, a call returning a tuple of which only element 0 is read, made to return that element."""
     for u in list(node.users):
@@ -266,6 +276,9 @@ def read_aten(gm: fx.GraphModule) -> int:
                 _take_first(g, node)
                 node.target, node.args = torch.nn.functional.layer_norm, (x, shape, w, b, eps)
                 changed += 1
+            elif not _stats_form(node):
+                _mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
+                      "statistics-saving norm does not take (float32 over the last dim, weight and bias parameters)")
             # else: the LayerNorm whose mean and rstd the backward reads stays whole, for the table's
             # ``norm_stats`` row (``patterns.layernorm_stats``: out, mean and rstd from one kernel)
         elif t in ATTENTION_LSE:

@@ -24,6 +24,25 @@ def layernorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
     return g.build(g.layernorm(x, "n", w, b, eps=eps, name="Y"))
 
 
+def layernorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
+    """``Y = LayerNorm(X) * W + B`` over the last dim, with the rows' statistics as two more outputs: ``Mean``
+    and ``Rstd`` (``1 / sqrt(var + eps)``, the biased variance), each {m}: what ``aten.native_layer_norm``
+    returns beside its output and ``native_layer_norm_backward`` reads, so a training forward's norm can be
+    fused and still feed torch's backward.  The same primitives as ``Builder.layernorm`` (one kernel reducing
+    each row twice), only named so they can be outputs; its own name, so ``layernorm``'s content key stays."""
+    g = Builder("layernorm_stats", dtype)
+    x = g.input("X", {"m": m, "n": n})
+    w, b = g.input("W", {"n": n}), g.input("B", {"n": n})
+    with g.group("Y"):
+        mean = g.scale(g.reduce(x, "n", "sum", name="Y_sum"), 1.0 / n, name="Mean")
+        xc = g.binary("sub", x, mean, name="Y_xc")
+        sq = g.map(f"{xc.name}**2", xc, name="Y_sq")
+        var = g.scale(g.reduce(sq, "n", "sum", name="Y_sqsum"), 1.0 / n, name="Y_var")
+        rstd = g.map(f"1/sqrt({var.name} + {float(eps)!r})", var, name="Rstd")
+        y = g.binary("add", g.binary("mul", g.binary("mul", xc, rstd), w), b, name="Y")
+    return g.build(y, mean, rstd)
+
+
 def rmsnorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-6) -> SMG:
     """``Y = X / sqrt(mean(X^2) + eps) * W`` over the last dim."""
     g = Builder("rmsnorm", dtype)

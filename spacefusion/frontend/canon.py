@@ -78,8 +78,9 @@ FUNCTIONS: dict[Any, str] = {
 METHODS: dict[str, str] = {"clip": "clamp", "concat": "cat"}
 #: ATen ops a pattern anchors on where no torch function spells them, named by their packet as ``canonical``
 #: names every overload: a training step's ATen graph (``frontend.training``) holds torch's CPU flash attention
-#: whole where the backward reads its logsumexp (``table``'s ``attention_lse`` row)
-ATEN_ANCHORS: frozenset[str] = frozenset({"_scaled_dot_product_flash_attention_for_cpu"})
+#: whole where the backward reads its logsumexp (``table``'s ``attention_lse`` row), and ``native_layer_norm``
+#: whole where it reads the mean and rstd (``norm_stats``)
+ATEN_ANCHORS: frozenset[str] = frozenset({"_scaled_dot_product_flash_attention_for_cpu", "native_layer_norm"})
 
 
 def _relu6(node: fx.Node) -> Call:

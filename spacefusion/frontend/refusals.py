@@ -72,7 +72,8 @@ CODES: dict[str, str] = {
     "left.no_pattern": "an op no pattern covers",
     "left.unclassified": "an op whose classification failed",
     # a training step's ATen graphs (``frontend.training``)
-    "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads: the fused norm has no such output",
+    "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads, in a form no statistics-saving "
+                        "norm takes (not float32, several dims, no affine parameters)",
     "left.saved_lse": "attention whose row log-sum-exp the backward reads, where no derived forward outputs it",
     "left.value_gemm": "a GEMM of two graph values in a form no row takes (DeBERTa's content-to-position scores; "
                        "the weight-gradient row takes grad.T @ x)",

@@ -33,6 +33,7 @@ from spacefusion.frontend.gemms import (
     match_weight_gradient,
 )
 from spacefusion.frontend.matchers import Context
+from spacefusion.frontend.norm_stats import match_norm_stats
 from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
 from spacefusion.frontend.records import Subgraph
 from spacefusion.frontend.rope import match_rope
@@ -95,6 +96,9 @@ ROWS: tuple[Row, ...] = (
         ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
     Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),
     Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_norm, ("norm.prologue", "norm.form")),
+    # a training forward's LayerNorm whose mean and rstd the backward reads (``training.read_aten`` leaves
+    # ``native_layer_norm`` whole): out, mean and rstd from one kernel, bound to the op's three elements
+    Row("norm_stats", _ops("native_layer_norm"), match_norm_stats, ("norm.form",)),
     Row("group_norm", _ops("group_norm"), match_group_norm, ("group_norm.form",)),
     Row("max_pool", _ops("max_pool2d"), match_max_pool, ("max_pool.form", "max_pool.input")),
     Row("rope", _ops("add"), match_rope, ("rope.form", "rope.strided")),

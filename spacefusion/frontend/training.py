@@ -17,14 +17,16 @@ backward reads from one kernel: ``attention.match_attention_lse``, which ``read_
 and what the inference table matches where its intermediates are not saved; in the backward, the
 GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear), the weight gradients
 (``grad.T @ x``, GEMMs of two values, with the bias gradient ``grad.sum(0)``: ``gemms.match_weight_gradient``),
-and torch's CPU
-attention backward, replaced by the kernels derived from the attention SMG (``derive_attention_backwards``: fed
-the O and logsumexp the forward saved, which is the derived forward's LSE).  What does not: a norm
-whose mean and rstd the backward reads, a GPU attention forward whose statistics it reads, GEMMs of two graph values in
-another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``, ``native_layer_norm_backward``,
-...), and random ops (dropout), each with that reason in the report.  A fused subgraph whose intermediate value
-the backward reads stays with torch (``fused._closed``: only a subgraph's results may be read outside it), so
-every saved activation is still produced.
+and torch's CPU attention backward, replaced by the kernels derived from the attention SMG
+(``derive_attention_backwards``: fed the O and logsumexp the forward saved, which is the derived forward's LSE).
+A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
+(``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
+which torch's ``native_layer_norm_backward`` reads.  What does not: an RMSNorm whose rstd the backward reads (its
+ATen form is primitives, the rsqrt an intermediate), a GPU attention forward whose statistics it reads, GEMMs of
+two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
+``native_layer_norm_backward``, ...), and random ops (dropout), each with that reason in the report. A fused
+subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
+may be read outside it), so every saved activation is still produced.
 
 Weights are live (``CompiledGraph(live_weights=True)``): an optimiser step writes every one of them in place,
 so a training graph is partitioned and its kernels built once, on the first call, and never again for a
@@ -213,6 +215,16 @@ def _unused(node: fx.Node, *indices: int) -> bool:
     return True
 
 
+def _stats_form(node: fx.Node) -> bool:
+    """Whether ``native_layer_norm`` ``node`` is the form ``norm_stats.match_norm_stats`` builds: over one
+    dim, weight and bias parameters (``get_attr``), float32 where the traced value says (fp16/bf16 on CPU return
+    their statistics in the input's dtype: not wired)."""
+    x, shape, w, b = node.args[:4]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (len(shape) == 1 and all(isinstance(p, fx.Node) and p.op == "get_attr" for p in (w, b))
+            and (val is None or val.dtype == torch.float32))
+
+
 def _take_first(g: fx.Graph, node: fx.Node) -> None:
     """``node``, a call returning a tuple of which only element 0 is read, made to return that element."""
     for u in list(node.users):
@@ -264,9 +276,11 @@ def read_aten(gm: fx.GraphModule) -> int:
                 _take_first(g, node)
                 node.target, node.args = torch.nn.functional.layer_norm, (x, shape, w, b, eps)
                 changed += 1
-            else:
-                _mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads (the fused "
-                      "norm does not output them)")
+            elif not _stats_form(node):
+                _mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
+                      "statistics-saving norm does not take (float32 over the last dim, weight and bias parameters)")
+            # else: the LayerNorm whose mean and rstd the backward reads stays whole, for the table's
+            # ``norm_stats`` row (``patterns.layernorm_stats``: out, mean and rstd from one kernel)
         elif t in ATTENTION_LSE:
             if t is aten._scaled_dot_product_flash_attention_for_cpu.default and _unused(node, 1):
                 q, k, v, *rest = node.args

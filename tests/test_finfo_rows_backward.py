@@ -116,3 +116,20 @@ def test_interpreter_runs_the_split_passes() -> None:
         env |= interpret(schedule(p.smg), {k: env[k] for k in p.smg.inputs})
     for name in ("dQ", "dK", "dV"):
         assert rel_err(env[name].reshape(want[name].shape), want[name]) < 2e-5, name
+
+
+def test_split_passes_build_for_cuda(tmp_path) -> None:
+    """The forward saving both parts and every pass reading them lower to CUDA for sm_90a (nvcc builds the
+    cubins where it exists)."""
+    import shutil
+
+    from spacefusion.api import build, schedule
+
+    bw, *_ = _case("float32")
+    for i, smg in enumerate((bw.forward, *(p.smg for p in backward_passes(bw)))):
+        art = build(schedule(smg), "cuda:sm_90a")
+        assert "__global__" in art.source, smg.name
+        if "LSE_max" in (*smg.inputs, *smg.outputs):
+            assert "LSE_max" in art.source and "LSE_log" in art.source, smg.name
+        if shutil.which("nvcc"):
+            assert (art.save(tmp_path / str(i), cache=None) / "kernel.cubin").stat().st_size > 0

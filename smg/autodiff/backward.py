@@ -154,12 +154,22 @@ def derive_backward(fwd: SMG, wrt: tuple[str, ...] | None = None) -> Backward:
                 adj[w] = adj[w].xreplace({symbol(old): symbol("Delta")})
             notes.append(f"  {old} is named Delta")
     # -- name the recomputed normalised value and the gradients
+    extra_saved: tuple[str, ...] = ()
     if anchor is not None:
         pname, pexpr = anchor
         for n in nodes.values():
             n.body = n.body.xreplace({pexpr: symbol(pname)})
         nodes = {pname: Node(pname, fwd.space(pname).dims, (), pexpr, "recomputed"), **nodes}
         space_dims[pname] = fwd.space(pname).dims
+        split = _split_statistics(fwd, nodes, pname, saved_ops[-1], keep, taken)
+        if split is not None:
+            nodes, split_ops, split_notes = split
+            extra_saved = (saved_ops[-1].out,)  # still an output: torch's attention backward reads it
+            saved_ops += split_ops
+            for op in split_ops:
+                space_dims[op.out] = op.out_index
+                keep.add(op.out)
+            notes += split_notes
     grads = []
     for w in wrt:
         e = adj[w]
@@ -182,11 +192,66 @@ def derive_backward(fwd: SMG, wrt: tuple[str, ...] | None = None) -> Backward:
         notes.append(f"  {op.out}[{', '.join(op.out_index)}] = {red}{op.body}")
     used = set(graph.inputs)
     saved = tuple(s for s in dict.fromkeys([*(o.out for o in saved_ops), *sorted(keep)])
-                  if s in used and s not in fwd.inputs)
+                  if (s in used or s in extra_saved) and s not in fwd.inputs)
     recomputed = [op.out for op in graph.ops if fwd.producer(op.out) is not None]
     notes.append(f"saved by the forward: {', '.join(saved) or '-'}; recomputed: {', '.join(recomputed) or '-'}")
     forward = _with_saved(fwd, saved_ops, saved)
     return Backward(forward, graph, saved, tuple(sw.seeds.items()), tuple(grads), tuple(notes))
+
+
+def _split_statistics(fwd: SMG, nodes: dict[str, Node], pname: str, lse_op: Op, keep: set[str],
+                      taken: set[str]) -> tuple[dict[str, Node], list[Op], list[str]] | None:
+    """The recomputed ``P = exp(X - LSE)`` rewritten to read the row statistics in two parts, where its
+    scores ``X`` add a forward input (a mask or bias the caller fills, HF's ``finfo.min`` included): the
+    forward's own chain ``X`` (its max's operand), ``P_sub = X - LSE_max``, ``P = exp(P_sub - LSE_log)``
+    with ``LSE_max`` the row max and ``LSE_log`` the log of the row sum, saved apart.  Why: for a row whose
+    every score is about ``finfo.min``, ``LSE = max + log(sum)`` rounds to ``max`` (the log part is below
+    its ulp), so ``exp(X - LSE)`` is 1 per key instead of ``1/L`` and dV is L times too big; the
+    differences ``X - max`` are exact (0 for equal fills), as in the forward.  Each node is one two-term
+    operation, so every target evaluates the differences before the log part (a sum of three terms would
+    be evaluated in sympy's argument order).  None (today's single ``LSE``) where ``P``'s exponent reads
+    no forward input (its scores are bounded by the data: plain and causal attention keep their graphs and
+    keys), or where the statistic is not ``max + log(sum)`` or another body reads ``LSE``."""
+    lse = symbol(lse_op.out)
+    body = nodes[pname].body
+    if not isinstance(body, sp.exp) or not (body.free_symbols & {symbol(i) for i in fwd.inputs}):
+        return None
+    if any(lse in n.body.free_symbols for k, n in nodes.items() if k != pname):
+        return None
+    terms = sp.Add.make_args(parse(lse_op.body))
+    stat_max = [t for t in terms if isinstance(t, sp.Symbol)]
+    stat_log = [t.args[0] for t in terms if isinstance(t, sp.log) and isinstance(t.args[0], sp.Symbol)]
+    if len(terms) != 2 or len(stat_max) != 1 or len(stat_log) != 1:
+        return None
+    mx, total = fwd.producer(stat_max[0].name), fwd.producer(stat_log[0].name)
+    if mx is None or mx.combiner != "max" or len(mx.inputs) != 1 or total is None:
+        return None
+    scores = mx.inputs[0].space
+    x = rw.inline(symbol(scores), fwd, keep)
+    rest = sp.expand(body.args[0] + lse)
+    if sp.expand(rest - x) != 0:
+        return None
+    name_max, name_log, name_sub = f"{lse_op.out}_max", f"{lse_op.out}_log", f"{pname}_shift"
+    if {name_max, name_log, name_sub} & (taken | set(nodes)):
+        return None
+    taken |= {name_max, name_log, name_sub}
+    dims, m, total_s = lse_op.out_index, stat_max[0], stat_log[0]
+    ops = [Op("saved", name_max, dims, (Access(m.name, fwd.space(m.name).dims),
+                                        Access(total_s.name, fwd.space(total_s.name).dims)),
+              f"Piecewise(({m}, {total_s} > 0), ({PLUS_INF}, True))"),
+           Op("saved", name_log, dims, (Access(total_s.name, fwd.space(total_s.name).dims),), f"log({total_s})")]
+    sub_dims = fwd.space(scores).dims
+    new = {scores: Node(scores, sub_dims, (), rw.tidy(x), "recomputed"),
+           name_sub: Node(name_sub, sub_dims, (), symbol(scores) - symbol(name_max), "recomputed"),
+           pname: Node(pname, nodes[pname].dims, (), sp.exp(symbol(name_sub) - symbol(name_log)), "recomputed")}
+    new |= {k: n for k, n in nodes.items() if k != pname}
+    notes = [f"saved statistics, in two parts ({pname}'s scores read a forward input, a fill possibly "
+             f"finfo.min, where max + log(sum) loses the log):",
+             f"  {name_max} = {m}, {name_log} = log({total_s}) (+inf both for an empty row); "
+             f"{lse_op.out} = {lse_op.body} still saved",
+             f"  recomputed: {scores} = {rw.tidy(x)}; {name_sub} = {scores} - {name_max}; "
+             f"{pname} = exp({name_sub} - {name_log})"]
+    return new, ops, notes
 
 
 def _solved(saved_ops: list[Op]) -> dict[str, sp.Expr]:

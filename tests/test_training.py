@@ -417,7 +417,8 @@ def test_training_steps_on_gpu_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch
     GEMMs (Q/K/V stacked) and the backward's input gradients ``grad @ W``.  cuBLAS's: the weight gradients
     ``grad.T @ x`` (``CudaBackend.library_first``).  torch's: the GPU attention
     forward and backward (efficient / flash SDPA: their saved statistics are not the derived backward's),
-    norms and their backward, GELU's backward, embeddings."""
+    the norms' backward (their float32 forward is fused with its mean and rstd: row ``norm_stats``), GELU's
+    backward, embeddings."""
     pytest.importorskip("cupy")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

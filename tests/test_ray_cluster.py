@@ -143,7 +143,9 @@ def test_gpu_workers_get_a_gpu_each_and_do_not_start_where_torch_sees_none(clust
     err = capsys.readouterr().err
     assert re.search(r"spacefusion: error: ray\[cuda-local\]: no worker started: ray worker \d, ray worker \d: "
                      r"cannot work: RunnerUnavailable: no GPU: torch sees no CUDA device", err), err
-    assert time.perf_counter() - t0 < 60  # the actors' start (torch imported), not a wait for a GPU
+    # the actors' start (torch imported), not a wait for a GPU: the hang this guards against ran past 300 s;
+    # 60 s was too tight for two actors importing torch on a loaded 2-core machine (91 s measured)
+    assert time.perf_counter() - t0 < 180
 
 
 def test_gpu_workers_on_a_cluster_without_gpus_are_a_clear_error(cluster, monkeypatch) -> None:

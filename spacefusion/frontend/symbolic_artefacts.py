@@ -17,11 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from smg.ir import SMG
-from spacefusion.frontend.families import NEAR, family_key
-from spacefusion.frontend.symbolic_kernels import ROWS
+from spacefusion.frontend.families import family_key
+from spacefusion.frontend.symbolic_kernels import ROWS, others, symbolic_dim
 
 #: the kernel folder's subfolder of symbolic artefacts and their family indexes
 SYMBOLIC = "symbolic"
@@ -37,10 +36,6 @@ def _index(folder: Path, smg: SMG) -> Path:
     return Path(folder) / SYMBOLIC / f"{family_key(smg)[:24]}.json"
 
 
-def _others(smg: SMG) -> dict[str, int]:
-    return {d: n for d, n in sorted(smg.dim_sizes.items()) if d != ROWS}
-
-
 def _entries(folder: Path, smg: SMG) -> list[dict[str, Any]]:
     try:
         data = json.loads(_index(folder, smg).read_text())
@@ -54,29 +49,13 @@ def served(folder: Path, smg: SMG) -> Path | None:
     ``smg``'s rows, every other dim's size equal; None where there is none."""
     if ROWS not in smg.dim_sizes:
         return None
-    m, others, code = smg.dim_sizes[ROWS], _others(smg), _code()
+    m, rest, code = smg.dim_sizes[ROWS], others(smg), _code()
     for e in _entries(folder, smg):
         lo, hi = e.get("range", (0, -1))
         path = Path(folder) / SYMBOLIC / str(e.get("dir"))
-        if e.get("code") == code and e.get("others") == others and lo <= m <= hi and (path / "kernel.json").is_file():
+        if e.get("code") == code and e.get("others") == rest and lo <= m <= hi and (path / "kernel.json").is_file():
             return path
     return None
-
-
-def symbolic_dim(s: Schedule, smg: SMG) -> Any | None:
-    """The ``SymbolicDim`` (rows over ``NEAR`` times their size) ``s`` can be built with for ``smg``, or None:
-    where the lowering refuses it (``lower.symbolic.check``) or ``s`` cuts another graph than ``smg`` (a fold,
-    whose dims are not ``smg``'s: the runtime views tensors at ``smg``'s sizes)."""
-    from spacefusion.lower.symbolic import around, check
-
-    if ROWS not in smg.dim_sizes or s.smg.key != smg.key:
-        return None
-    try:
-        sym = around(s, ROWS, NEAR)
-        check(s, sym)
-    except ScheduleError:
-        return None
-    return sym
 
 
 def artefact_dir(folder: Path, s: Schedule, sym: Any) -> Path:
@@ -89,7 +68,7 @@ def artefact_dir(folder: Path, s: Schedule, sym: Any) -> Path:
 def record(folder: Path, smg: SMG, sym: Any, path: Path) -> None:
     """Add the artefact at ``path`` (built for ``smg``'s family over ``sym``) to the family's index.
     Best-effort: an index that cannot be written costs a later size its own build."""
-    entry = {"range": [sym.lo, sym.hi], "others": _others(smg), "dir": Path(path).name, "code": _code()}
+    entry = {"range": [sym.lo, sym.hi], "others": others(smg), "dir": Path(path).name, "code": _code()}
     keep = [e for e in _entries(folder, smg) if e.get("dir") != entry["dir"]]
     index = _index(folder, smg)
     try:

@@ -29,45 +29,56 @@ from spacefusion.frontend.families import NEAR, family_key
 ROWS = "m"
 
 
-def _others(smg: SMG, dim: str) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted((d, n) for d, n in smg.dim_sizes.items() if d != dim))
+def others(smg: SMG) -> dict[str, int]:
+    """``smg``'s dim sizes but its rows: what must be equal for two graphs of a family to share a kernel."""
+    return {d: n for d, n in sorted(smg.dim_sizes.items()) if d != ROWS}
+
+
+def symbolic_dim(s: Schedule, smg: SMG) -> Any | None:
+    """The ``SymbolicDim`` (rows over ``NEAR`` times their size) ``s`` can be built with for ``smg``, or None:
+    where the lowering refuses it (``lower.symbolic.check``) or ``s`` cuts another graph than ``smg`` (a fold,
+    whose dims are not ``smg``'s: the runtime views tensors at ``smg``'s sizes)."""
+    from spacefusion.lower.symbolic import around, check
+
+    if ROWS not in smg.dim_sizes or s.smg.key != smg.key:
+        return None
+    try:
+        sym = around(s, ROWS, NEAR)
+        check(s, sym)
+    except ScheduleError:
+        return None
+    return sym
 
 
 class SymbolicKernels:
     """The symbolic kernels built so far, by family; ``reused`` names the SMGs served without a build."""
 
-    def __init__(self, dim: str = ROWS, near: float = NEAR) -> None:
-        self.dim, self.near = dim, near
-        self._by_family: dict[str, list[tuple[tuple[tuple[str, int], ...], Any]]] = {}
+    def __init__(self) -> None:
+        self._by_family: dict[str, list[tuple[dict[str, int], Any]]] = {}
         self.reused: list[str] = []
 
     def find(self, smg: SMG) -> Any | None:
         """A kernel built for ``smg``'s family whose range holds ``smg``'s rows, every other size equal; else None."""
-        if self.dim not in smg.dim_sizes:
+        if ROWS not in smg.dim_sizes:
             return None
-        others, size = _others(smg, self.dim), smg.dim_sizes[self.dim]
+        rest, size = others(smg), smg.dim_sizes[ROWS]
         for got, kernel in self._by_family.get(family_key(smg), []):
-            if got == others and kernel.symbolic.contains(size):
+            if got == rest and kernel.symbolic.contains(size):
                 self.reused.append(smg.name)
                 return kernel
         return None
 
     def build(self, s: Schedule, target: str = "llvm") -> Any | None:
         """``s`` built with its rows a run-time size around its SMG's (kept for ``find``), or None where the
-        schedule cannot take them at run time (``lower.symbolic.check``'s refusal)."""
+        schedule cannot take them at run time (``symbolic_dim``)."""
         from spacefusion.api import build
-        from spacefusion.lower.symbolic import around, check
 
-        if self.dim not in s.smg.dim_sizes:
-            return None
-        try:
-            sym = around(s, self.dim, self.near)
-            check(s, sym)
-        except ScheduleError:
+        sym = symbolic_dim(s, s.smg)
+        if sym is None:
             return None
         kernel = build(s, target, symbolic=sym)
-        self._by_family.setdefault(family_key(s.smg), []).append((_others(s.smg, self.dim), kernel))
+        self._by_family.setdefault(family_key(s.smg), []).append((others(s.smg), kernel))
         return kernel
 
 
-__all__ = ["ROWS", "SymbolicKernels"]
+__all__ = ["ROWS", "SymbolicKernels", "others", "symbolic_dim"]

@@ -21,3 +21,15 @@ import pytest
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after a test (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``):
+    a compile of an earlier test (its guards, its recompile counts, automatic dynamic shapes) must not decide
+    what the next test's compile sees.  torch is imported here, not at the top, so tests without it start fast."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -13,11 +13,7 @@ import spacefusion
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _bloom(layers: int = 2) -> torch.nn.Module:

@@ -26,12 +26,7 @@ from torch import nn
 import spacefusion
 from spacefusion.frontend.arrays import round_to, to_numpy, to_torch
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _Attention(nn.Module):

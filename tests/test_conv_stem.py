@@ -24,12 +24,7 @@ import spacefusion
 from smg import patterns
 from smg.reference import evaluate, random_inputs
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _Patchify(nn.Module):

@@ -14,12 +14,7 @@ import spacefusion  # noqa: E402
 from spacefusion.frontend import fuse  # noqa: E402
 from spacefusion.frontend.prologue import PROLOGUE_MIN_ROWS  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -32,11 +32,7 @@ FLOOR = {
 LEFT_CODES = {"deberta_v2": {"left.value_gemm"}, "mixtral": {"left.grouped_mm"}}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_every_model_of_the_script_has_a_floor() -> None:

@@ -11,12 +11,7 @@ from torch import nn
 
 import spacefusion
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class CNBlock(nn.Module):

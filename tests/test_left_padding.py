@@ -14,12 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import spacefusion  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("target", ["reference", "llvm"])

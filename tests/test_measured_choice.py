@@ -24,11 +24,7 @@ from spacefusion.frontend.measure import FUSED, TORCH, Choice
 DECIDED_AFTER = 2 * (measure.WARMUP + measure.SAMPLES)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class FakeTimer:

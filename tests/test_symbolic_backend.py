@@ -15,11 +15,7 @@ from spacefusion.frontend.dynamo import SpaceFusionBackend
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _bert() -> torch.nn.Module:

@@ -17,12 +17,7 @@ transformers = pytest.importorskip("transformers")
 from spacefusion.frontend.dynamo import SpaceFusionBackend  # noqa: E402
 from spacefusion.frontend.training import read_aten  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _ids(b: int, s: int, seed: int = 2) -> torch.Tensor:

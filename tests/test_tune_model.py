@@ -23,11 +23,7 @@ class _Block(torch.nn.Module):
         return self.ln(torch.nn.functional.gelu(self.fc(x)))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_a_model_tuned_on_the_cpu_compiles_from_its_database(tmp_path) -> None:

@@ -21,9 +21,10 @@ and torch's CPU attention backward, replaced by the kernels derived from the att
 (``derive_attention_backwards``: fed the O and logsumexp the forward saved, which is the derived forward's LSE).
 A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
 (``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
-which torch's ``native_layer_norm_backward`` reads.  What does not: an RMSNorm whose rstd the backward reads (its
-ATen form is primitives, the rsqrt an intermediate), a GPU attention forward whose statistics it reads, GEMMs of
-two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
+which torch's ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
+backward reads is ``patterns.rmsnorm_stats``, that rsqrt a kernel output (``norms.match_norm``, ``graph.read_rstd``).
+What does not: such an RMSNorm in fp16/bf16 (``norm.saved_stats``), a GPU attention forward whose statistics it
+reads, GEMMs of two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
 ``native_layer_norm_backward``, ...), and random ops (dropout), each with that reason in the report. A fused
 subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
 may be read outside it), so every saved activation is still produced.

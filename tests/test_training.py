@@ -123,10 +123,10 @@ def test_training_steps_match_eager(name: str, target: str) -> None:
     assert "left.saved_lse" not in text and "left.backward_op" in text and "derived from the SMG" in text, text
 
 
-def test_padded_bert_fuses_its_masked_attention_and_torch_s_backward_reads_its_lse() -> None:
+def test_padded_bert_fuses_its_masked_attention_and_derives_its_backward() -> None:
     """BERT with a padding ``attention_mask`` (the second sequence's last 5 tokens): the forward's attention
-    is fused with the mask as a score mod and saves its LSE; the derived backward takes no mask, so torch's
-    CPU attention backward runs on the fused forward's O and LSE, and every gradient is eager's."""
+    is fused with the mask as a score mod and saves its LSE; the backward is derived with the mask too
+    (``derived_masks``: the row statistics recomputed in two parts), and every gradient is eager's."""
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 11:] = 0
 
@@ -141,7 +141,8 @@ def test_padded_bert_fuses_its_masked_attention_and_torch_s_backward_reads_its_l
     fw, bw = backend.graphs[0].forward, backend.graphs[0].backward
     (att,) = [s for s in fw.partition.subgraphs if s.kind == "attention"]
     assert "+ LSE saved" in att.label and "+ bias" in att.label, att.label
-    assert not bw.derived and bw.partition.left_codes()["left.derived_backward"] >= 1, str(backend)
+    assert len(bw.derived) == 1 and " masked: the derived forward" in bw.derived[0], str(backend)
+    assert not bw.partition.left_codes()["left.derived_backward"], str(backend)
 
 
 def test_an_attention_backward_whose_kernels_cannot_be_built_is_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -128,3 +128,18 @@ def test_the_rstd_saving_rmsnorm_lowers_to_cuda(tmp_path) -> None:
     assert "__global__" in art.source
     if shutil.which("nvcc"):
         assert (art.save(tmp_path / "rmsnorm_stats", cache=None) / "kernel.cubin").stat().st_size > 0
+
+
+def test_a_bf16_llama_s_rmsnorms_are_refused_with_why() -> None:
+    """bf16 LLaMA: ``LlamaRMSNorm`` casts x to float32 for the rsqrt the backward saves and the result back to
+    bf16 before its weight: each of the forward's 3 norms left to torch with ``norm.saved_stats``."""
+    model = _decoder("llama").to(torch.bfloat16)
+    backend = SpaceFusionBackend("reference")
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    torch.compile(model, backend=backend, dynamic=False)(input_ids=ids).last_hidden_state.float().pow(2).mean() \
+        .backward()
+    fw = backend.graphs[0].forward
+    assert not _rms_norms(fw), str(backend)
+    refused = [op for op in fw.partition.left if op.code == "norm.saved_stats"]
+    assert len(refused) == 3 and all("bfloat16 to bfloat16 with a float32 rstd" in op.reason for op in refused), \
+        str(backend)

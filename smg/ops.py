@@ -577,11 +577,16 @@ class Builder:
         """RMSNorm over ``dim``: x / sqrt(mean(x^2) + eps) * weight."""
         base = name or f"{x.name}_rmsnorm"
         with self.group(base):
-            sq = self.map(f"{x.name}**2", x, name=f"{base}_sq")
-            ms = self.scale(self.reduce(sq, dim, "sum", name=f"{base}_sqsum"), 1.0 / self.dims[dim],
-                            name=f"{base}_ms")
-            rstd = self.map(f"1/sqrt({ms.name} + {float(eps)!r})", ms, name=f"{base}_rstd")
+            rstd = self.rms_rstd(x, dim, eps, base)
             return self._affine(self.binary("mul", x, rstd, name=None if weight else name), weight, None, name)
+
+    def rms_rstd(self, x: Tensor, dim: str, eps: float, base: str, name: str | None = None) -> Tensor:
+        """RMSNorm's row statistic ``1 / sqrt(mean(x^2 over dim) + eps)`` (``{base}_sq``, ``{base}_sqsum``,
+        ``{base}_ms``, then ``name`` or ``{base}_rstd``): ``rmsnorm``'s, and what a training forward's RMSNorm
+        outputs for its backward (``patterns.rmsnorm_stats``), so both spell it once."""
+        sq = self.map(f"{x.name}**2", x, name=f"{base}_sq")
+        ms = self.scale(self.reduce(sq, dim, "sum", name=f"{base}_sqsum"), 1.0 / self.dims[dim], name=f"{base}_ms")
+        return self.map(f"1/sqrt({ms.name} + {float(eps)!r})", ms, name=name or f"{base}_rstd")
 
     def _affine(self, y: Tensor, weight: Tensor | None, bias: Tensor | None, name: str | None) -> Tensor:
         if weight is not None:

@@ -50,6 +50,27 @@ def rmsnorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-6) -> SMG:
     return g.build(g.rmsnorm(x, "n", g.input("W", {"n": n}), eps=eps, name="Y"))
 
 
+def rmsnorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-6, residual: bool = False,
+                  keep_sum: bool = False) -> SMG:
+    """``Y = T * Rstd * W`` with ``Rstd = 1 / sqrt(mean(T^2) + eps)`` ({m}) a second output, over the last dim of
+    ``T = X`` (``residual``: ``T = X + R``, and ``keep_sum``: T a third output, the residual stream the next
+    block reads): a training forward's RMSNorm, whose rsqrt the backward reads (aot_autograd traces LLaMA's
+    ``LlamaRMSNorm`` and ``F.rms_norm`` as primitives and saves that rsqrt), fused and still feeding torch's
+    backward, as ``layernorm_stats`` does for LayerNorm.  ``Builder.rmsnorm``'s primitives, the statistic
+    named so it can be an output; its own name, so ``rmsnorm``'s content key stays."""
+    name = f"{'residual_' if residual else ''}rmsnorm{'_sum' if keep_sum else ''}_stats"
+    if keep_sum and not residual:
+        raise ValueError(f"{name}: the sum T is kept only where there is one (residual=True)")
+    g = Builder(name, dtype)
+    x = g.input("X", {"m": m, "n": n})
+    t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
+    w = g.input("W", {"n": n})
+    with g.group("Y"):
+        rstd = g.rms_rstd(t, "n", eps, "Y", name="Rstd")
+        y = g.binary("mul", g.binary("mul", t, rstd, name="Y_n"), w, name="Y")
+    return g.build(y, rstd, *((t,) if keep_sum else ()))
+
+
 def residual_layernorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
     """``Y = LayerNorm(X + R) * W + B`` (seed 004's example)."""
     g = Builder("residual_layernorm", dtype)

@@ -118,10 +118,10 @@ def test_training_steps_match_eager(name: str, target: str) -> None:
     assert "left.saved_lse" not in text and "left.backward_op" in text and "derived from the SMG" in text, text
 
 
-def test_padded_bert_fuses_its_masked_attention_and_torch_s_backward_reads_its_lse() -> None:
+def test_padded_bert_fuses_its_masked_attention_and_derives_its_backward() -> None:
     """BERT with a padding ``attention_mask`` (the second sequence's last 5 tokens): the forward's attention
-    is fused with the mask as a score mod and saves its LSE; the derived backward takes no mask, so torch's
-    CPU attention backward runs on the fused forward's O and LSE, and every gradient is eager's."""
+    is fused with the mask as a score mod and saves its LSE; the backward is derived with the mask too
+    (``derived_masks``: the row statistics recomputed in two parts), and every gradient is eager's."""
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 11:] = 0
 
@@ -136,7 +136,8 @@ def test_padded_bert_fuses_its_masked_attention_and_torch_s_backward_reads_its_l
     fw, bw = backend.graphs[0].forward, backend.graphs[0].backward
     (att,) = [s for s in fw.partition.subgraphs if s.kind == "attention"]
     assert "+ LSE saved" in att.label and "+ bias" in att.label, att.label
-    assert not bw.derived and bw.partition.left_codes()["left.derived_backward"] >= 1, str(backend)
+    assert len(bw.derived) == 1 and " masked: the derived forward" in bw.derived[0], str(backend)
+    assert not bw.partition.left_codes()["left.derived_backward"], str(backend)
 
 
 def test_an_attention_backward_whose_kernels_cannot_be_built_is_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,16 +161,18 @@ def test_an_attention_backward_whose_kernels_cannot_be_built_is_torch_s(monkeypa
 
 
 def test_saved_values_stay_outputs_of_the_forward() -> None:
-    """LLaMA's RMSNorm matches the norm pattern, but the backward reads its rsqrt: the fused subgraph would
-    swallow a saved value, so it is left to torch (and the gradients, compared above, are right)."""
+    """LLaMA's RMSNorms: the backward reads each one's rsqrt, an intermediate of the norm pattern, so the fused
+    norm outputs it (``Rstd``, bound to the rsqrt node: issue 58) and no fused subgraph swallows a saved value
+    (``fused._closed`` would leave one to torch: "its internal values are read outside it")."""
     model = _model("llama")
     eager = copy.deepcopy(model)
     backend = SpaceFusionBackend("reference")
     _compare(_train(model, torch.compile(model, backend=backend, dynamic=False), steps=1),
              _train(eager, eager, steps=1))
-    left = backend.graphs[0].forward.partition.left
-    assert any("norm" in op.op and "internal values are read outside it" in op.reason for op in left), \
-        str(backend)
+    fw = backend.graphs[0].forward
+    saved = [r.node for s in fw.partition.subgraphs for r in s.results if r.space == "Rstd"]
+    assert len(saved) == 3 and all(n.startswith("rsqrt") for n in saved), str(backend)
+    assert not any("internal values are read outside it" in op.reason for op in fw.partition.left), str(backend)
 
 
 def test_a_backward_nothing_matches_still_trains() -> None:

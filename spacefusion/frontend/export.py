@@ -33,7 +33,8 @@ FUNCTIONS: dict[Any, Any] = {
     aten.scaled_dot_product_attention.default: torch._C._nn.scaled_dot_product_attention,
     aten.dropout.default: F.dropout, aten.addmm.default: torch.addmm, aten.conv2d.default: torch.conv2d,
     aten.cat.default: torch.cat, aten.pow.Tensor_Scalar: torch.pow, aten.embedding.default: F.embedding,
-    aten.add.Tensor: operator.add, aten.mul.Tensor: operator.mul, aten.sub.Tensor: operator.sub,
+    aten.add.Tensor: operator.add, aten.add.Scalar: operator.add, aten.mul.Tensor: operator.mul,
+    aten.sub.Tensor: operator.sub,
     aten.div.Tensor: operator.truediv, aten.neg.default: operator.neg, aten.rms_norm.default: F.rms_norm,
     # what attention masks are built from (``maskexpr`` reads them back as index expressions)
     aten.arange.default: torch.arange, aten.ge.Scalar: operator.ge, aten.ge.Tensor: operator.ge,
@@ -75,7 +76,7 @@ def canonicalize(gm: fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         t = node.target
-        if t in (aten.add.Tensor, aten.sub.Tensor) and node.kwargs.get("alpha", 1) != 1:
+        if t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor) and node.kwargs.get("alpha", 1) != 1:
             continue
         if t in FUNCTIONS:
             node.args, node.kwargs = _ARGS[t](node.args, dict(node.kwargs)) if t in _ARGS else (node.args, node.kwargs)

@@ -467,6 +467,14 @@ def norm_of(node: fx.Node, gm: fx.GraphModule) -> Norm | None:
     return None
 
 
+def read_rstd(nm: Norm, node: fx.Node) -> fx.Node | None:
+    """The rsqrt of an RMSNorm written in ops (``nm``, ending at ``node``) where a node outside the norm reads it,
+    else None: a training forward's, whose rsqrt aot_autograd saves for the backward (``match_norm`` then
+    outputs it, ``patterns.rmsnorm_stats``; a GEMM prologue, which outputs no statistic, does not take it)."""
+    inside = {*nm.inner, node}
+    return next((n for n in nm.inner if is_op(n, "rsqrt") and any(u not in inside for u in n.users)), None)
+
+
 _TO_FLOAT = frozenset({"to", "float", "half", "bfloat16", "type_as"})
 
 

@@ -18,9 +18,9 @@ from spacefusion.frontend.records import Result, Subgraph
 NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
 
 
-def _result(space: str, node: fx.Node) -> Result:
-    """``space`` standing for ``node`` in the node's shape and strides (mean and rstd are [..., 1]: the SMG's
-    {m} viewed back, a copy only where torch's strides differ, ``Result.strides``)."""
+def stats_result(space: str, node: fx.Node) -> Result:
+    """``space`` standing for ``node`` in the node's shape and strides (a norm's saved statistics are
+    [..., 1]: the SMG's {m} viewed back, a copy only where torch's strides differ, ``Result.strides``)."""
     meta = node.meta["tensor_meta"]
     return Result(space, node.name, tuple(meta.shape), strides=tuple(meta.stride))
 
@@ -53,6 +53,6 @@ def match_norm_stats(node: fx.Node, ctx: Context) -> Subgraph | None:
     if smg is None:
         return None
     ops = (_value("X", x, (m, n)), _param("W", wref, (n,)), _param("B", bref, (n,)))
-    results = tuple(_result(space, got[i]) for i, space in enumerate(("Y", "Mean", "Rstd")))
+    results = tuple(stats_result(space, got[i]) for i, space in enumerate(("Y", "Mean", "Rstd")))
     label = f"layernorm + mean/rstd saved {m}x{n} {dt}"
     return Subgraph("norm", label, (node.name, *(u.name for u in got.values())), smg, ops, results)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import fx
 
 from smg import patterns
@@ -18,12 +20,14 @@ from spacefusion.frontend.graph import (
     groupnorm_of,
     is_function,
     norm_of,
+    read_rstd,
     rows,
     shape,
     single_user,
 )
 from spacefusion.frontend.guard import clamp_of, guard_of, guarded
 from spacefusion.frontend.matchers import Context, _build, _param, _subgraph, _value
+from spacefusion.frontend.norm_stats import stats_result
 from spacefusion.frontend.records import Result, Subgraph
 
 
@@ -83,7 +87,15 @@ def _per_channel_shift(x: fx.Node, norm: fx.Node, ctx: Context) -> tuple[fx.Node
 
 def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     """LayerNorm / RMSNorm over the last dim -> ``norm``; when its input is ``a + b`` of one shape the add
-    is fused too (``residual_norm``), and the sum is a second output where something else reads it."""
+    is fused too (``residual_norm``), and the sum is a second output where something else reads it.
+
+    An RMSNorm written in ops whose rsqrt is read outside it (a training forward's: aot_autograd saves it for
+    the backward, ``graph.read_rstd``) outputs it too, ``Rstd`` bound to the rsqrt node in torch's shape and
+    strides ([..., 1]), so the backward reads it unchanged (``patterns.rmsnorm_stats``, residual add and kept
+    sum as above); where the norm is not float32 through (fp16/bf16 LLaMA and ``F.rms_norm`` cast to float32
+    for the statistics, and the SMG's operands are one dtype, bound uncast), or has an offset weight, a guard or
+    a clamp, it is refused with ``norm.saved_stats`` (fused, it would not be closed: its saved rsqrt an
+    intermediate)."""
     nm = norm_of(node, ctx.gm)
     if nm is None or not ctx.free(node, *nm.inner):
         return None
@@ -107,9 +119,17 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
                 and all(shape(a) == xs for a in add.args))
     clip = clip if residual else None
     keep_sum = (residual or guard is not None) and any(u is not node and u not in nm.inner for u in x.users)
+    rstd = read_rstd(nm, node)
+    if rstd is not None and ({dtype(x), dt, dtype(rstd)} != {"float32"} or nm.offset or guard or clip):
+        ctx.refuse(node, "norm.saved_stats",
+                   f"an RMSNorm whose rstd the backward reads, of {dtype(x)} to {dt} with a {dtype(rstd)} rstd"
+                   f"{' and an offset weight' if nm.offset else ''}"
+                   f"{' after a guard or clamp' if guard or clip else ''}:"
+                   " the statistics-saving pattern takes float32 through, a plain weight, no guard or clamp")
+        return None
     m, n = rows(xs), xs[-1]
     smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset,
-                                                  guard, clip[1:] if clip else None))
+                                                  guard, clip[1:] if clip else None, stats=rstd is not None))
     if smg is None:
         return None
     if residual:
@@ -123,9 +143,14 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     weight = f" ({nm.offset:g} + w)" if nm.offset else ""
     kept = " (clamped kept)" if (guard or clip) and keep_sum else " (sum kept)" if keep_sum else ""
     first = "add + clamp + " if clip else "add + " if residual else "inf guard + " if guard else ""
-    label = f"{first}{nm.kind}{weight}{kept} {m}x{n} {dt}"
+    saved = " + rstd saved" if rstd is not None else ""
+    label = f"{first}{nm.kind}{weight}{kept}{saved} {m}x{n} {dt}"
     nodes = (*((add, x) if clip else (x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
-    return _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x})
+    sub = _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x, "Rstd": rstd})
+    if rstd is None:
+        return sub
+    return dataclasses.replace(sub, results=tuple(stats_result(r.space, rstd) if r.space == "Rstd" else r
+                                                  for r in sub.results))
 
 
 def _clamped_sum(x: object, ctx: Context) -> tuple[fx.Node, float, float] | None:

@@ -35,7 +35,17 @@ from dataclasses import dataclass
 from torch import fx
 
 from spacefusion.frontend.gated import gated_of
-from spacefusion.frontend.graph import ADD, dtype, is_function, linear_of, norm_of, rows, shape, single_user
+from spacefusion.frontend.graph import (
+    ADD,
+    dtype,
+    is_function,
+    linear_of,
+    norm_of,
+    read_rstd,
+    rows,
+    shape,
+    single_user,
+)
 from spacefusion.frontend.guard import clamp_of, guard_of
 
 #: the fewest rows a norm's GEMMs take it as their prologue (the module's docstring says why)
@@ -65,7 +75,7 @@ def prologues(gm: fx.GraphModule) -> dict[str, Prologue]:
         nm = norm_of(node, gm) if node.op.startswith("call_") else None
         if nm is None or nm.kind != "rmsnorm" or nm.dims != 1 or not isinstance(nm.x, fx.Node):
             continue
-        if dtype(node) is None or shape(nm.x) != shape(node) or not node.users:
+        if dtype(node) is None or shape(nm.x) != shape(node) or not node.users or read_rstd(nm, node) is not None:
             continue
         if shape(node) is None or rows(shape(node)) < PROLOGUE_MIN_ROWS:
             continue

@@ -50,6 +50,8 @@ CODES: dict[str, str] = {
     # norms
     "norm.prologue": "a norm read only by linears: their GEMMs' prologue",
     "norm.form": "a norm over several dims or without its affine parameters",
+    "norm.saved_stats": "a training forward's RMSNorm whose rstd the backward reads, in a form the statistics-saving "
+                        "pattern does not take (not float32 through: fp16/bf16; an offset weight, a guard or a clamp)",
     "group_norm.form": "a GroupNorm of an unsupported rank or with one affine parameter",
     # element-wise patterns
     "rope.form": "a rotate-half RoPE in all but a detail",

@@ -95,7 +95,9 @@ ROWS: tuple[Row, ...] = (
     Row("conv", _ops("conv1d", "conv2d"), match_conv,
         ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
     Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),
-    Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_norm, ("norm.prologue", "norm.form")),
+    # (a training forward's RMSNorm whose rsqrt the backward reads: that rsqrt a third output, ``Rstd``)
+    Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_norm,
+        ("norm.prologue", "norm.form", "norm.saved_stats")),
     # a training forward's LayerNorm whose mean and rstd the backward reads (``training.read_aten`` leaves
     # ``native_layer_norm`` whole): out, mean and rstd from one kernel, bound to the op's three elements
     Row("norm_stats", _ops("native_layer_norm"), match_norm_stats, ("norm.form",)),

@@ -18,12 +18,14 @@ and what the inference table matches where its intermediates are not saved; in t
 GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every linear), the weight gradients
 (``grad.T @ x``, GEMMs of two values, with the bias gradient ``grad.sum(0)``: ``gemms.match_weight_gradient``),
 and torch's CPU attention backward, replaced by the kernels derived from the attention SMG
-(``derive_attention_backwards``: fed the O and logsumexp the forward saved, which is the derived forward's LSE).
+(``derive_attention_backwards``: fed the O and logsumexp the forward saved, which is the derived forward's LSE;
+masked, the mask as a score mod and the row statistics recomputed in two parts: ``derived_masks``).
 A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
 (``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
-which torch's ``native_layer_norm_backward`` reads.  What does not: an RMSNorm whose rstd the backward reads (its
-ATen form is primitives, the rsqrt an intermediate), a GPU attention forward whose statistics it reads, GEMMs of
-two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
+which torch's ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
+backward reads is ``patterns.rmsnorm_stats``, that rsqrt a kernel output (``norms.match_norm``, ``graph.read_rstd``).
+What does not: such an RMSNorm in fp16/bf16 (``norm.saved_stats``), a GPU attention forward whose statistics it
+reads, GEMMs of two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
 ``native_layer_norm_backward``, ...), and random ops (dropout), each with that reason in the report. A fused
 subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
 may be read outside it), so every saved activation is still produced.
@@ -40,6 +42,7 @@ costs.  The report counts the calls that read moved weights ("weights read again
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -319,37 +322,57 @@ CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.d
 class DerivedAttentionBackward(nn.Module):
     """torch's CPU flash attention backward as the kernels ``smg.autodiff.derive_backward`` derives from the
     attention SMG and ``schedulers.passes.backward_passes`` cuts (Delta, dQ, dK_dV), each built by the
-    stage's kernel backend.  Takes the backward op's (grad_out, q, k, v, out, logsumexp) and returns (dQ, dK,
-    dV) in q's, k's and v's shapes, strides and dtypes: O and LSE are those torch's forward saved."""
+    stage's kernel backend.  Takes the backward op's (grad_out, q, k, v, out, logsumexp) and, masked, its
+    ``attn_mask``, and returns (dQ, dK, dV) in q's, k's and v's shapes, strides and dtypes: O and LSE are those
+    torch's forward saved.  Masked (``mask``: the ``Mask`` operand's binding, ``stats``: the derived forward's
+    kernel), the passes read the row max and log-sum apart, which the derived forward recomputes first
+    (``derived_masks`` says why)."""
 
-    def __init__(self, bw: Any, passes: Sequence[Any], kernels: Sequence[Any]) -> None:
+    def __init__(self, bw: Any, passes: Sequence[Any], kernels: Sequence[Any], mask: Any = None,
+                 stats: Any = None) -> None:
         super().__init__()
         self.passes, self.kernels = tuple(passes), tuple(kernels)
+        self.mask, self.stats = mask, (stats,) if stats is not None else ()  # a tuple: not a submodule
         self.seed = dict(bw.seeds)["O"]
         self.grads = dict(bw.grads)
         sizes = bw.graph.dim_sizes
         spaces = {sp.name: sp for g in (bw.forward, bw.graph) for sp in g.spaces}
         self.shapes = {n: tuple(sizes[d] for d in spaces[n].dims) for p in self.passes for n in p.smg.inputs}
+        self.shapes |= {n: tuple(sizes[d] for d in spaces[n].dims) for n in bw.forward.inputs}
+        self.recomputed = tuple(n for n in bw.forward.outputs if n not in ("O", "LSE"))
 
     def forward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if any(isinstance(x, FakeTensor) for x in (grad_out, q, k, v)):  # shape propagation: no kernel runs
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         env = {"Q": q, "K": k, "V": v, "O": out, "LSE": lse, self.seed: grad_out}
+        if self.mask is not None:
+            from spacefusion.frontend.derived_masks import bind_mask
+
+            env["Mask"] = bind_mask(mask, self.mask)
+        for stats in self.stats:  # the row statistics in two parts (O and LSE stay the forward's)
+            got = stats({n: env[n].contiguous().reshape(self.shapes[n]) for n in self.stats_inputs})
+            env |= {n: got[n] for n in self.recomputed}
         for p, kernel in zip(self.passes, self.kernels):
             env |= kernel({n: env[n].contiguous().reshape(self.shapes[n]) for n in p.smg.inputs})
         # each gradient laid out as its input (torch's op does so, and the graph's views after it rely on it)
         return tuple(torch.empty_like(x).copy_(env[self.grads[n]].reshape(x.shape))
                      for n, x in (("Q", q), ("K", k), ("V", v)))
 
+    @property
+    def stats_inputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.shapes if n in ("Q", "K", "V", "Mask"))
+
 
 def _derived_form(node: fx.Node) -> tuple[tuple | None, str]:
-    """(the derived attention's key: batch, heads, kv heads, m, l, d, causal, scale, dtype; or None, why not)."""
+    """(the derived attention's key: batch, heads, kv heads, m, l, d, causal, scale, dtype, and the mask's
+    score mod and operand or None; or None, why not)."""
     grad_out, q, k, v, out, lse, *rest = node.args
     dropout, causal = (list(rest) + [0.0, False])[:2]
     vals = [x.meta.get("val") if isinstance(x, fx.Node) else None for x in (q, k, v)]
-    if dropout or node.kwargs.get("attn_mask") is not None:
-        return None, "attention with dropout or a mask: the derived backward takes neither yet"
+    if dropout:
+        return None, "attention with dropout: random, the derived backward does not take it"
     if any(x is None or x.dim() != 4 for x in vals):
         return None, "attention on tensors that are not [batch, heads, seq, head_dim]"
     (b, h, m, d), (_, hk, n, dk), (_, hv, nv, dv) = (tuple(x.shape) for x in vals)
@@ -359,8 +382,17 @@ def _derived_form(node: fx.Node) -> tuple[tuple | None, str]:
     if dtype is None or not all(isinstance(z, int) for z in (b, h, m, d, hk, n)) or dk != d or dv != d \
             or hv != hk or nv != n or h % hk:
         return None, "attention of unequal head dims, symbolic sizes or an unsupported dtype"
+    masked = None
+    if node.kwargs.get("attn_mask") is not None:
+        from spacefusion.frontend.derived_masks import backward_mask
+
+        masked = backward_mask(node.kwargs["attn_mask"], (b, h, m, n), hk, dtype)
+        if isinstance(masked, str):
+            return None, masked
+        mod, operand = masked
+        masked = (mod, dataclasses.replace(operand, ref=""))  # the form, not the node: a cache key
     scale = node.kwargs.get("scale")
-    return (b, h, hk, m, n, d, bool(causal), 1.0 / d**0.5 if scale is None else float(scale), dtype), ""
+    return (b, h, hk, m, n, d, bool(causal), 1.0 / d**0.5 if scale is None else float(scale), dtype, masked), ""
 
 
 def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, Any]) -> list[str]:
@@ -378,22 +410,27 @@ def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tup
             continue
         key, why = _derived_form(node)
         if key is not None and key not in cache:
-            b, h, hk, m, n, d, causal, scale, dtype = key
+            b, h, hk, m, n, d, causal, scale, dtype, masked = key
             try:
-                bw = derive_backward(attention(b, h, m, n, d, kv_heads=hk, causal=causal, dtype=dtype, scale=scale))
+                g = attention(b, h, m, n, d, kv_heads=hk, causal=causal, dtype=dtype, scale=scale,
+                              mods=(masked[0],) if masked else ())
+                bw = derive_backward(g, wrt=("Q", "K", "V"))
                 passes = backward_passes(bw)
-                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
+                stats = kernels.compile(bw.forward) if masked else None
+                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes], stats)
             except Exception as exc:  # not derivable or not schedulable for this shape: torch's op, said so
                 cache[key] = f"its derived kernels could not be built: {type(exc).__name__}: {first_line(exc)}"
         found = cache.get(key) if key is not None else why
         if isinstance(found, str):
             _mark(node, "left.derived_backward", f"torch's attention backward: {found}")
             continue
-        bw, passes, built = found
+        bw, passes, built, stats = found
+        masked = key[-1]
         name = f"derived_attention_backward_{len(lines)}"
-        gm.add_submodule(name, DerivedAttentionBackward(bw, passes, built))
+        gm.add_submodule(name, DerivedAttentionBackward(bw, passes, built, masked[1] if masked else None, stats))
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(name, tuple(node.args[:6]))
+            args = (*node.args[:6], *((node.kwargs["attn_mask"],) if masked else ()))
+            call = gm.graph.call_module(name, args)
         call.meta = dict(node.meta)
         call.meta.pop(META, None)
         call.meta[DERIVED] = True
@@ -402,10 +439,12 @@ def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tup
         for u in call.users:  # its gradients' getitems: part of the derived call, not a backward op left
             u.meta.pop(META, None)
             u.meta[DERIVED] = True
-        b, h, hk, m, n, d, causal, _, dtype = key
+        b, h, hk, m, n, d, causal, _, dtype, _ = key
         heads = f"h{h}" + (f" (kv {hk})" if hk != h else "")
-        lines.append(f"attention backward b{b} {heads} m{m} l{n} d{d} {dtype}{' causal' if causal else ''}: "
-                     f"{len(passes)} kernels ({', '.join(p.name for p in passes)})")
+        what = f"{' causal' if causal else ''}{' masked' if masked else ''}"
+        first = "the derived forward for the row max and log-sum apart, then " if masked else ""
+        lines.append(f"attention backward b{b} {heads} m{m} l{n} d{d} {dtype}{what}: "
+                     f"{first}{len(passes)} kernels ({', '.join(p.name for p in passes)})")
     gm.graph.lint()
     gm.recompile()
     return lines

@@ -320,11 +320,12 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     for n in nodes:
         members.setdefault(unit[n.name], []).append(n)
     deps = {u: {unit[i.name] for m in ms for i in m.all_input_nodes} - {u} for u, ms in members.items()}
+    prio = {u: max(index[m.name] for m in ms) for u, ms in members.items()}
+    _order_in_place_writes(kernels, by_name, unit, index, prio, deps)
     users: dict[tuple, set] = {u: set() for u in members}
     for u, ds in deps.items():
         for d in ds:
             users[d].add(u)
-    prio = {u: max(index[m.name] for m in ms) for u, ms in members.items()}
     ready = [(prio[u], u) for u, ds in deps.items() if not ds]
     heapq.heapify(ready)
     graph, env = fx.Graph(), {}
@@ -363,6 +364,25 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
         if n.op == "get_attr" and n in env:
             _copy_attr(gm, root, n.target)
     return fx.GraphModule(root, graph, gm.__class__.__name__ + "Fused")
+
+
+def _order_in_place_writes(kernels: list[FusedKernel], by_name: dict[str, fx.Node], unit: dict[str, tuple],
+                           index: dict[str, int], prio: dict[tuple, int], deps: dict[tuple, set]) -> None:
+    """Add to ``deps`` the order a kernel's in-place writes (``Subgraph.writes``: a KV cache) need, which no
+    data edge carries: the attention reads the cache input itself, not the kernel's (absent) result.  A unit
+    reading a written value after the kernel's last node in the graph waits for the kernel; one reading it
+    before is waited for."""
+    for k, fk in enumerate(kernels):
+        me = ("k", k)
+        for name in fk.sub.writes:
+            for reader in by_name[name].users:
+                other = unit[reader.name]
+                if other == me:
+                    continue
+                if index[reader.name] > prio[me]:
+                    deps[other].add(me)
+                else:
+                    deps[me].add(other)
 
 
 def _copy_attr(src: nn.Module, dst: nn.Module, qualified: str) -> None:

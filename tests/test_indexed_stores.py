@@ -175,3 +175,29 @@ def test_cuda_store_kernel_compiles_and_its_artefact_loads(tmp_path: Path) -> No
     art = KernelArtefact.load(folder)
     assert [p.name for p in art.outputs] == []
     assert {p.name for p in art.inputs} == {"X", "Cos", "Sin", "V", "Kc", "Vc", "Pos"}
+
+
+def test_the_rewrite_orders_other_readers_of_a_written_cache_around_the_kernel() -> None:
+    """No data edge links a cache write to the attention reading the cache input: the rewrite's order does.
+    A reader after the kernel's last node waits for the kernel; one before it is waited for."""
+    from types import SimpleNamespace
+
+    from torch import fx
+
+    from spacefusion.frontend.fused import _order_in_place_writes
+
+    graph = fx.Graph()
+    cache, k = graph.placeholder("cache"), graph.placeholder("k")
+    early = graph.call_method("sum", (cache,))  # reads the cache before the write
+    write = graph.call_method("index_copy_", (cache, 2, k, k))
+    late = graph.call_method("mean", (cache,))  # reads it after
+    graph.output((early, late))
+    nodes = list(graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    kernel = SimpleNamespace(sub=SimpleNamespace(writes=("cache",)))
+    unit = {n.name: ("n", n.name) for n in nodes} | {write.name: ("k", 0)}
+    prio = {u: index[name] for name, u in unit.items()}
+    deps: dict[tuple, set] = {u: set() for u in unit.values()}
+    _order_in_place_writes([kernel], by_name, unit, index, prio, deps)
+    assert deps[("n", late.name)] == {("k", 0)} and deps[("k", 0)] == {("n", early.name)}

@@ -5,15 +5,17 @@ the cache is the caller's tensor, written in place, and ``Pos`` an int64 vector 
 ops stay what they were (the kernel computes ``K`` over its own iteration space, sliced as before); only where
 its elements land changes, so an ``IndexedStore`` is not an op but a property of one output: the output is
 not returned, its elements go to ``into`` (a kernel parameter of ``length`` positions along ``dim``, its dims
-in ``layout`` order) at ``positions[i]`` for element ``i`` of ``dim``.  The lowering rewrites the output's
+in ``layout`` order) at ``positions[i]`` for element ``i`` of ``dim`` (or, ``offset``, at ``positions[0] + i``: HF's
+``arange(s) + cumulative_length`` read as the counter alone).  The lowering rewrites the output's
 stores (``spacefusion.lower.stores``); the reference evaluates the SMG and scatters (``scatter``).
 
 Why an attribute and not a field of ``SMG``: the content key hashes every field of the graph, so a new
 field would change every committed key; the stores are carried in ``SMG.attrs`` under ``STORES_ATTR``
 (canonical JSON), so only graphs that have stores get new keys, and those keys do depend on them.
 
-Contract: positions are distinct and in ``[0, length)`` (as ``index_copy_`` requires; duplicates leave one
-of the values, in no defined order), and ``into`` is contiguous in ``layout`` order.
+Contract: positions are distinct (duplicates leave one of the values, in no defined order) and ``into`` is
+contiguous in ``layout`` order.  A position outside ``[0, length)`` is not written (``index_copy_`` raises
+there; a kernel cannot raise, and must not write past the caller's tensor).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class IndexedStore:
 
     ``layout``: ``into``'s dims in storage order (a permutation of the value's dims: a RoPE output lying as
     [b, s, h, d] goes to a [b, h, cache, d] cache); ``dim``: the value's dim whose index goes through
-    ``positions`` (an int64 vector of that dim's size); ``length``: ``into``'s extent along ``dim``."""
+    ``positions`` (an int64 vector of that dim's size; with ``offset``, one int64 the positions start at);
+    ``length``: ``into``'s extent along ``dim``."""
 
     value: str
     into: str
@@ -45,6 +48,16 @@ class IndexedStore:
     dim: str
     layout: tuple[str, ...]
     length: int
+    offset: bool = False
+
+    def positions_shape(self, smg: SMG) -> tuple[int, ...]:
+        """The positions parameter's shape: one per element of ``dim``, or the one start (``offset``)."""
+        return (1,) if self.offset else (smg.dim_sizes[self.dim],)
+
+    def at(self, positions: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` positions (int64) the elements of ``dim`` go to, from the positions parameter's values."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        return pos[0] + np.arange(n, dtype=np.int64) if self.offset else pos
 
     def shape(self, smg: SMG) -> tuple[int, ...]:
         """``into``'s shape: the value's sizes in ``layout`` order, ``length`` along ``dim``."""
@@ -92,5 +105,8 @@ def scatter(store: IndexedStore, smg: SMG, value: np.ndarray, into: np.ndarray, 
     place at ``positions`` along ``dim`` (numpy's fancy-index assignment, as ``index_copy_``)."""
     dims = smg.space(store.value).dims
     moved = np.transpose(value, [dims.index(d) for d in store.layout])
-    index = tuple(np.asarray(positions, dtype=np.int64) if d == store.dim else slice(None) for d in store.layout)
-    into[index] = moved.astype(into.dtype)
+    pos = store.at(positions, smg.dim_sizes[store.dim])
+    keep = (pos >= 0) & (pos < store.length)  # outside the tensor: not written (the contract)
+    axis = store.layout.index(store.dim)
+    index = tuple(pos[keep] if d == store.dim else slice(None) for d in store.layout)
+    into[index] = np.compress(keep, moved, axis=axis).astype(into.dtype)

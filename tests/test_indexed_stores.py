@@ -31,11 +31,13 @@ LENGTH = 9
 ORDER = ("b", "h", "s", "j")
 
 
-def _kv(b: int = 2, s: int = 3, h: int = 2, d: int = 16, dtype: str = "float32", length: int = LENGTH):
-    """RoPE carrying V, its Y and Vo stored into [b, h, length, d] caches at ``Pos`` along ``s``."""
+def _kv(b: int = 2, s: int = 3, h: int = 2, d: int = 16, dtype: str = "float32", length: int = LENGTH,
+        offset: bool = False):
+    """RoPE carrying V, its Y and Vo stored into [b, h, length, d] caches at ``Pos`` along ``s`` (``offset``:
+    at ``Pos[0] + s``)."""
     g = patterns.rope(b, s, h, d, "shared", dtype, "bshd", carry=True)
-    return g, with_stores(g, (IndexedStore("Y", "Kc", "Pos", "s", ORDER, length),
-                              IndexedStore("Vo", "Vc", "Pos", "s", ORDER, length)))
+    return g, with_stores(g, (IndexedStore("Y", "Kc", "Pos", "s", ORDER, length, offset),
+                              IndexedStore("Vo", "Vc", "Pos", "s", ORDER, length, offset)))
 
 
 def _eager(g, inputs: dict[str, np.ndarray], pos: torch.Tensor, shape: tuple[int, ...]):
@@ -133,6 +135,31 @@ def test_a_misaligned_or_strided_cache_is_still_written_in_place() -> None:
     np.testing.assert_allclose(kc, want[0].numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("base", [2, LENGTH - 2, -1])
+def test_offset_positions_start_at_a_counter_and_nothing_lands_outside(base: int) -> None:
+    """``offset``: the positions are ``Pos[0] + s`` (HF's ``arange(s) + cumulative_length``); a position
+    outside the cache (past its end, or negative) is not written, and nothing else of the cache changes."""
+    g = patterns.rope(2, 3, 2, 16, "shared", "float32", "bshd", carry=True)
+    kv = with_stores(g, (IndexedStore("Y", "Kc", "Pos", "s", ORDER, LENGTH, True),
+                         IndexedStore("Vo", "Vc", "Pos", "s", ORDER, LENGTH, True)))
+    assert stores_of(kv)[0].positions_shape(kv) == (1,)
+    inputs = random_inputs(g)
+    pos = torch.arange(3) + base
+    inside = (pos >= 0) & (pos < LENGTH)
+    want = _eager(g, {k: v for k, v in inputs.items()}, pos[inside], (2, 2, LENGTH, 16)) if inside.all() else None
+    for backend in (ReferenceBackend(), LLVMBackend()):
+        kc, vc = torch.full((2, 2, LENGTH, 16), 7.0), torch.full((2, 2, LENGTH, 16), 7.0)
+        backend.compile(kv)({**{k: torch.from_numpy(v) for k, v in inputs.items()}, "Kc": kc, "Vc": vc,
+                             "Pos": torch.tensor([base])})
+        rows = set(pos[inside].tolist())
+        untouched = [i for i in range(LENGTH) if i not in rows]
+        assert (kc[:, :, untouched] == 7).all() and (vc[:, :, untouched] == 7).all()
+        np.testing.assert_array_equal(vc[:, :, pos[inside]].numpy(),
+                                      inputs["V"].transpose(0, 2, 1, 3)[:, :, inside.numpy()])
+        if want is not None:
+            torch.testing.assert_close(kc[:, :, pos], want[0][:, :, pos], rtol=1e-5, atol=1e-5)
+
+
 def test_signature_replaces_stored_outputs_by_the_cache_and_positions() -> None:
     _, kv = _kv()
     params = {name: (shape, dtype, role) for name, shape, dtype, role in signature(first_pick(kv)).params}
@@ -166,38 +193,42 @@ def test_cuda_source_stores_through_the_positions_into_an_inout_cache() -> None:
 
 
 @pytest.mark.skipif(not _nvcc(), reason="nvcc not installed")
-def test_cuda_store_kernel_compiles_and_its_artefact_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offset", [False, True])
+def test_cuda_store_kernel_compiles_and_its_artefact_loads(tmp_path: Path, offset: bool) -> None:
     from spacefusion.runtime.artefact import KernelArtefact
 
-    _, kv = _kv(b=2, s=7, h=2, d=64, dtype="float16", length=2048)
+    _, kv = _kv(b=2, s=7, h=2, d=64, dtype="float16", length=2048, offset=offset)
     folder = build(first_pick(kv), "cuda:sm_90a").save(tmp_path / "kv", compile_cubin=True)
     assert (folder / "kernel.cubin").stat().st_size > 0
     art = KernelArtefact.load(folder)
     assert [p.name for p in art.outputs] == []
     assert {p.name for p in art.inputs} == {"X", "Cos", "Sin", "V", "Kc", "Vc", "Pos"}
+    assert art.param("Pos").shape == ((1,) if offset else (7,))
 
 
-def test_the_rewrite_orders_other_readers_of_a_written_cache_around_the_kernel() -> None:
-    """No data edge links a cache write to the attention reading the cache input: the rewrite's order does.
-    A reader after the kernel's last node waits for the kernel; one before it is waited for."""
-    from types import SimpleNamespace
-
+def test_the_rewrite_orders_in_place_effects_around_the_kernel() -> None:
+    """No data edge links a cache write to the attention reading the cache input, nor a kernel's read of a
+    counter to the ``add_`` that bumps it: ``in_place.order_in_place`` does.  A reader of the written cache
+    after the kernel waits for it, one before is waited for; the counter's in-place writer after the
+    kernel's read of it waits for the kernel."""
     from torch import fx
 
-    from spacefusion.frontend.fused import _order_in_place_writes
+    from spacefusion.frontend.in_place import order_in_place
+    from spacefusion.frontend.records import Operand, Subgraph
 
     graph = fx.Graph()
-    cache, k = graph.placeholder("cache"), graph.placeholder("k")
+    cache, k, count = graph.placeholder("cache"), graph.placeholder("k"), graph.placeholder("count")
     early = graph.call_method("sum", (cache,))  # reads the cache before the write
-    write = graph.call_method("index_copy_", (cache, 2, k, k))
-    late = graph.call_method("mean", (cache,))  # reads it after
-    graph.output((early, late))
+    pos = graph.call_function(torch.add, (k, count))  # the kernel's read of the counter
+    bump = graph.call_method("add_", (count, 1))  # torch bumps it after that read
+    write = graph.call_method("index_copy_", (cache, 2, pos, k))
+    late = graph.call_method("mean", (cache,))  # reads the cache after the write
+    graph.output((early, late, bump))
     nodes = list(graph.nodes)
-    index = {n.name: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in nodes}
-    kernel = SimpleNamespace(sub=SimpleNamespace(writes=("cache",)))
-    unit = {n.name: ("n", n.name) for n in nodes} | {write.name: ("k", 0)}
-    prio = {u: index[name] for name, u in unit.items()}
+    sub = Subgraph("rope", "", (pos.name, write.name), None,  # type: ignore[arg-type]
+                   (Operand("Kc", "value", "cache", ()), Operand("Pos", "value", "count", ())), (), ("cache",))
+    unit = {n.name: ("n", n.name) for n in nodes} | {pos.name: ("k", 0), write.name: ("k", 0)}
     deps: dict[tuple, set] = {u: set() for u in unit.values()}
-    _order_in_place_writes([kernel], by_name, unit, index, prio, deps)
-    assert deps[("n", late.name)] == {("k", 0)} and deps[("k", 0)] == {("n", early.name)}
+    order_in_place([sub], {n.name: n for n in nodes}, unit, {n.name: i for i, n in enumerate(nodes)}, deps)
+    assert deps[("n", late.name)] == {("k", 0)} and deps[("n", bump.name)] == {("k", 0)}
+    assert deps[("k", 0)] == {("n", early.name)}

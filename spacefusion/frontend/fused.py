@@ -18,6 +18,8 @@ from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.bn_fold import fold_batchnorm, fold_bn_into_left_convs
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
+from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.in_place import order_in_place
 from spacefusion.frontend.left_convs import CHANNELS_LAST, channels_last_left_convs
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Result, Subgraph
@@ -320,8 +322,8 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     for n in nodes:
         members.setdefault(unit[n.name], []).append(n)
     deps = {u: {unit[i.name] for m in ms for i in m.all_input_nodes} - {u} for u, ms in members.items()}
+    order_in_place([fk.sub for fk in kernels], by_name, unit, index, deps)
     prio = {u: max(index[m.name] for m in ms) for u, ms in members.items()}
-    _order_in_place_writes(kernels, by_name, unit, index, prio, deps)
     users: dict[tuple, set] = {u: set() for u in members}
     for u, ds in deps.items():
         for d in ds:
@@ -336,8 +338,10 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     root = nn.Module()
     for name, child in gm.named_children():
         root.add_module(name, child)
+    emitted = 0
     while ready:
         _, u = heapq.heappop(ready)
+        emitted += 1
         if u[0] == "n":
             env[by_name[u[1]]] = graph.node_copy(by_name[u[1]], lambda x: env[x])
         else:
@@ -360,29 +364,13 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
             deps[v].discard(u)
             if not deps[v]:
                 heapq.heappush(ready, (prio[v], v))
+    if emitted < len(members):  # a cycle: an in-place effect ordered against its own data edges
+        raise FrontendError(f"{gm.__class__.__name__}: the fused graph's order has a cycle (an in-place write "
+                            f"ordered both ways): {len(members) - emitted} of {len(members)} units not emitted")
     for n in nodes:  # parameters read by get_attr nodes that torch still runs
         if n.op == "get_attr" and n in env:
             _copy_attr(gm, root, n.target)
     return fx.GraphModule(root, graph, gm.__class__.__name__ + "Fused")
-
-
-def _order_in_place_writes(kernels: list[FusedKernel], by_name: dict[str, fx.Node], unit: dict[str, tuple],
-                           index: dict[str, int], prio: dict[tuple, int], deps: dict[tuple, set]) -> None:
-    """Add to ``deps`` the order a kernel's in-place writes (``Subgraph.writes``: a KV cache) need, which no
-    data edge carries: the attention reads the cache input itself, not the kernel's (absent) result.  A unit
-    reading a written value after the kernel's last node in the graph waits for the kernel; one reading it
-    before is waited for."""
-    for k, fk in enumerate(kernels):
-        me = ("k", k)
-        for name in fk.sub.writes:
-            for reader in by_name[name].users:
-                other = unit[reader.name]
-                if other == me:
-                    continue
-                if index[reader.name] > prio[me]:
-                    deps[other].add(me)
-                else:
-                    deps[me].add(other)
 
 
 def _copy_attr(src: nn.Module, dst: nn.Module, qualified: str) -> None:

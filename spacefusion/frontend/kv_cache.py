@@ -3,8 +3,9 @@
 HF's ``StaticCache`` layer (``StaticLayer.update``) writes each step's K and V into caches the caller holds:
 ``keys.index_copy_(2, cache_position, key_states)`` and the same for the values, ``cache_position`` an int64
 vector of the new positions.  Left to torch these are two tiny kernels a layer (48 of Qwen2.5-0.5B's ~100
-per decode step).  K is RoPE's output and V the projection's, laid out over the same [b, s, h_kv, d]
-iteration space, so RoPE's kernel stores K straight into the key cache and carries V into the value cache
+per decode step, and 24 more for the positions' adds).  K is RoPE's output and V the projection's, laid out
+over the same [b, s, h_kv, d] iteration space, so RoPE's kernel stores K straight into the key cache and
+carries V into the value cache
 (``patterns.rope(carry=True)``), both through ``smg.stores`` (``Cache[b, h, Pos[s], d] = value``).
 
 Taken only where that is the same computation: an ``index_copy_`` along dim 2 (of -2) of a 4-d cache that
@@ -14,9 +15,11 @@ by int64 positions of the value's sequence length, whose result nothing reads; a
 nothing else (it is not computed anywhere else).  What differs is said (``kv_cache.write`` for K,
 ``kv_cache.value`` for V: K taken, V left to torch) and that write stays with torch.
 
-``arange + cumulative_length`` (the positions) stays with torch: the cache's length counter is incremented
-in place (``cumulative_length.add_``) before the writes, so a kernel reading the counter would need that add
-moved after it; one small add a layer is the price of not reordering another op's write.
+Where the positions are ``torch.arange(s) + counter`` (HF's ``cache_position``, the counter the layer's
+``cumulative_length``, an int64 of one element) read by the taken writes alone, the kernel reads the counter
+and stores at ``counter + s`` (``IndexedStore.offset``): the add is taken in too, and the arange is dead.  The
+counter is bumped in place (``cumulative_length.add_``) after the add and before the writes in the graph, so
+the kernel must read it before that bump: ``frontend.in_place`` orders the bump after the kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from spacefusion.frontend.graph import contiguous, dtype, shape
+from spacefusion.frontend.graph import ADD, contiguous, dtype, is_function, shape
 from spacefusion.frontend.matchers import Context
 
 #: the cache spaces' and the positions' parameter names in a kernel that writes the caches
@@ -98,6 +101,39 @@ def key_write(value: fx.Node, ctx: Context) -> CacheWrite | None:
         ctx.refuse(found[0], "kv_cache.write", found[1])
         return None
     return found
+
+
+def _int64(node: object, shapes: tuple[tuple[int, ...], ...]) -> bool:
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    return getattr(meta, "dtype", None) == torch.int64 and tuple(getattr(meta, "shape", ())) in shapes
+
+
+def _arange(node: object, n: int, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` is ``torch.arange(n)`` (or ``arange(0, n[, 1])``) of int64, or a constant of the graph
+    equal to it (``torch.fx`` evaluates an arange of constants while tracing)."""
+    if not isinstance(node, fx.Node) or not _int64(node, ((n,),)):
+        return False
+    if node.op == "get_attr":
+        value = getattr(gm, str(node.target), None)
+        return isinstance(value, torch.Tensor) and torch.equal(value.cpu(), torch.arange(n))
+    return (node.op == "call_function" and node.target is torch.arange and set(node.kwargs) <= {"device", "dtype"}
+            and tuple(node.args) in ((n,), (0, n), (0, n, 1)))
+
+
+def counter_of(positions: fx.Node, writes: tuple[fx.Node, ...], gm: fx.GraphModule) -> fx.Node | None:
+    """The counter ``c`` where ``positions`` is ``torch.arange(s) + c`` (either order; ``c`` int64 of one
+    element) and only ``writes`` read it, so a kernel taking them all reads ``c`` and stores at ``c + s``; None
+    otherwise (the kernel reads the positions vector)."""
+    added = is_function(positions, ADD) or (positions.op == "call_method" and positions.target == "add")
+    if not added or len(positions.args) != 2 or positions.kwargs:
+        return None
+    n = (shape(positions) or (0,))[0]
+    if set(positions.users) != set(writes) or not _int64(positions, ((n,),)):
+        return None
+    for a, c in (positions.args, positions.args[::-1]):
+        if _arange(a, n, gm) and _int64(c, ((), (1,))):
+            return c
+    return None
 
 
 def value_write(key: CacheWrite, ctx: Context) -> tuple[fx.Node, CacheWrite] | None:

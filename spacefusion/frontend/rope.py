@@ -24,7 +24,7 @@ from smg.ir import SMG
 from smg.stores import IndexedStore, stores_of, with_stores
 from spacefusion.frontend.attention import TO_BSHD, _heads_split
 from spacefusion.frontend.graph import ADD, MUL, contiguous, dtype, heads_interleaved, is_function, shape
-from spacefusion.frontend.kv_cache import KEYS, POSITIONS, VALUES, CacheWrite, key_write, value_write
+from spacefusion.frontend.kv_cache import KEYS, POSITIONS, VALUES, CacheWrite, counter_of, key_write, value_write
 from spacefusion.frontend.matchers import Context, _build, _value
 from spacefusion.frontend.records import Operand, Result, Subgraph
 
@@ -235,6 +235,8 @@ class _Writes:
 
     writes: tuple[CacheWrite, ...] = ()
     v: tuple[fx.Node, tuple[int, ...] | None, tuple[fx.Node, ...]] | None = None
+    #: the positions' counter where they are ``arange(s) + counter`` read by these writes alone
+    counter: fx.Node | None = None
 
     @property
     def carry(self) -> bool:
@@ -242,7 +244,8 @@ class _Writes:
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
-        return (*(self.v[2] if self.v else ()), *(w.node for w in self.writes))
+        pos = (self.writes[0].positions,) if self.counter is not None else ()
+        return (*(self.v[2] if self.v else ()), *pos, *(w.node for w in self.writes))
 
     @property
     def label(self) -> str:
@@ -251,7 +254,7 @@ class _Writes:
     def stores(self, layout: str) -> tuple[IndexedStore, ...]:
         """Y into the key cache and Vo into the value cache, at the positions along ``s``."""
         order = ("b", "h", "s", "j")
-        return tuple(IndexedStore(out, into, POSITIONS, "s", order, w.length)
+        return tuple(IndexedStore(out, into, POSITIONS, "s", order, w.length, self.counter is not None)
                      for (out, into), w in zip((("Y", KEYS), ("Vo", VALUES)), self.writes))
 
     def operands(self, smg: SMG) -> list[Operand]:
@@ -260,7 +263,8 @@ class _Writes:
             return []
         st = {x.into: x for x in stores_of(smg)}
         ops = [_value(into, w.cache, st[into].shape(smg)) for into, w in zip((KEYS, VALUES), self.writes)]
-        ops.append(_value(POSITIONS, self.writes[0].positions, (smg.dim_sizes["s"],)))
+        pos = self.counter if self.counter is not None else self.writes[0].positions
+        ops.append(_value(POSITIONS, pos, stores_of(smg)[0].positions_shape(smg)))
         return ops + ([_value("V", self.v[0], smg.shape("V"), self.v[1])] if self.v else [])
 
 
@@ -270,7 +274,7 @@ def _cache_writes(node: fx.Node, layout: str, ctx: Context) -> _Writes:
     k = key_write(node, ctx)
     found = value_write(k, ctx) if k is not None else None
     if found is None:
-        return _Writes((k,) if k is not None else ())
+        return _Writes((k,)) if k is not None else _Writes()
     v, vw = found
     bound = _rope_input(v, (vw.node,), ctx)
     if bound is None or bound[2] != layout:
@@ -278,4 +282,4 @@ def _cache_writes(node: fx.Node, layout: str, ctx: Context) -> _Writes:
                                               f"{'strided' if bound is None else 'as ' + bound[2]}, RoPE's K as "
                                               f"{layout} (one kernel reads both over one iteration space)")
         return _Writes((k,))
-    return _Writes((k, vw), (bound[0], bound[1], bound[3]))
+    return _Writes((k, vw), (bound[0], bound[1], bound[3]), counter_of(k.positions, (k.node, vw.node), ctx.gm))

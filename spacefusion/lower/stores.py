@@ -48,7 +48,7 @@ def params(smg: SMG) -> list[tuple[str, tuple[int, ...], str, str]]:
     out: dict[str, tuple[str, tuple[int, ...], str, str]] = {}
     for st in stores_of(smg):
         out.setdefault(st.into, (st.into, st.shape(smg), smg.space(st.value).dtype, INOUT))
-        out.setdefault(st.positions, (st.positions, (smg.dim_sizes[st.dim],), "int64", "input"))
+        out.setdefault(st.positions, (st.positions, st.positions_shape(smg), "int64", "input"))
     return list(out.values())
 
 
@@ -72,7 +72,8 @@ def vector_run(k: Any, name: str) -> bool:
 
 def store(k: Any, name: str, value: tirx.PrimExpr, env: dict[str, tirx.PrimExpr]) -> None:
     """Store ``value`` as output ``name``'s element at ``env`` (``k``: the lowering's ``_Kernel``): at its
-    own global index, or, for a stored output, into its store's tensor at the run-time position."""
+    own global index, or, for a stored output, into its store's tensor at the run-time position, skipped
+    where that lies outside the tensor (``smg.stores``' contract: never a write past the caller's memory)."""
     st = k.stored.get(name)
     index = k.global_index(name, env)
     if st is None:
@@ -80,8 +81,11 @@ def store(k: Any, name: str, value: tirx.PrimExpr, env: dict[str, tirx.PrimExpr]
         return
     at = dict(zip(k.smg.space(name).dims, index))
     i = at[st.dim]
-    at[st.dim] = tirx.Cast(getattr(i, "dtype", "int32"), k.glob[st.positions][i])
-    T.buffer_store(k.glob[st.into], value, [at[d] for d in st.layout])
+    dtype = getattr(i, "dtype", "int32")
+    pos = k.glob[st.positions][0] + i.astype("int64") if st.offset else k.glob[st.positions][i]
+    at[st.dim] = tirx.Cast(dtype, pos)
+    with T.If(tirx.all(pos >= 0, pos < st.length)), T.Then():
+        T.buffer_store(k.glob[st.into], value, [at[d] for d in st.layout])
 
 
 def in_place(tvm: Any, arr: np.ndarray, shape: tuple[int, ...], dtype: str) -> tuple[Any, Callable[[], None]]:

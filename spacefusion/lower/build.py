@@ -442,6 +442,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a", symbolic: SymbolicDim | None =
     check_target(s, arch)
     if symbolic is not None:
         check_symbolic(s, symbolic)  # before anything is built: the tensor-core path is refused here
+    stores.check(s)  # indexed stores: element-wise kernels only (never a tensor-core epilogue, unchecked here)
     if s.tensor_cores:
         return _build_tensorcore(s, arch, symbolic)
     smem = shared_bytes(s)

@@ -58,7 +58,7 @@ def check(s: Schedule) -> None:
     if not stores_of(s.smg):
         return
     why = ("it reduces" if any(op.reduce for op in s.smg.ops) else
-           "it is a warp-tile (tensor-core) kernel" if s.warp_tile is not None else None)
+           "it is a warp-tile (tensor-core) kernel" if s.warp_tile is not None or s.tensor_cores else None)
     if why is not None:
         raise LoweringError(f"{s.smg.name}: indexed stores are lowered for element-wise kernels only; {why}")
 

@@ -335,7 +335,7 @@ ROPE_TABLES = ("shared", "per_batch")
 
 
 def rope(batch: int, seq: int, heads: int, head_dim: int, tables: str = "shared", dtype: str = "float16",
-         layout: str = "bhsd") -> SMG:
+         layout: str = "bhsd", carry: bool = False) -> SMG:
     """Rotary position embedding in HF's rotate-half form, ``Y = X * cos + rotate_half(X) * sin``, with
     ``rotate_half(x) = cat(-x[d/2:], x[:d/2])`` along the head dim ``j``.
 
@@ -344,7 +344,12 @@ def rope(batch: int, seq: int, heads: int, head_dim: int, tables: str = "shared"
     over (b, h, s, j) with reads along the same row: no gather, no halo for a block holding whole rows.
     cos and sin are broadcast over the heads (``tables``: and over the batch, or one table per sequence).
     ``layout="bshd"`` declares X and Y [b, s, h, d], the memory order of HF's split_heads view of a
-    projection ([b, h, s, d] lying as [b, s, h, d]; dims align by name, so only the declaration changes)."""
+    projection ([b, h, s, d] lying as [b, s, h, d]; dims align by name, so only the declaration changes).
+
+    ``carry``: a second value ``V`` of X's shape and layout passes through the same kernel as output ``Vo``
+    (a One-to-One copy over the same iteration space).  Why: a decoder step writes RoPE's K and the
+    projection's V into its KV cache side by side; with both outputs stored into the caches
+    (``smg.stores``), one kernel does both writes where torch ran two ``index_copy_``."""
     if head_dim % 2:
         raise ShapeError(f"RoPE rotates the two halves of the head dim; {head_dim} is odd")
     if tables not in ROPE_TABLES:
@@ -358,7 +363,11 @@ def rope(batch: int, seq: int, heads: int, head_dim: int, tables: str = "shared"
     table = {"b": batch, "s": seq, "j": head_dim} if tables == "per_batch" else {"s": seq, "j": head_dim}
     cos, sin = g.input("Cos", table), g.input("Sin", table)
     lo, hi = g.shift(x, "j", -head_dim // 2, name="Xlo"), g.shift(x, "j", head_dim // 2, name="Xhi")
-    return g.build(g.map("X*Cos + (Xlo - Xhi)*Sin", x, cos, sin, lo, hi, name="Y"))
+    y = g.map("X*Cos + (Xlo - Xhi)*Sin", x, cos, sin, lo, hi, name="Y")
+    if not carry:
+        return g.build(y)
+    v = g.input("V", {d: dims[d] for d in order})
+    return g.build(y, g.map("V", v, name="Vo"))
 
 
 def vae_decoder_block(batch: int, c_in: int, c_out: int, height: int, width: int, groups: int,

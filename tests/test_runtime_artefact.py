@@ -109,6 +109,14 @@ def test_grid_dependency_wait_round_trips_and_is_checked(tmp_path: Path) -> None
         KernelArtefact.load(_write(tmp_path / "h", _meta(grid_dependency_wait="yes")))
 
 
+def test_inout_params_are_passed_like_inputs_and_stand_for_outputs(tmp_path: Path) -> None:
+    """A tensor the kernel writes in place (role inout: a KV cache, ``lower.stores``) is passed by the caller
+    like an input and never allocated; a kernel whose only writes are such needs no output."""
+    params = [p if p["name"] != "O" else {**p, "role": "inout"} for p in _meta()["params"]]
+    art = KernelArtefact.load(_write(tmp_path / "io", _meta(params=params)))
+    assert [p.name for p in art.outputs] == [] and "O" in {p.name for p in art.inputs}
+
+
 def test_scratch_params_are_the_launchers(tmp_path: Path) -> None:
     """A workspace param (role scratch) is neither an input nor an output: the launcher keeps it."""
     params = [*_meta()["params"], {"name": "ws", "shape": [4, 8], "dtype": "int32", "role": "scratch"}]
@@ -185,7 +193,7 @@ def test_artefact_error_is_value_error() -> None:
         (_meta(params=_param("V", shape=[True, 32])), "'V' has bad shape"),
         (_meta(params=_param("V", shape="128x32")), "'V' has bad shape"),
         (_meta(params=_param("S", dtype="float8")), "'S' has unsupported dtype"),
-        (_meta(params=_param("S", role="inout")), "'S' has role"),
+        (_meta(params=_param("S", role="inplace")), "'S' has role"),
         (_meta(params=_param("O", role="input")), "no param has role 'output'"),
         (_meta(params=[*_meta()["params"], _meta()["params"][0]]), "duplicate param names"),
         (_meta(params=[]), "params must be a non-empty list"),

@@ -186,3 +186,67 @@ def test_static_cache_decoding_replays_into_the_callers_cache_on_the_gpu(mode: s
         assert (b.keys[:, :, PROMPT + STEPS:] == 0).all()  # nothing past the last step was written
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             assert (x - y).abs().max().item() <= 1e-2, (x - y).abs().max().item()
+
+
+def _early_cache(model: torch.nn.Module, batch: int) -> transformers.StaticCache:
+    """A StaticCache allocated before the first call (``early_initialization``): the prefill graph then reads
+    its K/V as inputs too (a lazily made cache is a constant of the prefill's graph, written by torch)."""
+    cfg = model.config
+    cache = transformers.StaticCache(config=cfg, max_cache_len=MAX_LEN)
+    cache.early_initialization(batch, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                               torch.float32, torch.device("cpu"))
+    return cache
+
+
+def _steps(model, ids: torch.Tensor, cache) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """A prefill of ``ids`` then STEPS one-token steps into ``cache``; after each call, its output and a copy
+    of every layer's K and V cache."""
+    out, tok = [], ids
+    with torch.no_grad():
+        for pos in [torch.arange(PROMPT)] + [torch.tensor([PROMPT + i]) for i in range(STEPS)]:
+            got = model(input_ids=tok, **{_cache_kwarg(model): cache}, use_cache=True, cache_position=pos)
+            caches = [t.clone() for lay in cache.layers for t in (lay.keys, lay.values)]
+            out.append((got.last_hidden_state.clone(), caches))
+            tok = (tok[:, -1:] * 7 + 3) % model.config.vocab_size
+    return out
+
+
+@pytest.mark.parametrize("target", ["reference", "llvm"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_rope_kernels_write_the_kv_caches_at_prefill_and_decode(family: str, target: str) -> None:
+    """Issue 57: each layer's K RoPE kernel stores K into the key cache and carries V into the value cache at
+    ``cache_position`` (``smg.stores``), so no ``index_copy_`` is left to torch; every call's output and the
+    caller's caches match eager's after the prefill (12 positions) and after each decode step, GQA, batch 2."""
+    model = _llama(family)
+    ids = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    want = _steps(model, ids, _early_cache(model, 2))
+    torch._dynamo.reset()
+    compiled = spacefusion.compile(model, target=target)
+    cache = _early_cache(compiled, 2)
+    caller = [t for lay in cache.layers for t in (lay.keys, lay.values)]
+    got = _steps(compiled, ids, cache)
+    for (w, wc), (g, gc) in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        for a, b in zip(wc, gc):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert all(a is b for a, b in zip(caller, (t for lay in cache.layers for t in (lay.keys, lay.values))))
+    report = compiled.spacefusion
+    writers = [s for p in report.partitions for s in p.subgraphs if s.label.endswith("-> K, V caches")]
+    assert {s.label.split(" ")[3] for s in writers} == {f"s{PROMPT}", "s1"}, [s.label for s in writers]
+    assert all(len(s.writes) == 2 and not s.results for s in writers)
+    left = [op for p in report.partitions for op in p.left if op.op == "Tensor.index_copy_"]
+    assert left == [], left
+
+
+def test_a_lazily_made_cache_is_left_to_torch_with_its_reason() -> None:
+    """The prefill of a cache made on first use: its K/V are made inside the graph, not the caller's inputs, so
+    its writes stay with torch under ``kv_cache.write`` (the decode steps' are taken)."""
+    model = _llama()
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = spacefusion.compile(model, target="reference")
+    _decode(compiled, ids)
+    left = [op for p in compiled.spacefusion.partitions for op in p.left if op.code == "kv_cache.write"]
+    assert len(left) == len(model.layers) and all("made inside the graph" in op.reason for op in left), left
+    labels = [s.label for p in compiled.spacefusion.partitions for s in p.subgraphs]
+    assert sum(lab.endswith("-> K, V caches") for lab in labels) >= len(model.layers), labels

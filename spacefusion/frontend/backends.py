@@ -29,6 +29,7 @@ from schedulers.hardware import CPU_STAND_IN, PRESETS, HardwareChoice, HardwareM
 from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
 from smg.reference import evaluate
+from smg.stores import scatter, stores_of
 from spacefusion.frontend.arrays import round_to, to_numpy, to_torch
 from spacefusion.frontend.errors import FrontendError
 from spacefusion.frontend.layouts import LayoutChoice, decide
@@ -105,7 +106,11 @@ class ReferenceBackend(_Cached):
 
     def _compile(self, smg: SMG) -> Kernel:
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            out = evaluate(smg, _numpy(inputs))
+            arrays = _numpy(inputs)
+            out = evaluate(smg, arrays)
+            for st in stores_of(smg):  # into the caller's tensor (``to_numpy`` shares a CPU tensor's memory)
+                scatter(st, smg, round_to(out.pop(st.value), smg.space(st.value).dtype), arrays[st.into],
+                        arrays[st.positions])
             # packed like a kernel's output (numpy's einsum may return a transposed array): the views the
             # graph takes of it then have the strides the partition read from ``tensor_meta``
             # rounded to the output's dtype as a kernel's store rounds its float32 (bf16 included: ``arrays``)

@@ -18,6 +18,8 @@ from spacefusion.frontend.backends import Kernel, get_backend
 from spacefusion.frontend.bn_fold import fold_batchnorm, fold_bn_into_left_convs
 from spacefusion.frontend.capture import Captured, capture
 from spacefusion.frontend.constants import ORIGIN, fold_constants, remove_dead
+from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.in_place import order_in_place
 from spacefusion.frontend.left_convs import CHANNELS_LAST, channels_last_left_convs
 from spacefusion.frontend.partition import partition
 from spacefusion.frontend.records import DEAD, FOLDED, LeftOp, Operand, Partition, Result, Subgraph
@@ -320,11 +322,12 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     for n in nodes:
         members.setdefault(unit[n.name], []).append(n)
     deps = {u: {unit[i.name] for m in ms for i in m.all_input_nodes} - {u} for u, ms in members.items()}
+    order_in_place([fk.sub for fk in kernels], by_name, unit, index, deps)
+    prio = {u: max(index[m.name] for m in ms) for u, ms in members.items()}
     users: dict[tuple, set] = {u: set() for u in members}
     for u, ds in deps.items():
         for d in ds:
             users[d].add(u)
-    prio = {u: max(index[m.name] for m in ms) for u, ms in members.items()}
     ready = [(prio[u], u) for u, ds in deps.items() if not ds]
     heapq.heapify(ready)
     graph, env = fx.Graph(), {}
@@ -335,8 +338,10 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
     root = nn.Module()
     for name, child in gm.named_children():
         root.add_module(name, child)
+    emitted = 0
     while ready:
         _, u = heapq.heappop(ready)
+        emitted += 1
         if u[0] == "n":
             env[by_name[u[1]]] = graph.node_copy(by_name[u[1]], lambda x: env[x])
         else:
@@ -359,6 +364,9 @@ def rewrite(gm: fx.GraphModule, kernels: list[FusedKernel]) -> fx.GraphModule:
             deps[v].discard(u)
             if not deps[v]:
                 heapq.heappush(ready, (prio[v], v))
+    if emitted < len(members):  # a cycle: an in-place effect ordered against its own data edges
+        raise FrontendError(f"{gm.__class__.__name__}: the fused graph's order has a cycle (an in-place write "
+                            f"ordered both ways): {len(members) - emitted} of {len(members)} units not emitted")
     for n in nodes:  # parameters read by get_attr nodes that torch still runs
         if n.op == "get_attr" and n in env:
             _copy_attr(gm, root, n.target)

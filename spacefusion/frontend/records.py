@@ -84,6 +84,9 @@ class Subgraph:
     smg: SMG
     operands: tuple[Operand, ...]
     results: tuple[Result, ...]
+    #: the graph values (inputs: a decoder's KV caches) the kernel writes in place (``smg.stores``): every
+    #: other reader of one runs after the kernel where it came after the write in the graph, before it else
+    writes: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:

@@ -56,6 +56,10 @@ CODES: dict[str, str] = {
     # element-wise patterns
     "rope.form": "a rotate-half RoPE in all but a detail",
     "rope.strided": "RoPE on a value strided so that it cannot be bound without a copy",
+    "kv_cache.write": "a KV-cache ``index_copy_`` of RoPE's K that its kernel cannot take (along another dim, into "
+                      "a cache made in the graph, strided or of another dtype, K read elsewhere): torch writes it",
+    "kv_cache.value": "a V-cache ``index_copy_`` beside a K write the RoPE kernel took, that it cannot carry (V of "
+                      "another shape or layout, or read elsewhere): torch writes it",
     "concat.parts": "a concatenation along the channels of parts the pattern does not take",
     # ops no pattern recognised (``reasons.classify``)
     "left.guard": "a trace guard: no compute",

@@ -20,10 +20,13 @@ import torch
 from torch import fx
 
 from smg import patterns
+from smg.ir import SMG
+from smg.stores import IndexedStore, stores_of, with_stores
 from spacefusion.frontend.attention import TO_BSHD, _heads_split
 from spacefusion.frontend.graph import ADD, MUL, contiguous, dtype, heads_interleaved, is_function, shape
+from spacefusion.frontend.kv_cache import KEYS, POSITIONS, VALUES, CacheWrite, counter_of, key_write, value_write
 from spacefusion.frontend.matchers import Context, _build, _value
-from spacefusion.frontend.records import Result, Subgraph
+from spacefusion.frontend.records import Operand, Result, Subgraph
 
 NEG = (operator.neg, torch.neg)
 
@@ -209,14 +212,74 @@ def match_rope(node: fx.Node, ctx: Context) -> Subgraph | None:
         return None
     src, permute, layout, taken = bound
     tables = "shared" if shape(r.cos)[0] == 1 else "per_batch"
-    smg = _build(ctx, node, lambda: patterns.rope(b, s, h, d, tables, dt, layout))
+    cw = _cache_writes(node, layout, ctx)
+    smg = _build(ctx, node, lambda: with_stores(patterns.rope(b, s, h, d, tables, dt, layout, carry=cw.carry),
+                                                cw.stores(layout)))
     if smg is None:
         return None
     ops = [_value("X", src, smg.shape("X"), permute), _value("Cos", r.cos, smg.shape("Cos")),
-           _value("Sin", r.sin, smg.shape("Sin"))]
-    inside = (*taken, *r.nodes)
+           _value("Sin", r.sin, smg.shape("Sin")), *cw.operands(smg)]
+    inside = (*taken, *r.nodes, *cw.nodes)
     unsq = tuple(u for u in dict.fromkeys(r.unsqueezes) if ctx.free(u) and set(u.users) <= set(inside))
     nodes = (*unsq, *inside)
-    out = Result("Y", node.name, shape(node), TO_BSHD if layout == "bshd" else None)
-    label = f"rope b{b} h{h} s{s} d{d} {dt}{' bshd' if layout == 'bshd' else ''}"
-    return Subgraph("rope", label, tuple(n.name for n in nodes), smg, tuple(ops), (out,))
+    out = () if cw.writes else (Result("Y", node.name, shape(node), TO_BSHD if layout == "bshd" else None),)
+    label = f"rope b{b} h{h} s{s} d{d} {dt}{' bshd' if layout == 'bshd' else ''}{cw.label}"
+    return Subgraph("rope", label, tuple(n.name for n in nodes), smg, tuple(ops), out,
+                    writes=tuple(w.cache.name for w in cw.writes))
+
+
+@dataclass(frozen=True)
+class _Writes:
+    """The KV-cache writes a RoPE kernel takes (``frontend.kv_cache``): K's, and V's with V carried
+    through the kernel (``v``: (V's bound node, its permutation, nodes taken with it)); none, or K's alone."""
+
+    writes: tuple[CacheWrite, ...] = ()
+    v: tuple[fx.Node, tuple[int, ...] | None, tuple[fx.Node, ...]] | None = None
+    #: the positions' counter where they are ``arange(s) + counter`` read by these writes alone
+    counter: fx.Node | None = None
+
+    @property
+    def carry(self) -> bool:
+        return self.v is not None
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        pos = (self.writes[0].positions,) if self.counter is not None else ()
+        return (*(self.v[2] if self.v else ()), *pos, *(w.node for w in self.writes))
+
+    @property
+    def label(self) -> str:
+        return {0: "", 1: " -> K cache", 2: " -> K, V caches"}[len(self.writes)]
+
+    def stores(self, layout: str) -> tuple[IndexedStore, ...]:
+        """Y into the key cache and Vo into the value cache, at the positions along ``s``."""
+        order = ("b", "h", "s", "j")
+        return tuple(IndexedStore(out, into, POSITIONS, "s", order, w.length, self.counter is not None)
+                     for (out, into), w in zip((("Y", KEYS), ("Vo", VALUES)), self.writes))
+
+    def operands(self, smg: SMG) -> list[Operand]:
+        """The caches (bound as they lie: the kernel writes them), the positions and the carried V."""
+        if not self.writes:
+            return []
+        st = {x.into: x for x in stores_of(smg)}
+        ops = [_value(into, w.cache, st[into].shape(smg)) for into, w in zip((KEYS, VALUES), self.writes)]
+        pos = self.counter if self.counter is not None else self.writes[0].positions
+        ops.append(_value(POSITIONS, pos, stores_of(smg)[0].positions_shape(smg)))
+        return ops + ([_value("V", self.v[0], smg.shape("V"), self.v[1])] if self.v else [])
+
+
+def _cache_writes(node: fx.Node, layout: str, ctx: Context) -> _Writes:
+    """The cache writes of RoPE's output ``node`` the kernel takes (``kv_cache.cache_write``), with V's
+    where V lies as RoPE's X does (``layout``): read where it lies, its split_heads transpose taken in."""
+    k = key_write(node, ctx)
+    found = value_write(k, ctx) if k is not None else None
+    if found is None:
+        return _Writes((k,)) if k is not None else _Writes()
+    v, vw = found
+    bound = _rope_input(v, (vw.node,), ctx)
+    if bound is None or bound[2] != layout:
+        ctx.refuse(vw.node, "kv_cache.value", f"a V-cache write left to torch: V lies "
+                                              f"{'strided' if bound is None else 'as ' + bound[2]}, RoPE's K as "
+                                              f"{layout} (one kernel reads both over one iteration space)")
+        return _Writes((k,))
+    return _Writes((k, vw), (bound[0], bound[1], bound[3]), counter_of(k.positions, (k.node, vw.node), ctx.gm))

@@ -103,7 +103,8 @@ ROWS: tuple[Row, ...] = (
     Row("norm_stats", _ops("native_layer_norm"), match_norm_stats, ("norm.form",)),
     Row("group_norm", _ops("group_norm"), match_group_norm, ("group_norm.form",)),
     Row("max_pool", _ops("max_pool2d"), match_max_pool, ("max_pool.form", "max_pool.input")),
-    Row("rope", _ops("add"), match_rope, ("rope.form", "rope.strided")),
+    # with the KV-cache writes of its output (and of V beside it) where a decoder step has them
+    Row("rope", _ops("add"), match_rope, ("rope.form", "rope.strided", "kv_cache.write", "kv_cache.value")),
     Row("concat", _ops("cat"), match_concat, ("concat.parts",), guard=_along_channels),
     Row("guard", _ops("clamp"), match_guard),
 )

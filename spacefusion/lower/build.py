@@ -24,7 +24,7 @@ from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import tma_maps
 from smg.errors import ShapeError, SpaceFusionError
-from spacefusion.lower import cluster
+from spacefusion.lower import cluster, stores
 from spacefusion.lower.fingerprint import code_fingerprint
 from spacefusion.lower.symbolic import SymbolicDim, symbolic_key, symbolic_meta
 from spacefusion.lower.symbolic import check as check_symbolic
@@ -90,13 +90,20 @@ class CpuKernel:
     schedule: Schedule
     module: object
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _args(self, inputs: dict[str, np.ndarray]) -> tuple[list, dict[str, object], list[Callable[[], None]]]:
+        """(the kernel's arguments, its outputs by name, what to run after the call): inputs copied in,
+        outputs allocated, a parameter written in place (``lower.stores``) passed as the caller's array."""
         tvm = _tvm()
-        args, outs = [], {}
+        args, outs, after = [], {}, []
         for name, shape, dtype, role in signature(self.schedule).params:
+            if role in ("input", stores.INOUT) and name not in inputs:
+                raise KeyError(f"missing input {name!r}")
+            if role == stores.INOUT:
+                arg, back = stores.in_place(tvm, inputs[name], shape, dtype)
+                args.append(arg)
+                after.append(back)
+                continue
             if role == "input":
-                if name not in inputs:
-                    raise KeyError(f"missing input {name!r}")
                 arr = np.ascontiguousarray(inputs[name], dtype=dtype)
                 if arr.shape != shape:
                     raise ShapeError(f"input {name!r} has shape {arr.shape}, the kernel expects {shape}")
@@ -105,15 +112,18 @@ class CpuKernel:
             args.append(tvm.runtime.tensor(arr))
             if role == "output":
                 outs[name] = args[-1]
+        return args, outs, after
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args, outs, after = self._args(inputs)
         self.module["main"](*args)
+        for back in after:
+            back()
         return {k: v.numpy() for k, v in outs.items()}
 
     def launcher(self, inputs: dict[str, np.ndarray]) -> Callable[[], object]:
         """A zero-argument call on tensors bound once, so a timing excludes the numpy <-> TVM copies."""
-        tvm = _tvm()
-        smg = self.schedule.smg
-        args = [tvm.runtime.tensor(np.ascontiguousarray(inputs[n], dtype=smg.space(n).dtype)) for n in smg.inputs]
-        args += [tvm.runtime.tensor(np.zeros(smg.shape(n), smg.space(n).dtype)) for n in smg.outputs]
+        args, _, _ = self._args(inputs)
         main = self.module["main"]
         return lambda: main(*args)
 
@@ -432,6 +442,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a", symbolic: SymbolicDim | None =
     check_target(s, arch)
     if symbolic is not None:
         check_symbolic(s, symbolic)  # before anything is built: the tensor-core path is refused here
+    stores.check(s)  # indexed stores: element-wise kernels only (never a tensor-core epilogue, unchecked here)
     if s.tensor_cores:
         return _build_tensorcore(s, arch, symbolic)
     smem = shared_bytes(s)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
+from smg.stores import STORES_ATTR
 
 #: how far the range reaches from the size the schedule was picked at (each way), as ``families.NEAR``:
 #: the family transfer keeps a ranking for sizes within 2x, measured to hold within 6% on BERT's GEMMs
@@ -116,6 +117,8 @@ def check(s: Schedule, sym: SymbolicDim) -> None:
         refuse(f"the range [{sym.lo}, {sym.hi}] leaves out the size {smg.dim_sizes[d]} the schedule was picked at")
     if d == s.serial:
         refuse("it is the serial dim (the step count follows its size)")
+    if dict(smg.attrs).get(STORES_ATTR):
+        refuse("an output is stored at run-time positions (``smg.stores``), whose vector has the size")
     for op in smg.ops:
         if d in op.reduce:
             refuse(f"{op.out} reduces over it (the update functions follow its size)")

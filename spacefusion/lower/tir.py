@@ -28,7 +28,7 @@ from schedulers.schedule import Schedule, lane_spread
 from schedulers.temporal import exp_sums
 from smg.expr import body_expr, index_symbol, parse
 from smg.ir import Access, Op
-from spacefusion.lower import cluster
+from spacefusion.lower import cluster, stores
 from spacefusion.lower.exprs import F32, MAX_IDENTITY, subtracted_max, to_tir, to_tir_int
 from spacefusion.lower.mma_state import tree
 from spacefusion.lower.symbolic import SymbolicDim
@@ -43,7 +43,8 @@ VEC_I = "__vec_i"  # env key: position within the current run (index into the re
 
 @dataclass(frozen=True)
 class KernelSignature:
-    """Parameters of the PrimFunc in PrimFunc order (inputs, then outputs)."""
+    """Parameters of the PrimFunc in PrimFunc order (inputs, then outputs; an output stored at run-time
+    positions, ``lower.stores``, is replaced by its store's tensor and positions)."""
 
     params: tuple[tuple[str, tuple[int, ...], str, str], ...]  # name, shape, dtype, role
 
@@ -56,7 +57,9 @@ PARTIALS, ARRIVALS = "sf_partials", "sf_arrivals"
 def signature(s: Schedule) -> KernelSignature:
     smg = s.smg
     ps = [(n, smg.shape(n), smg.space(n).dtype, "input") for n in smg.inputs]
-    ps += [(n, smg.shape(n), smg.space(n).dtype, "output") for n in smg.outputs]
+    held = stores.stored(smg)
+    ps += [(n, smg.shape(n), smg.space(n).dtype, "output") for n in smg.outputs if n not in held]
+    ps += stores.params(smg)
     if s.tma:  # the launcher encodes them from the tensors it binds
         from schedulers.warp_tile import tma_maps
 
@@ -82,6 +85,7 @@ class _Kernel:
         if symbolic is not None:
             self.sizes[symbolic.dim] = tirx.Var(symbolic.var, "int32")
         self.glob: dict[str, tirx.Buffer] = {}
+        self.stored = stores.stored(self.smg)  # outputs stored at run-time positions (``lower.stores``)
         self.local: dict[str, tirx.Buffer] = {}
         self.shared: dict[str, tirx.Buffer] = {}
         self.origin: dict[str, tirx.PrimExpr] = {}
@@ -362,18 +366,18 @@ class _Kernel:
 
     def _copy_out(self, writes: tuple[str, ...], env: dict[str, tirx.PrimExpr], stack: ExitStack) -> None:
         for name in writes:
-            buf = self.glob[name]
-            copy = self.outs[name] = T.alloc_buffer((self.vec,), buf.dtype, scope="local")
+            dtype = self.smg.space(name).dtype  # (a stored output has no buffer of its own: ``lower.stores``)
+            copy = self.outs[name] = T.alloc_buffer((self.vec,), dtype, scope="local")
             tails = [self.origin[d] < self.sizes[d] for d in self.smg.space(name).dims if d in self.cut]
 
-            def flush(exc_type, *_, name=name, buf=buf, copy=copy, tails=tails) -> None:
+            def flush(exc_type, *_, name=name, copy=copy, tails=tails) -> None:
                 del self.outs[name]
                 if exc_type is not None:
                     return
+                run = T.vectorized if stores.vector_run(self, name) else T.serial
                 with T.If(tirx.all(*tails) if tails else tirx.const(True, "bool")), T.Then():
-                    with T.vectorized(0, self.vec) as j:
-                        pos = {**env, self.s.serial: env[self.s.serial] + j}
-                        T.buffer_store(buf, copy[j], self.global_index(name, pos))
+                    with run(0, self.vec) as j:
+                        stores.store(self, name, copy[j], {**env, self.s.serial: env[self.s.serial] + j})
 
             stack.push(flush)  # runs once the run's unrolled loop has closed
 
@@ -461,6 +465,7 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False,
     buffers holding it take it as their extent, the grid ``ceil(size / tile)`` blocks along it."""
     if symbolic is not None:
         check_symbolic(s, symbolic)
+    stores.check(s)
     k = _Kernel(s, target, symbolic)
     k.smem_scope = "shared.dyn" if dynamic_smem else "shared"
     grid: dict[str, int | tirx.PrimExpr] = dict(s.grid())
@@ -657,13 +662,13 @@ def _emit_store(k: _Kernel, out: str, text: str, serial: bool) -> None:
             conds.append(k.lane == 0)  # every lane holds the same final value; one writes it
         with T.If(tirx.all(*conds) if conds else tirx.const(True, "bool")):
             with T.Then():
-                dt = k.glob[out].dtype
-                val = k.expr(text, env, stored=str(dt))
+                dt = k.smg.space(out).dtype
+                val = k.expr(text, env, stored=dt)
                 val = val if dt == F32 else tirx.Cast(dt, val)
                 if out in k.outs:
                     T.buffer_store(k.outs[out], val, [env[VEC_I]])
                 else:
-                    T.buffer_store(k.glob[out], val, k.global_index(out, env))
+                    stores.store(k, out, val, env)
 
 
 def _pass_spread(k: _Kernel, out: str, text: str) -> tuple[tuple[str, ...], str] | None:

@@ -34,9 +34,12 @@ META_FILE = "kernel.json"
 SUPPORTED_DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
 )
+#: the role of a tensor the kernel writes in place (``spacefusion.lower.stores``: a KV cache written at run-time
+#: positions): passed like an input, by the caller, never allocated nor returned
+INOUT_ROLE = "inout"
 #: scratch params are workspaces the launcher allocates (zeroed once) and keeps: never passed or returned;
 #: tensormap params are 128-byte TMA descriptors the launcher encodes for the tensor it binds (``tensor_map``)
-ROLES = frozenset({"input", "output", "scratch", "tensormap", SIZE_ROLE})
+ROLES = frozenset({"input", "output", "scratch", "tensormap", SIZE_ROLE, INOUT_ROLE})
 #: the swizzles a TMA descriptor can name, in bytes (CU_TENSOR_MAP_SWIZZLE_NONE/32B/64B/128B)
 TMA_SWIZZLES = (0, 32, 64, 128)
 MAX_THREADS_PER_BLOCK = 1024
@@ -338,7 +341,8 @@ class KernelArtefact:
 
     @property
     def inputs(self) -> tuple[ParamSpec, ...]:
-        return tuple(p for p in self.params if p.role == "input")
+        """The tensors a caller passes: inputs, and those the kernel writes in place (``INOUT_ROLE``)."""
+        return tuple(p for p in self.params if p.role in ("input", INOUT_ROLE))
 
     @property
     def outputs(self) -> tuple[ParamSpec, ...]:
@@ -462,8 +466,8 @@ def _params(value: Any, where: str) -> tuple[ParamSpec, ...]:
             if t is None or len(t.shape) != len(p.tensor_map[1]):
                 raise ArtefactError(f"{where}: tensormap {p.name!r} describes {p.tensor_map[0]!r}, which is not a "
                                     f"{len(p.tensor_map[1])}-d input or output of the kernel")
-    if not any(p.role == "output" for p in out):
-        raise ArtefactError(f"{where}: no param has role 'output'")
+    if not any(p.role in ("output", INOUT_ROLE) for p in out):
+        raise ArtefactError(f"{where}: no param has role 'output' or {INOUT_ROLE!r} (the kernel writes nothing)")
     return tuple(out)
 
 

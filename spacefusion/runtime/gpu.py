@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .artefact import ArtefactError, KernelArtefact, ParamSpec, SizeRangeError, check_cubin
+from .artefact import INOUT_ROLE, ArtefactError, KernelArtefact, ParamSpec, SizeRangeError, check_cubin
 
 if TYPE_CHECKING:
     import torch
@@ -251,7 +251,7 @@ class CudaKernel:
         if sized:
             raise KernelLaunchError(f"{self.artefact.kernel_name}: {sized} is the run-time size, which the launcher "
                                     "reads from the tensors' shapes; pass only inputs and outputs")
-        inputs = {n: t for n, t in tensors.items() if roles[n] == "input"}
+        inputs = {n: t for n, t in tensors.items() if roles[n] in ("input", INOUT_ROLE)}
         outputs = {n: t for n, t in tensors.items() if roles[n] == "output"}
         return self.launch(inputs, outputs)
 

@@ -88,3 +88,27 @@ def test_a_write_the_kernel_cannot_take_stays_with_torch_and_says_why(module: nn
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     (left,) = [op for op in part.left if op.code == code]
     assert why in left.reason and left.reason.startswith(("a KV-cache write", "a V-cache write")), left.reason
+
+
+def test_a_backend_that_keeps_the_writes_with_torch_gets_them_there() -> None:
+    """The GPU backend names ``kv_cache_write`` in its ``library_first`` (its fused writes not yet run on a
+    GPU): both writes stay torch's index_copy_ under ``library.first``, RoPE is still fused, the caches eager's."""
+    from spacefusion.frontend.backends import CudaBackend, ReferenceBackend
+    from spacefusion.frontend.kv_cache import LIBRARY_KEY
+
+    be = ReferenceBackend()
+    be.library_first = {LIBRARY_KEY: CudaBackend.library_first[LIBRARY_KEY]}
+    module = Update()
+    want_in = _inputs()
+    want = module(*want_in)
+    fused = fuse(module, *_inputs(), backend=be)
+    got_in = _inputs()
+    got = fused(*got_in)
+    for g, w in zip([got, *got_in[4:]], [want, *want_in[4:]]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    part = fused.partition
+    (rope,) = [s for s in part.subgraphs if s.kind == "rope"]
+    assert rope.writes == () and not stores_of(rope.smg)
+    left = [op for op in part.left if op.op.endswith("index_copy_")]
+    assert len(left) == 2 and all(op.code in ("library.first", "left.no_pattern") for op in left), part.summary()
+    assert any(op.code == "library.first" for op in left), part.summary()

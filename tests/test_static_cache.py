@@ -159,14 +159,23 @@ def test_gqa_decoding_with_a_padding_mask_reads_each_kv_head_once(family: str, t
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fused_writes", [False, True])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_static_cache_decoding_replays_into_the_callers_cache_on_the_gpu(mode: str | None, tmp_path,
+def test_static_cache_decoding_replays_into_the_callers_cache_on_the_gpu(mode: str | None, fused_writes: bool,
+                                                                         tmp_path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16 on the GPU as CUDA graph replays: every step's output within a few times eager fp16's distance
-    from float32, and the cache the caller holds afterwards is eager's (the replay's writes land there)."""
+    from float32, and the cache the caller holds afterwards is eager's (the replay's writes land there).
+    ``fused_writes``: with the KV-cache writes in RoPE's kernel (``frontend.kv_cache``), which the GPU backend
+    leaves to torch by default (``CudaBackend.library_first["kv_cache_write"]``) until this test has passed."""
     pytest.importorskip("cupy")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    from spacefusion.frontend.backends import CudaBackend
+
+    if fused_writes:
+        monkeypatch.setattr(CudaBackend, "library_first",
+                            {k: v for k, v in CudaBackend.library_first.items() if k != "kv_cache_write"})
     monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path))
     model = _llama().cuda()
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
@@ -178,6 +187,7 @@ def test_static_cache_decoding_replays_into_the_callers_cache_on_the_gpu(mode: s
     got, got_cache = _decode(compiled, ids)
     report = compiled.spacefusion
     assert report.target == "cuda" and any(g.replayed for g in report.graphs), str(report)
+    assert ("index_copy_" in str(report)) != fused_writes, str(report)
     for e, g, x in zip(eager, got, exact):
         eager_err = (e.float() - x).abs().max().item()
         ours = (g.float() - x).abs().max().item()

@@ -246,6 +246,10 @@ class CudaBackend(_Cached):
                      "by element, and the model ranks ResNet-50's stem at batch 32 (fp16, H100, channels-last) at "
                      "131.8 us for the fused conv + BatchNorm + ReLU, where cuDNN's conv measured 61 us; fused on "
                      "the CPU targets",
+        "kv_cache_write": "a KV-cache write (StaticCache's index_copy_) stays with torch on the GPU until the "
+                          "fused writes' cuda tests have run there (tests/test_static_cache.py's CUDA-graph replay, "
+                          "tests/test_indexed_stores.py): RoPE's kernel storing K and V into the caller's caches is "
+                          "checked on the CPU targets and compiled by nvcc, not yet launched on a GPU",
         "weight_gradient": "a weight gradient grad.T @ x stays with cuBLAS on the GPU: its A lies [k, m] (k the "
                            "tokens, outer in both operands) and the tensor-core GEMM takes A with k last only "
                            "(schedulers.warp_tile), so the fused kernel runs on CUDA cores against cuBLAS's tensor "

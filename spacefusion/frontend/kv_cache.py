@@ -32,6 +32,8 @@ from torch import fx
 from spacefusion.frontend.graph import ADD, contiguous, dtype, is_function, shape
 from spacefusion.frontend.matchers import Context
 
+#: ``CudaBackend.library_first``'s key of the cache writes: a backend that names it leaves every write to torch
+LIBRARY_KEY = "kv_cache_write"
 #: the cache spaces' and the positions' parameter names in a kernel that writes the caches
 KEYS, VALUES, POSITIONS = "Kc", "Vc", "Pos"
 
@@ -99,6 +101,9 @@ def key_write(value: fx.Node, ctx: Context) -> CacheWrite | None:
     found = cache_write(value, ctx)
     if isinstance(found, tuple):
         ctx.refuse(found[0], "kv_cache.write", found[1])
+        return None
+    if found is not None and ctx.library.get(LIBRARY_KEY):  # the backend keeps them with torch (the GPU's)
+        ctx.refuse(found.node, "library.first", ctx.library[LIBRARY_KEY])
         return None
     return found
 

@@ -81,7 +81,10 @@ CODES: dict[str, str] = {
                        "the weight-gradient row takes grad.T @ x)",
     "left.grouped_mm": "a grouped GEMM of MoE experts: each row's weight is picked by data (the routing's offsets)",
     "left.backward_op": "an ATen backward op (gelu_backward, native_layer_norm_backward, ...) no pattern covers",
-    "left.derived_backward": "an attention backward whose derived kernels (smg.autodiff) could not be built",
+    "left.derived_backward": "an attention or LayerNorm backward whose derived kernels (smg.autodiff) could not "
+                             "be built",
+    "left.norm_backward": "a LayerNorm backward the derived kernels do not take (not float32, several normalised "
+                          "dims, symbolic sizes): torch's native_layer_norm_backward",
     "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",
     "left.kernel_build": "a fused subgraph whose kernel could not be built",
     "left.dead": "unused once the kernels took its readers: removed (not run per call)",

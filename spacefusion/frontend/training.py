@@ -52,9 +52,10 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from spacefusion.frontend.compiled import CompiledGraph, GraphReport
-from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.derived_calls import install, mark
+from spacefusion.frontend.errors import FrontendError, first_line
 from spacefusion.frontend.export import canonicalize
-from spacefusion.frontend.refusals import DERIVED, META, refusal
+from spacefusion.frontend.refusals import META, refusal
 
 aten = torch.ops.aten
 
@@ -157,10 +158,13 @@ class Stage:
         self._boxed_call = True
 
     def _prepare(self, gm: fx.GraphModule) -> None:
-        """Each build's pass: the ATen graph read as torch forms, its attention backwards run as derived kernels
-        (kept across rebuilds in ``self.derived``: a weight change re-derives nothing of them)."""
+        """Each build's pass: the ATen graph read as torch forms, its attention and LayerNorm backwards run as
+        derived kernels (kept across rebuilds in ``self.derived``: a weight change re-derives nothing of them)."""
+        from spacefusion.frontend.derived_norms import derive_norm_backwards
+
         read_aten(gm)
-        self.report.derived = derive_attention_backwards(gm, self.owner.kernels, self.derived)
+        self.report.derived = (derive_attention_backwards(gm, self.owner.kernels, self.derived)
+                               + derive_norm_backwards(gm, self.owner.kernels, self.derived))
 
     def _build(self, args: list[Any]) -> Callable[..., Any]:
         if self.report.skipped:
@@ -190,12 +194,6 @@ class Stage:
         if self.run is None:
             self.run = self._build(list(args))
         return self.run(*args)
-
-
-def first_line(exc: BaseException, limit: int = 400) -> str:
-    """An exception's first line, cut to ``limit`` characters: a report line, not torch's stack of frames."""
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _output_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -236,13 +234,6 @@ def _take_first(g: fx.Graph, node: fx.Node) -> None:
         g.erase_node(u)
 
 
-def _mark(node: fx.Node, code: str, sentence: str) -> None:
-    node.meta[META] = refusal(code, sentence)
-    for u in node.users:  # its tuple results: the same reason
-        if u.op == "call_function" and u.target is operator.getitem:
-            u.meta[META] = refusal(code, sentence)
-
-
 def read_aten(gm: fx.GraphModule) -> int:
     """Rewrite a training step's ATen graph (weights already ``get_attr`` nodes) in place into the torch forms
     the matchers read, and mark what no pattern will take with its reason; returns how many nodes changed.
@@ -280,7 +271,7 @@ def read_aten(gm: fx.GraphModule) -> int:
                 node.target, node.args = torch.nn.functional.layer_norm, (x, shape, w, b, eps)
                 changed += 1
             elif not _stats_form(node):
-                _mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
+                mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
                       "statistics-saving norm does not take (float32 over the last dim, weight and bias parameters)")
             # else: the LayerNorm whose mean and rstd the backward reads stays whole, for the table's
             # ``norm_stats`` row (``patterns.layernorm_stats``: out, mean and rstd from one kernel)
@@ -294,14 +285,14 @@ def read_aten(gm: fx.GraphModule) -> int:
                                "scale": node.kwargs.get("scale")}
                 changed += 1
             elif t is not aten._scaled_dot_product_flash_attention_for_cpu.default:
-                _mark(node, "left.saved_lse", "GPU attention whose log-sum-exp (and RNG state) the backward reads "
+                mark(node, "left.saved_lse", "GPU attention whose log-sum-exp (and RNG state) the backward reads "
                       "in its own layout: torch's forward runs it, no derived forward outputs that")
             # else: the CPU flash attention whose logsumexp the backward reads stays whole, for the table's
             # ``attention_lse`` row (``patterns.attention(..., save_lse=True)``: O and LSE from one kernel)
         elif t in BACKWARD_OPS:
-            _mark(node, "left.backward_op", f"{t.overloadpacket.__name__}: an ATen backward op no pattern covers")
+            mark(node, "left.backward_op", f"{t.overloadpacket.__name__}: an ATen backward op no pattern covers")
         elif t in RANDOM_OPS:
-            _mark(node, "left.random", "random (dropout in training): torch draws it from its generator, as eager")
+            mark(node, "left.random", "random (dropout in training): torch draws it from its generator, as eager")
         elif t is aten.t.default:  # a transpose (of a weight gradient): the layout method the report knows
             node.op, node.target = "call_method", "t"
             changed += 1
@@ -422,23 +413,13 @@ def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tup
                 cache[key] = f"its derived kernels could not be built: {type(exc).__name__}: {first_line(exc)}"
         found = cache.get(key) if key is not None else why
         if isinstance(found, str):
-            _mark(node, "left.derived_backward", f"torch's attention backward: {found}")
+            mark(node, "left.derived_backward", f"torch's attention backward: {found}")
             continue
         bw, passes, built, stats = found
         masked = key[-1]
-        name = f"derived_attention_backward_{len(lines)}"
-        gm.add_submodule(name, DerivedAttentionBackward(bw, passes, built, masked[1] if masked else None, stats))
-        with gm.graph.inserting_before(node):
-            args = (*node.args[:6], *((node.kwargs["attn_mask"],) if masked else ()))
-            call = gm.graph.call_module(name, args)
-        call.meta = dict(node.meta)
-        call.meta.pop(META, None)
-        call.meta[DERIVED] = True
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
-        for u in call.users:  # its gradients' getitems: part of the derived call, not a backward op left
-            u.meta.pop(META, None)
-            u.meta[DERIVED] = True
+        install(gm, node, f"derived_attention_backward_{len(lines)}",
+                DerivedAttentionBackward(bw, passes, built, masked[1] if masked else None, stats),
+                (*node.args[:6], *((node.kwargs["attn_mask"],) if masked else ())))
         b, h, hk, m, n, d, causal, _, dtype, _ = key
         heads = f"h{h}" + (f" (kv {hk})" if hk != h else "")
         what = f"{' causal' if causal else ''}{' masked' if masked else ''}"

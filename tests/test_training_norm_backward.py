@@ -113,7 +113,8 @@ def _train_pair(name: str, target: str):
 @pytest.mark.parametrize("target", ["reference", "llvm"])
 def test_bert_s_layernorm_backwards_are_derived(target: str) -> None:
     """Tiny BERT, three SGD steps: losses and every parameter's gradient within rtol 1e-5 / atol 1e-6 of eager;
-    the backward's three LayerNorm backwards are each the two derived kernels (dX; dW and dB), none left."""
+    the backward's three LayerNorm backwards are each the two derived kernels (dX; dW and dB), none left, and
+    the intermediate GELU's backward the epilogue of the output linear's input gradient (``derived_epilogues``)."""
     pytest.importorskip("transformers")
     backend, worst = _train_pair("bert", target)
     assert worst < 1e-6, worst
@@ -123,6 +124,9 @@ def test_bert_s_layernorm_backwards_are_derived(target: str) -> None:
                      "2 kernels (dX, dW_dB)"] * 3, str(backend)
     assert not any("native_layer_norm_backward" in op.op for op in bw.partition.left), str(backend)
     assert "attention backward" in bw.derived[0], str(backend)
+    assert [line for line in bw.derived if "epilogue" in line] == [
+        "gelu backward as the epilogue of grad @ W 32x128x64 float32: 1 kernel (dZ)"], str(backend)
+    assert not any(op.op.endswith("gelu_backward.default") for op in bw.partition.left), str(backend)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

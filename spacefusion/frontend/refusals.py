@@ -81,8 +81,10 @@ CODES: dict[str, str] = {
                        "the weight-gradient row takes grad.T @ x)",
     "left.grouped_mm": "a grouped GEMM of MoE experts: each row's weight is picked by data (the routing's offsets)",
     "left.backward_op": "an ATen backward op (gelu_backward, native_layer_norm_backward, ...) no pattern covers",
-    "left.derived_backward": "an attention or LayerNorm backward whose derived kernels (smg.autodiff) could not "
-                             "be built",
+    "left.derived_backward": "an attention, LayerNorm or GEMM-epilogue backward whose derived kernels "
+                             "(smg.autodiff) could not be built",
+    "left.act_epilogue": "a GELU/SiLU backward after the input-gradient GEMM of a weight, in a form its derived "
+                         "epilogue does not take (not float32, untraced values, an input not the GEMM's shape)",
     "left.norm_backward": "a LayerNorm backward the derived kernels do not take (not float32, several normalised "
                           "dims, symbolic sizes): torch's native_layer_norm_backward",
     "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",

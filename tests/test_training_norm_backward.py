@@ -1,7 +1,8 @@
 """A training step's norm backwards derived from the SMG (issue 58, item 1): torch's ``native_layer_norm_backward``
 as the kernels ``smg.autodiff`` derives from the LayerNorm SMG (``derived_norms``: dX, then dW and dB), reading
-the mean and rstd the fused forward saved; checked on its own against float64 autograd and in tiny BERT and
-LLaMA steps against eager.  What stays torch's says why, with a code."""
+the mean and rstd the fused forward saved, and the RMSNorm backward aot writes as primitives as those derived from
+the RMSNorm SMG (``derived_rmsnorm``: dX, then dW), reading the saved rsqrt; checked on its own against float64
+autograd and in tiny BERT and LLaMA steps against eager.  What stays torch's says why, with a code."""
 
 from __future__ import annotations
 
@@ -131,14 +132,60 @@ def test_bert_s_layernorm_backwards_are_derived(target: str) -> None:
 
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("target", ["reference", "llvm"])
-def test_llama_s_rmsnorm_backwards_stay_torch_s_primitives(target: str) -> None:
+def test_llama_s_rmsnorm_backwards_are_derived(target: str) -> None:
     """Tiny LLaMA, three SGD steps within rtol 1e-5 / atol 1e-6 of eager.  Its RMSNorm backwards are aot's
-    primitives (no ATen backward op to replace), left to torch: no norm backward is derived."""
+    primitives reading the saved rsqrt (``derived_rmsnorm``): all three read as such and replaced by the two
+    derived kernels (dX; dW), the residual stream's gradient added to dX; none of their primitives left."""
     pytest.importorskip("transformers")
     backend, worst = _train_pair("llama", target)
     assert worst < 1e-6, worst
     bw = backend.graphs[0].backward
-    assert not [line for line in bw.derived if "norm backward" in line], str(backend)
+    norms = [line for line in bw.derived if "norm backward" in line]
+    assert norms == ["rmsnorm backward 32x64 float32, the forward's saved rsqrt read: 2 kernels (dX, dW)"] * 3, \
+        str(backend)
+    assert not any(op.op.startswith(("torch.pow", "torch.detach", "torch.sum")) for op in bw.partition.left), \
+        str(backend)
+
+
+class _WrittenRms(torch.nn.Module):
+    """``x * rsqrt(mean(x * x) + eps) * w``: an RMSNorm written with ``x * x``, whose backward aot writes in
+    another form than ``pow``'s (two products, no ``pow(x, 1.0) * 2.0``)."""
+
+    def __init__(self, n: int = 32) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("written", [False, True])
+def test_an_rmsnorm_backward_in_another_form_stays_torch_s(written: bool) -> None:
+    """``F.rms_norm`` twice (the second on a residual sum; ``test_training_rmsnorm._Norms``): both backwards
+    derived, the first's dW read beside the forward's recomputed x * rsqrt.  Written with ``x * x``: not aot's
+    ``pow`` form, nothing matched, torch's primitives run.  Gradients within 1e-6 of eager's relative to their
+    largest element either way (as ``test_training_rmsnorm``: the GEMMs' float32 rounding alone is 1.3e-6 absolute
+    here, unfused norms too)."""
+    pytest.importorskip("transformers")
+    from test_training_rmsnorm import _Norms
+
+    from spacefusion.frontend.dynamo import SpaceFusionBackend
+
+    torch.manual_seed(0)
+    model = _WrittenRms() if written else _Norms()
+    eager = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    x, r = torch.randn(2, 8, 32, generator=gen), torch.randn(2, 8, 32, generator=gen)
+    backend = SpaceFusionBackend("reference")
+    (torch.compile(model, backend=backend, dynamic=False)(x) * r).sum().backward()
+    (eager(x) * r).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):  # gradients of order 10
+        assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() < 1e-6, name
+    want = [] if written else ["rmsnorm backward 16x32 float32, the forward's saved rsqrt read: 2 kernels (dX, dW)"] * 2
+    assert backend.graphs[0].backward.derived == want, str(backend)
 
 
 def test_the_schedule_printout_shows_the_layernorm_derivation() -> None:

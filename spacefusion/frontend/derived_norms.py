@@ -33,33 +33,40 @@ _WRT = ("X", "W", "B")
 
 
 class DerivedNormBackward(nn.Module):
-    """``native_layer_norm_backward`` over the last dim as the derived passes, each built by the stage's kernel
-    backend.  Called with (grad_out, input, mean, rstd, weight or None); returns torch's op's 3-tuple, ``None``
-    where ``mask`` did not ask for that gradient.  dX comes back in input's shape, contiguous (torch's op
-    gives it so), dW and dB in weight's shape; each a fresh tensor (a kernel's outputs are its own)."""
+    """A norm's backward over the last dim as the derived passes, each built by the stage's kernel backend.
+    Called with (grad_out, input, weight or None, *the saved statistics, in ``stats``' order: their SMG names,
+    each torch's [..., 1] value); returns one gradient per differentiated input (``bw.grads``' order: X, W, and
+    B for LayerNorm), ``None`` where ``mask`` did not ask for it.  dX comes back in input's shape, contiguous
+    (torch's ops give it so), dW and dB as [n]; each a fresh tensor (a kernel's outputs are its own)."""
 
     def __init__(self, bw: Any, passes: Sequence[Any], kernels: Sequence[Any], rows: int, n: int,
-                 mask: tuple[bool, bool, bool]) -> None:
+                 mask: tuple[bool, ...], stats: tuple[str, ...]) -> None:
         super().__init__()
         self.passes, self.kernels = tuple(passes), tuple(kernels)
-        self.seed, self.grads = dict(bw.seeds)["Y"], dict(bw.grads)
-        self.rows, self.n, self.mask = rows, n, mask
-        wanted = {self.grads[w] for w, want in zip(_WRT, mask) if want}
+        self.seed, self.grads = dict(bw.seeds)["Y"], tuple(bw.grads)
+        self.rows, self.n, self.mask, self.stats = rows, n, mask, stats
+        wanted = {g for (_, g), want in zip(self.grads, mask) if want}
         self.runs = tuple(i for i, p in enumerate(self.passes) if wanted & set(p.smg.outputs))  # passes asked for
 
-    def forward(self, grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                weight: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        like = (x, x.new_empty(self.n), x.new_empty(self.n))
+    def forward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                *stats: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        shapes = [x.shape] + [(self.n,)] * (len(self.grads) - 1)
         if any(isinstance(t, FakeTensor) for t in (grad_out, x)):  # shape propagation: no kernel runs
-            return tuple(torch.empty_like(t) if want else None for t, want in zip(like, self.mask))
+            return tuple(x.new_empty(s) if want else None for s, want in zip(shapes, self.mask))
         m, n = self.rows, self.n
         env = {"X": x.contiguous().reshape(m, n), self.seed: grad_out.contiguous().reshape(m, n),
-               "Y_mean": mean.contiguous().reshape(m), "Y_rstd": rstd.contiguous().reshape(m),
                "W": weight.contiguous() if weight is not None else x.new_ones(n)}
+        env |= {name: t.contiguous().reshape(m) for name, t in zip(self.stats, stats)}
         for i in self.runs:
             env |= self.kernels[i]({name: env[name] for name in self.passes[i].smg.inputs})
-        return tuple(env[self.grads[w]].reshape(t.shape).clone() if want else None
-                     for w, t, want in zip(_WRT, like, self.mask))
+        return tuple(env[g].reshape(s).clone() if want else None
+                     for (_, g), s, want in zip(self.grads, shapes, self.mask))
+
+
+def norm_line(head: str, module: DerivedNormBackward) -> str:
+    """The report's line of a derived norm backward: ``head``, then the passes it runs."""
+    runs = [module.passes[i].name for i in module.runs]
+    return f"{head}: {len(runs)} kernel{'s' if len(runs) > 1 else ''} ({', '.join(runs)})"
 
 
 def _norm_form(node: fx.Node) -> tuple[tuple | None, Any]:
@@ -112,11 +119,10 @@ def derive_norm_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, A
             continue
         bw, passes, built = found
         grad_out, x, _, mean, rstd, weight = node.args[:6]
-        module = DerivedNormBackward(bw, passes, built, rows, n, mask)
-        install(gm, node, f"derived_norm_backward_{len(lines)}", module, (grad_out, x, mean, rstd, weight))
-        runs = [passes[i].name for i in module.runs]
-        lines.append(f"layernorm backward {rows}x{n} float32, the forward's saved mean and rstd read: "
-                     f"{len(runs)} kernel{'s' if len(runs) > 1 else ''} ({', '.join(runs)})")
+        module = DerivedNormBackward(bw, passes, built, rows, n, mask, ("Y_mean", "Y_rstd"))
+        install(gm, node, f"derived_norm_backward_{len(lines)}", module, (grad_out, x, weight, mean, rstd))
+        lines.append(norm_line(f"layernorm backward {rows}x{n} float32, the forward's saved mean and rstd read",
+                               module))
     gm.graph.lint()
     gm.recompile()
     return lines

@@ -19,14 +19,18 @@ GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every li
 (``grad.T @ x``, GEMMs of two values, with the bias gradient ``grad.sum(0)``: ``gemms.match_weight_gradient``),
 and torch's CPU attention backward, replaced by the kernels derived from the attention SMG
 (``derive_attention_backwards``: fed the O and logsumexp the forward saved, which is the derived forward's LSE;
-masked, the mask as a score mod and the row statistics recomputed in two parts: ``derived_masks``).
+masked, the mask as a score mod and the row statistics recomputed in two parts: ``derived_masks``), the LayerNorm
+and RMSNorm backwards, replaced by the kernels derived from the norm SMGs (``derived_norms``, ``derived_rmsnorm``:
+reading the mean and rstd, or the rsqrt, the forward saved), and a GELU/SiLU backward of a linear's input
+gradient, replaced by that GEMM with the activation's derivative as its derived epilogue (``derived_epilogues``).
 A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
 (``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
-which torch's ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
+which ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
 backward reads is ``patterns.rmsnorm_stats``, that rsqrt a kernel output (``norms.match_norm``, ``graph.read_rstd``).
 What does not: such an RMSNorm in fp16/bf16 (``norm.saved_stats``), a GPU attention forward whose statistics it
-reads, GEMMs of two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
-``native_layer_norm_backward``, ...), and random ops (dropout), each with that reason in the report. A fused
+reads, GEMMs of two graph values in another form than ``grad.T @ x``, the other ATen backward ops
+(``tanh_backward``, ``embedding_dense_backward``, a GELU backward after no GEMM, ...), and random ops (dropout),
+each with that reason in the report. A fused
 subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
 may be read outside it), so every saved activation is still produced.
 
@@ -59,7 +63,8 @@ from spacefusion.frontend.refusals import META, refusal
 
 aten = torch.ops.aten
 
-#: the ATen backward ops the table has no pattern for (left to torch, said so)
+#: the ATen backward ops the table has no pattern for (left to torch, said so; ``Stage._prepare``'s derived
+#: kernels then take the norm, GELU/SiLU and CPU attention backwards they can, clearing the mark)
 BACKWARD_OPS = frozenset({
     aten.native_layer_norm_backward.default, aten.gelu_backward.default, aten.tanh_backward.default,
     aten.threshold_backward.default, aten.silu_backward.default, aten.sigmoid_backward.default,

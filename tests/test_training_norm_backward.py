@@ -188,20 +188,22 @@ def test_an_rmsnorm_backward_in_another_form_stays_torch_s(written: bool) -> Non
     assert backend.graphs[0].backward.derived == want, str(backend)
 
 
-def test_the_schedule_printout_shows_the_layernorm_derivation() -> None:
+@pytest.mark.parametrize("norm,names", [("layernorm", ["dX", "dW_dB"]), ("rmsnorm", ["dX", "dW"])])
+def test_the_schedule_printout_shows_the_norm_s_derivation(norm: str, names: list[str]) -> None:
     from spacefusion.api import schedule
 
-    passes = backward_passes(derive_backward(patterns.layernorm(32, 64, "float32")))
-    assert [p.name for p in passes] == ["dX", "dW_dB"]
+    passes = backward_passes(derive_backward(getattr(patterns, norm)(32, 64, "float32")))
+    assert [p.name for p in passes] == names
     text = str(schedule(passes[0].smg))
-    assert "backward derivation (smg.autodiff):" in text and "dX[m, n] = " in text and "dW_dB: " in text, text
+    assert "backward derivation (smg.autodiff):" in text and "dX[m, n] = " in text and f"{names[1]}: " in text, text
 
 
-def test_the_layernorm_backward_kernels_lower_to_cuda(tmp_path) -> None:
-    """Both passes lower for sm_90a; nvcc builds their cubins where it exists (compile only: no GPU here)."""
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_the_norm_backward_kernels_lower_to_cuda(norm: str, tmp_path) -> None:
+    """Every pass lowers for sm_90a; nvcc builds their cubins where it exists (compile only: no GPU here)."""
     from spacefusion.api import build, schedule
 
-    for p in backward_passes(derive_backward(patterns.layernorm(256, 768, "float32"))):
+    for p in backward_passes(derive_backward(getattr(patterns, norm)(256, 768, "float32"))):
         art = build(schedule(p.smg), "cuda:sm_90a")
         assert "__global__" in art.source, p.name
         if shutil.which("nvcc"):

@@ -101,35 +101,35 @@ def rms_backward_of(pow3: fx.Node) -> RmsBackward | None:
     while _is(r, _DETACH, ("detach",)) and len(r.users) == 1:
         chain.append(r)
         r = r.args[0]
-    mul19 = _only_user(pow3)
-    mul18 = _other(mul19, pow3)
-    sum2 = _times(mul18, -0.5)
-    if sum2 is None or not _is(sum2, _SUM) or len(sum2.args) != 3 or sum2.args[2] is not True:
+    cubed = _only_user(pow3)
+    half_sum = _other(cubed, pow3)
+    row_sum = _times(half_sum, -0.5)
+    if row_sum is None or not _is(row_sum, _SUM) or len(row_sum.args) != 3 or row_sum.args[2] is not True:
         return None
-    mul16 = sum2.args[0]
-    found = _operands(mul16, r)
+    gwx = row_sum.args[0]
+    found = _operands(gwx, r)
     if found is None:
         return None
     gw, x, g, w = found
     xs, n = tuple(x.meta["val"].shape), x.meta["val"].shape[-1]
-    if list(sum2.args[1]) not in ([-1], [len(xs) - 1]):
+    if list(row_sum.args[1]) not in ([-1], [len(xs) - 1]):
         return None
-    expand = _only_user(mul19)
+    expand = _only_user(cubed)
     div = _only_user(expand)
     if not _is(expand, _EXPAND, ("expand",)) or tuple(expand.args[1]) != xs or not _is(div, _DIV) \
             or len(div.args) != 2 or div.args[0] is not expand or div.args[1] != n:
         return None
     t2 = _only_user(div)
-    mul20 = _other(t2, div)
-    pow5 = _times(mul20, 2.0)
-    if pow5 is None or not _is(pow5, _POW) or pow5.args != (x, 1.0):
+    two_x = _other(t2, div)
+    x_pow1 = _times(two_x, 2.0)
+    if x_pow1 is None or not _is(x_pow1, _POW) or x_pow1.args != (x, 1.0):
         return None
     t1 = next((u for u in gw.users if _other(u, gw) is r), None)
     final = _only_user(t2)
     if t1 is None or not _is(final, _ADD) or len(final.args) != 2 or t2 not in final.args:
         return None
     inner = final.args[0] if final.args[1] is t2 else final.args[1]
-    residual, nodes = None, [*chain, mul19, mul18, sum2, mul16, gw, expand, div, t2, mul20, pow5, t1, final]
+    residual, nodes = None, [*chain, cubed, half_sum, row_sum, gwx, gw, expand, div, t2, two_x, x_pow1, t1, final]
     if inner is not t1:
         if not _is(inner, _ADD) or len(inner.args) != 2 or t1 not in inner.args or _only_user(inner) is not final:
             return None
@@ -143,12 +143,12 @@ def rms_backward_of(pow3: fx.Node) -> RmsBackward | None:
     return RmsBackward(g, x, w, r, final, residual, dw[2] if dw else None, frozenset(nodes))
 
 
-def _operands(mul16: Any, r: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
-    """(gW, x, g, W) where ``mul16`` is ``gW * x`` (either order), ``gW = g * W`` of a float32 weight [n]
+def _operands(gwx: Any, r: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
+    """(gW, x, g, W) where ``gwx`` is ``gW * x`` (either order), ``gW = g * W`` of a float32 weight [n]
     (``get_attr``), g and x float32 of one shape and ``r`` float32 x's shape with its last dim 1."""
-    if not _is(mul16, _MUL) or len(mul16.args) != 2:
+    if not _is(gwx, _MUL) or len(gwx.args) != 2:
         return None
-    for gw, x in (mul16.args, mul16.args[::-1]):
+    for gw, x in (gwx.args, gwx.args[::-1]):
         if not _is(gw, _MUL) or len(gw.args) != 2:
             continue
         for g, w in (gw.args, gw.args[::-1]):

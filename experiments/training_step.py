@@ -96,12 +96,15 @@ def main(argv: list[str]) -> None:
     compiled = torch.compile(model, backend=backend, dynamic=False)
     prof = cProfile.Profile() if a.profile else None
     from spacefusion.frontend.compiled import CompiledGraph
+    from spacefusion.frontend.derived_epilogues import DerivedActGemmBackward
+    from spacefusion.frontend.derived_norms import DerivedNormBackward
     from spacefusion.frontend.fused import FusedKernel
     from spacefusion.frontend.training import DerivedAttentionBackward
 
     spent: dict[str, list[float]] = {"refresh": [], "kernels": []}
     timed_fns = [(CompiledGraph, "_refresh", "refresh"), (FusedKernel, "forward", "kernels"),
-                 (DerivedAttentionBackward, "forward", "kernels")]
+                 (DerivedAttentionBackward, "forward", "kernels"), (DerivedNormBackward, "forward", "kernels"),
+                 (DerivedActGemmBackward, "forward", "kernels")]
     originals = [getattr(cls, attr) for cls, attr, _ in timed_fns]
 
     def timer(fn: object, into: list[float]) -> object:

@@ -153,6 +153,19 @@ def gemm_epilogue(m: int, n: int, k: int, act: str = "sigmoid", bias: bool = Tru
     return g.build(y)
 
 
+def act_gemm(m: int, n: int, k: int, act: str = "gelu", dtype: str = "float32") -> SMG:
+    """``Y[m, n] = sum_k act(Z[m, k]) * Bw[n, k]``: a linear (``Bw`` an ``nn.Linear`` weight as it is) reading an
+    activation of ``Z``, the pre-activation of the linear before it (an MLP's ``fc2(gelu(fc1(x)))``).  Its
+    backward with respect to Z, ``dZ = act'(Z) * (dY @ Bw)``, is the input-gradient GEMM of the linear with the
+    activation's derivative as its epilogue: what a training backward computes as ``mm(grad, W)`` then
+    ``gelu_backward(., Z)``, derived (``smg.autodiff``) instead of written by hand."""
+    if act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
+    g = Builder(f"{act}_gemm", dtype)
+    z, b = g.input("Z", {"m": m, "k": k}), g.input("Bw", {"n": n, "k": k})
+    return g.build(g.matmul(g.unary(act, z, name="A"), b, reduce="k", name="Y"))
+
+
 def weight_gradient(m: int, n: int, k: int, bias: bool = False, dtype: str = "float32") -> SMG:
     """``Y[m, n] = sum_k G[k, m] * X[k, n]``: a linear's weight gradient ``dW = grad.T @ x`` with both operands
     graph values as autograd's backward holds them (``grad`` [k, m] and ``x`` [k, n], k the tokens, read where

@@ -108,7 +108,8 @@ PUBLIC_API = (
 EXPERIMENT_INTERNALS: dict[tuple[str, str], str] = {
     ("experiments.training_step", "spacefusion.frontend"):
         "times a training step's parts: the weight refresh (compiled.CompiledGraph._refresh) and the kernel calls "
-        "(fused.FusedKernel, training.DerivedAttentionBackward) apart from the step they are part of",
+        "(fused.FusedKernel, training.DerivedAttentionBackward, derived_norms.DerivedNormBackward, "
+        "derived_epilogues.DerivedActGemmBackward) apart from the step they are part of",
     ("experiments.mma_cases", "smg.fold"):
         "the lowering's MMA cases fold dims by hand (fold_dims) to build the exact graphs the MMA tests probe",
     ("experiments.cluster_groupnorm", "schedulers.split"):

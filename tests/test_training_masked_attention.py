@@ -85,7 +85,8 @@ def test_masked_training_attention_backward_is_derived_and_right(name: str, form
     with sdpa_kernel([SDPBackend.MATH]):
         want_loss, want = _grads(exact, exact, _mask(name, form, torch.float64))
     bw = backend.graphs[0].backward
-    assert len(bw.derived) == 1 and " masked: the derived forward" in bw.derived[0], str(backend)
+    assert sum("attention backward" in line for line in bw.derived) == 1, str(backend)
+    assert " masked: the derived forward" in bw.derived[0], str(backend)
     assert not any("flash_attention_for_cpu_backward" in op.op for op in bw.partition.left), str(backend)
     assert abs(loss - want_loss) < 1e-6 * abs(want_loss) and abs(flash_loss - want_loss) < 1e-6 * abs(want_loss)
     ours, torch_s = _err(got, want), _err(flash, want)

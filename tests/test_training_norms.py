@@ -91,7 +91,7 @@ def test_bert_training_fuses_its_layernorms_with_their_statistics(target: str) -
     """Tiny BERT, three SGD steps: losses and every gradient equal eager's (``test_training``'s tolerances);
     the forward's three LayerNorms (embeddings, attention output, output) each one kernel saving mean and rstd,
     none left to torch, the GEMMs beside them as before, and the backward's three ``native_layer_norm_backward``
-    (torch's) reading them."""
+    reading them, each the kernels derived from the LayerNorm SMG (``derived_norms``)."""
     pytest.importorskip("transformers")
     from test_training import _compare, _kinds, _model, _train
 
@@ -112,7 +112,8 @@ def test_bert_training_fuses_its_layernorms_with_their_statistics(target: str) -
     assert not any("native_layer_norm" in op.op for op in fw.partition.left), str(backend)
     assert not fw.partition.left_codes()["left.saved_stats"], str(backend)
     assert _kinds(fw)["stacked_gemm"] == 1 and sum(n for k, n in _kinds(fw).items() if "gemm" in k) == 5, str(backend)
-    assert sum("native_layer_norm_backward" in op.op for op in bw.partition.left) == 3, str(backend)
+    assert not any("native_layer_norm_backward" in op.op for op in bw.partition.left), str(backend)
+    assert sum("layernorm backward 32x64" in line for line in bw.derived) == 3, str(backend)
 
 
 def test_the_statistics_norm_lowers_to_cuda(tmp_path) -> None:

@@ -84,8 +84,14 @@ CODES: dict[str, str] = {
     "left.value_gemm": "a GEMM of two graph values in a form no row takes (DeBERTa's content-to-position scores; "
                        "the weight-gradient row takes grad.T @ x)",
     "left.grouped_mm": "a grouped GEMM of MoE experts: each row's weight is picked by data (the routing's offsets)",
-    "left.backward_op": "an ATen backward op (gelu_backward, native_layer_norm_backward, ...) no pattern covers",
-    "left.derived_backward": "an attention backward whose derived kernels (smg.autodiff) could not be built",
+    "left.backward_op": "an ATen backward op (tanh_backward, embedding_dense_backward, ...) no pattern or derived "
+                        "kernel covers",
+    "left.derived_backward": "an attention, LayerNorm or GEMM-epilogue backward whose derived kernels "
+                             "(smg.autodiff) could not be built",
+    "left.act_epilogue": "a GELU/SiLU backward after the input-gradient GEMM of a weight, in a form its derived "
+                         "epilogue does not take (not float32, untraced values, an input not the GEMM's shape)",
+    "left.norm_backward": "a LayerNorm backward the derived kernels do not take (not float32, several normalised "
+                          "dims, symbolic sizes): torch's native_layer_norm_backward",
     "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",
     "left.kernel_build": "a fused subgraph whose kernel could not be built",
     "left.dead": "unused once the kernels took its readers: removed (not run per call)",

@@ -19,14 +19,18 @@ GEMMs of a gradient with a weight (``grad @ W``: the input gradients of every li
 (``grad.T @ x``, GEMMs of two values, with the bias gradient ``grad.sum(0)``: ``gemms.match_weight_gradient``),
 and torch's CPU attention backward, replaced by the kernels derived from the attention SMG
 (``derive_attention_backwards``: fed the O and logsumexp the forward saved, which is the derived forward's LSE;
-masked, the mask as a score mod and the row statistics recomputed in two parts: ``derived_masks``).
+masked, the mask as a score mod and the row statistics recomputed in two parts: ``derived_masks``), the LayerNorm
+and RMSNorm backwards, replaced by the kernels derived from the norm SMGs (``derived_norms``, ``derived_rmsnorm``:
+reading the mean and rstd, or the rsqrt, the forward saved), and a GELU/SiLU backward of a linear's input
+gradient, replaced by that GEMM with the activation's derivative as its derived epilogue (``derived_epilogues``).
 A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
 (``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
-which torch's ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
+which ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
 backward reads is ``patterns.rmsnorm_stats``, that rsqrt a kernel output (``norms.match_norm``, ``graph.read_rstd``).
 What does not: such an RMSNorm in fp16/bf16 (``norm.saved_stats``), a GPU attention forward whose statistics it
-reads, GEMMs of two graph values in another form than ``grad.T @ x``, the ATen backward ops (``gelu_backward``,
-``native_layer_norm_backward``, ...), and random ops (dropout), each with that reason in the report. A fused
+reads, GEMMs of two graph values in another form than ``grad.T @ x``, the other ATen backward ops
+(``tanh_backward``, ``embedding_dense_backward``, a GELU backward after no GEMM, ...), and random ops (dropout),
+each with that reason in the report. A fused
 subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
 may be read outside it), so every saved activation is still produced.
 
@@ -52,13 +56,15 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from spacefusion.frontend.compiled import CompiledGraph, GraphReport
-from spacefusion.frontend.errors import FrontendError
+from spacefusion.frontend.derived_calls import install, mark
+from spacefusion.frontend.errors import FrontendError, first_line
 from spacefusion.frontend.export import canonicalize
-from spacefusion.frontend.refusals import DERIVED, META, refusal
+from spacefusion.frontend.refusals import META, refusal
 
 aten = torch.ops.aten
 
-#: the ATen backward ops the table has no pattern for (left to torch, said so)
+#: the ATen backward ops the table has no pattern for (left to torch, said so; ``Stage._prepare``'s derived
+#: kernels then take the norm, GELU/SiLU and CPU attention backwards they can, clearing the mark)
 BACKWARD_OPS = frozenset({
     aten.native_layer_norm_backward.default, aten.gelu_backward.default, aten.tanh_backward.default,
     aten.threshold_backward.default, aten.silu_backward.default, aten.sigmoid_backward.default,
@@ -157,10 +163,19 @@ class Stage:
         self._boxed_call = True
 
     def _prepare(self, gm: fx.GraphModule) -> None:
-        """Each build's pass: the ATen graph read as torch forms, its attention backwards run as derived kernels
-        (kept across rebuilds in ``self.derived``: a weight change re-derives nothing of them)."""
+        """Each build's pass: the ATen graph read as torch forms, its attention, LayerNorm and RMSNorm backwards and its
+        GELU/SiLU backwards after a GEMM of a weight run as derived kernels (kept across rebuilds in
+        ``self.derived``: a weight change re-derives nothing of them)."""
+        from spacefusion.frontend.derived_epilogues import derive_act_backwards
+        from spacefusion.frontend.derived_norms import derive_norm_backwards
+        from spacefusion.frontend.derived_rmsnorm import derive_rms_backwards
+
         read_aten(gm)
-        self.report.derived = derive_attention_backwards(gm, self.owner.kernels, self.derived)
+        kernels = self.owner.kernels
+        self.report.derived = (derive_attention_backwards(gm, kernels, self.derived)
+                               + derive_norm_backwards(gm, kernels, self.derived)
+                               + derive_rms_backwards(gm, kernels, self.derived)
+                               + derive_act_backwards(gm, kernels, self.derived))
 
     def _build(self, args: list[Any]) -> Callable[..., Any]:
         if self.report.skipped:
@@ -190,12 +205,6 @@ class Stage:
         if self.run is None:
             self.run = self._build(list(args))
         return self.run(*args)
-
-
-def first_line(exc: BaseException, limit: int = 400) -> str:
-    """An exception's first line, cut to ``limit`` characters: a report line, not torch's stack of frames."""
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _output_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -236,13 +245,6 @@ def _take_first(g: fx.Graph, node: fx.Node) -> None:
         g.erase_node(u)
 
 
-def _mark(node: fx.Node, code: str, sentence: str) -> None:
-    node.meta[META] = refusal(code, sentence)
-    for u in node.users:  # its tuple results: the same reason
-        if u.op == "call_function" and u.target is operator.getitem:
-            u.meta[META] = refusal(code, sentence)
-
-
 def read_aten(gm: fx.GraphModule) -> int:
     """Rewrite a training step's ATen graph (weights already ``get_attr`` nodes) in place into the torch forms
     the matchers read, and mark what no pattern will take with its reason; returns how many nodes changed.
@@ -280,7 +282,7 @@ def read_aten(gm: fx.GraphModule) -> int:
                 node.target, node.args = torch.nn.functional.layer_norm, (x, shape, w, b, eps)
                 changed += 1
             elif not _stats_form(node):
-                _mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
+                mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
                       "statistics-saving norm does not take (float32 over the last dim, weight and bias parameters)")
             # else: the LayerNorm whose mean and rstd the backward reads stays whole, for the table's
             # ``norm_stats`` row (``patterns.layernorm_stats``: out, mean and rstd from one kernel)
@@ -294,14 +296,14 @@ def read_aten(gm: fx.GraphModule) -> int:
                                "scale": node.kwargs.get("scale")}
                 changed += 1
             elif t is not aten._scaled_dot_product_flash_attention_for_cpu.default:
-                _mark(node, "left.saved_lse", "GPU attention whose log-sum-exp (and RNG state) the backward reads "
+                mark(node, "left.saved_lse", "GPU attention whose log-sum-exp (and RNG state) the backward reads "
                       "in its own layout: torch's forward runs it, no derived forward outputs that")
             # else: the CPU flash attention whose logsumexp the backward reads stays whole, for the table's
             # ``attention_lse`` row (``patterns.attention(..., save_lse=True)``: O and LSE from one kernel)
         elif t in BACKWARD_OPS:
-            _mark(node, "left.backward_op", f"{t.overloadpacket.__name__}: an ATen backward op no pattern covers")
+            mark(node, "left.backward_op", f"{t.overloadpacket.__name__}: an ATen backward op no pattern covers")
         elif t in RANDOM_OPS:
-            _mark(node, "left.random", "random (dropout in training): torch draws it from its generator, as eager")
+            mark(node, "left.random", "random (dropout in training): torch draws it from its generator, as eager")
         elif t is aten.t.default:  # a transpose (of a weight gradient): the layout method the report knows
             node.op, node.target = "call_method", "t"
             changed += 1
@@ -422,23 +424,13 @@ def derive_attention_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tup
                 cache[key] = f"its derived kernels could not be built: {type(exc).__name__}: {first_line(exc)}"
         found = cache.get(key) if key is not None else why
         if isinstance(found, str):
-            _mark(node, "left.derived_backward", f"torch's attention backward: {found}")
+            mark(node, "left.derived_backward", f"torch's attention backward: {found}")
             continue
         bw, passes, built, stats = found
         masked = key[-1]
-        name = f"derived_attention_backward_{len(lines)}"
-        gm.add_submodule(name, DerivedAttentionBackward(bw, passes, built, masked[1] if masked else None, stats))
-        with gm.graph.inserting_before(node):
-            args = (*node.args[:6], *((node.kwargs["attn_mask"],) if masked else ()))
-            call = gm.graph.call_module(name, args)
-        call.meta = dict(node.meta)
-        call.meta.pop(META, None)
-        call.meta[DERIVED] = True
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
-        for u in call.users:  # its gradients' getitems: part of the derived call, not a backward op left
-            u.meta.pop(META, None)
-            u.meta[DERIVED] = True
+        install(gm, node, f"derived_attention_backward_{len(lines)}",
+                DerivedAttentionBackward(bw, passes, built, masked[1] if masked else None, stats),
+                (*node.args[:6], *((node.kwargs["attn_mask"],) if masked else ())))
         b, h, hk, m, n, d, causal, _, dtype, _ = key
         heads = f"h{h}" + (f" (kv {hk})" if hk != h else "")
         what = f"{' causal' if causal else ''}{' masked' if masked else ''}"

@@ -25,6 +25,7 @@ from spacefusion.frontend.canon import Call
 from spacefusion.frontend.concat import match_concat
 from spacefusion.frontend.convs import match_conv, match_max_pool
 from spacefusion.frontend.eager_attention import match_eager_attention, match_masked_fill_attention
+from spacefusion.frontend.embeddings import match_embedding_norm
 from spacefusion.frontend.gemms import (
     match_gated_gemm,
     match_linear,
@@ -96,6 +97,9 @@ ROWS: tuple[Row, ...] = (
         ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
     Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),
     # (a training forward's RMSNorm whose rsqrt the backward reads: that rsqrt a third output, ``Rstd``)
+    # a norm of embeddings (gathered rows, ``frontend.embeddings``) before the plain norms
+    Row("embedding_norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_embedding_norm,
+        ("embedding.prologue", "embedding.form", "library.first")),
     Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_norm,
         ("norm.prologue", "norm.form", "norm.saved_stats")),
     # a training forward's LayerNorm whose mean and rstd the backward reads (``training.read_aten`` leaves

@@ -100,14 +100,17 @@ def gather(load: IndexedLoad, smg: SMG, table: np.ndarray, ids: np.ndarray) -> n
     return np.transpose(rows, [order.index(d) for d in smg.space(load.value).dims])
 
 
-def resolve(smg: SMG, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``inputs`` as ``smg.reference.evaluate`` takes them: each loaded value gathered from its table and ids
-    (which are dropped), the other inputs as given."""
+def resolve(smg: SMG, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """``inputs`` as the graph's ops read them: each loaded value not given gathered from its table and ids
+    (which are dropped), the other inputs as given (``inputs`` itself where the graph has no loads)."""
     loads = loads_of(smg)
+    if not loads:
+        return inputs
     params = {n for ld in loads for n in (ld.table, ld.ids)}
     out = {k: v for k, v in inputs.items() if k not in params}
     for ld in loads:
-        out[ld.value] = gather(ld, smg, inputs[ld.table], inputs[ld.ids])
+        if ld.value not in out:
+            out[ld.value] = gather(ld, smg, inputs[ld.table], inputs[ld.ids])
     return out
 
 

@@ -21,7 +21,7 @@ from schedulers.errors import ScheduleError
 from smg.errors import UnknownAxisError
 from smg.loads import LOADS_ATTR, IndexedLoad, IndexOutOfRange, check_ids, gather, loads_of, resolve, with_loads
 from smg.ops import Builder
-from smg.reference import evaluate
+from smg.reference import evaluate, random_inputs
 from spacefusion.api import build, first_pick, schedule
 from spacefusion.frontend import builders
 from spacefusion.lower.stores import LoweringError
@@ -165,3 +165,13 @@ def test_cuda_gather_kernel_compiles_and_its_artefact_loads(tmp_path: Path) -> N
     art = KernelArtefact.load(folder)
     assert {p.name for p in art.inputs} == {"Table0", "Ids0", "C0", "C1", "W", "B"}
     assert {p.name for p in art.outputs} == {"Y", "T"} and art.param("Ids0").dtype == "int64"
+
+
+def test_random_inputs_and_evaluate_take_the_table_and_ids_as_the_kernel_does() -> None:
+    """What a measuring loop draws (``random_inputs``) is the kernel's parameters, ids inside the table, and
+    ``evaluate`` gathers from them: the kernel and the reference agree on the same dict."""
+    g = _embedding_norm(2, 3, 8, 11)
+    x = random_inputs(g, 4)
+    assert set(x) == {"Table0", "Ids0", "C0", "C1", "W", "B"}
+    assert x["Ids0"].dtype == np.int64 and x["Ids0"].min() >= 0 and x["Ids0"].max() < 11
+    np.testing.assert_allclose(build(first_pick(g), "llvm")(x)["Y"], evaluate(g, x)["Y"], rtol=1e-5, atol=1e-5)

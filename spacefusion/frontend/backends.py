@@ -258,6 +258,9 @@ class CudaBackend(_Cached):
                             "the gathering norm kernel's cuda test has run there (tests/test_embedding_norm.py): "
                             "the kernel (frontend.embeddings) is checked on the CPU targets and compiled by nvcc, "
                             "not yet launched on a GPU",
+        "expert_gemm": "an MoE experts' grouped GEMM stays with the library on the GPU: fused, each row reads its "
+                       "expert's weight from global through its id (frontend.experts), a GEMV a row on CUDA cores "
+                       "against the library's tensor-core GEMM per expert; fused on the CPU targets",
         "weight_gradient": "a weight gradient grad.T @ x stays with cuBLAS on the GPU: its A lies [k, m] (k the "
                            "tokens, outer in both operands) and the tensor-core GEMM takes A with k last only "
                            "(schedulers.warp_tile), so the fused kernel runs on CUDA cores against cuBLAS's tensor "

@@ -26,6 +26,7 @@ from spacefusion.frontend.concat import match_concat
 from spacefusion.frontend.convs import match_conv, match_max_pool
 from spacefusion.frontend.eager_attention import match_eager_attention, match_masked_fill_attention
 from spacefusion.frontend.embeddings import match_embedding_norm
+from spacefusion.frontend.experts import match_expert_gemm
 from spacefusion.frontend.gemms import (
     match_gated_gemm,
     match_linear,
@@ -90,6 +91,9 @@ ROWS: tuple[Row, ...] = (
     Row("gated_gemm", _ops("mul"), match_gated_gemm),
     Row("stacked_linears", LINEAR_OPS, match_stacked_linears),
     Row("linear", LINEAR_OPS, match_linear, ("linear.input",)),
+    # MoE experts' grouped GEMMs: the weight an indexed load along the expert dim (CPU targets)
+    Row("expert_gemm", _ops("grouped_mm_fallback"), match_expert_gemm,
+        ("library.first",)),
     # after the linears (a GEMM with a weight is theirs) and the attention rows (their two-value matmuls)
     Row("weight_gradient", _ops("mm", "matmul"), match_weight_gradient,
         ("weight_gradient.form", "library.first")),

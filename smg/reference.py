@@ -12,6 +12,7 @@ import sympy as sp
 from smg.errors import ShapeError
 from smg.expr import Role, body_expr, index_symbols, parse, symbol
 from smg.ir import SMG, Op
+from smg.loads import loads_of, resolve
 from smg.tolerance import compare
 
 
@@ -162,7 +163,9 @@ def _guarded(x: np.ndarray, rule: str) -> np.ndarray:
 
 def evaluate(smg: SMG, inputs: Mapping[str, np.ndarray], keep: bool = False) -> dict[str, np.ndarray]:
     """Run every op of ``smg`` unfused, in float64.  Returns outputs (or all spaces).  A row whose every
-    value is -inf has softmax 0 (``guarded_reads``), as the kernels give it."""
+    value is -inf has softmax 0 (``guarded_reads``), as the kernels give it.  An input read at run-time rows
+    (``smg.loads``) may be given as its table and ids, as its kernel takes it: gathered first."""
+    inputs = resolve(smg, inputs)
     env: dict[str, np.ndarray] = {}
     for name in smg.inputs:
         if name not in inputs:
@@ -180,12 +183,19 @@ def evaluate(smg: SMG, inputs: Mapping[str, np.ndarray], keep: bool = False) -> 
 
 
 def random_inputs(smg: SMG, seed: int = 0, scale: float = 1.0) -> dict[str, np.ndarray]:
-    """Seeded standard-normal inputs, rounded to each input's dtype."""
+    """Seeded standard-normal inputs, rounded to each input's dtype; an input read at run-time rows
+    (``smg.loads``) as its kernel takes it: a standard-normal table and ids uniform over its rows."""
     rng = np.random.default_rng(seed)
-    return {
-        n: (rng.standard_normal(smg.shape(n)) * scale).astype(smg.space(n).dtype)
-        for n in smg.inputs
-    }
+    loaded = {ld.value: ld for ld in loads_of(smg)}
+    out = {}
+    for n in smg.inputs:
+        ld = loaded.get(n)
+        if ld is None:
+            out[n] = (rng.standard_normal(smg.shape(n)) * scale).astype(smg.space(n).dtype)
+        else:
+            out[ld.table] = (rng.standard_normal(ld.table_shape(smg)) * scale).astype(smg.space(n).dtype)
+            out[ld.ids] = rng.integers(0, ld.length, ld.ids_shape(smg))
+    return out
 
 
 def produced_inputs(consumer: SMG, producer: SMG, seed: int = 0) -> dict[str, np.ndarray]:

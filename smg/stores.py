@@ -11,7 +11,8 @@ stores (``spacefusion.lower.stores``); the reference evaluates the SMG and scatt
 
 Why an attribute and not a field of ``SMG``: the content key hashes every field of the graph, so a new
 field would change every committed key; the stores are carried in ``SMG.attrs`` under ``STORES_ATTR``
-(canonical JSON), so only graphs that have stores get new keys, and those keys do depend on them.
+(canonical JSON, ``smg.indexed``: shared with the indexed loads, ``smg.loads``), so only graphs that have stores
+get new keys, and those keys do depend on them.
 
 Contract: positions are distinct (duplicates leave one of the values, in no defined order) and ``into`` is
 contiguous in ``layout`` order.  A position outside ``[0, length)`` is not written (``index_copy_`` raises
@@ -20,13 +21,12 @@ there; a kernel cannot raise, and must not write past the caller's tensor).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from smg.errors import ShapeError, UnknownAxisError
+from smg.indexed import attach, attached, check_free, inside
 from smg.ir import SMG
 
 #: the ``SMG.attrs`` key holding a graph's stores (canonical JSON of their fields)
@@ -75,29 +75,20 @@ class IndexedStore:
                                    f"{dims}")
         if not smg.dim_sizes[self.dim] <= self.length:
             raise ShapeError(f"{where}: {smg.dim_sizes[self.dim]} positions along {self.dim!r} into {self.length}")
-        taken = {s.name for s in smg.spaces} | set(smg.dim_sizes)
-        if {self.into, self.positions} & taken or self.into == self.positions:
-            raise ValueError(f"{where}: parameter names {self.into!r}, {self.positions!r} clash with the graph's")
+        check_free(smg, where, (self.into, self.positions))
 
 
 def with_stores(smg: SMG, stores: tuple[IndexedStore, ...]) -> SMG:
     """``smg`` with ``stores`` (each checked): the same ops and outputs, a new content key; ``smg`` itself
     (its key unchanged) where there are none."""
-    if not stores:
-        return smg
     for st in stores:
         st.check(smg)
-    text = json.dumps([dataclasses.asdict(st) for st in stores], sort_keys=True, separators=(",", ":"))
-    attrs = tuple((k, v) for k, v in smg.attrs if k != STORES_ATTR) + ((STORES_ATTR, text),)
-    return dataclasses.replace(smg, attrs=attrs)
+    return attach(smg, STORES_ATTR, stores)
 
 
 def stores_of(smg: SMG) -> tuple[IndexedStore, ...]:
     """The indexed stores ``smg`` carries (``with_stores``); () for a graph without."""
-    text = dict(smg.attrs).get(STORES_ATTR)
-    if text is None:
-        return ()
-    return tuple(IndexedStore(**{**d, "layout": tuple(d["layout"])}) for d in json.loads(text))
+    return attached(smg, STORES_ATTR, lambda d: IndexedStore(**{**d, "layout": tuple(d["layout"])}))
 
 
 def scatter(store: IndexedStore, smg: SMG, value: np.ndarray, into: np.ndarray, positions: np.ndarray) -> None:
@@ -106,7 +97,7 @@ def scatter(store: IndexedStore, smg: SMG, value: np.ndarray, into: np.ndarray, 
     dims = smg.space(store.value).dims
     moved = np.transpose(value, [dims.index(d) for d in store.layout])
     pos = store.at(positions, smg.dim_sizes[store.dim])
-    keep = (pos >= 0) & (pos < store.length)  # outside the tensor: not written (the contract)
+    keep = inside(pos, store.length)  # outside the tensor: not written (the contract)
     axis = store.layout.index(store.dim)
     index = tuple(pos[keep] if d == store.dim else slice(None) for d in store.layout)
     into[index] = np.compress(keep, moved, axis=axis).astype(into.dtype)

@@ -58,7 +58,7 @@ def _model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, in
                                       intermediate_size=128, vocab_size=100)
         ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
         return transformers.BertModel(cfg), (ids,), {"attention": 1, "stacked_gemm": 1, "gemm": 4,
-                                                     "residual_norm": 2, "norm": 1}
+                                                     "residual_norm": 2, "embedding_norm": 1}
     raise ValueError(name)
 
 

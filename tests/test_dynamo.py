@@ -69,11 +69,12 @@ def _model(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 #: model's RMSNorms read only by linears are those GEMMs' prologues (``norm_*``: T5's q/k/v and FFN input, LLaMA's
 #: and Mistral's q, k/v and gate/up; Gemma-2's first only: its others follow a norm's output, not a linear's)
 EXPECT = {
-    "bert_padding": ({"attention": 2, "stacked_gemm": 2, "gemm": 7, "residual_norm": 4, "norm": 1}, None),
+    # the embeddings' norm takes their gathers (``frontend.embeddings``): BERT's and GPT-2's first norm
+    "bert_padding": ({"attention": 2, "stacked_gemm": 2, "gemm": 7, "residual_norm": 4, "embedding_norm": 1}, None),
     "albert": ({"attention": 2, "stacked_gemm": 2, "gemm": 7, "residual_norm": 4}, None),
     "t5_encoder": ({"attention": 2, "norm_stacked_gemm": 2, "norm_gemm": 2, "gemm": 4, "residual_norm": 1}, None),
     "vit": ({"attention": 2, "stacked_gemm": 2, "gemm": 8, "residual_norm": 4, "norm": 1}, None),
-    "gpt2": ({"attention": 2, "stacked_gemm": 2, "gemm": 6, "residual_norm": 4, "norm": 1}, None),
+    "gpt2": ({"attention": 2, "stacked_gemm": 2, "gemm": 6, "residual_norm": 4, "embedding_norm": 1}, None),
     "llama_gqa": ({"attention": 2, "rope": 4, "gated_gemm": 2, "norm_stacked_gemm": 2, "norm_gemm": 2,
                    "residual_norm": 3}, None),
     "mistral_window": ({"attention": 2, "rope": 4, "gated_gemm": 2, "norm_stacked_gemm": 2, "norm_gemm": 2,

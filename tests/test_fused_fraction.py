@@ -2,7 +2,7 @@
 the tiny configs of ``experiments/fused_fraction.py`` (real ``transformers`` classes, seeded weights), each
 checked against eager; a floor per model so a fraction cannot fall silently; DeBERTa-v2's heads-folded ``bmm``
 attention (``alibi.match_bmm_attention``) and EfficientNet's string paddings on both CPU targets; and the
-codes of what is left (``left.grouped_mm``, ``left.value_gemm``)."""
+codes of what is left (``left.value_gemm``; Mixtral's experts fused since indexed loads, ``frontend.experts``)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ from spacefusion.frontend.records import Coverage, LeftOp, Partition  # noqa: E4
 FLOOR = {
     "deberta_v2": 20 / 24,  # 4 left: the c2p / p2c bmm of Q (K) against the position projections (value_gemm)
     "falcon": 1.0, "falcon_40b": 1.0, "falcon_rw": 1.0, "bloom": 1.0, "mpt": 1.0,
-    "mixtral": 12 / 16,  # 4 left: the experts' grouped GEMMs (grouped_mm: each row's weight picked by data)
+    "mixtral": 1.0,  # the experts' grouped GEMMs too: the weight an indexed load along its expert dim (CPU)
     "convnext": 1.0,  # its 4x4/4 patchify stem: the patch GEMM (K = 48)
     "mobilenet_v2": 1.0,  # the RGB stem too since issue 56 (K = 27 padded to 32: convs.k_align)
     "efficientnet": 1.0,  # likewise
 }
 #: what each model may leave, by code: anything else left is a regression of the report too
-LEFT_CODES = {"deberta_v2": {"left.value_gemm"}, "mixtral": {"left.grouped_mm"}}
+LEFT_CODES = {"deberta_v2": {"left.value_gemm"}}
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -99,7 +99,7 @@ def _names(tree: ast.AST) -> set[str]:
 #: the ops ``canon`` names: every function's, every module's, the tensor methods the rows anchor on, and the
 #: ATen ops it declares as anchors
 KNOWN_OPS = frozenset(canon.FUNCTIONS.values()) | {"hardtanh", "gelu", "interpolate", "to", "float", "half",
-                                                    "bfloat16", "type_as"} | canon.ATEN_ANCHORS
+                                                    "bfloat16", "type_as"} | canon.ATEN_ANCHORS | canon.CUSTOM_ANCHORS
 
 
 def test_each_aten_anchor_is_the_name_canonical_gives_its_overload() -> None:

@@ -28,6 +28,7 @@ from schedulers.barrier import Barrier, find_barrier, stages
 from schedulers.hardware import CPU_STAND_IN, PRESETS, HardwareChoice, HardwareModel
 from schedulers.split import SPLIT_RULE, SplitReduction, decide_split
 from smg.ir import SMG
+from smg.loads import check_ids, resolve
 from smg.reference import evaluate
 from smg.stores import scatter, stores_of
 from spacefusion.frontend.arrays import round_to, to_numpy, to_torch
@@ -107,7 +108,8 @@ class ReferenceBackend(_Cached):
     def _compile(self, smg: SMG) -> Kernel:
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             arrays = _numpy(inputs)
-            out = evaluate(smg, arrays)
+            check_ids(smg, arrays)  # an id past its table raises, as torch's embedding does (``smg.loads``)
+            out = evaluate(smg, resolve(smg, arrays))
             for st in stores_of(smg):  # into the caller's tensor (``to_numpy`` shares a CPU tensor's memory)
                 scatter(st, smg, round_to(out.pop(st.value), smg.space(st.value).dtype), arrays[st.into],
                         arrays[st.positions])
@@ -172,7 +174,9 @@ class LLVMBackend(_Cached):
         kernel = self._kernel_for(smg)
 
         def run(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {k: to_torch(v) for k, v in kernel(_numpy(inputs)).items()}
+            arrays = _numpy(inputs)
+            check_ids(smg, arrays)  # the kernel would read zeros there; torch's embedding raises (``smg.loads``)
+            return {k: to_torch(v) for k, v in kernel(arrays).items()}
 
         return run
 
@@ -250,6 +254,13 @@ class CudaBackend(_Cached):
                           "fused writes' cuda tests have run there (tests/test_static_cache.py's CUDA-graph replay, "
                           "tests/test_indexed_stores.py): RoPE's kernel storing K and V into the caller's caches is "
                           "checked on the CPU targets and compiled by nvcc, not yet launched on a GPU",
+        "embedding_gather": "an embedding (F.embedding's rows picked by token ids) stays with torch on the GPU until "
+                            "the gathering norm kernel's cuda test has run there (tests/test_embedding_norm.py): "
+                            "the kernel (frontend.embeddings) is checked on the CPU targets and compiled by nvcc, "
+                            "not yet launched on a GPU",
+        "expert_gemm": "an MoE experts' grouped GEMM stays with the library on the GPU: fused, each row reads its "
+                       "expert's weight from global through its id (frontend.experts), a GEMV a row on CUDA cores "
+                       "against the library's tensor-core GEMM per expert; fused on the CPU targets",
         "weight_gradient": "a weight gradient grad.T @ x stays with cuBLAS on the GPU: its A lies [k, m] (k the "
                            "tokens, outer in both operands) and the tensor-core GEMM takes A with k last only "
                            "(schedulers.warp_tile), so the fused kernel runs on CUDA cores against cuBLAS's tensor "

@@ -78,3 +78,29 @@ def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, 
     else:
         y = g.rmsnorm(t, "n", w, eps=eps, name="Y")
     return g.build(y, t) if keep_sum else g.build(y)
+
+
+def embedding_norm(kind: str, rows: dict[str, int], n: int, gathered: int, added: tuple[tuple[str, ...], ...],
+                   keep_sum: bool, dtype: str, eps: float, offset: float = 0.0) -> SMG:
+    """LayerNorm or RMSNorm over ``n`` of ``T = E0 + .. + C0 + ..``: ``gathered`` terms ``E{i}[*rows, n]`` (each an
+    embedding's rows, read through its ids: ``smg.loads``, attached by the caller) and one ``C{j}`` per entry of
+    ``added``, over those of ``rows``' dims (a position embedding [1, s, n] broadcast over the batch: ``("s",)``)
+    and ``n``; ``keep_sum`` also outputs ``T`` (the residual stream it starts); the weight is ``offset + W``.
+    Why one graph: BERT's embeddings are a gather, two adds and a LayerNorm, four ops torch ran back to back over
+    the same rows; the norm's kernel reads each row's terms once and writes the normalised row."""
+    g = Builder(f"embedding{gathered}_{kind}{'_offset_w' if offset else ''}{'_sum' if keep_sum else ''}", dtype)
+    full = {**rows, "n": n}
+    terms = [g.input(f"E{i}", full) for i in range(gathered)]
+    terms += [g.input(f"C{j}", {**{d: rows[d] for d in dims}, "n": n}) for j, dims in enumerate(added)]
+    t = g.map(" + ".join(x.name for x in terms), *terms, name="T")
+    w = g.input("W", {"n": n})
+    if offset:
+        y0 = g.layernorm(t, "n", eps=eps, name="Yn") if kind == "layernorm" else g.rmsnorm(t, "n", eps=eps, name="Yn")
+        y = g.map(f"{y0.name}*({w.name} + {float(offset)!r})", y0, w, name="Yw" if kind == "layernorm" else "Y")
+        if kind == "layernorm":
+            y = g.binary("add", y, g.input("B", {"n": n}), name="Y")
+    elif kind == "layernorm":
+        y = g.layernorm(t, "n", w, g.input("B", {"n": n}), eps=eps, name="Y")
+    else:
+        y = g.rmsnorm(t, "n", w, eps=eps, name="Y")
+    return g.build(y, t) if keep_sum else g.build(y)

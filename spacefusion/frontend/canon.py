@@ -81,6 +81,9 @@ METHODS: dict[str, str] = {"clip": "clamp", "concat": "cat"}
 #: whole where the backward reads its logsumexp (``table``'s ``attention_lse`` row), and ``native_layer_norm``
 #: whole where it reads the mean and rstd (``norm_stats``)
 ATEN_ANCHORS: frozenset[str] = frozenset({"_scaled_dot_product_flash_attention_for_cpu", "native_layer_norm"})
+#: custom ops of other libraries a pattern anchors on, named by their packet as ``canonical`` names them:
+#: transformers' ``transformers::grouped_mm_fallback`` (MoE experts under ``torch.compile``: ``frontend.experts``)
+CUSTOM_ANCHORS: frozenset[str] = frozenset({"grouped_mm_fallback"})
 
 
 def _relu6(node: fx.Node) -> Call:

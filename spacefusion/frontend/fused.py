@@ -97,7 +97,7 @@ class FusedKernel(nn.Module):
     def prebound(self, spaces: set[str]) -> None:
         """These value operands arrive already bound (``_Bind``, shared with other kernels): taken as
         they are."""
-        self.values = tuple(dataclasses.replace(op, select=(), cast=None, split=None, permute=None)
+        self.values = tuple(dataclasses.replace(op, select=(), cast=None, split=None, permute=None, ends=False)
                             if op.space in spaces else op for op in self.values)
         self._fast = None
 
@@ -117,7 +117,8 @@ class FusedKernel(nn.Module):
 
         arg_of = {op.space: (i, op) for i, op in enumerate(self.values)}
         take = [arg_of.get(name, (None, name)) for name in kernel.inputs]
-        plain = [not isinstance(op, str) and not (op.split or op.permute or op.select or op.cast) for _, op in take]
+        plain = [not isinstance(op, str) and not (op.split or op.permute or op.select or op.cast or op.ends)
+                 for _, op in take]
         out_at = {name: j for j, name in enumerate(kernel.outputs)}
         views = [(out_at[r.space], r) for r in results]
         buffers, launch = self._buffers, kernel.positional
@@ -233,7 +234,10 @@ def _short(text: str) -> str:
 
 def _bind(a: torch.Tensor, op: Operand) -> torch.Tensor:
     """A graph value as the operand's space: broadcast dims dropped, cast, split, permuted, then reshaped (a
-    copy where not a view)."""
+    copy where not a view); group ends (``Operand.ends``) as each row's group."""
+    if op.ends:
+        rows = torch.arange(op.shape[0], device=a.device, dtype=a.dtype)
+        return torch.searchsorted(a.contiguous(), rows, right=True).to(torch.int64)
     for d in sorted(op.select, reverse=True):
         a = a.select(d, 0)
     if op.cast is not None:
@@ -295,9 +299,9 @@ class _Bind(nn.Module):
 
 def _bind_key(op: Operand) -> tuple | None:
     """What makes two kernels' bindings of a value the same tensor; None where the binding is a view."""
-    if not (op.select or op.cast or op.split or op.permute):
+    if not (op.select or op.cast or op.split or op.permute or op.ends):
         return None
-    return op.ref, op.select, op.cast, op.split, op.permute, op.shape
+    return op.ref, op.select, op.cast, op.split, op.permute, op.shape, op.ends
 
 
 def _shared_binds(kernels: list[FusedKernel]) -> set[tuple]:

@@ -49,6 +49,10 @@ class Operand:
     #: (the norm's weight, its offset): a linear weight [.., n, k] multiplied by ``offset + w[k]`` once, its
     #: norm taken as the GEMM's prologue (``frontend.prologue``)
     fold_norm: tuple[str, float] | None = None
+    #: a vector of group ends (MoE ``offs``: rows ``[offs[e - 1], offs[e])`` are expert e's) read as each of the
+    #: ``shape[0]`` rows' group, ``searchsorted(offs, arange(rows), right=True)`` (int64): the ids of an indexed
+    #: load (``smg.loads``) of the experts' weights; a row past the last end gets ``len(offs)``, outside the table
+    ends: bool = False
 
 
 @dataclass(frozen=True)

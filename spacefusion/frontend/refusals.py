@@ -60,6 +60,10 @@ CODES: dict[str, str] = {
                       "a cache made in the graph, strided or of another dtype, K read elsewhere): torch writes it",
     "kv_cache.value": "a V-cache ``index_copy_`` beside a K write the RoPE kernel took, that it cannot carry (V of "
                       "another shape or layout, or read elsewhere): torch writes it",
+    "embedding.prologue": "an embedding whose norm is the prologue of the GEMMs reading it (no norm kernel to "
+                          "gather into): torch gathers the rows",
+    "embedding.form": "an embedding under a norm in all but a detail (terms of other shapes or dtypes, a norm "
+                      "over several dims or without its affine weight)",
     "concat.parts": "a concatenation along the channels of parts the pattern does not take",
     # ops no pattern recognised (``reasons.classify``)
     "left.guard": "a trace guard: no compute",

@@ -25,6 +25,8 @@ from spacefusion.frontend.canon import Call
 from spacefusion.frontend.concat import match_concat
 from spacefusion.frontend.convs import match_conv, match_max_pool
 from spacefusion.frontend.eager_attention import match_eager_attention, match_masked_fill_attention
+from spacefusion.frontend.embeddings import match_embedding_norm
+from spacefusion.frontend.experts import match_expert_gemm
 from spacefusion.frontend.gemms import (
     match_gated_gemm,
     match_linear,
@@ -89,6 +91,9 @@ ROWS: tuple[Row, ...] = (
     Row("gated_gemm", _ops("mul"), match_gated_gemm),
     Row("stacked_linears", LINEAR_OPS, match_stacked_linears),
     Row("linear", LINEAR_OPS, match_linear, ("linear.input",)),
+    # MoE experts' grouped GEMMs: the weight an indexed load along the expert dim (CPU targets)
+    Row("expert_gemm", _ops("grouped_mm_fallback"), match_expert_gemm,
+        ("library.first",)),
     # after the linears (a GEMM with a weight is theirs) and the attention rows (their two-value matmuls)
     Row("weight_gradient", _ops("mm", "matmul"), match_weight_gradient,
         ("weight_gradient.form", "library.first")),
@@ -96,6 +101,9 @@ ROWS: tuple[Row, ...] = (
         ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
     Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),
     # (a training forward's RMSNorm whose rsqrt the backward reads: that rsqrt a third output, ``Rstd``)
+    # a norm of embeddings (gathered rows, ``frontend.embeddings``) before the plain norms
+    Row("embedding_norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_embedding_norm,
+        ("embedding.prologue", "embedding.form", "library.first")),
     Row("norm", _ops("layer_norm", "rms_norm", "mul") | CASTS, match_norm,
         ("norm.prologue", "norm.form", "norm.saved_stats")),
     # a training forward's LayerNorm whose mean and rstd the backward reads (``training.read_aten`` leaves

@@ -24,7 +24,7 @@ from schedulers.resources import shared_bytes
 from schedulers.schedule import Schedule
 from schedulers.warp_tile import tma_maps
 from smg.errors import ShapeError, SpaceFusionError
-from spacefusion.lower import cluster, stores
+from spacefusion.lower import cluster, loads, stores
 from spacefusion.lower.fingerprint import code_fingerprint
 from spacefusion.lower.symbolic import SymbolicDim, symbolic_key, symbolic_meta
 from spacefusion.lower.symbolic import check as check_symbolic
@@ -443,6 +443,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a", symbolic: SymbolicDim | None =
     if symbolic is not None:
         check_symbolic(s, symbolic)  # before anything is built: the tensor-core path is refused here
     stores.check(s)  # indexed stores: element-wise kernels only (never a tensor-core epilogue, unchecked here)
+    loads.check(s)  # indexed loads: CUDA-core kernels only (a warp tile copies contiguous operand tiles)
     if s.tensor_cores:
         return _build_tensorcore(s, arch, symbolic)
     smem = shared_bytes(s)

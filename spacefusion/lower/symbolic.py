@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
+from smg.loads import LOADS_ATTR
 from smg.stores import STORES_ATTR
 
 #: how far the range reaches from the size the schedule was picked at (each way), as ``families.NEAR``:
@@ -119,6 +120,8 @@ def check(s: Schedule, sym: SymbolicDim) -> None:
         refuse("it is the serial dim (the step count follows its size)")
     if dict(smg.attrs).get(STORES_ATTR):
         refuse("an output is stored at run-time positions (``smg.stores``), whose vector has the size")
+    if dict(smg.attrs).get(LOADS_ATTR):
+        refuse("an input is read at run-time rows (``smg.loads``), whose ids have the size")
     for op in smg.ops:
         if d in op.reduce:
             refuse(f"{op.out} reduces over it (the update functions follow its size)")

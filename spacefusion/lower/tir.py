@@ -28,7 +28,7 @@ from schedulers.schedule import Schedule, lane_spread
 from schedulers.temporal import exp_sums
 from smg.expr import body_expr, index_symbol, parse
 from smg.ir import Access, Op
-from spacefusion.lower import cluster, stores
+from spacefusion.lower import cluster, loads, stores
 from spacefusion.lower.exprs import F32, MAX_IDENTITY, subtracted_max, to_tir, to_tir_int
 from spacefusion.lower.mma_state import tree
 from spacefusion.lower.symbolic import SymbolicDim
@@ -44,7 +44,8 @@ VEC_I = "__vec_i"  # env key: position within the current run (index into the re
 @dataclass(frozen=True)
 class KernelSignature:
     """Parameters of the PrimFunc in PrimFunc order (inputs, then outputs; an output stored at run-time
-    positions, ``lower.stores``, is replaced by its store's tensor and positions)."""
+    positions, ``lower.stores``, is replaced by its store's tensor and positions; an input read at run-time
+    rows, ``lower.loads``, by its table and ids)."""
 
     params: tuple[tuple[str, tuple[int, ...], str, str], ...]  # name, shape, dtype, role
 
@@ -56,7 +57,7 @@ PARTIALS, ARRIVALS = "sf_partials", "sf_arrivals"
 
 def signature(s: Schedule) -> KernelSignature:
     smg = s.smg
-    ps = [(n, smg.shape(n), smg.space(n).dtype, "input") for n in smg.inputs]
+    ps = [p for n in smg.inputs for p in loads.params(smg, n)]
     held = stores.stored(smg)
     ps += [(n, smg.shape(n), smg.space(n).dtype, "output") for n in smg.outputs if n not in held]
     ps += stores.params(smg)
@@ -325,6 +326,7 @@ class _Kernel:
         if self.vec == 1:
             return ()
         return tuple(sorted(n for n in set(names) if n in self.smg.inputs and n not in self.shared
+                            and loads.vector_read(self.smg, n, self.s.serial)
                             and self.smg.inner_read(n) == (self.s.serial, 0)
                             and self.smg.space(n).dims[-1] == self.s.serial))
 
@@ -339,7 +341,8 @@ class _Kernel:
         out = []
         for a in op.inputs:
             space = self.smg.space(a.space)
-            if a.plain or a.space not in self.smg.inputs or a.space in self.shared:
+            if (a.plain or a.space not in self.smg.inputs or a.space in self.shared
+                    or not loads.vector_read(self.smg, a.space, self.s.serial)):
                 continue
             off = _serial_offset(a, space.dims, self.s.serial)
             if off is not None and off % self.vec == 0 and self.sizes[space.dims[-1]] % self.vec == 0:
@@ -466,6 +469,7 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False,
     if symbolic is not None:
         check_symbolic(s, symbolic)
     stores.check(s)
+    loads.check(s)
     k = _Kernel(s, target, symbolic)
     k.smem_scope = "shared.dyn" if dynamic_smem else "shared"
     grid: dict[str, int | tirx.PrimExpr] = dict(s.grid())
@@ -482,6 +486,8 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False,
                 if symbolic is not None and role in ("input", "output"):
                     shape = tuple(k.sizes[d] for d in s.smg.space(name).dims) or shape
                 k.glob[name] = T.arg(name, T.buffer(shape, dtype))
+            for ld in loads.loaded(s.smg).values():  # read through its ids (``lower.loads``)
+                k.glob[ld.value] = loads.Gathered(s.smg, ld, k.glob[ld.table], k.glob[ld.ids])
             T.func_attr({"global_symbol": "main", "tirx.noalias": True})
             with ExitStack() as top:
                 if cuda:

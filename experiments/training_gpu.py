@@ -205,12 +205,12 @@ def grad_error(grads: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str, 
     return (diff2 / ref2) ** 0.5 if ref2 else diff2 ** 0.5, where, sorted(set(ref) - set(grads))
 
 
-def systems_of(name: str, art: Path, small: bool, device: str, modes: tuple[str, ...], hw: str
+def systems_of(base: torch.nn.Module, art: Path, device: str, modes: tuple[str, ...], hw: str
                ) -> dict[str, tuple[torch.nn.Module, Callable[..., Any], Any]]:
-    """name -> (model copy, what to call, spacefusion backend or None), each system its own weights."""
+    """name -> (model, what to call, spacefusion backend or None), each system its own copy of ``base``'s
+    weights (eager: ``base`` itself)."""
     from spacefusion.api import CudaBackend, SpaceFusionBackend, first_pick_for, hardware
 
-    base, _ = build(name, device, small)
     out: dict[str, tuple[torch.nn.Module, Callable[..., Any], Any]] = {"eager": (base, base, None)}
     for mode in modes:
         m = copy.deepcopy(base)
@@ -231,14 +231,13 @@ def run_model(name: str, art: Path, small: bool, device: str, modes: tuple[str, 
     """One model's row: compile time, the check against float32 eager, the timed steps."""
     torch._dynamo.reset()
     row: dict[str, Any] = {"compile_s": {}, "check": {}, "refused": {}}
-    _, x = build(name, device, small)
-    ref_model, _ = build(name, device, small)
-    ref_model.float()
+    base, x = build(name, device, small)
+    ref_model = copy.deepcopy(base).float()  # the same weights, in float32
     ref_loss, ref_grads = gradients(ref_model, ref_model, {k: v.float() if torch.is_tensor(v) and
                                                            v.is_floating_point() else v for k, v in x.items()})
     ref_grads = {n: g.float() for n, g in ref_grads.items()}
     del ref_model
-    systems = systems_of(name, art, small, device, modes, hw)
+    systems = systems_of(base, art, device, modes, hw)
     checked: dict[str, Callable[[], Any]] = {}
     for sys_name, (model, run, backend) in systems.items():
         try:

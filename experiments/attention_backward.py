@@ -21,10 +21,12 @@ reference on the math backend (O and, by autograd, dQ, dK, dV), and checks every
 raises (a backend that refuses the case) is reported with why, never timed.  Checked systems take turns over
 ``--repeats`` rounds; each round times the forward alone and the backward alone (for SDPA:
 ``torch.autograd.grad`` of a forward made once, ``retain_graph``) with ``mask_attention.cuda_timer`` (CUDA
-events, L2 flushed by a read, median).  TFLOP/s count the forward as 4·b·h·(kept query-key pairs)·d and the
-backward as 2.5x that, as the issue does.  The JSON is rewritten after each case.  ``--device cpu`` runs the
-same logic on the CPU (a test of both phases: our kernels evaluated from their ``smg.json`` by
-``smg.reference``, SDPA's backends refusing, host wall-clock times that measure nothing).
+events, L2 flushed by a read, median), each case in a child process of its own on the GPU (a faulting
+kernel's sticky error costs only its case; ``--no-isolate``).  TFLOP/s count the forward as
+4·b·h·(kept query-key pairs)·d and the backward as 2.5x that, as the issue does.  The JSON is rewritten after
+each case.  ``--device cpu`` runs the same logic on the CPU (a test of both phases: our kernels evaluated from
+their ``smg.json`` by ``smg.reference``, SDPA's cuDNN backend refusing, host wall-clock times that measure
+nothing).
 """
 
 from __future__ import annotations
@@ -492,9 +494,30 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_child(art: Path, name: str, device: str, warmup: int, iters: int, repeats: int) -> dict[str, Any]:
+    """One case in a child process of its own: a kernel that faults leaves a sticky CUDA error, which dies with
+    the child instead of failing every later case (SDPA's rows included).  The case's results, or why none."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "case.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "run", str(art), "--out", str(out), "--cases", name,
+               "--device", device, "--warmup", str(warmup), "--iters", str(iters), "--repeats", str(repeats),
+               "--no-isolate"]
+        rc = subprocess.run(cmd, check=False).returncode
+        got = json.loads(out.read_text())["cases"].get(name) if out.is_file() else None
+    if got is None:
+        return {"error": f"the child process exited with {rc} before writing the case (its output is above)"}
+    if rc:
+        got["error"] = f"the child process exited with {rc} (its output is above)"
+    return got
+
+
 def run(art: Path, out: Path, names: list[str] | None, device: str, warmup: int, iters: int,
-        repeats: int) -> dict[str, Any]:
-    """Every case of the manifest (or ``names``), the JSON at ``out`` rewritten after each; the results."""
+        repeats: int, isolate: bool = False) -> dict[str, Any]:
+    """Every case of the manifest (or ``names``), each in a child process where ``isolate`` (``run_child``),
+    the JSON at ``out`` rewritten after each; the results."""
     manifest = read_manifest(art)
     names = names or list(manifest["cases"])
     timer = cuda_timer if device == "cuda" else host_timer
@@ -509,7 +532,8 @@ def run(art: Path, out: Path, names: list[str] | None, device: str, warmup: int,
         case = Case.from_dict(entry["case"])
         t = time.perf_counter()
         try:
-            got = run_case(case, entry, art, device, timer, warmup, iters, repeats)
+            got = run_child(art, name, device, warmup, iters, repeats) if isolate else \
+                run_case(case, entry, art, device, timer, warmup, iters, repeats)
         except Exception as exc:  # one case never loses the others
             traceback.print_exc()
             got = {"case": case.to_dict(), "error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -536,11 +560,14 @@ def main(argv: list[str] | None = None) -> int:
                                                             "compiles it at load)")
     ap.add_argument("--out", type=Path, default=Path("attention_backward.json"))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--no-isolate", action="store_true",
+                    help="run: every case in this process (default on the GPU: each in a child process)")
     timing_args(ap, warmup=10, iters=50, repeats=3)
     a = ap.parse_args(argv)
     if a.phase == "export":
         return export(a.art, a.cases or list(CASES), a.hw, a.small, cubin=not a.no_cubin)
-    run(a.art, a.out, a.cases, a.device, a.warmup, a.iters, a.repeats)
+    run(a.art, a.out, a.cases, a.device, a.warmup, a.iters, a.repeats,
+        isolate=a.device == "cuda" and not a.no_isolate)
     return 0
 
 

@@ -59,6 +59,13 @@ def test_the_run_checks_then_times(art: Path, tmp_path: Path) -> None:
     assert results["cases"]["bias_d128"]["backward_flops"] == 2.5 * bias.forward_flops()
 
 
+def test_a_case_in_a_child_process_gives_the_same_rows(art: Path, tmp_path: Path) -> None:
+    """``run_child`` (the GPU's default: a faulting kernel costs only its case) reads back what the child wrote."""
+    results = ab.run(art, tmp_path / "r.json", ["d64_causal"], "cpu", warmup=0, iters=1, repeats=1, isolate=True)
+    rows = {r["system"]: r["status"] for r in results["cases"]["d64_causal"]["rows"]}
+    assert rows["spacefusion"] == rows["sdpa default"] == "checked" and "error" not in results["cases"]["d64_causal"]
+
+
 def test_a_wrong_gradient_fails_the_check() -> None:
     case = ab.CASES["d64_causal"].shrunk()
     x = ab.make_inputs(case, "cpu", torch.float32)

@@ -180,9 +180,11 @@ def _transformers_class(name: str) -> Any:
     return getattr(importlib.import_module(f"transformers.{module}"), cls)
 
 
-def build(name: str, device: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export)."""
-    cfg_cls, model_cls, kw, kind, b, s = MODELS[name]
+def build(name: str, device: str, spec: tuple[str, str, dict[str, Any], str, int, int] | None = None
+          ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model with random weights (seeded) in fp16 and its inputs, on ``device`` ("meta" for export);
+    ``spec``: a ``MODELS``-form entry in place of ``MODELS[name]`` (another script's models)."""
+    cfg_cls, model_cls, kw, kind, b, s = spec or MODELS[name]
     if cfg_cls in ("torchvision", "diffusers"):  # CNNs: fp16 channels-last, what cuDNN is fastest on (or NCHW)
         if cfg_cls == "torchvision":
             torchvision = _torchvision()

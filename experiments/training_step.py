@@ -38,10 +38,16 @@ def model_of(name: str) -> torch.nn.Module:
 
 
 def loss_of(run: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = run(input_ids=ids)
-    loss = out.last_hidden_state.pow(2).mean()
+    return loss_of_output(run(input_ids=ids))
+
+
+def loss_of_output(out: object) -> torch.Tensor:
+    """A model output's loss: the mean square of its last hidden state (plus a tenth of the pooler's sum where
+    it has one), in float32 whatever the model's dtype (the GPU script's bf16 models are checked against
+    float32 on it)."""
+    loss = out.last_hidden_state.float().pow(2).mean()
     pooled = getattr(out, "pooler_output", None)
-    return loss + pooled.sum() * 0.1 if pooled is not None else loss
+    return loss + pooled.float().sum() * 0.1 if pooled is not None else loss
 
 
 def steps(model: torch.nn.Module, run: torch.nn.Module, n: int, warmup: int,

@@ -59,7 +59,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # the torch frontend: capture, partition, fused models, torch.compile's backend, model export
     **{n: ("spacefusion.frontend", n) for n in ("capture", "partition", "fuse", "CudaBackend", "Partition",
                                                 "Subgraph")},
-    **{n: ("spacefusion.frontend.dynamo", n) for n in ("SpaceFusionBackend", "export_cuda", "kernel_cache")},
+    **{n: ("spacefusion.frontend.dynamo", n) for n in ("SpaceFusionBackend", "export_cuda", "export_cuda_training",
+                                                       "kernel_cache")},
     "measure": ("spacefusion.frontend.measure", None),  # the measured choice: WARMUP, SAMPLES, MARGIN, Choice
     "FusedKernel": ("spacefusion.frontend.fused", "FusedKernel"),
     "recorded_hardware": ("spacefusion.frontend.backends", "recorded_hardware"),

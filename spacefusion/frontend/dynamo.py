@@ -150,8 +150,9 @@ class SpaceFusionBackend:
         self.graphs.append(report)
         self._resolve(example_inputs)
         kernels = self.kernels  # a target that cannot run here (cuda without a GPU) is an error, not a fallback
-        if any(isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() for x in example_inputs) \
-                and not self.export_only:  # a training step: aot_autograd's forward and backward, each fused
+        # a training step: aot_autograd's forward and backward, each fused (export_only: each stage's kernels
+        # written on its first call, then torch runs the stage: ``export_cuda_training``)
+        if any(isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() for x in example_inputs):
             from spacefusion.frontend.training import compile_training, first_line
 
             try:
@@ -356,19 +357,9 @@ def first_pick_for(hw: Any) -> Callable[[Any], Any]:
     return functools.partial(first_pick, hw=hw)
 
 
-def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path | None = None,
-                hardware: Any = None, **kwargs: Any) -> SpaceFusionBackend:
-    """Capture ``model`` on the example inputs (meta tensors do: nothing runs) and write the CUDA artefact
-    of every fused SMG's first pick into ``folder``, where TVM is and no GPU: on the GPU machine
-    ``spacefusion.compile(model, target=CudaBackend(folder))`` then loads them with no TVM there (the SMG
-    content keys name the artefacts).  Returns the backend, whose report says what was fused and for which
-    machine.
-
-    ``hardware``: the machine the first picks (and splits and layouts) are ranked for, a preset's name or a
-    ``HardwareModel``, or a sequence of names: the first ranks, and with ``db`` each SMG's best schedule is
-    the one measured on the first of them with a record of it.  None: the GPU in hand's preset, else
-    ``DEFAULT_GPU`` (the H100), which is reported: in the report, in ``folder/hardware.json`` and each
-    kernel's ``timing.json``, and in a log line."""
+def _export_backend(folder: str | Path, db: str | Path | None, hardware: Any) -> SpaceFusionBackend:
+    """The export-only backend of ``export_cuda`` and ``export_cuda_training``: first picks (or ``db``'s
+    best) ranked for ``hardware``, each SMG's CUDA artefact written into ``folder``, nothing loaded."""
     from spacefusion.frontend.backends import CudaBackend
     from spacefusion.frontend.machine import ranking_hardware
 
@@ -383,10 +374,40 @@ def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path
     pick = first_pick_for(choice.model)
     if db is not None:
         pick = tuned(db, "cuda:sm_90a", pick, machines)
-    backend = SpaceFusionBackend(CudaBackend(folder, schedule_for=pick, build_missing=True, load=False,
-                                             hardware=choice), export_only=True)
+    return SpaceFusionBackend(CudaBackend(folder, schedule_for=pick, build_missing=True, load=False, hardware=choice),
+                              export_only=True)
+
+
+def export_cuda(model: nn.Module, folder: str | Path, *args: Any, db: str | Path | None = None,
+                hardware: Any = None, **kwargs: Any) -> SpaceFusionBackend:
+    """Capture ``model`` on the example inputs (meta tensors do: nothing runs) and write the CUDA artefact
+    of every fused SMG's first pick into ``folder``, where TVM is and no GPU: on the GPU machine
+    ``spacefusion.compile(model, target=CudaBackend(folder))`` then loads them with no TVM there (the SMG
+    content keys name the artefacts).  Returns the backend, whose report says what was fused and for which
+    machine.
+
+    ``hardware``: the machine the first picks (and splits and layouts) are ranked for, a preset's name or a
+    ``HardwareModel``, or a sequence of names: the first ranks, and with ``db`` each SMG's best schedule is
+    the one measured on the first of them with a record of it.  None: the GPU in hand's preset, else
+    ``DEFAULT_GPU`` (the H100), which is reported: in the report, in ``folder/hardware.json`` and each
+    kernel's ``timing.json``, and in a log line."""
+    backend = _export_backend(folder, db, hardware)
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)
+    return backend
+
+
+def export_cuda_training(model: nn.Module, folder: str | Path, loss: Callable[[Any], torch.Tensor], *args: Any,
+                         db: str | Path | None = None, hardware: Any = None, **kwargs: Any) -> SpaceFusionBackend:
+    """``export_cuda`` for a training step: ``loss(model(*args, **kwargs)).backward()`` once with grad on, so
+    aot_autograd splits each Dynamo graph and each stage (``training.Stage``) writes the CUDA artefacts of its
+    fused SMGs on its first call, then runs as torch (meta tensors do: nothing is launched).  On the GPU
+    machine ``torch.compile(model, backend=SpaceFusionBackend(CudaBackend(folder)))`` loads them by content
+    key; an SMG the GPU's graph has and this capture had not (the GPU's attention ops differ from the
+    capturing device's) has no artefact there and is left to torch, reported.  Returns the backend."""
+    backend = _export_backend(folder, db, hardware)
+    with torch.enable_grad():
+        loss(torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)).backward()
     return backend
 
 

@@ -197,7 +197,8 @@ class Stage:
             self.report.skipped = f"{type(exc).__name__}: {first_line(exc)}"
             return self.gm.forward
         self.owner.compiled.append(compiled)
-        return self.gm.forward if compiled.plain else compiled
+        # export_only: the stage's kernels are written (``dynamo.export_cuda_training``), torch runs its graph
+        return self.gm.forward if compiled.plain or self.owner.export_only else compiled
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == 1 and isinstance(args[0], list):  # boxed: one list (a graph's inputs are never lists)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from smg import patterns
 from smg.errors import UnknownOperatorError
 from smg.ir import SMG
-from smg.ops import UNARY, Builder
+from smg.ops import UNARY, Builder, Tensor
 from spacefusion.frontend.guard import Guard, clamped, guarded
 
 
@@ -66,18 +66,7 @@ def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, 
         t = clamped(g, g.binary("add", x, g.input("R", {"m": m, "n": n}), name="S"), *clamp)
     else:
         t = g.binary("add", x, g.input("R", {"m": m, "n": n}), name="T") if residual else x
-    w = g.input("W", {"n": n})
-    if offset:  # y * (W + offset) as one op: W + offset alone would be an intermediate over n that every
-        # block of rows recomputes (the spatial slicer then cuts no dim)
-        y0 = g.layernorm(t, "n", eps=eps, name="Yn") if kind == "layernorm" else g.rmsnorm(t, "n", eps=eps, name="Yn")
-        y = g.map(f"{y0.name}*({w.name} + {float(offset)!r})", y0, w, name="Yw" if kind == "layernorm" else "Y")
-        if kind == "layernorm":
-            y = g.binary("add", y, g.input("B", {"n": n}), name="Y")
-    elif kind == "layernorm":
-        y = g.layernorm(t, "n", w, g.input("B", {"n": n}), eps=eps, name="Y")
-    else:
-        y = g.rmsnorm(t, "n", w, eps=eps, name="Y")
-    return g.build(y, t) if keep_sum else g.build(y)
+    return _normalised(g, t, kind, n, eps, offset, keep_sum)
 
 
 def embedding_norm(kind: str, rows: dict[str, int], n: int, gathered: int, added: tuple[tuple[str, ...], ...],
@@ -93,8 +82,17 @@ def embedding_norm(kind: str, rows: dict[str, int], n: int, gathered: int, added
     terms = [g.input(f"E{i}", full) for i in range(gathered)]
     terms += [g.input(f"C{j}", {**{d: rows[d] for d in dims}, "n": n}) for j, dims in enumerate(added)]
     t = g.map(" + ".join(x.name for x in terms), *terms, name="T")
+    return _normalised(g, t, kind, n, eps, offset, keep_sum)
+
+
+def _normalised(g: Builder, t: Tensor, kind: str, n: int, eps: float, offset: float, keep_sum: bool) -> SMG:
+    """The norm over ``n`` of ``t`` with its weight ``W`` (and ``B`` for a LayerNorm) as the inputs after ``t``'s,
+    the weight ``offset + W`` where ``offset``; ``keep_sum`` also outputs ``t``.  One tail for ``norm`` and
+    ``embedding_norm``: their graphs differ only in how ``t`` is made, and the same ops in the same order keep
+    their content keys."""
     w = g.input("W", {"n": n})
-    if offset:
+    if offset:  # y * (W + offset) as one op: W + offset alone would be an intermediate over n that every
+        # block of rows recomputes (the spatial slicer then cuts no dim)
         y0 = g.layernorm(t, "n", eps=eps, name="Yn") if kind == "layernorm" else g.rmsnorm(t, "n", eps=eps, name="Yn")
         y = g.map(f"{y0.name}*({w.name} + {float(offset)!r})", y0, w, name="Yw" if kind == "layernorm" else "Y")
         if kind == "layernorm":

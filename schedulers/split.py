@@ -31,7 +31,7 @@ from schedulers.hardware import HardwareModel
 from schedulers.temporal import TemporalPlan, _inline, new, old, plan_temporal
 from smg.expr import body_expr, parse, symbol
 from smg.fold import fold_all
-from smg.ir import SMG
+from smg.ir import SMG, with_dtypes
 from smg.ops import Builder, Tensor
 from smg.serialize import smg_from_dict, smg_to_dict
 from smg.subgraph import sub_smg
@@ -368,13 +368,7 @@ def _combine(smg: SMG, plan: TemporalPlan, j: str, parts: int, partial: SMG) -> 
                                      code="split.second_pass_dims")
         outs.append(t)
     out = g.build(*outs)
-    return _with_dtypes(out, {o: smg.space(o).dtype for o in smg.outputs})
-
-
-def _with_dtypes(smg: SMG, dtypes: dict[str, str]) -> SMG:
-    """The outputs in the original graph's dtypes (the accumulators stay float32)."""
-    spaces = tuple(dataclasses.replace(s, dtype=dtypes[s.name]) if s.name in dtypes else s for s in smg.spaces)
-    return dataclasses.replace(smg, spaces=spaces)
+    return with_dtypes(out, {o: smg.space(o).dtype for o in smg.outputs})
 
 
 def decide_split(smg: SMG, hw: HardwareModel, dim: str | None = None, min_chunk: int = MIN_CHUNK,

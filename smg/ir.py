@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import numbers
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,8 @@ from smg.errors import BadNameError, DTypeError, ShapeError, UnknownAxisError
 from smg.hashing import canonical_text, text_key
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import sympy as sp
 
 COMBINERS = ("none", "sum", "max")
@@ -413,3 +415,16 @@ def join_smgs(graphs: list[SMG], name: str, outputs: tuple[str, ...] | None = No
         ops=tuple(ops),
         outputs=tuple(outputs),
     )
+
+
+def with_dtypes(smg: SMG, dtypes: Mapping[str, str]) -> SMG:
+    """``smg`` with the spaces named in ``dtypes`` stored in those element types, every op unchanged.  An SMG's
+    ops compute in float32 whatever their spaces store (the kernels load each value as float32 and round only
+    where they store it), so a space's dtype is its storage alone: a fp16/bf16 norm's row statistics saved in
+    float32 as torch's CUDA kernels save them, a split reduction's outputs in the original graph's dtypes.
+    A new graph (its content key covers the dtypes); a name that is no space of ``smg`` is an error."""
+    unknown = set(dtypes) - {s.name for s in smg.spaces}
+    if unknown:
+        raise UnknownAxisError(f"cannot retype {sorted(unknown)}: no spaces of {smg.name!r}")
+    spaces = tuple(DataSpace(s.name, s.dims, dtypes[s.name]) if s.name in dtypes else s for s in smg.spaces)
+    return replace(smg, spaces=spaces)

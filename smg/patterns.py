@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from smg.errors import ShapeError, UnknownOperatorError
-from smg.ir import SMG
+from smg.ir import SMG, with_dtypes
 from smg.ops import UNARY, Builder
 
 
@@ -24,12 +24,14 @@ def layernorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
     return g.build(g.layernorm(x, "n", w, b, eps=eps, name="Y"))
 
 
-def layernorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:
+def layernorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-5, stats_dtype: str | None = None) -> SMG:
     """``Y = LayerNorm(X) * W + B`` over the last dim, with the rows' statistics as two more outputs: ``Mean``
     and ``Rstd`` (``1 / sqrt(var + eps)``, the biased variance), each {m}: what ``aten.native_layer_norm``
     returns beside its output and ``native_layer_norm_backward`` reads, so a training forward's norm can be
     fused and still feed torch's backward.  The same primitives as ``Builder.layernorm`` (one kernel reducing
-    each row twice), only named so they can be outputs; its own name, so ``layernorm``'s content key stays."""
+    each row twice), only named so they can be outputs; its own name, so ``layernorm``'s content key stays.
+    ``stats_dtype``: the statistics' storage where it is not ``dtype`` (``with_dtypes``): a fp16/bf16 norm's
+    are float32 where torch's kernel saves them so (its CUDA kernel always; its CPU one for float32 weights)."""
     g = Builder("layernorm_stats", dtype)
     x = g.input("X", {"m": m, "n": n})
     w, b = g.input("W", {"n": n}), g.input("B", {"n": n})
@@ -40,7 +42,13 @@ def layernorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -
         var = g.scale(g.reduce(sq, "n", "sum", name="Y_sqsum"), 1.0 / n, name="Y_var")
         rstd = g.map(f"1/sqrt({var.name} + {float(eps)!r})", var, name="Rstd")
         y = g.binary("add", g.binary("mul", g.binary("mul", xc, rstd), w), b, name="Y")
-    return g.build(y, mean, rstd)
+    return _stats_in(g.build(y, mean, rstd), ("Mean", "Rstd"), stats_dtype)
+
+
+def _stats_in(smg: SMG, stats: tuple[str, ...], dtype: str | None) -> SMG:
+    """``smg`` with its saved statistics ``stats`` stored in ``dtype`` (None: as built, so a one-dtype
+    graph's content key stays what it was)."""
+    return smg if dtype is None else with_dtypes(smg, dict.fromkeys(stats, dtype))
 
 
 def rmsnorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-6) -> SMG:
@@ -51,13 +59,15 @@ def rmsnorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-6) -> SMG:
 
 
 def rmsnorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-6, residual: bool = False,
-                  keep_sum: bool = False) -> SMG:
+                  keep_sum: bool = False, stats_dtype: str | None = None) -> SMG:
     """``Y = T * Rstd * W`` with ``Rstd = 1 / sqrt(mean(T^2) + eps)`` ({m}) a second output, over the last dim of
     ``T = X`` (``residual``: ``T = X + R``, and ``keep_sum``: T a third output, the residual stream the next
     block reads): a training forward's RMSNorm, whose rsqrt the backward reads (aot_autograd traces LLaMA's
     ``LlamaRMSNorm`` and ``F.rms_norm`` as primitives and saves that rsqrt), fused and still feeding torch's
     backward, as ``layernorm_stats`` does for LayerNorm.  ``Builder.rmsnorm``'s primitives, the statistic
-    named so it can be an output; its own name, so ``rmsnorm``'s content key stays."""
+    named so it can be an output; its own name, so ``rmsnorm``'s content key stays.  ``stats_dtype``: ``Rstd``'s
+    storage where it is not ``dtype``: float32 for a fp16/bf16 model's (HF's RMSNorm upcasts to float32 and
+    saves that rsqrt; the kernel computes in float32 and stores it unrounded)."""
     name = f"{'residual_' if residual else ''}rmsnorm{'_sum' if keep_sum else ''}_stats"
     if keep_sum and not residual:
         raise ValueError(f"{name}: the sum T is kept only where there is one (residual=True)")
@@ -68,7 +78,7 @@ def rmsnorm_stats(m: int, n: int, dtype: str = "float32", eps: float = 1e-6, res
     with g.group("Y"):
         rstd = g.rms_rstd(t, "n", eps, "Y", name="Rstd")
         y = g.binary("mul", g.binary("mul", t, rstd, name="Y_n"), w, name="Y")
-    return g.build(y, rstd, *((t,) if keep_sum else ()))
+    return _stats_in(g.build(y, rstd, *((t,) if keep_sum else ())), ("Rstd",), stats_dtype)
 
 
 def residual_layernorm(m: int, n: int, dtype: str = "float32", eps: float = 1e-5) -> SMG:

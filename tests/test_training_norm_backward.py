@@ -82,10 +82,11 @@ def test_layernorm_backward_matcher_against_float64(target: str, rows: tuple[int
 
 @pytest.mark.parametrize("dtype,normalized", [(torch.float16, 1), (torch.float32, 2)])
 def test_forms_the_derived_kernels_do_not_take_stay_torch_s_with_a_code(dtype: torch.dtype, normalized: int) -> None:
-    """fp16 (torch's CPU op saves fp16 statistics) and a norm over two dims: ``left.norm_backward``, the op
-    and its getitems kept, nothing derived."""
+    """fp16 grad and input with float32 weights (mixed dtypes: no one SMG dtype; fp16 through is derived,
+    ``test_training_half``) and a norm over two dims: ``left.norm_backward``, the op and its getitems kept,
+    nothing derived."""
     shape = (4, 6, 8)
-    vals = {k: v.to(dtype) for k, v in _inputs(shape[:1], 48, 3).items()}
+    vals = {k: v if k in ("w", "b") else v.to(dtype) for k, v in _inputs(shape[:1], 48, 3).items()}
     if normalized == 2:
         vals = _inputs(shape[:1], 48, 3)
         vals |= {k: vals[k].reshape(shape) for k in ("g", "x")}

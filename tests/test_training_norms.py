@@ -72,17 +72,21 @@ def test_the_fused_norm_s_statistics_feed_torch_s_backward(target: str) -> None:
 
 
 def test_stats_forms_the_pattern_does_not_take_are_marked_with_why() -> None:
-    """fp16 (torch's CPU op returns fp16 statistics) and a weight that is not a parameter: ``read_aten`` marks
-    the op ``left.saved_stats``; float32 on parameters is left unmarked, for the row."""
-    gm = _norm_graph(16, with_backward=False)
-    read_aten(gm)
-    (ln,) = [n for n in gm.graph.nodes if n.target is aten.native_layer_norm.default]
-    assert META not in ln.meta
-    half = _norm_graph(16, with_backward=False)
-    x = next(n for n in half.graph.nodes if n.op == "placeholder")
-    x.meta["val"] = torch.empty(2, 16, dtype=torch.float16)
-    read_aten(half)
-    (ln,) = [n for n in half.graph.nodes if n.target is aten.native_layer_norm.default]
+    """A weight that is not a parameter: ``read_aten`` marks the op ``left.saved_stats``; float32 and fp16 on
+    parameters are left unmarked, for the row (which checks the dtypes together: ``norm_stats.saved_stats_dtypes``)."""
+    for dt in (torch.float32, torch.float16):
+        gm = _norm_graph(16, with_backward=False)
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        x.meta["val"] = torch.empty(2, 16, dtype=dt)
+        read_aten(gm)
+        (ln,) = [n for n in gm.graph.nodes if n.target is aten.native_layer_norm.default]
+        assert META not in ln.meta, dt
+    loose = _norm_graph(16, with_backward=False)
+    (ln,) = [n for n in loose.graph.nodes if n.target is aten.native_layer_norm.default]
+    with loose.graph.inserting_before(ln):
+        w = loose.graph.placeholder("w_value")
+    ln.args = (ln.args[0], ln.args[1], w, *ln.args[3:])
+    read_aten(loose)
     assert ln.meta[META].code == "left.saved_stats", ln.meta[META]
 
 

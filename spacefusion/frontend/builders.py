@@ -36,17 +36,18 @@ def gated_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32"
 
 def norm(kind: str, m: int, n: int, residual: bool, keep_sum: bool, dtype: str, eps: float,
          offset: float = 0.0, guard: Guard | None = None, clamp: tuple[float, float] | None = None,
-         stats: bool = False) -> SMG:
+         stats: str | None = None) -> SMG:
     """LayerNorm or RMSNorm of ``X`` (``residual``: of ``T = X + R``; ``guard``: of ``T``, T5's fp16 clamp
     of X; ``clamp`` (lo, hi): of ``T = clamp(X + R, lo, hi)``, Whisper's fp16 clamp after its residual add)
     over the last dim; ``keep_sum`` also outputs ``T``; the weight is ``offset + W`` (Gemma's
-    ``1 + w``: one more element-wise op on W, fused like the rest); ``stats``: an RMSNorm's ``Rstd`` is an
-    output too (a training forward's, which the backward reads: ``patterns.rmsnorm_stats``, no offset, guard
-    or clamp).  The forms ``smg.patterns`` has are taken from there."""
-    if stats:
+    ``1 + w``: one more element-wise op on W, fused like the rest); ``stats``, a dtype: an RMSNorm's ``Rstd`` is
+    an output too, stored in it (a training forward's, which the backward reads: ``patterns.rmsnorm_stats``, no
+    offset, guard or clamp; float32 for a fp16/bf16 model's, as HF's upcast saves it).  The forms
+    ``smg.patterns`` has are taken from there."""
+    if stats is not None:
         if kind != "rmsnorm" or offset or guard is not None or clamp is not None:
             raise ValueError("only a plain or residual RMSNorm (no offset weight, guard or clamp) outputs its rstd")
-        return patterns.rmsnorm_stats(m, n, dtype, eps, residual, keep_sum)
+        return patterns.rmsnorm_stats(m, n, dtype, eps, residual, keep_sum, None if stats == dtype else stats)
     if residual and guard is not None:
         raise ValueError("a norm's input is either a residual sum or a guarded value, not both")
     if clamp is not None and (not residual or guard is not None):

@@ -18,6 +18,12 @@ become one ``DerivedNormBackward`` of ``derive_backward(patterns.rmsnorm)``: ``d
 derivation's saved ``Y_rstd`` (``1 / sqrt(mean(x^2) + eps)``: the same value; eps enters no backward body).
 Where the form differs (another torch's decomposition, ``F.rms_norm``'s, a model that writes ``x * x``) nothing
 is matched; the forms aot writes are pinned by ``tests/test_training_norm_backward.py``.
+
+fp16/bf16 (LLaMA cast to bf16: HF's norm upcasts x): the same form on ``gW = (g * W).float()`` and x's float32
+cast, with the float32 ``r``; dX is ``t1 + t2`` cast back to x's dtype (a residual gradient is added after that
+cast, in x's dtype, and stays torch's add) and dW ``sum(g * (x * r).to(dtype))`` (``_operands``,
+``_weight_gradient``).  The derivation is then of ``rmsnorm`` in x's dtype reading a float32 ``Y_rstd``
+(``derived_norms.half_derivation``): g, x and W bound uncast, dX and dW in x's dtype as aot's graph has them.
 """
 
 from __future__ import annotations
@@ -30,8 +36,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from spacefusion.frontend.derived_norms import DerivedNormBackward, norm_line
+from spacefusion.frontend.derived_norms import (
+    DerivedNormBackward,
+    attr_tensor,
+    half_derivation,
+    norm_line,
+    stats_text,
+)
 from spacefusion.frontend.errors import first_line
+from spacefusion.frontend.graph import DTYPES
 from spacefusion.frontend.refusals import DERIVED
 
 aten = torch.ops.aten
@@ -43,6 +56,8 @@ _SUM = (torch.sum, aten.sum.dim_IntList)
 _DETACH = (aten.detach.default, torch.detach)
 _EXPAND = (aten.expand.default,)
 _VIEW = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_TO_COPY = aten._to_copy.default
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _is(node: Any, fns: tuple[Any, ...], methods: tuple[str, ...] = ()) -> bool:
@@ -67,6 +82,33 @@ def _times(node: Any, c: float) -> Any:
         if isinstance(k, (int, float)) and not isinstance(k, bool) and k == c and isinstance(x, fx.Node):
             return x
     return None
+
+
+def _cast(node: Any) -> tuple[fx.Node, torch.dtype] | None:
+    """(input, dtype) where ``node`` is a dtype cast as a training graph spells it after ``read_aten``:
+    ``x.to(dtype)`` or ``aten._to_copy(x, dtype=, layout=strided, device=x's)``; else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_method" and node.target == "to" and len(node.args) == 2 and not node.kwargs \
+            and isinstance(node.args[1], torch.dtype):
+        return node.args[0], node.args[1]
+    if node.op != "call_function" or node.target is not _TO_COPY or len(node.args) != 1 \
+            or set(node.kwargs) - {"dtype", "layout", "device"} or node.kwargs.get("layout", torch.strided) \
+            is not torch.strided or not isinstance(node.kwargs.get("dtype"), torch.dtype):
+        return None
+    val = _val(node.args[0])
+    device = node.kwargs.get("device")
+    if device is not None and (val is None or torch.device(device) != val.device):
+        return None
+    return node.args[0], node.kwargs["dtype"]
+
+
+def _upcast(node: Any) -> tuple[fx.Node, fx.Node | None]:
+    """(the value, the cast) where ``node`` is a fp16/bf16 value cast to float32, else (node, None)."""
+    got = _cast(node)
+    if got is None or got[1] is not torch.float32 or _val(got[0]) is None or _val(got[0]).dtype not in _HALF:
+        return node, None
+    return got[0], node
 
 
 def _only_user(node: Any) -> Any:
@@ -110,8 +152,9 @@ def rms_backward_of(pow3: fx.Node) -> RmsBackward | None:
     found = _operands(gwx, r)
     if found is None:
         return None
-    gw, x, g, w = found
+    gw, x, g, w, xin, upcasts = found
     xs, n = tuple(x.meta["val"].shape), x.meta["val"].shape[-1]
+    half = _val(xin).dtype if upcasts else None
     if list(row_sum.args[1]) not in ([-1], [len(xs) - 1]):
         return None
     expand = _only_user(cubed)
@@ -129,63 +172,76 @@ def rms_backward_of(pow3: fx.Node) -> RmsBackward | None:
     if t1 is None or not _is(final, _ADD) or len(final.args) != 2 or t2 not in final.args:
         return None
     inner = final.args[0] if final.args[1] is t2 else final.args[1]
-    residual, nodes = None, [*chain, cubed, half_sum, row_sum, gwx, gw, expand, div, t2, two_x, x_pow1, t1, final]
+    residual, nodes = None, [*chain, cubed, half_sum, row_sum, gwx, gw, expand, div, t2, two_x, x_pow1, t1, final,
+                             *upcasts]
     if inner is not t1:
         if not _is(inner, _ADD) or len(inner.args) != 2 or t1 not in inner.args or _only_user(inner) is not final:
             return None
         residual = inner.args[0] if inner.args[1] is t1 else inner.args[1]
         nodes.append(inner)
-    dw = _weight_gradient(g, x, r, xs)
+    if half is not None:  # dX is the float32 sum cast back to x's dtype (a residual gradient is added after it)
+        down = _only_user(final)
+        if residual is not None or _cast(down) != (final, half):
+            return None
+        final = down
+        nodes.append(final)
+    dw = _weight_gradient(g, x, r, xs, half)
     if dw is not None:
         nodes += dw
+    if x is not xin and set(x.users) <= set(nodes):  # x's float32 cast, read inside the form alone
+        nodes.append(x)
     if not _closed(nodes, {final, dw[2] if dw else final}):
         return None
-    return RmsBackward(g, x, w, r, final, residual, dw[2] if dw else None, frozenset(nodes))
+    return RmsBackward(g, xin, w, r, final, residual, dw[2] if dw else None, frozenset(nodes))
 
 
-def _operands(gwx: Any, r: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
-    """(gW, x, g, W) where ``gwx`` is ``gW * x`` (either order), ``gW = g * W`` of a float32 weight [n]
-    (``get_attr``), g and x float32 of one shape and ``r`` float32 x's shape with its last dim 1."""
+def _operands(gwx: Any, r: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node, tuple[fx.Node, ...]] | None:
+    """(gW, x, g, W, x's value, the upcast nodes) where ``gwx`` is ``gW * x`` (either order), ``gW = g * W`` of a
+    weight [n] (``get_attr``), g and x of one shape and ``r`` float32 x's shape with its last dim 1: all float32
+    (x's value is x, no upcasts), or g, W and x of one fp16/bf16 dtype, ``gW`` and ``x`` their float32 casts
+    (LLaMA's RMSNorm upcasts x; the upcasts: ``gW``'s cast and the product it casts, both the form's)."""
     if not _is(gwx, _MUL) or len(gwx.args) != 2:
         return None
     for gw, x in (gwx.args, gwx.args[::-1]):
-        if not _is(gw, _MUL) or len(gw.args) != 2:
+        gw16, gcast = _upcast(gw)
+        xin, xcast = _upcast(x)
+        if (gcast is None) != (xcast is None) or not _is(gw16, _MUL) or len(gw16.args) != 2:
             continue
-        for g, w in (gw.args, gw.args[::-1]):
-            vals = [_val(t) for t in (g, x, r)]
+        want = {torch.float32} if gcast is None else {_val(xin).dtype}
+        for g, w in (gw16.args, gw16.args[::-1]):
+            vals = [_val(t) for t in (g, xin, r)]
             if not (isinstance(w, fx.Node) and w.op == "get_attr") or any(v is None for v in vals):
                 continue
             gv, xv, rv = vals
-            wv = _attr(w)
-            if wv is None or {gv.dtype, xv.dtype, rv.dtype, wv.dtype} != {torch.float32}:
+            wv = attr_tensor(w)
+            if wv is None or {gv.dtype, xv.dtype, wv.dtype} != want or rv.dtype != torch.float32:
                 continue
             if tuple(gv.shape) == tuple(xv.shape) and tuple(rv.shape) == (*xv.shape[:-1], 1) \
                     and tuple(wv.shape) == (xv.shape[-1],) and all(isinstance(s, int) for s in xv.shape):
-                return gw, x, g, w
+                return gw, x, g, w, xin, (gw16,) if gcast is not None else ()
     return None
 
 
-def _attr(node: fx.Node) -> Any:
-    """The tensor a ``get_attr`` node names."""
-    obj = node.graph.owning_module
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
-def _weight_gradient(g: fx.Node, x: fx.Node, r: fx.Node, xs: tuple[int, ...]) -> list[fx.Node] | None:
-    """[g * xhat, its sum over the rows, the view to [n]] (then ``xhat = x * r`` itself where nothing else reads
-    it: a recomputed forward may, the next norm's residual input) where those nodes compute dW, else None."""
+def _weight_gradient(g: fx.Node, x: fx.Node, r: fx.Node, xs: tuple[int, ...],
+                     half: torch.dtype | None) -> list[fx.Node] | None:
+    """[g * xhat, its sum over the rows, the view to [n]] (then ``xhat = x * r`` itself, and its cast to
+    ``half`` where the norm is fp16/bf16, where nothing else reads them: a recomputed forward may, the next norm's
+    residual input) where those nodes compute dW, else None."""
     for xhat in r.users:
         if _other(xhat, r) is not x:
             continue
-        for dwmul in xhat.users:
+        cast = next((c for c in xhat.users if _cast(c) == (xhat, half)), None) if half is not None else xhat
+        if cast is None:
+            continue
+        for dwmul in cast.users:
             total = _only_user(dwmul)
             view = _only_user(total)
-            if _other(dwmul, xhat) is g and _is(total, _SUM) and len(total.args) == 3 and total.args[2] is True \
+            if _other(dwmul, cast) is g and _is(total, _SUM) and len(total.args) == 3 and total.args[2] is True \
                     and list(total.args[1]) == list(range(len(xs) - 1)) and _is(view, _VIEW, ("view", "reshape")) \
                     and tuple(view.args[1]) == (xs[-1],):
-                return [dwmul, total, view, *((xhat,) if len(xhat.users) == 1 else ())]
+                chain = [cast, xhat] if cast is not xhat else [xhat]
+                read_once = [c for i, c in enumerate(chain) if all(len(d.users) == 1 for d in chain[:i + 1])]
+                return [dwmul, total, view, *read_once]
     return None
 
 
@@ -211,12 +267,12 @@ def derive_rms_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
         found = rms_backward_of(node) if node not in gone else None
         if found is None or (found.dw is not None and any(order[u] < order[found.final] for u in found.dw.users)):
             continue
-        xs = tuple(found.x.meta["val"].shape)
+        xs, dt = tuple(found.x.meta["val"].shape), DTYPES[found.x.meta["val"].dtype]
         rows, n = math.prod(xs[:-1]), xs[-1]
-        key = ("rmsnorm", rows, n)
+        key = ("rmsnorm", rows, n, dt)
         if key not in cache:
-            try:
-                bw = derive_backward(patterns.rmsnorm(rows, n, "float32"))
+            try:  # the saved rsqrt is float32 (``_operands``), a fp16/bf16 norm's too
+                bw = derive_backward(half_derivation(patterns.rmsnorm(rows, n, dt), {"Y_rstd": "float32"}))
                 passes = backward_passes(bw)
                 cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
             except Exception as exc:  # not derivable or not schedulable at this size: torch's primitives
@@ -227,7 +283,8 @@ def derive_rms_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
         module = DerivedNormBackward(bw, passes, built, rows, n, (True, found.dw is not None), ("Y_rstd",))
         _replace(gm, found, f"derived_rms_backward_{len(lines)}", module)
         gone |= found.nodes
-        lines.append(norm_line(f"rmsnorm backward {rows}x{n} float32, the forward's saved rsqrt read", module))
+        lines.append(norm_line(f"rmsnorm backward {rows}x{n} {dt}, the forward's saved "
+                               f"{stats_text('float32', dt)}rsqrt read", module))
     gm.graph.lint()
     gm.recompile()
     return lines

@@ -94,8 +94,9 @@ def match_embedding_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     """``norm(E0 + .. + C0 + ..)`` with at least one ``E`` an ``F.embedding`` of ids of the rows' shape (see the
     module's docstring) -> ``embedding_norm``; None where there is no embedding under the norm."""
     nm = norm_of(node, ctx.gm)
-    if nm is None or not ctx.free(node, *nm.inner) or not isinstance(nm.x, fx.Node):
-        return None
+    if nm is None or not ctx.free(node, *nm.inner) or not isinstance(nm.x, fx.Node) \
+            or read_rstd(nm, node) is not None:
+        return None  # a training forward's norm whose rsqrt the backward reads: ``norms.match_norm`` saves it
     xs, dt = shape(nm.x), dtype(node)
     leaves, adds = _terms(nm.x, ctx)
     rowshape = xs[:-1] if xs else None

@@ -27,7 +27,7 @@ from spacefusion.frontend.graph import (
 )
 from spacefusion.frontend.guard import clamp_of, guard_of, guarded
 from spacefusion.frontend.matchers import Context, _build, _param, _subgraph, _value
-from spacefusion.frontend.norm_stats import stats_result
+from spacefusion.frontend.norm_stats import param_dtype, saved_stats_dtypes, stats_result
 from spacefusion.frontend.records import Result, Subgraph
 
 
@@ -92,10 +92,11 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     An RMSNorm written in ops whose rsqrt is read outside it (a training forward's: aot_autograd saves it for
     the backward, ``graph.read_rstd``) outputs it too, ``Rstd`` bound to the rsqrt node in torch's shape and
     strides ([..., 1]), so the backward reads it unchanged (``patterns.rmsnorm_stats``, residual add and kept
-    sum as above); where the norm is not float32 through (fp16/bf16 LLaMA and ``F.rms_norm`` cast to float32
-    for the statistics, and the SMG's operands are one dtype, bound uncast), or has an offset weight, a guard or
-    a clamp, it is refused with ``norm.saved_stats`` (fused, it would not be closed: its saved rsqrt an
-    intermediate)."""
+    sum as above).  A fp16/bf16 norm (LLaMA's upcasts x to float32 for the statistics and saves a float32 rsqrt)
+    is ``rmsnorm_stats`` in the input's dtype with ``Rstd`` stored in the rsqrt's, computed in float32 inside as the
+    kernels compute every op (``norm_stats.saved_stats_dtypes``: x, weight and output of one dtype).  One of mixed
+    dtypes, with an offset weight, a guard or a clamp is refused with ``norm.saved_stats`` (fused, it would not be
+    closed: its saved rsqrt an intermediate)."""
     nm = norm_of(node, ctx.gm)
     if nm is None or not ctx.free(node, *nm.inner):
         return None
@@ -120,16 +121,20 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     clip = clip if residual else None
     keep_sum = (residual or guard is not None) and any(u is not node and u not in nm.inner for u in x.users)
     rstd = read_rstd(nm, node)
-    if rstd is not None and ({dtype(x), dt, dtype(rstd)} != {"float32"} or nm.offset or guard or clip):
+    if rstd is not None and (not saved_stats_dtypes(dtype(x), dt, dtype(rstd), param_dtype(ctx.gm, nm.weight))
+                             or nm.offset or guard or clip):
         ctx.refuse(node, "norm.saved_stats",
                    f"an RMSNorm whose rstd the backward reads, of {dtype(x)} to {dt} with a {dtype(rstd)} rstd"
-                   f"{' and an offset weight' if nm.offset else ''}"
+                   f" and a {param_dtype(ctx.gm, nm.weight)} weight"
+                   f"{', an offset weight' if nm.offset else ''}"
                    f"{' after a guard or clamp' if guard or clip else ''}:"
-                   " the statistics-saving pattern takes float32 through, a plain weight, no guard or clamp")
+                   " the statistics-saving pattern takes an input, weight and output of one dtype with the rstd in it"
+                   " or float32, a plain weight, no guard or clamp")
         return None
     m, n = rows(xs), xs[-1]
     smg = _build(ctx, node, lambda: builders.norm(nm.kind, m, n, residual, keep_sum, dt, float(nm.eps), nm.offset,
-                                                  guard, clip[1:] if clip else None, stats=rstd is not None))
+                                                  guard, clip[1:] if clip else None,
+                                                  stats=dtype(rstd) if rstd is not None else None))
     if smg is None:
         return None
     if residual:
@@ -143,7 +148,7 @@ def match_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     weight = f" ({nm.offset:g} + w)" if nm.offset else ""
     kept = " (clamped kept)" if (guard or clip) and keep_sum else " (sum kept)" if keep_sum else ""
     first = "add + clamp + " if clip else "add + " if residual else "inf guard + " if guard else ""
-    saved = " + rstd saved" if rstd is not None else ""
+    saved = f" + {dtype(rstd) + ' ' if dtype(rstd) != dt else ''}rstd saved" if rstd is not None else ""
     label = f"{first}{nm.kind}{weight}{kept}{saved} {m}x{n} {dt}"
     nodes = (*((add, x) if clip else (x,) if residual else guard.nodes if guard else ()), *nm.inner, node)
     sub = _subgraph(kind, label, nodes, smg, ops, {"Y": node, "T": x, "Rstd": rstd})

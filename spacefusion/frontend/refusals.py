@@ -51,7 +51,8 @@ CODES: dict[str, str] = {
     "norm.prologue": "a norm read only by linears: their GEMMs' prologue",
     "norm.form": "a norm over several dims or without its affine parameters",
     "norm.saved_stats": "a training forward's RMSNorm whose rstd the backward reads, in a form the statistics-saving "
-                        "pattern does not take (not float32 through: fp16/bf16; an offset weight, a guard or a clamp)",
+                        "pattern does not take (input, weight and output of mixed dtypes; an offset weight, a guard "
+                        "or a clamp)",
     "group_norm.form": "a GroupNorm of an unsupported rank or with one affine parameter",
     # element-wise patterns
     "rope.form": "a rotate-half RoPE in all but a detail",
@@ -83,7 +84,7 @@ CODES: dict[str, str] = {
     "left.unclassified": "an op whose classification failed",
     # a training step's ATen graphs (``frontend.training``)
     "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads, in a form no statistics-saving "
-                        "norm takes (not float32, several dims, no affine parameters)",
+                        "norm takes (not a float input, several dims, no affine parameters)",
     "left.saved_lse": "attention whose row log-sum-exp the backward reads, where no derived forward outputs it",
     "left.value_gemm": "a GEMM of two graph values in a form no row takes (DeBERTa's content-to-position scores; "
                        "the weight-gradient row takes grad.T @ x)",
@@ -94,8 +95,8 @@ CODES: dict[str, str] = {
                              "(smg.autodiff) could not be built",
     "left.act_epilogue": "a GELU/SiLU backward after the input-gradient GEMM of a weight, in a form its derived "
                          "epilogue does not take (not float32, untraced values, an input not the GEMM's shape)",
-    "left.norm_backward": "a LayerNorm backward the derived kernels do not take (not float32, several normalised "
-                          "dims, symbolic sizes): torch's native_layer_norm_backward",
+    "left.norm_backward": "a LayerNorm backward the derived kernels do not take (mixed dtypes of grad, input and "
+                          "weight, several normalised dims, symbolic sizes): torch's native_layer_norm_backward",
     "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",
     "left.kernel_build": "a fused subgraph whose kernel could not be built",
     "left.dead": "unused once the kernels took its readers: removed (not run per call)",

@@ -23,16 +23,18 @@ masked, the mask as a score mod and the row statistics recomputed in two parts: 
 and RMSNorm backwards, replaced by the kernels derived from the norm SMGs (``derived_norms``, ``derived_rmsnorm``:
 reading the mean and rstd, or the rsqrt, the forward saved), and a GELU/SiLU backward of a linear's input
 gradient, replaced by that GEMM with the activation's derivative as its derived epilogue (``derived_epilogues``).
-A forward's float32 LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
+A forward's LayerNorm whose mean and rstd the backward reads is ``patterns.layernorm_stats``
 (``native_layer_norm`` left whole, its three elements the kernel's outputs: ``norm_stats.match_norm_stats``),
-which ``native_layer_norm_backward`` reads; a float32 RMSNorm (its ATen form is primitives) whose rsqrt the
-backward reads is ``patterns.rmsnorm_stats``, that rsqrt a kernel output (``norms.match_norm``, ``graph.read_rstd``).
-What does not: such an RMSNorm in fp16/bf16 (``norm.saved_stats``), a GPU attention forward whose statistics it
-reads, GEMMs of two graph values in another form than ``grad.T @ x``, the other ATen backward ops
-(``tanh_backward``, ``embedding_dense_backward``, a GELU backward after no GEMM, ...), and random ops (dropout),
-each with that reason in the report. A fused
-subgraph whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results
-may be read outside it), so every saved activation is still produced.
+which ``native_layer_norm_backward`` reads; an RMSNorm (its ATen form is primitives) whose rsqrt the backward
+reads is ``patterns.rmsnorm_stats``, that rsqrt a kernel output (``norms.match_norm``, ``graph.read_rstd``).  Both,
+and the derived norm backwards, in float32, fp16 or bf16, the statistics stored in the dtype torch saves them in
+(float32 for HF's upcast RMSNorm and torch's CUDA LayerNorm; ``norm_stats.saved_stats_dtypes``), computed in
+float32 inside.  What does not: a norm of mixed dtypes (``norm.saved_stats``, ``norm.form``,
+``left.norm_backward``), a GPU attention forward whose statistics it reads, GEMMs of two graph values in another
+form than ``grad.T @ x``, the other ATen backward ops (``tanh_backward``, ``embedding_dense_backward``, a GELU
+backward after no GEMM, ...), and random ops (dropout), each with that reason in the report.  A fused subgraph
+whose intermediate value the backward reads stays with torch (``fused._closed``: only a subgraph's results may be
+read outside it), so every saved activation is still produced.
 
 Weights are live (``CompiledGraph(live_weights=True)``): an optimiser step writes every one of them in place,
 so a training graph is partitioned and its kernels built once, on the first call, and never again for a
@@ -229,13 +231,13 @@ def _unused(node: fx.Node, *indices: int) -> bool:
 
 
 def _stats_form(node: fx.Node) -> bool:
-    """Whether ``native_layer_norm`` ``node`` is the form ``norm_stats.match_norm_stats`` builds: over one
-    dim, weight and bias parameters (``get_attr``), float32 where the traced value says (fp16/bf16 on CPU return
-    their statistics in the input's dtype: not wired)."""
+    """Whether ``native_layer_norm`` ``node`` may be the form ``norm_stats.match_norm_stats`` builds: over one
+    dim, weight and bias parameters (``get_attr``), of a float input where the traced value says (float32,
+    fp16 or bf16: which dtypes of input, parameters and statistics go together the row checks, ``norm.form``)."""
     x, shape, w, b = node.args[:4]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     return (len(shape) == 1 and all(isinstance(p, fx.Node) and p.op == "get_attr" for p in (w, b))
-            and (val is None or val.dtype == torch.float32))
+            and (val is None or val.dtype in (torch.float32, torch.float16, torch.bfloat16)))
 
 
 def _take_first(g: fx.Graph, node: fx.Node) -> None:
@@ -284,7 +286,8 @@ def read_aten(gm: fx.GraphModule) -> int:
                 changed += 1
             elif not _stats_form(node):
                 mark(node, "left.saved_stats", "a LayerNorm whose mean and rstd the backward reads, in a form the "
-                      "statistics-saving norm does not take (float32 over the last dim, weight and bias parameters)")
+                     "statistics-saving norm does not take (a float input over the last dim, weight and bias "
+                     "parameters)")
             # else: the LayerNorm whose mean and rstd the backward reads stays whole, for the table's
             # ``norm_stats`` row (``patterns.layernorm_stats``: out, mean and rstd from one kernel)
         elif t in ATTENTION_LSE:

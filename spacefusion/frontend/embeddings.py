@@ -107,11 +107,6 @@ def match_embedding_norm(node: fx.Node, ctx: Context) -> Subgraph | None:
     if not gathers or xs is None or dt is None:
         return None
     first = gathers[0][0]
-    if nm.kind == "rmsnorm" and read_rstd(nm, node) is not None:
-        ctx.refuse(first, "embedding.form",
-                   "an embedding under an RMSNorm whose rsqrt the backward reads (a training forward): the norm "
-                   "row outputs it (patterns.rmsnorm_stats), which the gathered norm does not; torch gathers the rows")
-        return None
     if node.name in ctx.prologues:
         ctx.refuse(first, "embedding.prologue",
                    f"an embedding whose rows an {nm.kind} read only by linears normalises: that norm is the "

@@ -27,12 +27,7 @@ from test_training_rmsnorm import _decoder  # noqa: E402
 
 from spacefusion.frontend.dynamo import SpaceFusionBackend  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _loss(model: object, ids: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,7 @@ from spacefusion.frontend.training import CPU_FLASH_BACKWARD, derive_attention_b
 FILL = torch.finfo(torch.float32).min
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _mask(name: str, form: str, dtype: torch.dtype) -> torch.Tensor:

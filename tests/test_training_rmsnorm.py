@@ -20,12 +20,7 @@ from test_training import _compare, _train  # noqa: E402
 
 from spacefusion.frontend.dynamo import SpaceFusionBackend  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _decoder(name: str) -> torch.nn.Module:

@@ -132,10 +132,10 @@ CASES: dict[str, Case] = {c.name: c for c in (
 
 def build_smg(case: Case, dtype: str = "float16") -> Any:
     """The case's attention SMG (no saved statistics: ``derive_backward`` adds them to its ``forward``)."""
-    from smg.patterns import ScoreMod, attention
+    from spacefusion.api import patterns
 
-    mods = tuple(ScoreMod(body, inputs) for body, inputs in case.mods())
-    return attention(case.batch, case.heads, case.seq, case.seq, case.head_dim, kv_heads=case.kv_heads,
+    mods = tuple(patterns.ScoreMod(body, inputs) for body, inputs in case.mods())
+    return patterns.attention(case.batch, case.heads, case.seq, case.seq, case.head_dim, kv_heads=case.kv_heads,
                      causal=case.causal, dtype=dtype, scale=case.scale, mods=mods)
 
 
@@ -148,9 +148,7 @@ def _shapes(smg: Any, names: tuple[str, ...]) -> dict[str, list[int]]:
 def export_case(art: Path, case: Case, hw_name: str, cubin: bool) -> dict[str, Any]:
     """The derived forward and backward passes of ``case``, first picks for ``hw_name``, exported into
     ``art/<case>/<kernel>``; the case's manifest entry (its ``error`` where a step failed)."""
-    from schedulers.passes import backward_passes
-    from smg.autodiff import derive_backward
-    from spacefusion.api import export, first_pick, hardware
+    from spacefusion.api import backward_passes, derive_backward, export, first_pick, hardware
 
     hw = hardware(hw_name)
     entry: dict[str, Any] = {"case": case.to_dict(), "kernels": []}
@@ -320,7 +318,7 @@ class Launch:
             self.inputs = [(p.name, tuple(p.shape)) for p in art_.inputs]
             self.outputs = [(p.name, tuple(p.shape), p.dtype) for p in art_.outputs]
         else:
-            from smg.reference_torch import load_smg
+            from spacefusion.api import load_smg
 
             self.smg = load_smg(folder)
             if self.smg is None:
@@ -333,7 +331,7 @@ class Launch:
         if self.device.type != "cuda":
             import torch
 
-            from smg.reference import evaluate
+            from spacefusion.api import evaluate
 
             got = evaluate(self.smg, {n: t.double().numpy() for n, t in ins.items()})
             return {n: torch.from_numpy(got[n]).to(self.dtype) for n in self.spec["outputs"]}

@@ -49,6 +49,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "first_pick_for": ("spacefusion.frontend.dynamo", "first_pick_for"),
     "interpret": ("schedulers.interpreter", "interpret"),
     "traffic": ("schedulers.traffic", "traffic"),
+    # backwards derived from a forward SMG (smg.autodiff), cut into kernels with the derivation printed
+    "derive_backward": ("smg.autodiff", "derive_backward"),
+    "backward_passes": ("schedulers.passes", "backward_passes"),
     # numerics: the reference, the tolerance rule, the artefact's reference graph file
     **{n: ("smg.reference", n) for n in ("evaluate", "check_numerics", "random_inputs")},
     "tolerance": ("smg.tolerance", None),

@@ -5,7 +5,6 @@ training steps against eager.  What stays torch's says why, with a code."""
 
 from __future__ import annotations
 
-import copy
 import shutil
 
 import pytest
@@ -91,21 +90,10 @@ def _mlp(act: torch.nn.Module) -> torch.nn.Module:
 def test_an_mlp_s_activation_backward_is_the_gemm_s_epilogue(act: torch.nn.Module, target: str) -> None:
     """``LayerNorm(fc2(act(fc1(x))))``, three SGD steps: every parameter within rtol 1e-5 / atol 1e-6 of eager's;
     the activation's backward is the epilogue of fc2's input gradient, the norm's backward derived too."""
-    from spacefusion.frontend.dynamo import SpaceFusionBackend
+    from test_training import train_beside_eager
 
     model = _mlp(act)
-    eager = copy.deepcopy(model)
-    backend = SpaceFusionBackend(target)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(4))
-    for m, run in ((model, compiled), (eager, eager)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        for _ in range(3):
-            opt.zero_grad()
-            run(x).pow(3).mean().backward()
-            opt.step()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    backend = train_beside_eager(model, target)
     bw = backend.graphs[0].backward
     name = "gelu_tanh" if isinstance(act, torch.nn.GELU) else "silu"
     assert bw.derived == ["layernorm backward 32x32 float32, the forward's saved mean and rstd read: 2 kernels "

@@ -917,9 +917,15 @@ def killing_masks(smg, p: WarpTileProgram) -> list[tuple[str, Bound]]:
     <= -1e30) with its (a, b, c, strict): a > 0 bounds L from above (causal), a < 0 from below (the far
     edge of a sliding window).  Whole steps outside the bounds are skipped, whole tiles inside run
     without the select."""
-    L, R = sp.Symbol(p.serial, real=True), sp.Symbol(p.row, real=True)
+    return list(_killing_masks(smg, p.serial, p.row, tuple(p.score_ops)))
+
+
+@functools.lru_cache(maxsize=256)  # the cost model asks at every point of a search space: 2.6 of a causal
+def _killing_masks(smg, serial: str, row: str, score_ops: tuple[str, ...]  # attention's 8.8 s first pick
+                   ) -> tuple[tuple[str, Bound], ...]:
+    L, R = sp.Symbol(serial, real=True), sp.Symbol(row, real=True)
     found = []
-    for name in p.score_ops:
+    for name in score_ops:
         op = smg.producer(name)
         e = body_expr(op)
         if op.kind not in ("mask", "map") or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
@@ -939,7 +945,7 @@ def killing_masks(smg, p: WarpTileProgram) -> list[tuple[str, Bound]]:
         a, b, c = f.coeff(L), f.coeff(R), f.subs({L: 0, R: 0})
         if all(x.is_Integer for x in (a, b, c)) and a != 0:
             found.append((name, (int(a), int(b), int(c), strict)))
-    return found
+    return tuple(found)
 
 
 #: a padding mask read per key from an input: score op, input, kept where ``input[batch.., L] > threshold``

@@ -87,7 +87,13 @@ def _ops(exprs: list[sp.Expr], fast_math: bool = False) -> tuple[int, int]:
     """(SIMT, SFU) operations of ``exprs`` with shared subexpressions counted once (the lowering
     computes attention's ``exp(Ss - m)`` once for the row sum and P @ V): exp and reciprocals go
     to the special-function unit; with ``fast_math`` a logistic ``1 / (1 + exp(z))`` and a tanh
-    are one tanh.approx each (else tanhf's software routine: about 20 FP32 ops)."""
+    are one tanh.approx each (else tanhf's software routine: about 20 FP32 ops).  Once per set of
+    expressions: a ranking asks at every candidate, and the walk was 0.6 of a causal attention's 5 s."""
+    return _ops_of(tuple(exprs), fast_math)
+
+
+@lru_cache(maxsize=4096)
+def _ops_of(exprs: tuple[sp.Expr, ...], fast_math: bool) -> tuple[int, int]:
     nodes = {a for e in exprs for a in sp.preorder_traversal(e) if not a.is_Atom}
     if fast_math:  # the logistic's exp and sum are inside its one tanh.approx
         logistic = {a for a in nodes if isinstance(a, sp.Pow) and a.exp == -1 and logistic_arg(a.base) is not None}

@@ -128,7 +128,11 @@ class CpuKernel:
         return lambda: main(*args)
 
 
-def _pass_context(tvm, own_barriers: bool = False, symbolic: bool = False):
+#: TVM's pass that shrinks each allocation to the region its body touches (off for ``exact_buffers``)
+COMPACT_PASS = "s_tir.CompactBufferAllocation"
+
+
+def _pass_context(tvm, own_barriers: bool = False, symbolic: bool = False, exact_buffers: bool = False):
     """TVM 0.27's StorageRewrite merges two live local buffers of a one-step kernel (MHA with
     the whole row in one step gave wrong results on llvm and on the H100); our buffers are sized
     exactly already, so the pass is off.  ``own_barriers``: the kernel orders its shared memory by
@@ -136,8 +140,15 @@ def _pass_context(tvm, own_barriers: bool = False, symbolic: bool = False):
     know; it would put a block-wide barrier inside a warpgroup's branch, so it is off too.  ``symbolic``: the
     kernel takes a run-time size, and TIR's common-subexpression pass would let-bind an expression of it
     (``ceil(size / rows)``) outside the kernel, which the host/device split then makes a kernel parameter the
-    launcher knows nothing of (``cse_v7``): off (nvcc eliminates the device's common subexpressions itself)."""
+    launcher knows nothing of (``cse_v7``): off (nvcc eliminates the device's common subexpressions itself).
+    ``exact_buffers``: the function allocates every buffer at the footprint it uses (a warp-tile program: each
+    thread's fragments and the block's shared tiles are declared at their size, nothing to shrink), so
+    ``CompactBufferAllocation`` has nothing to do; its region analysis grows with the unrolled body and took
+    3.4 of the pipeline's 4.0 s for BERT-base's masked attention (2-core CPU), so it is off: the CUDA source is
+    the same with it and without (``tests/test_compile_speed.py``)."""
     off = ["s_tir.ThreadSync"] if own_barriers else []
+    if exact_buffers:
+        off.append(COMPACT_PASS)
     config = {"tirx.disable_storage_rewrite": True} | ({"tirx.disable_cse_tir": True} if symbolic else {})
     return tvm.transform.PassContext(config=config, disabled_pass=off)
 
@@ -306,7 +317,8 @@ def _wait_for_previous_grid(src: str, arch: str) -> tuple[str, bool]:
     return src, False
 
 
-def _compile_lowered(s: Schedule, mod, arch: str, lowering: str, symbolic: SymbolicDim | None = None) -> CudaArtefact:
+def _compile_lowered(s: Schedule, mod, arch: str, lowering: str, symbolic: SymbolicDim | None = None,
+                     exact_buffers: bool = False) -> CudaArtefact:
     """Compile a scheduled IRModule; grid, block and dynamic shared memory are read from the
     lowered device function, so the metadata is what TVM emitted, not what we meant.  With ``symbolic`` the
     kernel takes the row count as its argument: the grid recorded is the one at the SMG's size (TVM's is an
@@ -319,7 +331,7 @@ def _compile_lowered(s: Schedule, mod, arch: str, lowering: str, symbolic: Symbo
     # ``tvm.compile``'s steps (``tirx.build``), with the pipeline run once: the lowered device function gives the
     # launch metadata and the codegen the source.  Running it apart for the metadata, then again inside
     # ``tvm.compile``, took half of a warp-specialised attention kernel's 66 s build
-    with _pass_context(tvm, own_barriers=s.producer, symbolic=symbolic is not None):
+    with _pass_context(tvm, own_barriers=s.producer, symbolic=symbolic is not None, exact_buffers=exact_buffers):
         bound = tvm.tirx.transform.BindTarget(target.with_host(host))(mod)
         pipeline, finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
         host_mod, device = split_host_device_mods(pipeline(bound))
@@ -375,7 +387,7 @@ def _build_tensorcore(s: Schedule, arch: str, symbolic: SymbolicDim | None = Non
         loads = "TMA (cp.async.bulk.tensor, mbarriers)" if s.warp_tile.hopper.tma else "cp.async"
         what = (f"tensorcore-wgmma (warp-tile program: wgmma.mma_async on 128 B-swizzled tiles, {loads})"
                 if s.warp_tile.hopper.wgmma else "tensorcore-mma (warp-tile program: mma.sync, ldmatrix, cp.async)")
-        art = _compile_lowered(s, mod, arch, what, symbolic)
+        art = _compile_lowered(s, mod, arch, what, symbolic, exact_buffers=True)
         return CudaArtefact(art.source, art.meta | {"nvcc_flags": list(WARP_TILE_FLAGS)})
     from spacefusion.lower.tensorcore import build_tensorcore
 

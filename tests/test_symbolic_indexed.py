@@ -1,6 +1,6 @@
 """Issue 55 for gathered rows and scattered positions: a kernel with an indexed load (``smg.loads``: BERT's
-embeddings gathered into their LayerNorm) or an indexed store (``smg.stores``) built once with the ids' (the
-positions') dim a run-time size (``lower.symbolic``).
+embeddings gathered into their LayerNorm, an MoE layer's expert GEMM) or an indexed store (``smg.stores``) built
+once with the ids' (the positions') dim a run-time size (``lower.symbolic``).
 
 The llvm kernel is built once and run at sizes across its range (tile tails, the ends) against the float64
 reference of the graph at each size (``smg.loads.resolve`` + ``smg.evaluate``; numpy's scatter for a store),
@@ -142,6 +142,25 @@ def test_a_gather_along_cut_rows_reads_wide_runs_along_the_table() -> None:
         ids = rng.integers(-1, 6, m)  # -1 and 5 lie outside the table: zeros
         want = evaluate(g, resolve(g, {"Table": table, "Ids": ids}))["Y"]
         np.testing.assert_allclose(kernel({"Table": table, "Ids": ids})["Y"], want, rtol=1e-6)
+
+
+def test_an_expert_gemm_takes_its_rows_at_run_time() -> None:
+    """An MoE layer's GEMM reads each row's expert weight through the row's expert id (``frontend.experts``):
+    its rows ``m`` are the frontend's run-time dim (``symbolic_dim``), the experts' table static."""
+    from spacefusion.frontend.experts import expert_gemm
+    from spacefusion.frontend.symbolic_kernels import symbolic_dim
+
+    s = first_pick(expert_gemm(24, 16, 32, 4, "float32"))
+    sym = symbolic_dim(s, s.smg)
+    assert sym is not None and (sym.dim, sym.lo, sym.hi) == ("m", 12, 48)
+    kernel = build(s, "llvm", symbolic=sym)
+    rng = np.random.default_rng(3)
+    experts = rng.standard_normal((4, 16, 32)).astype(np.float32)
+    for m in (12, 13, 37, 48):
+        g = expert_gemm(m, 16, 32, 4, "float32")
+        x = {"X": rng.standard_normal((m, 32)).astype(np.float32), "Experts": experts,
+             "Expert": rng.integers(-1, 5, m)}  # -1 and 4 lie outside the table: a row of zeros
+        np.testing.assert_allclose(kernel(x)["Y"], evaluate(g, resolve(g, x))["Y"], rtol=1e-5, atol=1e-5)
 
 
 def test_the_cuda_backend_serves_an_embeddings_norm_of_another_length(tmp_path: Path) -> None:

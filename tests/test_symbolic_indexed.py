@@ -41,22 +41,16 @@ def _emb(s: int, b: int = 2, n: int = N, vocab: int = VOCAB, dtype: str = "float
     return with_loads(g, (IndexedLoad("E0", "Table0", "Ids0", ("b", "s"), vocab),))
 
 
-def _inputs(smg, kernel_schedule, seed: int) -> dict[str, np.ndarray]:
-    """Random values of ``smg``'s kernel parameters (the symbolic kernel's signature at ``smg``'s sizes); ids in
+def _inputs(smg, seed: int) -> dict[str, np.ndarray]:
+    """Random values of ``smg``'s kernel parameters (its inputs, the gathered E0 as its table and ids); ids in
     the table but one on each side of it."""
     rng = np.random.default_rng(seed)
     (ld,) = loads_of(smg)
-    out = {}
-    for name, shape, dtype, _ in signature(first_pick(smg) if kernel_schedule is None else kernel_schedule).params:
-        if name == ld.ids:
-            ids = rng.integers(0, ld.length, smg.shape(ld.value)[:-1])
-            ids.reshape(-1)[:2] = (-1, ld.length)
-            out[name] = ids
-        elif name == ld.table:
-            out[name] = rng.standard_normal(shape).astype(dtype)
-        elif name in smg.inputs:
-            out[name] = rng.standard_normal(smg.shape(name)).astype(dtype)
-    return out
+    ids = rng.integers(0, ld.length, ld.ids_shape(smg))
+    ids.reshape(-1)[:2] = (-1, ld.length)
+    dtype = smg.space(ld.value).dtype
+    out = {ld.ids: ids, ld.table: rng.standard_normal(ld.table_shape(smg)).astype(dtype)}
+    return out | {n: rng.standard_normal(smg.shape(n)).astype(dtype) for n in smg.inputs if n != ld.value}
 
 
 @functools.cache
@@ -68,12 +62,12 @@ def _emb_kernel():
     return s, build(s, "llvm", symbolic=sym)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(size=st.integers(6, 24), seed=st.integers(0, 2**16))
 def test_one_gather_kernel_matches_the_reference_across_its_range(size: int, seed: int) -> None:
     _, kernel = _emb_kernel()
     g = _emb(size)
-    x = _inputs(g, None, seed)
+    x = _inputs(g, seed)
     want = evaluate(g, resolve(g, x))  # the out-of-table ids read zeros there too
     got = kernel(x)
     assert got["Y"].shape == (2, size, N) and got["T"].shape == (2, size, N)
@@ -81,11 +75,12 @@ def test_one_gather_kernel_matches_the_reference_across_its_range(size: int, see
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("size", [6, 7, 16, 24])
+@pytest.mark.parametrize("size", [6, 7, 24])
 def test_the_range_ends_and_a_tiles_tail(size: int) -> None:
-    _, kernel = _emb_kernel()
+    s, kernel = _emb_kernel()
     g = _emb(size)
-    x = _inputs(g, None, 100 + size)
+    x = _inputs(g, 100 + size)
+    assert set(x) == {name for name, _, _, role in signature(s).params if role == "input"}
     want = evaluate(g, resolve(g, x))
     got = kernel(x)
     np.testing.assert_allclose(got["T"][0, 0], x["C0"][0, 0] + x["C1"][0], rtol=1e-6)  # id -1 gathered zeros
@@ -97,12 +92,12 @@ def test_sizes_outside_the_range_or_disagreeing_are_refused() -> None:
     _, kernel = _emb_kernel()
     for size in (5, 25):
         with pytest.raises(SizeOutOfRange, match=rf"size {size} is outside the kernel's range \[6, 24\]"):
-            kernel(_inputs(_emb(size), None, 0))
-    x = _inputs(_emb(10), None, 0)
+            kernel(_inputs(_emb(size), 0))
+    x = _inputs(_emb(10), 0)
     x["Ids0"] = x["Ids0"][:, :9]
     with pytest.raises(SizeOutOfRange, match="must agree"):
         kernel(x)
-    x = _inputs(_emb(10), None, 0)
+    x = _inputs(_emb(10), 0)
     x["Table0"] = x["Table0"][:40]  # the table keeps its rows at every size
     with pytest.raises(ValueError, match=r"input 'Table0' has shape \(40, 24\)"):
         kernel(x)
@@ -236,7 +231,7 @@ def test_one_gather_kernel_at_every_size_on_the_gpu(tmp_path: Path, monkeypatch:
     kernel = CudaKernel(folder)
     for i, size in enumerate((sym.lo, 21, 40, 47, sym.hi)):
         g = _emb(size, n=256, vocab=1000)
-        x = _inputs(g, None, 30 + i)
+        x = _inputs(g, 30 + i)
         out = kernel.launch({k: torch.from_numpy(v).cuda() for k, v in x.items()})
         torch.cuda.synchronize()
         want = evaluate(g, resolve(g, x))

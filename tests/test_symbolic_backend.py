@@ -1,6 +1,6 @@
-"""Issue 55 through the Dynamo backend on llvm: a graph with symbolic sizes builds its GEMMs (and row norms)
-once, with the rows a run-time size, and every later length within the kernel's range reuses them; each call
-checked against eager."""
+"""Issue 55 through the Dynamo backend on llvm: a graph with symbolic sizes builds its GEMMs (and row norms, the
+embeddings' gathered one included) once, with the rows a run-time size, and every later length within the
+kernel's range reuses them; each call checked against eager."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 55 through the Dynamo backend on llvm: a graph with symbolic sizes builds its GEMMs (and row norms)
-once, with the rows a run-time size, and every later length within the kernel's range reuses them; each call
-checked against eager."""
+"""Issue 55 through the Dynamo backend on llvm: a graph with symbolic sizes builds its GEMMs (and row norms, the
+embeddings' gathered one included) once, with the rows a run-time size, and every later length within the
+kernel's range reuses them; each call checked against eager."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def _run(model, compiled, s: int) -> None:
 
 def test_new_lengths_in_range_build_no_gemm() -> None:
     """Seq 16 is Dynamo's static graph (static kernels); 24 recompiles with symbolic sizes and builds each GEMM
-    and norm with m = 2 * seq a run-time size over [24, 96]; 20 and 30 (m = 40, 60) build only their attention
-    (its kv length changes too) and the embeddings' gathered LayerNorm (no run-time rows for indexed loads),
-    every GEMM and the other norms served by the kernels of 24."""
+    and norm with m = 2 * seq a run-time size over [24, 96], and the embeddings' gathered LayerNorm (its rows the
+    ids' [batch, seq], ``smg.loads``) with seq a run-time size over [12, 48]; 20 and 30 (m = 40, 60) build only
+    their attention (its kv length changes too): every GEMM, the plain norms and the embeddings' norm are
+    served by the kernels of 24, and each output matches eager."""
     model, kernels = _bert(), LLVMBackend()
     compiled = torch.compile(model, backend=SpaceFusionBackend(kernels))
     built_at = {}
@@ -47,13 +48,19 @@ def test_new_lengths_in_range_build_no_gemm() -> None:
     assert all(how == "static" for _, how in built_at[16])
     gemms_24 = [n for n, how in built_at[24] if "gemm" in n]
     assert len(gemms_24) >= 4 and all(how == "symbolic" for n, how in built_at[24] if "gemm" in n), built_at[24]
-    for s in (20, 30):  # no GEMM and no plain norm built; the embeddings' norm reads its rows through the token
-        # ids (``smg.loads``), which take no run-time row count yet (``lower.symbolic``): built for each length
-        assert [n for n, _ in built_at[s]] == ["embedding2_layernorm", "attention"], built_at[s]
-        assert dict(built_at[s])["embedding2_layernorm"] == "static", built_at[s]
+    assert dict(built_at[24])["embedding2_layernorm"] == "symbolic", built_at[24]
+    for s in (20, 30):  # no GEMM and no norm built: the attention alone (its key length is a reduced dim)
+        assert [n for n, _ in built_at[s]] == ["attention"], built_at[s]
+        assert not any("gemm" in n or "norm" in n for n, _ in built_at[s]), built_at[s]
     reused = kernels.symbolic.reused
     assert sum("gemm" in n for n in reused) == 2 * len(gemms_24), reused  # each GEMM of 24, at 20 and at 30
-    assert "residual_layernorm" in reused, reused  # the embeddings' norm is the gathered one above
+    assert "residual_layernorm" in reused, reused
+    assert reused.count("embedding2_layernorm") == 2, reused  # the gathered norm of 24, at 20 and at 30
+    bad = torch.randint(0, 100, (2, 20), generator=torch.Generator().manual_seed(5))
+    bad[1, 3] = 100  # past the table, at a length the symbolic kernel serves: raises as eager does
+    with torch.no_grad(), pytest.raises(IndexError, match="out of range"):
+        compiled(input_ids=bad)
+    assert len(kernels.builds) == sum(map(len, built_at.values()))  # nothing built for it
 
 
 def test_a_length_outside_the_range_builds_again() -> None:

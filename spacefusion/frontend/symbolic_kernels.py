@@ -10,6 +10,11 @@ was picked at (``lower.symbolic.around``: the range the family transfer trusts a
 graph up to dim sizes, sizes written into ops included) with every other dim's size equal and ``m`` in that
 range reuses it: no schedule, no TVM build.
 
+The embeddings' gathered norm (``frontend.embeddings``) keeps its rows as the ids' dims (``[batch, seq]``: a
+position term broadcasts over the batch): its run-time size is the ids' last dim, the sequence (``rows``),
+read from the ids as from the other row buffers, the gathered table (the vocabulary) static
+(``lower.symbolic``).
+
 Contract: ``find`` returns a kernel only for such an SMG, and that kernel computes the SMG at its own sizes
 (the kernel reads ``m`` from its inputs' shapes and checks the rest, ``SymbolicCpuKernel``).  ``build``
 returns None where the schedule cannot take ``m`` at run time; the caller then builds the static kernel, as
@@ -23,27 +28,39 @@ from typing import Any
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
 from smg.ir import SMG
+from smg.loads import loads_of
 from spacefusion.frontend.families import NEAR, family_key
 
 #: the dim a symbolic kernel takes at run time: the rows every GEMM / norm builder of the frontend names ``m``
 ROWS = "m"
 
 
+def rows(smg: SMG) -> str | None:
+    """The dim of ``smg`` a symbolic kernel takes at run time: ``ROWS``; else, in a graph reading gathered rows
+    (``smg.loads``: the embeddings' norm, its rows ``[batch, seq]``), the last dim of its first load's ids,
+    the tokens' position (what a new length changes); None where there is neither."""
+    if ROWS in smg.dim_sizes:
+        return ROWS
+    loads = loads_of(smg)
+    return loads[0].dims[-1] if loads else None
+
+
 def others(smg: SMG) -> dict[str, int]:
     """``smg``'s dim sizes but its rows: what must be equal for two graphs of a family to share a kernel."""
-    return {d: n for d, n in sorted(smg.dim_sizes.items()) if d != ROWS}
+    return {d: n for d, n in sorted(smg.dim_sizes.items()) if d != rows(smg)}
 
 
 def symbolic_dim(s: Schedule, smg: SMG) -> Any | None:
-    """The ``SymbolicDim`` (rows over ``NEAR`` times their size) ``s`` can be built with for ``smg``, or None:
+    """The ``SymbolicDim`` (``rows`` over ``NEAR`` times their size) ``s`` can be built with for ``smg``, or None:
     where the lowering refuses it (``lower.symbolic.check``) or ``s`` cuts another graph than ``smg`` (a fold,
     whose dims are not ``smg``'s: the runtime views tensors at ``smg``'s sizes)."""
     from spacefusion.lower.symbolic import around, check
 
-    if ROWS not in smg.dim_sizes or s.smg.key != smg.key:
+    dim = rows(smg)
+    if dim is None or s.smg.key != smg.key:
         return None
     try:
-        sym = around(s, ROWS, NEAR)
+        sym = around(s, dim, NEAR)
         check(s, sym)
     except ScheduleError:
         return None
@@ -59,11 +76,12 @@ class SymbolicKernels:
 
     def find(self, smg: SMG) -> Any | None:
         """A kernel built for ``smg``'s family whose range holds ``smg``'s rows, every other size equal; else None."""
-        if ROWS not in smg.dim_sizes:
+        dim = rows(smg)
+        if dim is None:
             return None
-        rest, size = others(smg), smg.dim_sizes[ROWS]
+        rest, size = others(smg), smg.dim_sizes[dim]
         for got, kernel in self._by_family.get(family_key(smg), []):
-            if got == rest and kernel.symbolic.contains(size):
+            if got == rest and kernel.symbolic.dim == dim and kernel.symbolic.contains(size):
                 self.reused.append(smg.name)
                 return kernel
         return None
@@ -81,4 +99,4 @@ class SymbolicKernels:
         return kernel
 
 
-__all__ = ["ROWS", "SymbolicKernels", "others", "symbolic_dim"]
+__all__ = ["ROWS", "SymbolicKernels", "others", "rows", "symbolic_dim"]

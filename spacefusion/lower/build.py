@@ -475,7 +475,7 @@ def build_cuda(s: Schedule, arch: str = "sm_90a", symbolic: SymbolicDim | None =
                             code="build.threads")
     tvm = _tvm()
     f = build_primfunc(s, "cuda", dynamic_smem=dynamic, symbolic=symbolic)
-    with _pass_context(tvm):
+    with _pass_context(tvm, symbolic=symbolic is not None):  # no let-bound size expression made a parameter
         ex = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "cuda", "arch": arch}))
     src = ex.mod.imports[0].inspect_source()
     m = _SIG.search(src)

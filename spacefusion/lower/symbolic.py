@@ -27,6 +27,14 @@ cut (the block's loops would run to the size: a loop bound, not a mask), the ser
 shifts: their halos and the vector checks take sizes), slices and clusters (their workspaces and block
 counts follow the size), and the tensor-core forms whose lowering still bakes it (``tensor_core_refusal``).
 
+Indexed loads and stores (``smg.loads``, ``smg.stores``) are taken along the dim their ids or positions are
+indexed by: the ids (one per gathered element: BERT's token ids, ``[batch, seq]``) and a store's positions
+take the run-time size as the graph's own buffers do (``param_dims``), while a gathered table keeps its
+extents (its rows are the vocabulary) and a store's tensor its (the caller's cache, ``length`` along the
+stored dim; the range is cut to ``length`` there).  ``check`` refuses the dim where a table or a store's
+tensor would hold it.  The gather's contract is the static kernel's at every size: the row index is clamped
+into the table and an id outside it reads zeros (``lower.loads``), the CPU callers check the ids first.
+
 The tensor-core GEMM (+ epilogue) path (a warp-tile program without a score GEMM: ``lower.mma``, mma.sync or
 wgmma, cp.async or TMA, a producer warpgroup, persistent, pingpong) takes a run-time row count: its row tails
 are guarded whenever the rows are symbolic, its grid and a persistent block's tile loop are counted from the
@@ -42,8 +50,9 @@ from dataclasses import dataclass
 
 from schedulers.errors import ScheduleError
 from schedulers.schedule import Schedule
-from smg.loads import LOADS_ATTR
-from smg.stores import STORES_ATTR
+from smg.ir import SMG
+from smg.loads import loads_of
+from smg.stores import stores_of
 
 #: how far the range reaches from the size the schedule was picked at (each way), as ``families.NEAR``:
 #: the family transfer keeps a ranking for sizes within 2x, measured to hold within 6% on BERT's GEMMs
@@ -87,9 +96,33 @@ def near_range(size: int, near: float = NEAR) -> tuple[int, int]:
 
 def around(s: Schedule, dim: str, near: float = NEAR) -> SymbolicDim:
     """``dim`` symbolic over ``near_range`` of its size in ``s``'s SMG, cut down to what 32-bit indices
-    address (``check`` then holds for the range)."""
+    address and to the positions an indexed store's tensor holds along it (``check`` then holds for the
+    range)."""
     lo, hi = near_range(s.smg.dim_sizes[dim], near)
-    return SymbolicDim(dim, lo, min(hi, _addressable(s, dim)))
+    return SymbolicDim(dim, lo, min(hi, _addressable(s, dim), _stored(s.smg, dim)))
+
+
+def param_dims(smg: SMG, name: str) -> tuple[str, ...] | None:
+    """The graph's dims along the axes of kernel parameter ``name``, where they follow the graph's sizes: a
+    space's own dims; an indexed load's ids its ``dims`` (``smg.loads``: one id per gathered element); an
+    indexed store's positions its ``dim`` (``smg.stores``: one position per element).  None for a parameter
+    whose extents are its own: a load's table (its rows are the vocabulary, ``length``), a store's tensor
+    (``length`` along the stored dim), an ``offset`` store's one start position."""
+    if name in {sp.name for sp in smg.spaces}:
+        return smg.space(name).dims
+    for ld in loads_of(smg):
+        if name == ld.ids:
+            return ld.dims
+    for st in stores_of(smg):
+        if name == st.positions and not st.offset:
+            return (st.dim,)
+    return None
+
+
+def _stored(smg: SMG, dim: str) -> int:
+    """The most elements ``dim`` may have: an indexed store along it has ``length`` positions (``smg.stores``
+    checks ``size <= length`` at the graph's size; the run-time sizes keep it)."""
+    return min([MAX_INDEX, *(st.length for st in stores_of(smg) if st.dim == dim)])
 
 
 def _addressable(s: Schedule, dim: str) -> int:
@@ -118,10 +151,16 @@ def check(s: Schedule, sym: SymbolicDim) -> None:
         refuse(f"the range [{sym.lo}, {sym.hi}] leaves out the size {smg.dim_sizes[d]} the schedule was picked at")
     if d == s.serial:
         refuse("it is the serial dim (the step count follows its size)")
-    if dict(smg.attrs).get(STORES_ATTR):
-        refuse("an output is stored at run-time positions (``smg.stores``), whose vector has the size")
-    if dict(smg.attrs).get(LOADS_ATTR):
-        refuse("an input is read at run-time rows (``smg.loads``), whose ids have the size")
+    for ld in loads_of(smg):
+        if d in ld.rest(smg):
+            refuse(f"{ld.value} is gathered from {ld.table}, which holds it (a table's extents are static: only "
+                   f"the ids' dims {ld.dims} may be a run-time size)")
+    for st in stores_of(smg):
+        if d in st.layout and d != st.dim:
+            refuse(f"{st.value} is stored into {st.into}, which holds it (the caller's tensor: static extents "
+                   f"but along the stored dim {st.dim!r})")
+        if d == st.dim and sym.hi > st.length:
+            refuse(f"at {sym.hi} {st.value} would have more positions than the {st.length} of {st.into}")
     for op in smg.ops:
         if d in op.reduce:
             refuse(f"{op.out} reduces over it (the update functions follow its size)")
@@ -171,8 +210,10 @@ def symbolic_key(s: Schedule, sym: SymbolicDim) -> str:
 
 
 def axes(s: Schedule, sym: SymbolicDim, names: list[str]) -> dict[str, int]:
-    """{param name: the axis of ``sym.dim`` in it} for the params of ``names`` that hold the dim."""
-    return {n: s.smg.space(n).dims.index(sym.dim) for n in names if sym.dim in s.smg.space(n).dims}
+    """{param name: the axis of ``sym.dim`` in it} for the params of ``names`` that hold the dim
+    (``param_dims``: an indexed load's ids and a store's positions too)."""
+    dims = {n: param_dims(s.smg, n) or () for n in names}
+    return {n: ds.index(sym.dim) for n, ds in dims.items() if sym.dim in ds}
 
 
 def grid_rule(s: Schedule, sym: SymbolicDim) -> dict[str, int]:
@@ -207,4 +248,4 @@ def symbolic_meta(meta: dict, s: Schedule, sym: SymbolicDim) -> dict:
 
 
 __all__ = ["CODE", "NEAR", "SymbolicDim", "around", "axes", "blocks", "check", "grid_rule", "near_range",
-           "symbolic_key", "symbolic_meta", "tensor_core_refusal"]
+           "param_dims", "symbolic_key", "symbolic_meta", "tensor_core_refusal"]

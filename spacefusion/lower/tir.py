@@ -31,7 +31,7 @@ from smg.ir import Access, Op
 from spacefusion.lower import cluster, loads, stores
 from spacefusion.lower.exprs import F32, MAX_IDENTITY, subtracted_max, to_tir, to_tir_int
 from spacefusion.lower.mma_state import tree
-from spacefusion.lower.symbolic import SymbolicDim
+from spacefusion.lower.symbolic import SymbolicDim, param_dims
 from spacefusion.lower.symbolic import check as check_symbolic
 
 #: the storage dtypes whose rounding is coarse enough for the fast exp and division (``_Kernel.expr``)
@@ -483,8 +483,8 @@ def build_primfunc(s: Schedule, target: str, dynamic_smem: bool = False,
         with T.prim_func():
             T.func_name("main")
             for name, shape, dtype, role in sig.params:
-                if symbolic is not None and role in ("input", "output"):
-                    shape = tuple(k.sizes[d] for d in s.smg.space(name).dims) or shape
+                if symbolic is not None and role in ("input", "output"):  # ids and positions too: ``param_dims``
+                    shape = tuple(k.sizes[d] for d in param_dims(s.smg, name) or ()) or shape
                 k.glob[name] = T.arg(name, T.buffer(shape, dtype))
             for ld in loads.loaded(s.smg).values():  # read through its ids (``lower.loads``)
                 k.glob[ld.value] = loads.Gathered(s.smg, ld, k.glob[ld.table], k.glob[ld.ids])

@@ -11,6 +11,7 @@ attention's own causal mask (whose masked tiles the kernels skip).
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -57,7 +58,14 @@ def mask_expr(mask: fx.Node) -> MaskExpr | None:
         return None
     if not isinstance(keep, sp.Basic) or keep.free_symbols - set(SYMBOLS.values()) - {KEEP}:
         return None
-    return MaskExpr(sp.simplify(keep) if keep not in (sp.true, sp.false) else keep, state.get("padding"))
+    return MaskExpr(_simplified(keep) if keep not in (sp.true, sp.false) else keep, state.get("padding"))
+
+
+@functools.lru_cache(maxsize=256)
+def _simplified(keep: sp.Basic) -> sp.Basic:
+    """``sp.simplify(keep)``, once per expression: every layer's attention reads the same mask (BERT-base: 12
+    calls of 42 ms, 0.5 s of its 1.3 s of frontend on a warm compile)."""
+    return sp.simplify(keep)
 
 
 def _axis(index: object, rank_out: int = 4) -> int | None:

@@ -26,10 +26,11 @@ SIZES = [(1, 1, 1, 1), (1, 3, 5, 7), (2, 5, 9, 13), (3, 7, 24, 40), (2, 9, 17, 3
 
 
 def _graph(w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple[int, ...], silu_of_gate: bool = True,
-           swap: bool = False) -> torch.fx.GraphModule:
+           swap: bool = False, late_up: bool = False) -> torch.fx.GraphModule:
     """aot's gated backward on placeholders (``meta["val"]`` from ``vals``) and a weight: ``dh = mm(g, W).view``,
     ``du = dh * silu(gate)`` (``silu_of_gate`` False: ``dh * up``, not that form), ``dg = silu_backward(dh * up,
-    gate)``; ``swap`` puts the multiplies' operands the other way round."""
+    gate)``; ``swap`` puts the multiplies' operands the other way round; ``late_up`` reads ``-up`` computed after
+    ``du`` (no view the derivation may move)."""
     root = torch.nn.Module()
     root.register_parameter("w", torch.nn.Parameter(w))
     g = torch.fx.Graph()
@@ -51,7 +52,11 @@ def _graph(w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple[int, ...]
     act = g.call_function(torch.nn.functional.silu, (ph["gate"] if silu_of_gate else ph["up"],))
     act.meta["val"] = torch.nn.functional.silu(vals["gate"])
     du = mul(dh, act)
-    dg = g.call_function(aten.silu_backward.default, (mul(dh, ph["up"]), ph["gate"]))
+    up = ph["up"]
+    if late_up:
+        up = g.call_function(torch.neg, (up,))
+        up.meta["val"] = -vals["up"]
+    dg = g.call_function(aten.silu_backward.default, (mul(dh, up), ph["gate"]))
     dg.meta["val"] = vals["gate"].clone()
     g.output((dg, du))
     return torch.fx.GraphModule(root, g)
@@ -111,6 +116,17 @@ def test_another_reader_of_dh_stays_torch_s_with_a_code() -> None:
     assert derive_gated_backwards(gm, get_backend("reference"), {}) == []
     (node,) = [nd for nd in gm.graph.nodes if nd.target is aten.silu_backward.default]
     assert node.meta[META].code == "left.act_epilogue" and "silu(G)" in node.meta[META].sentence, node.meta[META]
+
+
+def test_a_g_or_u_computed_after_the_gradients_stays_torch_s_with_a_code() -> None:
+    """U computed (not viewed) after the multiply that reads silu(G): the call cannot precede both gradients
+    without moving that computation, so nothing is replaced and ``silu_backward`` says why."""
+    w, g, gate, up = _inputs(1, 3, 5, 7)
+    gm = _graph(w, {"g": g, "gate": gate, "up": up}, (1, 3, 7), late_up=True)
+    assert derive_gated_backwards(gm, get_backend("reference"), {}) == []
+    (node,) = [nd for nd in gm.graph.nodes if nd.target is aten.silu_backward.default]
+    assert node.meta[META].code == "left.act_epilogue" and "computed after" in node.meta[META].sentence
+    assert not any(nd.op == "call_module" for nd in gm.graph.nodes), gm.graph
 
 
 class _Decoder(torch.nn.Module):

@@ -169,7 +169,9 @@ def derive_gated_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, 
         args = (mm.args[0], mm.args[1], parts["gate"], parts["up"])
         point = min((parts["mul_u"], node), key=list(gm.graph.nodes).index)
         if not isinstance(found, str) and not _before(gm, point, args):
-            found = "its G or U is computed after the gradients it feeds (not a view to move before them)"
+            mark(node, "left.act_epilogue", "torch's silu_backward of a gated product: its G or U is computed "
+                 "after the gradients it feeds (not a view to move before them)")
+            continue
         if isinstance(found, str):
             mark(node, "left.derived_backward", f"torch's silu_backward of a gated product: {found}")
             continue

@@ -3,10 +3,12 @@
 A gradient that reduces over a dim is a running state over it; gradients that reduce over the same dims
 share a pass (attention's dK and dV, both sums over the queries: blocked over keys, serial over queries;
 dQ, a sum over keys: blocked over queries, serial over keys).  A gradient that reduces nothing (a norm's dX)
-is a pass of its own, with the row reductions it reads inside it.  A backward reduction in a pass whose
-output lacks a dim of every output of the pass that nothing in the pass reduces would be recomputed by every
-block along that dim (the spatial slicer's One-to-All from an intermediate): it is cut into a pass of its
-own that runs first, and every pass reads it (FlashAttention's preprocess: ``Delta = rowsum(dO * O)``).
+is a pass of its own, with the row reductions it reads inside it; gradients that reduce nothing over the same
+dims and read the same backward reduction share one (a gated activation's dG and dU after the GEMM dH: the
+GEMM computed once, both in its epilogue).  A backward reduction in a pass whose output lacks a dim of
+every output of the pass that nothing in the pass reduces would be recomputed by every block along that dim
+(the spatial slicer's One-to-All from an intermediate): it is cut into a pass of its own that runs first,
+and every pass reads it (FlashAttention's preprocess: ``Delta = rowsum(dO * O)``).
 dQ's reduction across key blocks is therefore a separate pass blocked over queries, which recomputes S and
 P; FlashAttention-3's alternative, atomics of partial dQ tiles from the key-blocked pass, is not offered yet.
 """
@@ -41,13 +43,29 @@ def _needed(g: SMG, outs: list[str], stop: set[str]) -> list:
     return [op for op in g.ops if op.out in want]
 
 
+def _reductions(g: SMG, out: str) -> set[str]:
+    return {op.out for op in _needed(g, [out], set()) if op.kind == "backward" and op.reduce}
+
+
+def _sharing(g: SMG, groups: dict[tuple[str, ...], list[str]], out: str) -> tuple[str, ...] | None:
+    """The key of a pass of gradients that reduce nothing, over ``out``'s dims, reading a backward reduction
+    ``out`` reads too: ``out`` joins it (a gated activation's dG and dU, both epilogues of the GEMM dH), so the
+    reduction is computed once for both instead of once per gradient.  None where no such pass exists."""
+    mine = _reductions(g, out)
+    for key, outs in groups.items():
+        if key[0].startswith("=") and g.space(outs[0]).dims == g.space(out).dims and mine & _reductions(g, outs[0]):
+            return key
+    return None
+
+
 def backward_passes(bw: Backward) -> tuple[Pass, ...]:
     """The kernels of ``bw.graph`` in launch order."""
     g = bw.graph
     groups: dict[tuple[str, ...], list[str]] = {}
     for out in g.outputs:
         op = g.producer(out)
-        groups.setdefault(op.reduce if op.reduce else (f"={out}",), []).append(out)
+        key = op.reduce if op.reduce else _sharing(g, groups, out) or (f"={out}",)
+        groups.setdefault(key, []).append(out)
     pre: list[str] = []
     for outs in groups.values():
         ops = _needed(g, outs, set())
@@ -64,7 +82,10 @@ def backward_passes(bw: Backward) -> tuple[Pass, ...]:
                      f"{p} is read by every block along a dim it lacks: computed once, first"))
     for key, outs in groups.items():
         why = (f"{', '.join(outs)} reduce over {', '.join(key)}: running states of a serial walk over it"
-               if not key[0].startswith("=") else f"{outs[0]} reduces nothing: its row reductions inside")
+               if not key[0].startswith("=") else f"{outs[0]} reduces nothing: its row reductions inside"
+               if len(outs) == 1 else f"{', '.join(outs)} reduce nothing and read the same backward reductions "
+               f"({', '.join(sorted(_reductions(g, outs[0])))}): one pass, each reduction computed once, the "
+               "gradients its epilogue")
         plan.append(("_".join(outs), _needed(g, outs, set(pre)), tuple(outs), why))
     kernels = ["kernels (schedulers.passes), in launch order:"]
     kernels += [f"  {name}: {why}" for name, _, _, why in plan]

@@ -176,6 +176,21 @@ def act_gemm(m: int, n: int, k: int, act: str = "gelu", dtype: str = "float32") 
     return g.build(g.matmul(g.unary(act, z, name="A"), b, reduce="k", name="Y"))
 
 
+def gated_act_gemm(m: int, n: int, k: int, act: str = "silu", dtype: str = "float32") -> SMG:
+    """``Y[m, n] = sum_k act(G[m, k]) * U[m, k] * Bw[n, k]``: the down projection of a gated MLP (LLaMA's, Qwen2's,
+    Mistral's ``down(silu(gate(x)) * up(x))``) reading the gated product of the gate's and the up projection's
+    outputs ``G`` and ``U``.  Its backward with respect to G and U, ``dH = dY @ Bw``, ``dG = dH * U * act'(G)``,
+    ``dU = dH * act(G)``, is one input-gradient GEMM writing both gradients from its epilogue
+    (``schedulers.passes``): what a training backward computes as ``mm(grad, W)``, two multiplies and
+    ``silu_backward``, derived (``smg.autodiff``) instead of written by hand."""
+    if act not in UNARY:
+        raise UnknownOperatorError(f"unknown activation {act!r}; known: {sorted(UNARY)}")
+    g = Builder(f"gated_{act}_gemm", dtype)
+    gate, up, b = g.input("G", {"m": m, "k": k}), g.input("U", {"m": m, "k": k}), g.input("Bw", {"n": n, "k": k})
+    h = g.binary("mul", g.unary(act, gate, name="A"), up, name="H")
+    return g.build(g.matmul(h, b, reduce="k", name="Y"))
+
+
 def weight_gradient(m: int, n: int, k: int, bias: bool = False, dtype: str = "float32") -> SMG:
     """``Y[m, n] = sum_k G[k, m] * X[k, n]``: a linear's weight gradient ``dW = grad.T @ x`` with both operands
     graph values as autograd's backward holds them (``grad`` [k, m] and ``x`` [k, n], k the tokens, read where

@@ -91,7 +91,8 @@ def _derived(backend: SpaceFusionBackend, head: str) -> int:
 def test_half_decoder_training_fuses_every_rmsnorm_forward_and_backward(name: str, dtype: torch.dtype,
                                                                         target: str) -> None:
     """``model.to(dtype)``, three SGD steps: the three RMSNorms each one kernel saving a float32 rsqrt, their three
-    backwards each the derived kernels reading it; within bf16's tolerance of float32 training."""
+    backwards each the derived kernels reading it, the gated MLP's SiLU backward the down projection's derived
+    epilogue; within bf16's tolerance of float32 training."""
     half = _decoder(name).to(dtype)
     backend = SpaceFusionBackend(target)
     from_eager, rel = within_half(_steps(half, torch.compile(half, backend=backend, dynamic=False), None))
@@ -105,6 +106,8 @@ def test_half_decoder_training_fuses_every_rmsnorm_forward_and_backward(name: st
     assert not fw.partition.left_codes()["norm.saved_stats"], str(backend)
     assert not fw.partition.left_codes()["left.kernel_build"], str(backend)
     assert _derived(backend, f"rmsnorm backward 32x64 {dt}, the forward's saved float32 rsqrt") == 3, str(backend)
+    # the gated MLP's SiLU backward: the down projection's input-gradient GEMM writing dG and dU (derived_gated)
+    assert _derived(backend, f"gated silu backward as the epilogue of grad @ W 32x128x64 {dt}") == 1, str(backend)
 
 
 @pytest.mark.parametrize("target", ["reference", "llvm"])

@@ -317,7 +317,8 @@ def _emit(fwd: SMG, nodes: dict[str, Node], grads: list[str], space_dims: dict[s
         spaces[name] = DataSpace(name, node.dims, fwd.space(name).dtype if name in {s.name for s in fwd.spaces}
                                  else dtype)
         ops.append(Op("backward" if name not in recompute else "recompute", name, node.dims,
-                      tuple(Access(r, space_dims.get(r) or spaces[r].dims) for r in reads), _text(node.body),
+                      tuple(Access(r, space_dims.get(r) or spaces[r].dims) for r in reads),
+                      _text(rw.bounded_logistic(node.body)),
                       node.reduce, "sum" if node.reduce else "none"))
     used = {d for s in spaces.values() for d in s.dims} | {d for op in ops for d in op.iter_dims}
     return SMG(name=f"{fwd.name}_backward", dims=tuple(Dim(d.name, d.size) for d in fwd.dims if d.name in used),

@@ -15,6 +15,8 @@ Each rewrite is generic (nothing here names softmax or attention) and is recorde
   it (the temporal slicer's broadcast postposition, here on the backward).
 - ``reassociate``: ``sum_l X * (sum_n Y * Z) = sum_n Y * (sum_l X * Z)`` where ``sum_l X * Z`` is an output
   the forward saved: FlashAttention's ``rowsum(dP * P) = rowsum(dO * O)``.
+- ``bounded_logistic``: ``exp(a) / (1 + exp(a))**p`` (SiLU's derivative) as ``(1 - 1/(1 + exp(a))) /
+  (1 + exp(a))**(p-1)``, which stays finite where ``exp(a)`` overflows (a float32 ``a`` over 88).
 """
 
 from __future__ import annotations
@@ -30,6 +32,32 @@ def tidy(expr: sp.Expr) -> sp.Expr:
     """Expand then factor common terms: powers of one base cancel (``sm * sm**-1``) without ``simplify``,
     which folds a mask's Piecewise out of an ``exp`` and evaluates ``exp(-1e30)`` to a denormal constant."""
     return sp.factor_terms(sp.expand(expr, power_exp=False, log=False, mul=True, multinomial=False))
+
+
+def bounded_logistic(expr: sp.Expr) -> sp.Expr:
+    """Each product holding ``exp(a)`` and ``(1 + exp(a))**-p`` (p >= 1) with those two factors replaced by
+    ``(1 - 1/(1 + exp(a))) * (1 + exp(a))**-(p-1)``: equal, and finite where ``exp(a)`` overflows to inf.  Why:
+    sympy writes SiLU's derivative ``d/dz z/(1 + exp(-z))`` with ``z*exp(-z)/(1 + exp(-z))**2``, which a float32
+    kernel evaluates as ``-inf/inf = NaN`` for z below about -88, where the true value is about 0."""
+
+    def fix(e: sp.Expr) -> sp.Expr:
+        if not e.args:
+            return e
+        e = e.func(*(fix(a) for a in e.args))
+        if not isinstance(e, sp.Mul):
+            return e
+        factors = list(e.args)
+        for i, f in enumerate(factors):
+            if not isinstance(f, sp.exp):
+                continue
+            den = 1 + f
+            for j, q in enumerate(factors):
+                if isinstance(q, sp.Pow) and q.base == den and q.exp.is_Integer and q.exp <= -1:
+                    rest = [x for k, x in enumerate(factors) if k not in (i, j)]
+                    return sp.Mul(*rest, 1 - 1 / den, sp.Pow(den, q.exp + 1), evaluate=False)
+        return e
+
+    return fix(expr)
 
 
 def dims_of(expr: sp.Expr, space_dims: dict[str, tuple[str, ...]], all_dims: set[str]) -> set[str]:

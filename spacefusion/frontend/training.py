@@ -166,9 +166,10 @@ class Stage:
 
     def _prepare(self, gm: fx.GraphModule) -> None:
         """Each build's pass: the ATen graph read as torch forms, its attention, LayerNorm and RMSNorm backwards and its
-        GELU/SiLU backwards after a GEMM of a weight run as derived kernels (kept across rebuilds in
-        ``self.derived``: a weight change re-derives nothing of them)."""
+        GELU/SiLU backwards after a GEMM of a weight (plain or a gated MLP's) run as derived kernels (kept across
+        rebuilds in ``self.derived``: a weight change re-derives nothing of them)."""
         from spacefusion.frontend.derived_epilogues import derive_act_backwards
+        from spacefusion.frontend.derived_gated import derive_gated_backwards
         from spacefusion.frontend.derived_norms import derive_norm_backwards
         from spacefusion.frontend.derived_rmsnorm import derive_rms_backwards
 
@@ -177,6 +178,7 @@ class Stage:
         self.report.derived = (derive_attention_backwards(gm, kernels, self.derived)
                                + derive_norm_backwards(gm, kernels, self.derived)
                                + derive_rms_backwards(gm, kernels, self.derived)
+                               + derive_gated_backwards(gm, kernels, self.derived)
                                + derive_act_backwards(gm, kernels, self.derived))
 
     def _build(self, args: list[Any]) -> Callable[..., Any]:

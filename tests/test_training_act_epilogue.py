@@ -71,12 +71,34 @@ def test_act_backward_after_a_gemm_against_float64(target: str, act: str, b: int
     assert ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() < 5e-6
 
 
-def test_a_half_precision_form_stays_torch_s_with_a_code() -> None:
-    w, g, z = torch.randn(8, 16).half(), torch.randn(6, 8).half(), torch.randn(6, 16).half()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_a_half_precision_form_is_derived_in_its_dtype(act: str, dtype: torch.dtype) -> None:
+    """fp16/bf16 grad, W and Z: one derived call in that dtype (float32 inside, dZ rounded once), within two
+    roundings of float64 autograd of the same half inputs (torch's own half op: computed in float32 too)."""
+    gen = torch.Generator().manual_seed(7)
+    w, g, z = (torch.randn(24, 40, generator=gen).to(dtype), torch.randn(18, 24, generator=gen).to(dtype),
+               (2 * torch.randn(3, 6, 40, generator=gen)).to(dtype))
+    gm = _graph(act, w.clone(), {"g": g, "z": z}, (3, 6, 40))
+    name = str(dtype).removeprefix("torch.")
+    assert derive_act_backwards(gm, get_backend("llvm"), {}) == [
+        f"{act} backward as the epilogue of grad @ W 18x40x24 {name}: 1 kernel (dZ)"]
+    (got,) = gm(g, z)
+    z64 = z.double().requires_grad_()
+    (ACTS[act][2](z64) @ w.double().T).backward(g.double().view(3, 6, 24))
+    want, eps = z64.grad, torch.finfo(dtype).eps
+    assert got.dtype == dtype and got.shape == z.shape
+    assert ((got.double() - want).abs() <= 2 * eps * want.abs() + 1e-3 * want.abs().max()).all()
+    torch_own = ACTS[act][0]((g @ w).view(3, 6, 40), z, **({"approximate": "none"} if act == "gelu" else {}))
+    assert (got.double() - want).abs().max() <= 2 * (torch_own.double() - want).abs().max() + eps
+
+
+def test_a_mixed_dtype_form_stays_torch_s_with_a_code() -> None:
+    w, g, z = torch.randn(8, 16).half(), torch.randn(6, 8).half(), torch.randn(6, 16).float()
     gm = _graph("gelu", w, {"g": g, "z": z}, (6, 16))
     assert derive_act_backwards(gm, get_backend("reference"), {}) == []
     (node,) = [nd for nd in gm.graph.nodes if nd.target is aten.gelu_backward.default]
-    assert node.meta[META].code == "left.act_epilogue" and "float32" in node.meta[META].sentence, node.meta[META]
+    assert node.meta[META].code == "left.act_epilogue" and "one dtype" in node.meta[META].sentence, node.meta[META]
 
 
 def _mlp(act: torch.nn.Module) -> torch.nn.Module:

@@ -130,9 +130,9 @@ def test_bert_training_under_bf16_autocast_fuses_its_float32_layernorms(target: 
 def test_fp16_bert_training_fuses_its_layernorms_with_fp16_statistics() -> None:
     """``model.to(float16)``, three SGD steps on llvm: torch's CPU ``native_layer_norm`` saves fp16 statistics for
     fp16 weights, so the three LayerNorms are fp16 ``layernorm_stats`` storing them so, and their backwards the
-    derived fp16 kernels reading them.  (bf16 BERT without autocast is not asserted so: its query weight's
-    gradient, 1e-4 of the others', is bf16 rounding noise from the attention backward, eager's included, the
-    same before the norms were fused.)"""
+    derived fp16 kernels reading them; its GELU backward the fp16 epilogue of the input-gradient GEMM.  (bf16
+    BERT without autocast is not asserted so: its query weight's gradient, 1e-4 of the others', is bf16 rounding
+    noise from the attention backward, eager's included, the same before the norms were fused.)"""
     model = _model("bert").to(torch.float16)
     backend = SpaceFusionBackend("llvm")
     from_eager, used = within_half(_steps(model, torch.compile(model, backend=backend, dynamic=False), None))
@@ -142,6 +142,8 @@ def test_fp16_bert_training_fuses_its_layernorms_with_fp16_statistics() -> None:
         ["layernorm + mean/rstd saved 32x64 float16"] * 3, str(backend)
     assert _derived(backend, "layernorm backward 32x64 float16, the forward's saved mean and rstd") == 3, \
         str(backend)
+    assert _derived(backend, "gelu backward as the epilogue of grad @ W") == 1, str(backend)  # fp16 too
+    assert any(line.endswith("float16: 1 kernel (dZ)") for g in backend.graphs for line in g.backward.derived)
 
 
 @pytest.mark.parametrize("dtype,stats", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),

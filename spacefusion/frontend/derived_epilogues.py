@@ -23,6 +23,9 @@ from spacefusion.frontend.derived_calls import install, mark
 from spacefusion.frontend.errors import first_line
 
 aten = torch.ops.aten
+#: the dtypes the derived kernel takes (grad, weight, Z and dZ all of one): an fp16/bf16 kernel accumulates the
+#: GEMM and evaluates act'(Z) in float32 and rounds dZ once, as torch's ``gelu_backward`` computes in float32
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the activation backwards taken, as (grad, input) -> the activation the SMG names (``smg.ops.UNARY``)
 ACT_BACKWARDS = {aten.gelu_backward.default: "gelu", aten.silu_backward.default: "silu"}
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -58,7 +61,7 @@ def _through_view(node: Any) -> Any:
 
 
 def _epilogue_form(node: fx.Node) -> tuple[tuple | None, str, fx.Node | None]:
-    """(("act_gemm", act, m, n, k), "", the mm) where ``node`` is an activation backward whose gradient is
+    """(("act_gemm", act, m, n, k, dtype), "", the mm) where ``node`` is an activation backward whose gradient is
     ``mm(grad, W)`` of a weight ``W`` (``get_attr``) read by it alone; (None, why, None) where it is such a form
     the kernel does not take; (None, "", None) where its gradient is no GEMM of a weight (not this form)."""
     act = ACT_BACKWARDS[node.target]
@@ -72,13 +75,13 @@ def _epilogue_form(node: fx.Node) -> tuple[tuple | None, str, fx.Node | None]:
     vals = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in (mm.args[0], mm, node.args[1], node)]
     if any(v is None for v in vals) or approximate not in ("none", "tanh"):
         return None, f"{act} backward after a GEMM, of untraced values or approximate={approximate!r}", None
-    if {v.dtype for v in vals} != {torch.float32}:
+    if {v.dtype for v in vals} - set(DTYPES) or len({v.dtype for v in vals}) != 1:
         return None, (f"{act} backward after a GEMM in {sorted({str(v.dtype) for v in vals})}: the derived "
-                      "epilogue is float32"), None
+                      "epilogue takes one dtype of float32, bfloat16 or float16"), None
     (m, n), (_, k) = tuple(vals[0].shape), tuple(vals[1].shape)
     if math.prod(vals[2].shape) != m * k or tuple(vals[2].shape) != tuple(vals[3].shape):
         return None, f"{act} backward after a GEMM, of an input not the GEMM's [{m}, {k}] viewed", None
-    return ("act_gemm", act, m, n, k), "", mm
+    return ("act_gemm", act, m, n, k, str(vals[3].dtype).removeprefix("torch.")), "", mm
 
 
 def derive_act_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, Any]) -> list[str]:
@@ -101,10 +104,10 @@ def derive_act_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
             if why:
                 mark(node, "left.act_epilogue", f"torch's {node.target.overloadpacket.__name__}: {why}")
             continue
-        _, act, m, n, k = key
+        _, act, m, n, k, dtype = key
         if key not in cache:
             try:
-                bw = derive_backward(patterns.act_gemm(m, n, k, act, "float32"), wrt=("Z",))
+                bw = derive_backward(patterns.act_gemm(m, n, k, act, dtype), wrt=("Z",))
                 passes = backward_passes(bw)
                 cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
             except Exception as exc:  # not derivable or not schedulable at this size: torch's ops, said so
@@ -120,7 +123,7 @@ def derive_act_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
         for dead in (view, mm):  # read by the replaced op alone: now by no one
             if dead is not None and not dead.users:
                 gm.graph.erase_node(dead)
-        lines.append(f"{act} backward as the epilogue of grad @ W {m}x{k}x{n} float32: "
+        lines.append(f"{act} backward as the epilogue of grad @ W {m}x{k}x{n} {dtype}: "
                      f"{len(passes)} kernel{'s' if len(passes) > 1 else ''} ({', '.join(p.name for p in passes)})")
     gm.graph.lint()
     gm.recompile()

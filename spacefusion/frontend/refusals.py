@@ -94,10 +94,10 @@ CODES: dict[str, str] = {
     "left.derived_backward": "an attention, LayerNorm or GEMM-epilogue backward whose derived kernels "
                              "(smg.autodiff) could not be built",
     "left.act_epilogue": "a GELU/SiLU backward after the input-gradient GEMM of a weight, plain or of a gated MLP's "
-                         "product silu(G) * U, in a form its derived epilogue does not take (a plain one not "
-                         "float32; a gated one whose dH has readers besides dH * U and dH * silu(G), or of mixed "
-                         "dtypes, or its G or U computed after the gradients; untraced values; an input not the GEMM's "
-                         "shape)",
+                         "product silu(G) * U, in a form its derived epilogue does not take (mixed dtypes, or one "
+                         "not float32, bfloat16 or float16; a gated one whose dH has readers besides dH * U and "
+                         "dH * silu(G), or its G or U computed after the gradients; untraced values; an input "
+                         "not the GEMM's shape)",
     "left.norm_backward": "a LayerNorm backward the derived kernels do not take (mixed dtypes of grad, input and "
                           "weight, several normalised dims, symbolic sizes): torch's native_layer_norm_backward",
     "left.random": "a random op of a training step (dropout): torch draws it, from torch's generator",

@@ -216,8 +216,14 @@ SCORE_PATH = frozenset(
         "reshape",
         "contiguous",
         "dropout",
+        "_to_copy",
+        "_unsafe_view",
+        "clone",
+        "expand",
     }
 )
+#: a softmax in any spelling (an ATen graph's ``_softmax``)
+SOFTMAX = frozenset({"softmax", "_softmax", "_safe_softmax"})
 #: how far (in ops) an attention GEMM is looked for from its softmax
 SCORE_DEPTH = 8
 
@@ -231,7 +237,7 @@ def _reaches_softmax(node: fx.Node, ctx: Context, forward: bool) -> bool:
         for n in frontier:
             for m in n.users if forward else n.all_input_nodes:
                 op = op_of(m, ctx.gm)
-                if op == "softmax":
+                if op in SOFTMAX:
                     return True
                 if op in SCORE_PATH and m.name not in seen:
                     seen.add(m.name)
@@ -248,7 +254,7 @@ def value_gemm_of(node: fx.Node, ctx: Context) -> Subgraph | None:
     if not (_is_value(a) and _is_value(b)):
         return None
     if _reaches_softmax(node, ctx, forward=True) or any(
-        _reaches_softmax(x, ctx, forward=False) or op_of(x, ctx.gm) == "softmax" for x in (a, b)
+        _reaches_softmax(x, ctx, forward=False) or op_of(x, ctx.gm) in SOFTMAX for x in (a, b)
     ):
         raise Refused(
             "a GEMM of an attention (its scores, which a softmax reads, or its probabilities @ V) that "
@@ -277,7 +283,9 @@ def value_gemm_of(node: fx.Node, ctx: Context) -> Subgraph | None:
     add = None
     if added is not None:
         add = out if shape(added) == so else {"n": size["n"]} if lo[-1] == "n" else None
-        if add is None:  # an add over Y's last dim that is not n: left to torch
+        if param_ref(added) is not None and shape(added) != so[-1:]:
+            add = None  # a parameter is bound as a bias over n only
+        if add is None:  # an add over Y's last dim that is not n, or of a parameter of Y's shape: left to torch
             nodes, added = nodes[:-1], None
     if added is not None:
         ref = param_ref(added)

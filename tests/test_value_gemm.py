@@ -184,6 +184,7 @@ def test_value_gemms_run_on_the_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch, d
     monkeypatch.setenv("SPACEFUSION_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     for name, fn, shapes in FORMS:
+        torch._dynamo.reset()  # one ``Fn.forward`` compiled per form: past Dynamo's recompile limit otherwise
         # the last two dims (a bias's one) 16 times larger: sizes the tensor-core GEMM tiles
         xs = [_randn(*s[:-2], *(16 * d for d in s[-2:]), seed=i, dtype=dtype).cuda() for i, s in enumerate(shapes)]
         backend = SpaceFusionBackend("cuda", measure=False)

@@ -15,9 +15,10 @@ attention is left whole); one ``training.read_aten`` marked for another reason; 
 1-D operand, a contraction of one element, symbolic sizes and an einsum this form does not state: each refused
 as ``left.value_gemm`` with what it is.
 
-On the GPU: both operands arrive each call, so there is no build-time layout; A read [.., m, k] and B either
-way is the form the tensor-core path (``schedulers.warp_tile``: A k-last, B k- or n-last) takes in fp16/bf16;
-an A stored k-first (a transposed A) gets the CUDA-core schedule, like the weight gradient's.
+On the GPU: both operands arrive each call, so there is no build-time layout; A [.., m, k] and B either way
+([.., k, n] or [.., n, k], read where it lies) is the form the tensor-core path (``schedulers.warp_tile``: A
+k-last, B k- or n-last) takes in fp16/bf16, so an A stored k-first (a transposed view) is bound as a packed
+copy with k last (``_operand``), on every target: its tensor-core kernel as it lies returned NaN on an H100.
 """
 
 from __future__ import annotations
@@ -129,10 +130,11 @@ def _sizes(la: Labels, sa: tuple[int, ...], lb: Labels, sb: tuple[int, ...]) -> 
     return size
 
 
-def _operand(space: str, x: fx.Node, labels: Labels) -> tuple[Operand, dict[str, int]]:
+def _operand(space: str, x: fx.Node, labels: Labels, k_last: bool = False) -> tuple[Operand, dict[str, int]]:
     """``x`` (dims ``labels``) bound where it lies: a permuted view as its input, the SMG dims in that input's
     memory order; a size-1 dim the other operand or Y broadcasts is dropped (the binding's reshape drops it).
-    An input not packed row-major is copied packed (an identity ``permute``: ``fused._bind``)."""
+    An input not packed row-major is copied packed (an identity ``permute``: ``fused._bind``).  ``k_last``: an
+    input whose contracted dim is not last is copied with it last (A: below)."""
     src, labs = x, labels
     p = permutation(x)
     if p is not None and shape(p[0]) is not None:
@@ -142,8 +144,11 @@ def _operand(space: str, x: fx.Node, labels: Labels) -> tuple[Operand, dict[str,
             inv[d] = labels[i]
         labs = tuple(inv)
     sshape = shape(src)
-    dims = {lab: s for lab, s in zip(labs, sshape) if not (lab.startswith("b") and s == 1)}
-    keep = None if contiguous(src) else tuple(range(len(sshape)))
+    order = list(range(len(sshape)))
+    if k_last and labs[-1] != "k":
+        order = [i for i in order if labs[i] != "k"] + [labs.index("k")]
+    dims = {labs[i]: sshape[i] for i in order if not (labs[i].startswith("b") and sshape[i] == 1)}
+    keep = None if contiguous(src) and order == sorted(order) else tuple(order)
     return Operand(space, "value", src.name, tuple(dims.values()), permute=keep), dims
 
 
@@ -275,7 +280,11 @@ def value_gemm_of(node: fx.Node, ctx: Context) -> Subgraph | None:
     size = _sizes(la, sa, lb, sb)
     if tuple(size[lab] for lab in lo) != so:
         raise Refused(f"a GEMM of sizes {sa} and {sb} whose output {so} is not their product's")
-    op_a, da = _operand("A", a, la)
+    # A with k last: a transposed A ([.., k, m], as ``a.transpose(-1, -2) @ b`` lies) is copied [.., m, k]. The
+    # H100 first pick of a fp16 GEMM of an A stored k-first is an mma kernel that returned NaN there (the
+    # tensor-core GEMM takes A with k last only, ``schedulers.warp_tile``; its check reads B's layout alone),
+    # and the copy is m x k elements against the GEMM's m x n x k
+    op_a, da = _operand("A", a, la, k_last=True)
     op_b, db = _operand("B", b, lb)
     out = {lab: size[lab] for lab in lo if not (lab.startswith("b") and size[lab] == 1)}
     nodes, scale, added = _epilogue(node, ctx)

@@ -610,3 +610,29 @@ PATTERNS = {
     "vae_decoder_block": vae_decoder_block,
     "rope": rope,
 }
+
+
+def value_gemm(a: dict[str, int], b: dict[str, int], out: tuple[str, ...], reduce: str = "k",
+               scale: float | None = None, add: dict[str, int] | None = None, dtype: str = "float32") -> SMG:
+    """``Y[out] = scale * sum_k A[a] * B[b] (+ R[add])``: a (batched) GEMM of two run-time values, each read
+    where it lies.  ``a`` and ``b`` are the operands' dims in their memory order (A [.., m, k], or [.., k, m]
+    where A was a transposed view; B [.., k, n] or [.., n, k]); the dims both carry besides ``reduce`` are batch
+    dims, a batch dim one of them lacks is broadcast (One-to-All) along it; ``out`` is Y's memory order.
+    ``scale``: a number the product is multiplied by; ``add``: a tensor over some of ``out``'s dims added after
+    (a bias over n, or a residual of Y's shape).
+
+    Why a pattern of its own: the GEMM rows (``gemm_epilogue``) read B as a weight laid out once at build time;
+    here both operands arrive each call (DeBERTa's content-to-position scores ``Q @ K_pos^T``), so B's layout
+    is whatever the value's strides are, and the dims are named by the caller (``frontend.value_gemm``)."""
+    for name, dims in (("A", a), ("B", b)):
+        if reduce not in dims:
+            raise ShapeError(f"value_gemm: {name} {dict(dims)} lacks the contracted dim {reduce!r}")
+    g = Builder(f"value_gemm{'_scale' if scale is not None else ''}{'_add' if add else ''}", dtype)
+    last = scale is None and not add
+    y = g.matmul(g.input("A", dict(a)), g.input("B", dict(b)), reduce=reduce, name="Y" if last else "C",
+                 order=tuple(out))
+    if scale is not None:
+        y = g.scale(y, scale, name="Y" if not add else "Cs")
+    if add:
+        y = g.binary("add", y, g.input("R", dict(add)), name="Y")
+    return g.build(y)

@@ -154,8 +154,8 @@ def classify(node: fx.Node, gm: fx.GraphModule) -> Refusal:
                                 else "?" for a in operands)
             return Refusal("left.value_gemm",
                            f"a {call.op} of two graph values {shapes} that no attention pattern reads as its "
-                           f"scores: the GEMM patterns take a weight (a parameter laid out once at build time) "
-                           f"as B; torch runs it")
+                           f"scores and the value-GEMM row did not take (a form of ``frontend.value_gemm`` "
+                           f"it does not state); torch runs it")
     if node.target in (torch.nn.functional.embedding, torch.gather, torch.index_select):
         return Refusal("left.gather", GATHER)
     if name in LAYOUT_METHODS:

@@ -86,8 +86,9 @@ CODES: dict[str, str] = {
     "left.saved_stats": "a norm whose statistics (mean, rstd) the backward reads, in a form no statistics-saving "
                         "norm takes (not a float input, several dims, no affine parameters)",
     "left.saved_lse": "attention whose row log-sum-exp the backward reads, where no derived forward outputs it",
-    "left.value_gemm": "a GEMM of two graph values in a form no row takes (DeBERTa's content-to-position scores; "
-                       "the weight-gradient row takes grad.T @ x)",
+    "left.value_gemm": "a GEMM of two graph values in a form no row takes (the value-GEMM row takes bmm / matmul / "
+                       "one-GEMM einsums of floats, the weight-gradient row grad.T @ x; an attention's GEMMs the "
+                       "attention rows did not take stay whole with it)",
     "left.grouped_mm": "a grouped GEMM of MoE experts: each row's weight is picked by data (the routing's offsets)",
     "left.backward_op": "an ATen backward op (tanh_backward, embedding_dense_backward, ...) no pattern or derived "
                         "kernel covers",

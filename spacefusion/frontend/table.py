@@ -39,6 +39,8 @@ from spacefusion.frontend.norm_stats import match_norm_stats
 from spacefusion.frontend.norms import match_group_norm, match_guard, match_norm
 from spacefusion.frontend.records import Subgraph
 from spacefusion.frontend.rope import match_rope
+from spacefusion.frontend.value_gemm import ANCHORS as VALUE_GEMM_OPS
+from spacefusion.frontend.value_gemm import match_value_gemm
 
 Build = Callable[[fx.Node, Context], Subgraph | None]
 
@@ -97,6 +99,9 @@ ROWS: tuple[Row, ...] = (
     # after the linears (a GEMM with a weight is theirs) and the attention rows (their two-value matmuls)
     Row("weight_gradient", _ops("mm", "matmul"), match_weight_gradient,
         ("weight_gradient.form", "library.first")),
+    # any other batched GEMM of two graph values (DeBERTa's c2p / p2c scores): after the attention rows, which
+    # take (or refuse, leaving whole) the score GEMMs they read, and the weight gradient's
+    Row("value_gemm", frozenset(VALUE_GEMM_OPS), match_value_gemm, ("left.value_gemm", "library.first")),
     Row("conv", _ops("conv1d", "conv2d"), match_conv,
         ("conv.form", "conv.upsample_apart", "conv1d.depthwise", "dwconv.form", "library.first")),
     Row("patch_conv", _ops("conv2d"), match_patch_conv, ("patch_conv.input", "patch_conv.remainder")),

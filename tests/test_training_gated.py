@@ -162,6 +162,36 @@ def test_a_decoder_s_gated_silu_backward_is_the_down_projection_s_epilogue(name:
     assert not bw.partition.left_codes()["left.act_epilogue"], str(backend)
 
 
+class _GeGLU(torch.nn.Module):
+    """``down(gelu(gate(x)) * up(x))`` then a LayerNorm: GeGLU's MLP (T5 v1.1's; Gemma's with the tanh GELU)."""
+
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.gate, self.up = torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(32, 64, bias=False)
+        self.down, self.norm = torch.nn.Linear(64, 32, bias=False), torch.nn.LayerNorm(32)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.nn.functional.gelu(self.gate(x), approximate=self.approximate)
+                                   * self.up(x)))
+
+
+@pytest.mark.parametrize("approximate,target", [("tanh", "llvm"), ("none", "reference")])
+def test_a_geglu_mlp_s_gated_gelu_backward_is_the_down_projection_s_epilogue(approximate: str, target: str) -> None:
+    """The same derivation with GELU for SiLU (``gelu_backward(dH * U, G)`` and ``dH * gelu(G)``, the GELU's
+    ``approximate`` kept): three SGD steps beside eager within rtol 1e-5 / atol 1e-6, one derived kernel, no
+    gelu_backward or gelu left to torch."""
+    from test_training import train_beside_eager
+
+    backend = train_beside_eager(_GeGLU(approximate), target)
+    bw = backend.graphs[0].backward
+    act = "gelu_tanh" if approximate == "tanh" else "gelu"
+    assert [line for line in bw.derived if line.startswith("gated")] == [
+        f"gated {act} backward as the epilogue of grad @ W 32x64x32 float32: 1 kernel (dG_dU)"], str(backend)
+    assert not any("gelu" in op.op for op in bw.partition.left), str(backend)
+
+
 def test_the_gated_epilogue_kernel_lowers_to_cuda(tmp_path) -> None:
     """The derived dG_dU pass (a GEMM over the down projection's outputs, both gradients after the loop) lowers
     for sm_90a; nvcc builds its cubin where it exists (compile only: no GPU here); its printout shows the

@@ -1,6 +1,7 @@
-"""A training backward's gated-MLP SiLU backward after the down projection's input-gradient GEMM, as the one kernel
-derived from the forward "gated activation then linear" SMG (LLaMA's, Qwen2's, Mistral's
-``down(silu(gate(x)) * up(x))``).  aot_autograd writes its backward as
+"""A training backward's gated-MLP SiLU or GELU backward after the down projection's input-gradient GEMM, as the one
+kernel derived from the forward "gated activation then linear" SMG (LLaMA's, Qwen2's, Mistral's
+``down(silu(gate(x)) * up(x))``; GeGLU's ``gelu`` (Gemma's tanh form) the same way).  aot_autograd (with the
+min-cut partitioner, which recomputes the activation) writes its backward as
 
     dH = mm(grad, W_down).view(...);  dU = dH * silu(G);  dG = silu_backward(dH * U, G)
 
@@ -33,6 +34,31 @@ from spacefusion.frontend.refusals import DERIVED, META
 aten = torch.ops.aten
 _MULS = (operator.mul, aten.mul.Tensor)
 _SILUS = (F.silu, aten.silu.default)
+_GELUS = (F.gelu, aten.gelu.default)
+#: the activation backwards taken as a gated product's (G's gradient), by the activation they differentiate
+ANCHORS = {aten.silu_backward.default: "silu", aten.gelu_backward.default: "gelu"}
+
+
+def _approximate(node: fx.Node, at: int) -> str:
+    """A GELU's (or its backward's) ``approximate`` argument, keyword or positional ``at``: "none" or "tanh"."""
+    return node.kwargs.get("approximate", node.args[at] if len(node.args) > at else "none")
+
+
+def _activation(node: fx.Node) -> str:
+    """The SMG activation (``smg.ops.UNARY``) an anchor differentiates: "silu", "gelu" or "gelu_tanh"."""
+    if ANCHORS[node.target] == "silu":
+        return "silu"
+    return "gelu_tanh" if _approximate(node, 2) == "tanh" else "gelu"
+
+
+def _recomputes(act: Any, name: str, gate: fx.Node) -> bool:
+    """Whether ``act`` is ``name``'s activation of ``gate`` (aot's recomputation of the forward's ``act(G)``)."""
+    if not (isinstance(act, fx.Node) and act.op == "call_function" and act.args[:1] == (gate,)
+            and not act.kwargs.get("inplace", False)):
+        return False
+    if name == "silu":
+        return act.target in _SILUS
+    return act.target in _GELUS and (_approximate(act, 1) == "tanh") == (name == "gelu_tanh")
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 #: the dtypes the derived kernel takes (grad, weight, G, U and the gradients all of one; fp16/bf16 kernels compute
 #: the GEMM and the epilogue in float32, rounding dG and dU once)
@@ -86,11 +112,12 @@ def _other(mul: fx.Node, one: fx.Node) -> Any:
 
 
 def _gated_form(node: fx.Node) -> tuple[tuple | None, str, dict[str, fx.Node]]:
-    """(("gated_act_gemm", "silu", m, n, k, dtype), "", its nodes) where ``node`` is ``silu_backward(dH * U, G)``
+    """(("gated_act_gemm", act, m, n, k, dtype), "", its nodes) where ``node`` is ``silu_backward(dH * U, G)``
+    (or ``gelu_backward``, act "gelu" / "gelu_tanh" by its ``approximate``)
     of ``dH = mm(grad, W)`` (viewed) whose only other reader is ``dH * silu(G)``; (None, why, {}) where it is a
     gated product after a GEMM of a weight in a form the kernel does not take; (None, "", {}) where it is no
     gated product after such a GEMM (not this form)."""
-    mul_a, gate = node.args[0], node.args[1]
+    mul_a, gate, name = node.args[0], node.args[1], _activation(node)
     if not (isinstance(mul_a, fx.Node) and mul_a.op == "call_function" and mul_a.target in _MULS
             and len(mul_a.args) == 2 and len(mul_a.users) == 1 and not mul_a.kwargs):
         return None, "", {}
@@ -102,24 +129,23 @@ def _gated_form(node: fx.Node) -> tuple[tuple | None, str, dict[str, fx.Node]]:
     mul_u = rest[0] if len(rest) == 1 else None
     act = _other(mul_u, dh) if (mul_u is not None and mul_u.op == "call_function" and mul_u.target in _MULS
                                 and len(mul_u.args) == 2 and not mul_u.kwargs) else None
-    if not (isinstance(act, fx.Node) and act.op == "call_function" and act.target in _SILUS
-            and act.args[:1] == (gate,) and not act.kwargs.get("inplace", False)):
-        return None, ("a gated product's gradient after a GEMM whose dH has readers other than dH * U and "
-                      "dH * silu(G) of the same G (the up projection's gradient is not dH * silu(G) here)"), {}
+    if not _recomputes(act, name, gate):
+        return None, (f"a gated product's gradient after a GEMM whose dH has readers other than dH * U and "
+                      f"dH * {name}(G) of the same G (the up projection's gradient is not dH * {name}(G) here)"), {}
     if not isinstance(up, fx.Node) or up is gate:
         return None, "a gated product's gradient after a GEMM whose other factor U is no graph value apart from G", {}
     parts = {"node": node, "mul_a": mul_a, "dh": dh, "mm": mm, "mul_u": mul_u, "act": act, "up": up, "gate": gate}
     vals = {k: v.meta.get("val") for k, v in (*parts.items(), ("grad", mm.args[0]))}
     if any(v is None for v in vals.values()):
-        return None, "a gated SiLU backward after a GEMM, of untraced values", {}
+        return None, f"a gated {name} backward after a GEMM, of untraced values", {}
     if {v.dtype for v in vals.values()} - set(DTYPES) or len({v.dtype for v in vals.values()}) != 1:
-        return None, (f"a gated SiLU backward after a GEMM in {sorted({str(v.dtype) for v in vals.values()})}: "
+        return None, (f"a gated {name} backward after a GEMM in {sorted({str(v.dtype) for v in vals.values()})}: "
                       f"the derived epilogue takes one of {[str(d) for d in DTYPES]}"), {}
     (m, n), (_, k) = tuple(vals["grad"].shape), tuple(vals["mm"].shape)
     shape = tuple(vals["dh"].shape)
     if any(tuple(vals[x].shape) != shape for x in ("gate", "up", "node", "mul_u", "act")) or math.prod(shape) != m * k:
-        return None, f"a gated SiLU backward after a GEMM, of a G or U not the GEMM's [{m}, {k}] viewed", {}
-    return ("gated_act_gemm", "silu", m, n, k, str(vals["node"].dtype).removeprefix("torch.")), "", parts
+        return None, f"a gated {name} backward after a GEMM, of a G or U not the GEMM's [{m}, {k}] viewed", {}
+    return ("gated_act_gemm", name, m, n, k, str(vals["node"].dtype).removeprefix("torch.")), "", parts
 
 
 def _before(gm: fx.GraphModule, point: fx.Node, args: Sequence[fx.Node]) -> bool:
@@ -137,24 +163,25 @@ def _before(gm: fx.GraphModule, point: fx.Node, args: Sequence[fx.Node]) -> bool
 
 
 def derive_gated_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, Any]) -> list[str]:
-    """Replace every gated SiLU backward of ``gm`` after a GEMM of a weight (``_gated_form``), with that GEMM,
+    """Replace every gated SiLU or GELU backward of ``gm`` after a GEMM of a weight (``_gated_form``), with that GEMM,
     its view and both multiplies, by one ``DerivedGatedBackward`` built on ``kernels``.  Such a form the kernel
     does not take is marked ``left.act_epilogue``; one whose kernel cannot be derived or built,
-    ``left.derived_backward`` (torch's ops run, said so); another ``silu_backward`` is not touched.  ``cache``:
-    per form, the derivation, its passes and their kernels (or the reason none), kept by the caller across
-    rebuilds.  Returns one report line per replaced form."""
+    ``left.derived_backward`` (torch's ops run, said so); another ``silu_backward`` / ``gelu_backward`` is not
+    touched.  ``cache``: per form, the derivation, its passes and their kernels (or the reason none), kept by the
+    caller across rebuilds.  Returns one report line per replaced form."""
     from schedulers.passes import backward_passes
     from smg import patterns
     from smg.autodiff import derive_backward
 
     lines: list[str] = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.silu_backward.default:
+        if node.op != "call_function" or node.target not in ANCHORS:
             continue
+        op = node.target.overloadpacket.__name__
         key, why, parts = _gated_form(node)
         if key is None:
             if why:
-                mark(node, "left.act_epilogue", f"torch's silu_backward: {why}")
+                mark(node, "left.act_epilogue", f"torch's {op}: {why}")
             continue
         _, act, m, n, k, dtype = key
         if key not in cache:
@@ -169,11 +196,11 @@ def derive_gated_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, 
         args = (mm.args[0], mm.args[1], parts["gate"], parts["up"])
         point = min((parts["mul_u"], node), key=list(gm.graph.nodes).index)
         if not isinstance(found, str) and not _before(gm, point, args):
-            mark(node, "left.act_epilogue", "torch's silu_backward of a gated product: its G or U is computed "
+            mark(node, "left.act_epilogue", f"torch's {op} of a gated product: its G or U is computed "
                  "after the gradients it feeds (not a view to move before them)")
             continue
         if isinstance(found, str):
-            mark(node, "left.derived_backward", f"torch's silu_backward of a gated product: {found}")
+            mark(node, "left.derived_backward", f"torch's {op} of a gated product: {found}")
             continue
         bw, passes, built = found
         _install(gm, point, f"derived_gated_backward_{len(lines)}", DerivedGatedBackward(bw, passes, built, m, k),

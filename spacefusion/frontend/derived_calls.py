@@ -4,11 +4,12 @@ the ops left to torch: the one way ``training`` (attention) and ``derived_norms`
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import fx, nn
 
+from spacefusion.frontend.errors import first_line
 from spacefusion.frontend.refusals import DERIVED, META, refusal
 
 
@@ -38,3 +39,22 @@ def install(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module, arg
         u.meta.pop(META, None)
         u.meta[DERIVED] = True
     return call
+
+
+def derived_kernels(cache: dict[tuple, Any], key: tuple, kernels: Any, forward: Callable[..., Any], *args: Any,
+                    wrt: Sequence[str] | None = None) -> tuple | str:
+    """(derivation, passes, their kernels) of ``smg.autodiff.derive_backward(forward(*args), wrt)`` cut by
+    ``backward_passes`` and built on ``kernels``, once per ``key`` in ``cache`` (kept by the caller across
+    rebuilds); where it cannot be derived or scheduled at this size, the reason (a str, cached as well), which
+    the caller reports with torch's op left to run."""
+    if key not in cache:
+        from schedulers.passes import backward_passes
+        from smg.autodiff import derive_backward
+
+        try:
+            bw = derive_backward(forward(*args), **({"wrt": tuple(wrt)} if wrt is not None else {}))
+            passes = backward_passes(bw)
+            cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
+        except Exception as exc:  # not derivable or not schedulable at this size: torch's op, said so
+            cache[key] = f"{type(exc).__name__}: {first_line(exc)}"
+    return cache[key]

@@ -19,8 +19,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from spacefusion.frontend.derived_calls import install, mark
-from spacefusion.frontend.errors import first_line
+from spacefusion.frontend.derived_calls import derived_kernels, install, mark
 
 aten = torch.ops.aten
 #: the dtypes the derived kernel takes (grad, weight, Z and dZ all of one): an fp16/bf16 kernel accumulates the
@@ -91,9 +90,7 @@ def derive_act_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
     ``left.derived_backward`` (torch's ops run, said so); another activation backward is not touched.
     ``cache``: per form, the derivation, its passes and their kernels (or the reason none), kept by the caller
     across rebuilds.  Returns one report line per replaced op."""
-    from schedulers.passes import backward_passes
     from smg import patterns
-    from smg.autodiff import derive_backward
 
     lines: list[str] = []
     for node in list(gm.graph.nodes):
@@ -105,16 +102,10 @@ def derive_act_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
                 mark(node, "left.act_epilogue", f"torch's {node.target.overloadpacket.__name__}: {why}")
             continue
         _, act, m, n, k, dtype = key
-        if key not in cache:
-            try:
-                bw = derive_backward(patterns.act_gemm(m, n, k, act, dtype), wrt=("Z",))
-                passes = backward_passes(bw)
-                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
-            except Exception as exc:  # not derivable or not schedulable at this size: torch's ops, said so
-                cache[key] = f"its derived kernel could not be built: {type(exc).__name__}: {first_line(exc)}"
-        found = cache[key]
+        found = derived_kernels(cache, key, kernels, patterns.act_gemm, m, n, k, act, dtype, wrt=("Z",))
         if isinstance(found, str):
-            mark(node, "left.derived_backward", f"torch's {node.target.overloadpacket.__name__}: {found}")
+            mark(node, "left.derived_backward", f"torch's {node.target.overloadpacket.__name__}: its derived "
+                 f"kernel could not be built: {found}")
             continue
         bw, passes, built = found
         view = node.args[0] if node.args[0] is not mm else None

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from spacefusion.frontend.derived_calls import mark
-from spacefusion.frontend.errors import first_line
+from spacefusion.frontend.derived_calls import derived_kernels, mark
 from spacefusion.frontend.refusals import DERIVED, META
 
 aten = torch.ops.aten
@@ -169,9 +168,7 @@ def derive_gated_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, 
     ``left.derived_backward`` (torch's ops run, said so); another ``silu_backward`` / ``gelu_backward`` is not
     touched.  ``cache``: per form, the derivation, its passes and their kernels (or the reason none), kept by the
     caller across rebuilds.  Returns one report line per replaced form."""
-    from schedulers.passes import backward_passes
     from smg import patterns
-    from smg.autodiff import derive_backward
 
     lines: list[str] = []
     for node in list(gm.graph.nodes):
@@ -184,14 +181,7 @@ def derive_gated_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, 
                 mark(node, "left.act_epilogue", f"torch's {op}: {why}")
             continue
         _, act, m, n, k, dtype = key
-        if key not in cache:
-            try:
-                bw = derive_backward(patterns.gated_act_gemm(m, n, k, act, dtype), wrt=("G", "U"))
-                passes = backward_passes(bw)
-                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
-            except Exception as exc:  # not derivable or not schedulable at this size: torch's ops, said so
-                cache[key] = f"its derived kernel could not be built: {type(exc).__name__}: {first_line(exc)}"
-        found = cache[key]
+        found = derived_kernels(cache, key, kernels, patterns.gated_act_gemm, m, n, k, act, dtype, wrt=("G", "U"))
         mm = parts["mm"]
         args = (mm.args[0], mm.args[1], parts["gate"], parts["up"])
         point = min((parts["mul_u"], node), key=list(gm.graph.nodes).index)
@@ -200,7 +190,8 @@ def derive_gated_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, 
                  "after the gradients it feeds (not a view to move before them)")
             continue
         if isinstance(found, str):
-            mark(node, "left.derived_backward", f"torch's {op} of a gated product: {found}")
+            mark(node, "left.derived_backward", f"torch's {op} of a gated product: its derived kernel could not "
+                 f"be built: {found}")
             continue
         bw, passes, built = found
         _install(gm, point, f"derived_gated_backward_{len(lines)}", DerivedGatedBackward(bw, passes, built, m, k),

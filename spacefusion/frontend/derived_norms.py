@@ -25,8 +25,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from spacefusion.frontend.derived_calls import install, mark
-from spacefusion.frontend.errors import first_line
+from spacefusion.frontend.derived_calls import derived_kernels, install, mark
 from spacefusion.frontend.graph import DTYPES
 from spacefusion.frontend.norm_stats import saved_stats_dtypes
 
@@ -117,6 +116,13 @@ def _norm_form(node: fx.Node) -> tuple[tuple | None, Any]:
     return ("layernorm", math.prod(xs[:-1]), xs[-1], dt, stats), tuple(bool(b) for b in mask)
 
 
+def _layernorm_forward(rows: int, n: int, dt: str, stats: str) -> Any:
+    """The LayerNorm SMG whose backward is derived: in ``dt``, its saved statistics stored in ``stats``."""
+    from smg import patterns
+
+    return half_derivation(patterns.layernorm(rows, n, dt), dict.fromkeys(_STATS, stats))
+
+
 def half_derivation(fwd: Any, stats: dict[str, str]) -> Any:
     """``derive_backward(fwd)``'s input for a norm whose saved statistics ``stats`` ({space: dtype}) are stored in
     another dtype than ``fwd``'s (float32 for a fp16/bf16 norm): the derivation reads each saved space in its
@@ -135,9 +141,6 @@ def derive_norm_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, A
     marked ``left.norm_backward``; one whose kernels cannot be derived or built, ``left.derived_backward``.
     ``cache``: per form, the derivation, its passes and their kernels (or the reason none), kept by the caller
     across rebuilds.  Returns one report line per replaced op."""
-    from schedulers.passes import backward_passes
-    from smg import patterns
-    from smg.autodiff import derive_backward
 
     lines: list[str] = []
     for node in list(gm.graph.nodes):
@@ -148,17 +151,10 @@ def derive_norm_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, A
             mark(node, "left.norm_backward", f"torch's native_layer_norm_backward: {mask}")
             continue
         _, rows, n, dt, stats = key
-        if key not in cache:
-            try:
-                fwd = half_derivation(patterns.layernorm(rows, n, dt), dict.fromkeys(_STATS, stats))
-                bw = derive_backward(fwd, wrt=_WRT)
-                passes = backward_passes(bw)
-                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
-            except Exception as exc:  # not derivable or not schedulable at this size: torch's op, said so
-                cache[key] = f"its derived kernels could not be built: {type(exc).__name__}: {first_line(exc)}"
-        found = cache[key]
+        found = derived_kernels(cache, key, kernels, _layernorm_forward, rows, n, dt, stats, wrt=_WRT)
         if isinstance(found, str):
-            mark(node, "left.derived_backward", f"torch's native_layer_norm_backward: {found}")
+            mark(node, "left.derived_backward", f"torch's native_layer_norm_backward: its derived kernels could "
+                 f"not be built: {found}")
             continue
         bw, passes, built = found
         grad_out, x, _, mean, rstd, weight = node.args[:6]

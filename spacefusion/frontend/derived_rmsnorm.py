@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from spacefusion.frontend.derived_calls import derived_kernels
 from spacefusion.frontend.derived_norms import (
     DerivedNormBackward,
     attr_tensor,
@@ -43,7 +44,6 @@ from spacefusion.frontend.derived_norms import (
     norm_line,
     stats_text,
 )
-from spacefusion.frontend.errors import first_line
 from spacefusion.frontend.graph import DTYPES
 from spacefusion.frontend.refusals import DERIVED
 
@@ -251,14 +251,19 @@ def _closed(nodes: list[fx.Node], outs: set[fx.Node]) -> bool:
     return all(n in outs or set(n.users) <= inside for n in nodes)
 
 
+def _rmsnorm_forward(rows: int, n: int, dt: str) -> Any:
+    """The RMSNorm SMG whose backward is derived: in ``dt``, its saved rsqrt float32 (``_operands``), a fp16/bf16
+    norm's too."""
+    from smg import patterns
+
+    return half_derivation(patterns.rmsnorm(rows, n, dt), {"Y_rstd": "float32"})
+
+
 def derive_rms_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, Any]) -> list[str]:
     """Replace every RMSNorm backward of ``gm`` in aot's form (``rms_backward_of``) by one ``DerivedNormBackward``
     of ``patterns.rmsnorm``'s derived passes built on ``kernels``; one whose kernels cannot be built stays
     torch's primitives (nothing marked: they are primitives, each reported by its own code).  ``cache``: per
     size, the derivation, passes and kernels (or why none), kept by the caller.  Returns one line per one."""
-    from schedulers.passes import backward_passes
-    from smg import patterns
-    from smg.autodiff import derive_backward
 
     lines: list[str] = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -270,16 +275,10 @@ def derive_rms_backwards(gm: fx.GraphModule, kernels: Any, cache: dict[tuple, An
         xs, dt = tuple(found.x.meta["val"].shape), DTYPES[found.x.meta["val"].dtype]
         rows, n = math.prod(xs[:-1]), xs[-1]
         key = ("rmsnorm", rows, n, dt)
-        if key not in cache:
-            try:  # the saved rsqrt is float32 (``_operands``), a fp16/bf16 norm's too
-                bw = derive_backward(half_derivation(patterns.rmsnorm(rows, n, dt), {"Y_rstd": "float32"}))
-                passes = backward_passes(bw)
-                cache[key] = (bw, passes, [kernels.compile(p.smg) for p in passes])
-            except Exception as exc:  # not derivable or not schedulable at this size: torch's primitives
-                cache[key] = f"{type(exc).__name__}: {first_line(exc)}"
-        if isinstance(cache[key], str):
+        found_kernels = derived_kernels(cache, key, kernels, _rmsnorm_forward, rows, n, dt)
+        if isinstance(found_kernels, str):  # not derivable or not schedulable at this size: torch's primitives
             continue
-        bw, passes, built = cache[key]
+        bw, passes, built = found_kernels
         module = DerivedNormBackward(bw, passes, built, rows, n, (True, found.dw is not None), ("Y_rstd",))
         _replace(gm, found, f"derived_rms_backward_{len(lines)}", module)
         gone |= found.nodes

@@ -27,9 +27,10 @@ ACTS = {"gelu": (aten.gelu_backward.default, "none", lambda z: torch.nn.function
         "silu": (aten.silu_backward.default, None, torch.nn.functional.silu)}
 
 
-def _graph(act: str, w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple[int, ...]) -> torch.fx.GraphModule:
-    """``act_backward(mm(g, W).view(view), z)`` on placeholders (``meta["val"]`` from ``vals``) and a weight."""
-    op, approximate, _ = ACTS[act]
+def weight_gemm_graph(w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple[int, ...]
+                      ) -> tuple[torch.nn.Module, torch.fx.Graph, dict[str, torch.fx.Node], torch.fx.Node]:
+    """A backward graph's start as aot writes it: placeholders for ``vals`` (``meta["val"]`` set), a parameter
+    ``w`` and ``mm(g, w).view(view)``, the next linear's input gradient; (root, graph, placeholders, the view)."""
     root = torch.nn.Module()
     root.register_parameter("w", torch.nn.Parameter(w))
     g = torch.fx.Graph()
@@ -37,11 +38,17 @@ def _graph(act: str, w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple
     for name, v in vals.items():
         ph[name] = g.placeholder(name)
         ph[name].meta["val"] = v
-    weight = g.get_attr("w")
-    mm = g.call_function(aten.mm.default, (ph["g"], weight))
+    mm = g.call_function(aten.mm.default, (ph["g"], g.get_attr("w")))
     mm.meta["val"] = vals["g"] @ w
     grad = g.call_method("view", (mm, list(view)))
     grad.meta["val"] = mm.meta["val"].view(view)
+    return root, g, ph, grad
+
+
+def _graph(act: str, w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple[int, ...]) -> torch.fx.GraphModule:
+    """``act_backward(mm(g, W).view(view), z)`` on placeholders (``meta["val"]`` from ``vals``) and a weight."""
+    op, approximate, _ = ACTS[act]
+    root, g, ph, grad = weight_gemm_graph(w, vals, view)
     out = g.call_function(op, (grad, ph["z"]), {"approximate": approximate} if approximate else {})
     out.meta["val"] = grad.meta["val"]
     g.output((out,))

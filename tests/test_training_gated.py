@@ -31,18 +31,9 @@ def _graph(w: torch.Tensor, vals: dict[str, torch.Tensor], view: tuple[int, ...]
     ``du = dh * silu(gate)`` (``silu_of_gate`` False: ``dh * up``, not that form), ``dg = silu_backward(dh * up,
     gate)``; ``swap`` puts the multiplies' operands the other way round; ``late_up`` reads ``-up`` computed after
     ``du`` (no view the derivation may move)."""
-    root = torch.nn.Module()
-    root.register_parameter("w", torch.nn.Parameter(w))
-    g = torch.fx.Graph()
-    ph = {}
-    for name, v in vals.items():
-        ph[name] = g.placeholder(name)
-        ph[name].meta["val"] = v
-    weight = g.get_attr("w")
-    mm = g.call_function(aten.mm.default, (ph["g"], weight))
-    mm.meta["val"] = vals["g"] @ w
-    dh = g.call_method("view", (mm, list(view)))
-    dh.meta["val"] = mm.meta["val"].view(view)
+    from test_training_act_epilogue import weight_gemm_graph
+
+    root, g, ph, dh = weight_gemm_graph(w, vals, view)
 
     def mul(a: torch.fx.Node, b: torch.fx.Node) -> torch.fx.Node:
         out = g.call_function(operator.mul, (b, a) if swap else (a, b))
